@@ -1,0 +1,131 @@
+"""Stage 1: gather per-rank messages of one (run, step) and reduce them across ranks.
+
+A step is complete when every rank of the world reported, when its deadline passes, or
+when a later step of the same run completes, whichever is first. The reduction of each
+metric comes from the catalog: one representative per replica class (ranks that differ
+only in groups the metric is replicated over), then sum / max / min / median over the
+representatives. Means and ratios are formed later from the reduced components.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from probewire.instrument.catalog import CATALOG, Group, MetricSpec, Reduction
+
+from .records import RankStep, ReducedStep, SeriesKey
+
+__all__ = ["AddResult", "StepAssembler", "reduce_step"]
+
+_GROUP_ORDER = tuple(g.value for g in Group)
+
+
+def _replica_class(record: RankStep, spec: MetricSpec) -> tuple[int, ...]:
+    coords = record.coords or {"dp": record.rank}
+    return tuple(coords.get(g, 0) for g in _GROUP_ORDER
+                 if Group(g) not in spec.replicated_over)
+
+
+def _apply(reduction: Reduction, values: list[float]) -> float:
+    if any(math.isnan(v) for v in values):
+        return math.nan  # a non-finite component stays visible after reduction
+    if reduction is Reduction.SUM:
+        return math.fsum(values)
+    if reduction is Reduction.MAX:
+        return max(values)
+    if reduction is Reduction.MIN:
+        return min(values)
+    if reduction is Reduction.MEDIAN:
+        return float(statistics.median(values))
+    raise ValueError(f"no cross-rank value for reduction {reduction}")
+
+
+def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep],
+                reason: str) -> ReducedStep:
+    """Reduce one step's per-rank records with the catalog's rules."""
+    records = sorted(records, key=lambda r: r.rank)
+    keys: set[SeriesKey] = set().union(*(r.values.keys() for r in records)) if records else set()
+    reduced: dict[SeriesKey, float] = {}
+    for key in sorted(keys):
+        spec = CATALOG[key[0]]
+        if spec.reduction is Reduction.PER_RANK:
+            continue
+        representatives: dict[tuple[int, ...], float] = {}
+        for record in records:  # lowest rank of each replica class that reported this series
+            if key in record.values:
+                representatives.setdefault(_replica_class(record, spec), record.values[key])
+        reduced[key] = _apply(spec.reduction, list(representatives.values()))
+    reporting = [r.rank for r in records]
+    return ReducedStep(
+        run_id=run_id, step=step, world_size=world_size, ranks_reporting=reporting,
+        ranks_missing=sorted(set(range(world_size)) - set(reporting)), reduced=reduced,
+        per_rank={r.rank: dict(r.values) for r in records},
+        hosts={r.rank: r.host for r in records}, complete_reason=reason)
+
+
+@dataclass(slots=True)
+class _Pending:
+    world_size: int
+    first_seen: float
+    records: dict[int, RankStep] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class AddResult:
+    completed: list[ReducedStep]
+    late: RankStep | None = None      # arrived after its step was emitted
+    duplicate: bool = False           # re-delivery of a message already counted
+
+
+class StepAssembler:
+    """Pending steps keyed by (run, step); remembers recently emitted steps to spot late data."""
+
+    def __init__(self, deadline_s: float, remember_steps: int = 100_000) -> None:
+        if deadline_s <= 0:
+            raise ValueError("deadline_s must be > 0")
+        self.deadline_s = deadline_s
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._done: OrderedDict[tuple[str, int], frozenset[int]] = OrderedDict()
+        self._remember = remember_steps
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def add(self, record: RankStep, now: float) -> AddResult:
+        key = (record.run_id, record.step)
+        done = self._done.get(key)
+        if done is not None:
+            if record.rank in done:
+                return AddResult(completed=[], duplicate=True)
+            return AddResult(completed=[], late=record)
+        pending = self._pending.setdefault(key, _Pending(record.world_size, now))
+        if record.rank in pending.records:
+            return AddResult(completed=[], duplicate=True)
+        pending.records[record.rank] = record
+        if len(pending.records) < pending.world_size:
+            return AddResult(completed=[])
+        completed = [self._emit(key, "all_ranks")]
+        earlier = sorted(k for k in self._pending if k[0] == record.run_id and k[1] < record.step)
+        completed = [self._emit(k, "later_step") for k in earlier] + completed
+        return AddResult(completed=completed)
+
+    def expire(self, now: float) -> list[ReducedStep]:
+        """Emit every pending step whose deadline has passed, in (run, step) order."""
+        due = sorted(k for k, p in self._pending.items() if now - p.first_seen >= self.deadline_s)
+        return [self._emit(k, "deadline") for k in due]
+
+    def flush(self) -> list[ReducedStep]:
+        """Emit everything pending (shutdown)."""
+        return [self._emit(k, "deadline") for k in sorted(self._pending)]
+
+    def _emit(self, key: tuple[str, int], reason: str) -> ReducedStep:
+        pending = self._pending.pop(key)
+        self._done[key] = frozenset(pending.records)
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)
+        return reduce_step(key[0], key[1], pending.world_size, list(pending.records.values()),
+                           reason)

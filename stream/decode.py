@@ -1,0 +1,94 @@
+"""OTLP ``ExportMetricsServiceRequest`` bytes -> ``RankStep``; anything else is a DecodeError.
+
+The message is read with the stock ``opentelemetry-proto`` classes, the same ones an
+OpenTelemetry Collector's Kafka receiver (``otlp_proto``) uses.
+"""
+
+from __future__ import annotations
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from google.protobuf.message import DecodeError as _ProtoDecodeError
+
+from probewire.instrument.catalog import CATALOG
+
+from .records import RankStep, series_key
+
+__all__ = ["DecodeError", "decode_rank_step"]
+
+_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+_NONFINITE_ATTR = "probewire.nonfinite"
+_GROUPS = ("dp", "tp", "pp", "cp", "ep")
+
+
+class DecodeError(ValueError):
+    """A message that cannot become a RankStep; ``reason`` goes to the dead-letter topic."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _any_value(value) -> str | int | float | bool:
+    kind = value.WhichOneof("value")
+    if kind is None:
+        raise DecodeError("attribute with no value")
+    return getattr(value, kind)
+
+
+def decode_rank_step(key: bytes | None, payload: bytes) -> RankStep:
+    """Decode one rank's message for one step, checking it against its key and the catalog."""
+    try:
+        request = ExportMetricsServiceRequest.FromString(payload)
+    except _ProtoDecodeError as exc:
+        raise DecodeError(f"not an OTLP ExportMetricsServiceRequest: {exc}") from None
+    if len(request.resource_metrics) != 1:
+        raise DecodeError(f"expected 1 resource, got {len(request.resource_metrics)}")
+    resource_metrics = request.resource_metrics[0]
+    resource = {a.key: _any_value(a.value) for a in resource_metrics.resource.attributes}
+    try:
+        run_id = str(resource["probewire.run_id"])
+        rank = int(resource["probewire.rank"])
+        world_size = int(resource["probewire.world_size"])
+    except KeyError as exc:
+        raise DecodeError(f"resource attribute {exc.args[0]} missing") from None
+    if not 0 <= rank < world_size:
+        raise DecodeError(f"rank {rank} outside world size {world_size}")
+    coords = {g: int(resource[f"probewire.{g}"]) for g in _GROUPS if f"probewire.{g}" in resource}
+
+    values: dict = {}
+    steps: set[int] = set()
+    for scope in resource_metrics.scope_metrics:
+        for metric in scope.metrics:
+            if metric.name not in CATALOG:
+                raise DecodeError(f"unknown metric {metric.name!r}")
+            if metric.WhichOneof("data") != "gauge":
+                raise DecodeError(f"metric {metric.name!r} is not a gauge")
+            for point in metric.gauge.data_points:
+                attrs = {a.key: _any_value(a.value) for a in point.attributes}
+                if "step" not in attrs or not isinstance(attrs["step"], int):
+                    raise DecodeError(f"point of {metric.name!r} has no integer step")
+                steps.add(attrs.pop("step"))
+                nonfinite = attrs.pop(_NONFINITE_ATTR, None)
+                if nonfinite is not None:
+                    if nonfinite not in _NONFINITE:
+                        raise DecodeError(f"bad {_NONFINITE_ATTR} value {nonfinite!r}")
+                    value = _NONFINITE[nonfinite]
+                else:
+                    value = point.as_double if point.WhichOneof("value") == "as_double" \
+                        else float(point.as_int)
+                unknown = set(attrs) - set(CATALOG[metric.name].labels)
+                if unknown:
+                    raise DecodeError(f"{metric.name!r} has labels {sorted(unknown)} "
+                                      "outside its catalog label set")
+                values[series_key(metric.name, {k: str(v) for k, v in attrs.items()})] = value
+    if len(steps) != 1:
+        raise DecodeError(f"expected points of exactly one step, got {sorted(steps)[:5]}")
+    step = steps.pop()
+    if key is not None:
+        expected = f"{run_id}:{step}".encode()
+        if key != expected:
+            raise DecodeError(f"key {key!r} does not match content {expected!r}")
+    return RankStep(run_id=run_id, step=step, rank=rank, world_size=world_size,
+                    host=str(resource.get("host.name", "")), coords=coords, values=values)
