@@ -98,7 +98,7 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                         "payload_b64": base64.b64encode(event.value or b"").decode()}
                 await deadletter_topic.send(key=event.key, value=json.dumps(body).encode())
                 continue
-            result = assembler.add(record, time.monotonic())
+            result = assembler.add(record, time.monotonic(), event.message.partition)
             for reduced in result.completed:
                 await publish(reduced)
             if result.late is not None:

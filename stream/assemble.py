@@ -1,8 +1,10 @@
 """Stage 1: gather per-rank messages of one (run, step) and reduce them across ranks.
 
 A step is complete when every rank of the world reported, when its deadline passes, or
-when a later step of the same run completes, whichever is first. The reduction of each
-metric comes from the catalog: one representative per replica class (ranks that differ
+when a later step of the same run completes in the same partition, whichever is first.
+(One rank's messages are ordered within a partition, so a rank that reported a later step
+there will not report the earlier one; across partitions there is no such order.)
+The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
 representatives. Means and ratios are formed later from the reduced components.
 """
@@ -70,6 +72,7 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
 class _Pending:
     world_size: int
     first_seen: float
+    partition: int
     records: dict[int, RankStep] = field(default_factory=dict)
 
 
@@ -95,21 +98,22 @@ class StepAssembler:
     def pending(self) -> int:
         return len(self._pending)
 
-    def add(self, record: RankStep, now: float) -> AddResult:
+    def add(self, record: RankStep, now: float, partition: int = 0) -> AddResult:
         key = (record.run_id, record.step)
         done = self._done.get(key)
         if done is not None:
             if record.rank in done:
                 return AddResult(completed=[], duplicate=True)
             return AddResult(completed=[], late=record)
-        pending = self._pending.setdefault(key, _Pending(record.world_size, now))
+        pending = self._pending.setdefault(key, _Pending(record.world_size, now, partition))
         if record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)
         pending.records[record.rank] = record
         if len(pending.records) < pending.world_size:
             return AddResult(completed=[])
         completed = [self._emit(key, "all_ranks")]
-        earlier = sorted(k for k in self._pending if k[0] == record.run_id and k[1] < record.step)
+        earlier = sorted(k for k, p in self._pending.items() if k[0] == record.run_id
+                         and k[1] < record.step and p.partition == pending.partition)
         completed = [self._emit(k, "later_step") for k in earlier] + completed
         return AddResult(completed=completed)
 

@@ -1,0 +1,204 @@
+"""The ``probewire`` command line.
+
+    probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
+    probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
+    probewire worker                                        the stream worker (Faust)
+    probewire migrate                                       create / upgrade the schema
+    probewire health --component worker|evaluator          exit 0 when the heartbeat is fresh
+
+A user mistake prints one line on stderr and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.settings import Settings, SettingsError, load_settings
+
+__all__ = ["main"]
+
+DEFAULT_STORE = "probewire-data"
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+def _store_url(args: argparse.Namespace) -> dict[str, str]:
+    url = getattr(args, "clickhouse_url", None) or os.environ.get("CLICKHOUSE_URL")
+    if url:
+        return {"url": url}
+    store = getattr(args, "store", None)
+    if store:
+        return {"url": "chdb:///" + str(Path(store).resolve()).lstrip("/")}
+    return {}
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {"clickhouse": _store_url(args)}
+    if not overrides["clickhouse"] and "PROBEWIRE_CLICKHOUSE__URL" not in os.environ:
+        overrides["clickhouse"] = {"url": "chdb:///" + str(Path(DEFAULT_STORE).resolve()).lstrip("/")}
+    return load_settings(getattr(args, "config", None), overrides=overrides)
+
+
+def _query(settings: Settings, sql: str) -> tuple[list[str], list[tuple]]:
+    from probewire.sinks.clickhouse import connect
+
+    ch = settings.clickhouse
+    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
+        raise UserError(f"no store at {ch.url[len('chdb://'):]}; run `probewire demo` first "
+                        "or pass --store DIR")
+    client = connect(ch.url, username=ch.username, password_env=ch.password_env)
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    try:
+        result = client.query(sql)
+    except ClickHouseError as exc:
+        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+    return list(result.column_names), list(result.result_rows)
+
+
+def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*[f"{v:.6g}" if isinstance(v, float) else str(v) for v in row])
+    Console().print(table)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from probewire.deploy.demo.run import run_demo
+    from probewire.deploy.stack import StackError
+
+    if args.ranks < 1 or args.steps < 1:
+        raise UserError("--ranks and --steps must be >= 1")
+    settings = _settings(args)
+    work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
+    try:
+        result = run_demo(settings, ranks=args.ranks, steps=args.steps, work_dir=work_dir,
+                          run_id=args.run_id)
+    except StackError as exc:
+        raise UserError(str(exc)) from None
+    columns, rows = _query(settings, f"""
+        SELECT step, tokens, round(loss, 5) AS L, round(loss_worst_rank, 5) AS L_max,
+               round(pow(grad_norm, 2), 6) AS G2, round(step_time_s, 4) AS step_time_s,
+               ranks_reporting AS ranks
+        FROM {settings.clickhouse.database}.step_metrics FINAL
+        WHERE run_id = '{result.run_id}' ORDER BY step DESC LIMIT {args.show}""")
+    _print_table(f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
+                 f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
+                 columns, sorted(rows))
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    columns, rows = _query(_settings(args), args.query)
+    _print_table("", columns, rows)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import faust
+
+    from probewire.stream.app import create_app
+
+    settings = load_settings(args.config)
+    heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
+    app = create_app(settings, heartbeat)
+    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from probewire.sinks.clickhouse import ClickHouseSink, connect
+
+    ch = _settings(args).clickhouse
+    version = ClickHouseSink(connect(ch.url, username=ch.username, password_env=ch.password_env),
+                             ch.database, ch.retry_max_s).migrate()
+    print(f"schema of {ch.database} at version {version}")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    path = Path(args.heartbeat) if args.heartbeat else default_heartbeat_path(args.component)
+    beat = read_heartbeat(path)
+    if beat is None:
+        print(f"{args.component}: no heartbeat at {path}", file=sys.stderr)
+        return 1
+    age = time.time() - float(beat["ts"])
+    if age > args.max_age_s:
+        print(f"{args.component}: heartbeat {age:.0f}s old (> {args.max_age_s}s)", file=sys.stderr)
+        return 1
+    print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago)")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
+    parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
+    demo.add_argument("--ranks", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    demo.add_argument("--run-id", help="run id (default: demo-<random>)")
+    demo.add_argument("--show", type=int, default=10, help="how many last steps to print")
+    demo.add_argument("--work-dir", help="logs and heartbeat of the local stack")
+    demo.set_defaults(func=cmd_demo)
+
+    sql = sub.add_parser("sql", help="run SQL on the store")
+    sql.add_argument("query")
+    sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    sql.set_defaults(func=cmd_sql)
+
+    worker = sub.add_parser("worker", help="run the stream worker (Faust)")
+    worker.add_argument("--loglevel", default="warning")
+    worker.set_defaults(func=cmd_worker)
+
+    migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")
+    migrate.add_argument("--store")
+    migrate.add_argument("--clickhouse-url")
+    migrate.set_defaults(func=cmd_migrate)
+
+    health = sub.add_parser("health", help="exit 0 when a service's heartbeat is fresh")
+    health.add_argument("--component", choices=["worker", "evaluator"], required=True)
+    health.add_argument("--heartbeat", help="heartbeat file (default: per component)")
+    health.add_argument("--max-age-s", type=float, default=60.0)
+    health.set_defaults(func=cmd_health)
+    return parser
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # run the `finally` blocks that stop child processes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command != "worker":  # the Faust worker installs its own handlers
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return args.func(args)
+    except (UserError, SettingsError) as exc:
+        print(f"probewire: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("probewire: interrupted; stopped every process it started", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

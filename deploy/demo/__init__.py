@@ -1,0 +1,1 @@
+"""The embedded demo: a tiny decoder-only transformer trained on text that ships with Python."""

@@ -1,0 +1,92 @@
+"""``probewire demo``: the whole pipeline on one machine, from training ranks to ClickHouse.
+
+Broker and worker start, N data-parallel ranks train the tiny model and emit, the
+worker reduces and stores, then everything stops (by PID) and the last steps are read
+back from the store with SQL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from probewire.deploy.settings import Settings
+from probewire.deploy.stack import LocalStack, StackError, free_port, stop_process
+
+__all__ = ["DemoResult", "run_demo"]
+
+
+@dataclass(slots=True, kw_only=True)
+class DemoResult:
+    run_id: str
+    steps_written: int
+    wall_s: float
+
+
+def _start_ranks(stack: LocalStack, run_id: str, ranks: int, steps: int,
+                 trace: Path | None, extra_args: list[str]) -> list[subprocess.Popen]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for rank in range(ranks):
+        cmd = [sys.executable, "-m", "probewire.deploy.demo.train", "--rank", str(rank),
+               "--world-size", str(ranks), "--master-port", str(port), "--run-id", run_id,
+               "--steps", str(steps), "--bootstrap", stack.bootstrap,
+               "--topic", stack.settings.topics.metrics, *extra_args]
+        if trace is not None:
+            cmd += ["--trace", str(trace)]
+        log = open(stack.work_dir / f"rank{rank}.log", "ab")
+        stack.logs.append(log)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True))
+    return procs
+
+
+def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
+             run_id: str | None = None, trace: Path | None = None,
+             extra_train_args: list[str] | None = None, show_progress: bool = True,
+             timeout_s: float = 600.0) -> DemoResult:
+    """Run the demo end to end; the store is closed again when this returns."""
+    run_id = run_id or f"demo-{uuid.uuid4().hex[:8]}"
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    settings = dataclasses.replace(
+        settings, stream=dataclasses.replace(settings.stream,
+                                             app_id=f"probewire-{uuid.uuid4().hex[:8]}"))
+    procs: list[subprocess.Popen] = []
+    with LocalStack(settings, work_dir) as stack:
+        try:
+            stack.start_broker()
+            stack.start_worker()
+            procs = _start_ranks(stack, run_id, ranks, steps, trace, extra_train_args or [])
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                          MofNCompleteColumn(), TimeElapsedColumn(),
+                          disable=not show_progress, transient=True) as bar:
+                task = bar.add_task(f"{run_id}: steps stored", total=steps)
+                deadline = time.monotonic() + timeout_s
+                while (written := stack.progress(run_id)) < steps:
+                    bar.update(task, completed=written)
+                    failed = [p for p in procs if p.poll() not in (None, 0)]
+                    if failed:
+                        raise StackError(f"a training rank exited with code "
+                                         f"{failed[0].returncode}; see {work_dir}/rank*.log")
+                    if time.monotonic() > deadline:
+                        raise StackError(f"only {written}/{steps} steps stored after "
+                                         f"{timeout_s:.0f}s; see {work_dir}/worker.log")
+                    time.sleep(0.25)
+                bar.update(task, completed=written)
+            for proc in procs:
+                proc.wait(60)
+        finally:
+            for proc in procs:
+                stop_process(proc)
+    return DemoResult(run_id=run_id, steps_written=written, wall_s=time.monotonic() - started)

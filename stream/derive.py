@@ -1,0 +1,261 @@
+"""Cross-rank reductions and derived series (seeds 001 §3, §5, §6, §7).
+
+Ranks send reducible components (sums, counts, maxima, local times); these pure
+functions turn them into the reported values. ``None`` means "not measured"
+(no valid token, no rank, no expert load), never a zero. Malformed components
+(negative counts, mismatched lengths, a loss sum on a rank with no tokens) raise
+ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "ExpertBalance",
+    "compute_rate",
+    "expert_balance",
+    "global_mean_loss",
+    "global_step_time",
+    "kurtosis_from_moments",
+    "loss_by_group",
+    "mean_from_components",
+    "rms_from_components",
+    "shard_imbalance",
+    "straggler_score",
+    "tokens_per_s",
+    "worst_rank_loss",
+]
+
+
+def _vector(name: str, values: Sequence[float]) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence, got shape {array.shape}")
+    return array
+
+
+def _counts(name: str, values: Sequence[float]) -> np.ndarray:
+    array = _vector(name, values)
+    if not (np.all(np.isfinite(array)) and np.all(array >= 0)):
+        raise ValueError(f"{name} must hold finite values >= 0")
+    return array
+
+
+def _loss_components(
+    loss_sums: Sequence[float], token_counts: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    sums = _vector("loss_sums", loss_sums)
+    counts = _counts("token_counts", token_counts)
+    if sums.shape != counts.shape:
+        raise ValueError(
+            f"loss_sums has {sums.size} ranks but token_counts has {counts.size}"
+        )
+    if np.any(sums[counts == 0] != 0):
+        raise ValueError("loss_sums must be 0 on a rank whose token_counts is 0")
+    return sums, counts
+
+
+def _scalar(name: str, value: float, *, positive: bool) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def global_mean_loss(loss_sums: Sequence[float], token_counts: Sequence[float]) -> float | None:
+    """L = sum_r S_r / sum_r N_r over per-rank valid-token loss sums S_r and counts N_r.
+
+    Reduction: sum the two components separately, then divide; never average rank
+    means (seeds 001 §3). None when no rank has a valid token.
+    """
+    sums, counts = _loss_components(loss_sums, token_counts)
+    total = float(np.sum(counts))
+    if total == 0:
+        return None
+    return float(np.sum(sums)) / total
+
+
+def worst_rank_loss(
+    loss_sums: Sequence[float], token_counts: Sequence[float]
+) -> tuple[float, int] | None:
+    """L_max = max_r L_r with L_r = S_r / N_r, returned with the rank index r.
+
+    Reduction: max over GPU ranks (seeds 001 §3). Ranks with N_r = 0 are skipped,
+    never scored as 0; None when every rank is empty. Ties go to the lowest rank; a
+    NaN rank mean counts as the worst (the first NaN rank is returned).
+    """
+    sums, counts = _loss_components(loss_sums, token_counts)
+    ranks = np.flatnonzero(counts > 0)
+    if ranks.size == 0:
+        return None
+    means = sums[ranks] / counts[ranks]
+    nan_at = np.flatnonzero(np.isnan(means))
+    best = int(nan_at[0]) if nan_at.size else int(np.argmax(means))
+    return float(means[best]), int(ranks[best])
+
+
+def loss_by_group(
+    sums_by_group: Mapping[str, Sequence[float]],
+    counts_by_group: Mapping[str, Sequence[float]],
+    total_tokens: float | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Per data source or modality mu: (L_mu, pi_mu) (seeds 001 §3).
+
+    L_mu = sum_r S_r^mu / sum_r N_r^mu (per-rank components summed separately);
+    pi_mu = sum_r N_r^mu / N_valid. N_valid is ``total_tokens`` when given, else the
+    sum over all groups (groups partitioning the valid tokens). A group with no
+    valid token is left out, not reported as zero.
+    """
+    if set(sums_by_group) != set(counts_by_group):
+        raise ValueError("sums_by_group and counts_by_group must have the same groups")
+    totals: dict[str, tuple[float, float]] = {}
+    for group, sums in sums_by_group.items():
+        s, n = _loss_components(sums, counts_by_group[group])
+        totals[group] = (float(np.sum(s)), float(np.sum(n)))
+    if total_tokens is None:
+        valid = float(np.sum([n for _, n in totals.values()], dtype=np.float64))
+    else:
+        valid = _scalar("total_tokens", total_tokens, positive=False)
+        if any(n > valid for _, n in totals.values()):
+            raise ValueError("total_tokens is smaller than one group's token count")
+    return {
+        group: (s / n, n / valid) for group, (s, n) in totals.items() if n > 0
+    }
+
+
+def tokens_per_s(n_tok: float, tau: float) -> float:
+    """TPS = N_tok / tau: a step's global valid tokens over its global wall time (seeds 001 §5)."""
+    return _scalar("n_tok", n_tok, positive=False) / _scalar("tau", tau, positive=True)
+
+
+def compute_rate(flops_step: float, n_devices: int, tau: float) -> float:
+    """Phi = F_step / (D * tau): estimated operations per device-second (seeds 001 §5)."""
+    if n_devices < 1:
+        raise ValueError(f"n_devices must be >= 1, got {n_devices!r}")
+    flops = _scalar("flops_step", flops_step, positive=False)
+    return flops / (n_devices * _scalar("tau", tau, positive=True))
+
+
+def global_step_time(step_times: Sequence[float]) -> float | None:
+    """tau = max_r tau_r over local step times (seeds 001 §5). None with no rank."""
+    times = _counts("step_times", step_times)
+    return float(np.max(times)) if times.size else None
+
+
+def straggler_score(step_times: Sequence[float], eps: float = 1e-8) -> float | None:
+    """S = max_r tau_r / (median_r tau_r + eps) (seeds 001 §5). None with no rank.
+
+    S is about 1 when ranks move together and grows when one slow rank sets the pace.
+    """
+    times = _counts("step_times", step_times)
+    if times.size == 0:
+        return None
+    return float(np.max(times)) / (float(np.median(times)) + _scalar("eps", eps, positive=True))
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBalance:
+    """Balance of one MoE layer's valid-token loads c_i over E experts (seeds 001 §7).
+
+    imbalance I = max c_i / mean c; max_violation = I - 1; entropy H = -sum p_i log p_i
+    with p_i = c_i / sum c and 0 log 0 = 0; entropy_norm = H / log E (None when E = 1);
+    dead_ratio = fraction of experts with c_i = 0.
+    """
+
+    n_experts: int
+    total_tokens: float
+    imbalance: float
+    max_violation: float
+    entropy: float
+    entropy_norm: float | None
+    dead_ratio: float
+
+
+def expert_balance(counts: Sequence[float]) -> ExpertBalance | None:
+    """Imbalance, MaxVio, routing entropy and dead-expert ratio of one layer (seeds 001 §7).
+
+    Reduction: per-expert counts are summed over ranks before this call. None when
+    no valid token reached the layer (an empty layer is not a measured zero).
+    """
+    c = _counts("counts", counts)
+    total = float(np.sum(c))
+    if total == 0:
+        return None
+    n_experts = c.size
+    imbalance = float(np.max(c)) / (total / n_experts)
+    p = c[c > 0] / total
+    entropy = float(-np.sum(p * np.log(p)))
+    return ExpertBalance(
+        n_experts=n_experts,
+        total_tokens=total,
+        imbalance=imbalance,
+        max_violation=imbalance - 1.0,
+        entropy=entropy,
+        entropy_norm=entropy / math.log(n_experts) if n_experts > 1 else None,
+        dead_ratio=float(np.count_nonzero(c == 0)) / n_experts,
+    )
+
+
+def shard_imbalance(counts: Sequence[float], shard_of_expert: Sequence[int]) -> float | None:
+    """max_s C_s / mean_s C_s with shard load C_s = sum of c_i over experts on shard s.
+
+    Same ratio as I, over expert-parallel shard loads (seeds 001 §7). Shards are
+    numbered 0..S-1 and each must own at least one expert. None when the layer
+    received no valid token.
+    """
+    c = _counts("counts", counts)
+    shards = np.asarray(shard_of_expert)
+    if shards.shape != c.shape or (shards.size and not np.issubdtype(shards.dtype, np.integer)):
+        raise ValueError("shard_of_expert must give one integer shard id per expert")
+    if shards.size and (shards.min() < 0 or np.unique(shards).size != shards.max() + 1):
+        raise ValueError("shard_of_expert must use every shard id 0..S-1 and nothing else")
+    total = float(np.sum(c))
+    if total == 0:
+        return None
+    loads = np.bincount(shards, weights=c)
+    return float(np.max(loads)) / (total / loads.size)
+
+
+def mean_from_components(s: float, n: float) -> float | None:
+    """Mean = sum x / N from the cross-rank sums of x and of N (seeds 001 §6). None at N = 0."""
+    count = _scalar("n", n, positive=False)
+    return float(s) / count if count > 0 else None
+
+
+def rms_from_components(sum_sq: float, count: float) -> float | None:
+    """RMS = sqrt(sum x^2 / N) from the cross-rank sums of x^2 and of N (seeds 001 §6).
+
+    None at N = 0. A NaN or +inf sum (a tensor holding one) propagates.
+    """
+    n = _scalar("count", count, positive=False)
+    if sum_sq < 0:
+        raise ValueError(f"sum_sq must be >= 0, got {sum_sq!r}")
+    return math.sqrt(float(sum_sq) / n) if n > 0 else None
+
+
+def kurtosis_from_moments(
+    n: float, s1: float, s2: float, s3: float, s4: float, rel_tol: float = 1e-10
+) -> float | None:
+    """Excess kurtosis kappa = m4 / m2^2 - 3 from raw power sums s_k = sum x^k (seeds 001 §6).
+
+    With mu = s1/n: m2 = s2/n - mu^2 and m4 = s4/n - 4 mu s3/n + 6 mu^2 s2/n - 3 mu^4
+    (central moments). Reduction: each s_k and n are summed over ranks first. None
+    when n = 0 or at zero variance, taken as m2 <= rel_tol * s2/n, which also covers
+    a variance too small for raw sums to resolve.
+    """
+    count = _scalar("n", n, positive=False)
+    if count == 0:
+        return None
+    mu = s1 / count
+    e2, e3, e4 = s2 / count, s3 / count, s4 / count
+    m2 = e2 - mu * mu
+    if m2 <= rel_tol * e2:
+        return None
+    m4 = e4 - 4.0 * mu * e3 + 6.0 * mu * mu * e2 - 3.0 * mu**4
+    return m4 / (m2 * m2) - 3.0

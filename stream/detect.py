@@ -1,0 +1,324 @@
+"""Spike detectors for scalar training signals (seeds 001 §4).
+
+Pure, incremental and serialisable: no Faust, no Kafka, no I/O. Each class keeps
+only what the next update needs and can be written to plain JSON types with
+``to_state()`` and rebuilt with ``from_state()``, so a restarted worker carries
+on with identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "ClipRateResult",
+    "ClipRateWindow",
+    "CoSpikeResult",
+    "CoSpikeTracker",
+    "RobustSpikeDetector",
+    "SpikeResult",
+    "calibrate",
+]
+
+MAD_TO_SIGMA = 0.6745
+"""Scales a median absolute deviation to a normal standard deviation (seeds 001 §4)."""
+
+
+def _positive_finite(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeResult:
+    """One detector update.
+
+    ``median`` and ``mad`` are q_t and D_t of the window *before* this value;
+    they, ``z`` and ``u`` are None when not defined (warm-up, non-finite input).
+    ``direction`` is the sign of u_t - q_t (+1, -1 or 0); for a non-finite input
+    it is +1 for +inf, -1 for -inf or x <= -eps, 0 for NaN.
+    """
+
+    x: float
+    u: float | None
+    median: float | None
+    mad: float | None
+    z: float | None
+    direction: int
+    spike: bool
+    warmup: bool
+    nonfinite: bool
+
+
+@dataclass(kw_only=True, slots=True)
+class RobustSpikeDetector:
+    """Rolling median/MAD spike score on log-values (seeds 001 §4).
+
+    u_t = log(x_t + eps); q_t = median(W_t); D_t = median_{u in W_t} |u - q_t|;
+    z_t = 0.6745 |u_t - q_t| / (D_t + eps), where W_t holds the previous
+    ``window`` finite u-values (u_t itself is not in its own window).
+
+    A step is a spike when u_t > q_t and z_t > threshold: only upward moves page,
+    because a falling loss or gradient norm is not an instability; the signed
+    ``direction`` is still reported. With fewer than ``min_history`` values the
+    result is warm-up (z None, no spike). A constant window has D_t = 0, so any
+    change scores |u_t - q_t| * 0.6745 / eps (huge) and an identical value scores 0.
+    NaN, +-inf and x <= -eps (log undefined) are reported as spikes with
+    ``nonfinite=True`` and are not added to the window; finite values, spikes
+    included, are.
+    """
+
+    window: int = 100
+    min_history: int | None = None
+    threshold: float = 6.0
+    eps: float = 1e-8
+    _history: deque[float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 3:
+            raise ValueError(f"window must be >= 3, got {self.window!r}")
+        if self.min_history is None:
+            self.min_history = self.window
+        if not 3 <= self.min_history <= self.window:
+            raise ValueError(
+                f"min_history must be in [3, window={self.window}], got {self.min_history!r}"
+            )
+        _positive_finite("threshold", self.threshold)
+        _positive_finite("eps", self.eps)
+        self._history = deque(maxlen=self.window)
+
+    @property
+    def history_len(self) -> int:
+        """Number of u-values currently in the window."""
+        return len(self._history)
+
+    def update(self, x: float) -> SpikeResult:
+        """Score ``x`` against the previous window, then add its u-value to the window."""
+        x = float(x)
+        warmup = len(self._history) < self.min_history
+        if not math.isfinite(x) or x + self.eps <= 0.0:
+            direction = 0 if math.isnan(x) else (1 if x > 0 else -1)
+            return SpikeResult(
+                x=x, u=None, median=None, mad=None, z=None, direction=direction,
+                spike=True, warmup=warmup, nonfinite=True,
+            )
+        u = math.log(x + self.eps)
+        if warmup:
+            self._history.append(u)
+            return SpikeResult(
+                x=x, u=u, median=None, mad=None, z=None, direction=0,
+                spike=False, warmup=True, nonfinite=False,
+            )
+        values = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
+        q = float(np.median(values))
+        d = float(np.median(np.abs(values - q)))
+        z = MAD_TO_SIGMA * abs(u - q) / (d + self.eps)
+        direction = (u > q) - (u < q)
+        self._history.append(u)
+        return SpikeResult(
+            x=x, u=u, median=q, mad=d, z=z, direction=direction,
+            spike=direction > 0 and z > self.threshold, warmup=False, nonfinite=False,
+        )
+
+    def to_state(self) -> dict[str, object]:
+        """Configuration and window as plain JSON types."""
+        return {
+            "window": self.window,
+            "min_history": self.min_history,
+            "threshold": self.threshold,
+            "eps": self.eps,
+            "history": list(self._history),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> RobustSpikeDetector:
+        """Rebuild a detector from ``to_state()`` output."""
+        detector = cls(
+            window=int(state["window"]),
+            min_history=int(state["min_history"]),
+            threshold=float(state["threshold"]),
+            eps=float(state["eps"]),
+        )
+        history = [float(u) for u in state["history"]]
+        if len(history) > detector.window:
+            raise ValueError(
+                f"history has {len(history)} values, more than window={detector.window}"
+            )
+        if not all(math.isfinite(u) for u in history):
+            raise ValueError("history must contain only finite u-values")
+        detector._history.extend(history)
+        return detector
+
+
+@dataclass(frozen=True, slots=True)
+class CoSpikeResult:
+    """One co-spike update: this step's flag and magnitude, then the running totals."""
+
+    co_spike: bool
+    nonfinite: bool
+    magnitude: float
+    count: int
+    nonfinite_count: int
+    cumulative_magnitude: float
+
+
+@dataclass(kw_only=True, slots=True)
+class CoSpikeTracker:
+    """Co-spike indicator C_t = 1[loss spike] * 1[grad-norm spike] (seeds 001 §4).
+
+    Keeps the cumulative count and cumulative magnitude. The magnitude of one
+    co-spike step is min(z_loss, z_grad): how far the weaker of the two moved.
+    A co-spike where either side is non-finite has no z; it is counted in
+    ``count`` (and in ``nonfinite_count``) but adds nothing to the magnitude,
+    which therefore stays finite.
+    """
+
+    count: int = 0
+    nonfinite_count: int = 0
+    cumulative_magnitude: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count!r}")
+        if not 0 <= self.nonfinite_count <= self.count:
+            raise ValueError(
+                f"nonfinite_count must be in [0, count={self.count}], got {self.nonfinite_count!r}"
+            )
+        if not (math.isfinite(self.cumulative_magnitude) and self.cumulative_magnitude >= 0):
+            raise ValueError(
+                f"cumulative_magnitude must be finite and >= 0, got {self.cumulative_magnitude!r}"
+            )
+
+    def update(self, loss: SpikeResult, grad: SpikeResult) -> CoSpikeResult:
+        """Combine the loss and gradient-norm results of the same step."""
+        co_spike = loss.spike and grad.spike
+        nonfinite = co_spike and (loss.nonfinite or grad.nonfinite)
+        magnitude = 0.0
+        if co_spike:
+            self.count += 1
+            if nonfinite:
+                self.nonfinite_count += 1
+            else:
+                magnitude = min(loss.z, grad.z)
+                self.cumulative_magnitude += magnitude
+        return CoSpikeResult(
+            co_spike=co_spike, nonfinite=nonfinite, magnitude=magnitude, count=self.count,
+            nonfinite_count=self.nonfinite_count,
+            cumulative_magnitude=self.cumulative_magnitude,
+        )
+
+    def to_state(self) -> dict[str, object]:
+        """Running totals as plain JSON types."""
+        return {
+            "count": self.count,
+            "nonfinite_count": self.nonfinite_count,
+            "cumulative_magnitude": self.cumulative_magnitude,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> CoSpikeTracker:
+        """Rebuild a tracker from ``to_state()`` output."""
+        return cls(
+            count=int(state["count"]),
+            nonfinite_count=int(state["nonfinite_count"]),
+            cumulative_magnitude=float(state["cumulative_magnitude"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClipRateResult:
+    """Clip rate after one step; ``warmup`` while fewer than ``window`` steps are seen."""
+
+    rate: float
+    clipped: bool
+    n_steps: int
+    warmup: bool
+
+
+@dataclass(kw_only=True, slots=True)
+class ClipRateWindow:
+    """Clip = (1/W) sum_t 1[G2_t > c] over the last W steps (seeds 001 §4).
+
+    Before W steps exist the rate is taken over the steps seen and flagged as
+    warm-up. A NaN norm counts as clipped: the step was not a normal update
+    with a norm known to be <= c (and +inf > c anyway).
+    """
+
+    window: int
+    threshold_c: float
+    _flags: deque[bool] = field(init=False, repr=False, compare=False)
+    _n_clipped: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window!r}")
+        _positive_finite("threshold_c", self.threshold_c)
+        self._flags = deque(maxlen=self.window)
+        self._n_clipped = 0
+
+    def update(self, g2: float) -> ClipRateResult:
+        """Add one step's pre-clip global gradient norm G2 and return the rate."""
+        g2 = float(g2)
+        clipped = math.isnan(g2) or g2 > self.threshold_c
+        if len(self._flags) == self.window and self._flags[0]:
+            self._n_clipped -= 1
+        self._flags.append(clipped)
+        self._n_clipped += clipped
+        n = len(self._flags)
+        return ClipRateResult(
+            rate=self._n_clipped / n, clipped=clipped, n_steps=n, warmup=n < self.window
+        )
+
+    def to_state(self) -> dict[str, object]:
+        """Configuration and window flags as plain JSON types."""
+        return {"window": self.window, "threshold_c": self.threshold_c, "flags": list(self._flags)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> ClipRateWindow:
+        """Rebuild a window from ``to_state()`` output."""
+        clip = cls(window=int(state["window"]), threshold_c=float(state["threshold_c"]))
+        flags = [bool(f) for f in state["flags"]]
+        if len(flags) > clip.window:
+            raise ValueError(f"flags has {len(flags)} entries, more than window={clip.window}")
+        clip._flags.extend(flags)
+        clip._n_clipped = sum(flags)
+        return clip
+
+
+def calibrate(
+    series: Sequence[float],
+    window: int,
+    quantile: float = 0.999,
+    margin: float = 1.5,
+    eps: float = 1e-8,
+) -> float:
+    """Derive a z threshold from a stable run (seeds 001 §4, "Thresholds").
+
+    Rule: replay a RobustSpikeDetector(window, min_history=window, eps) over the
+    series, collect every scored z (warm-up steps excluded), and return
+    margin * quantile(z) with NumPy's default linear interpolation. The series
+    must come from a stable run: a non-finite value, too few values to score
+    (len <= window) or a zero result (no spread at all) raise ValueError.
+    """
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
+    _positive_finite("margin", margin)
+    detector = RobustSpikeDetector(window=window, min_history=window, eps=eps)
+    scores: list[float] = []
+    for step, x in enumerate(series):
+        result = detector.update(x)
+        if result.nonfinite:
+            raise ValueError(f"series[{step}] = {x!r} is not usable; calibrate on a stable run")
+        if result.z is not None:
+            scores.append(result.z)
+    if not scores:
+        raise ValueError(f"series needs more than window={window} values, got {len(series)}")
+    threshold = margin * float(np.quantile(np.asarray(scores, dtype=np.float64), quantile))
+    if threshold <= 0.0:
+        raise ValueError("series has no spread: the calibrated threshold would be 0")
+    return threshold
