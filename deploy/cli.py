@@ -4,6 +4,8 @@
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
     probewire worker                                        the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
+    probewire report --run ID [--out DIR]                   first screen as HTML + PNG
+    probewire explain --run ID --step N                     what moved first at a step, and who
     probewire health --component worker|evaluator          exit 0 when the heartbeat is fresh
 
 A user mistake prints one line on stderr and exits with code 2, never a traceback.
@@ -12,6 +14,7 @@ A user mistake prints one line on stderr and exits with code 2, never a tracebac
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -104,7 +107,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_sql(args: argparse.Namespace) -> int:
     columns, rows = _query(_settings(args), args.query)
-    _print_table("", columns, rows)
+    if args.format == "json":
+        print(json.dumps([dict(zip(columns, row)) for row in rows], default=str))
+    else:
+        _print_table("", columns, rows)
     return 0
 
 
@@ -126,8 +132,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     ch = _settings(args).clickhouse
     version = ClickHouseSink(connect(ch.url, username=ch.username, password_env=ch.password_env),
-                             ch.database, ch.retry_max_s).migrate()
-    print(f"schema of {ch.database} at version {version}")
+                             ch.database, ch.retry_max_s).migrate(
+        sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days)
+    extra = (f", with sensitive_artifacts (TTL {ch.sensitive_ttl_days} days)"
+             if ch.sensitive_artifacts else "")
+    print(f"schema of {ch.database} at version {version}{extra}")
     return 0
 
 
@@ -142,6 +151,61 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"{args.component}: heartbeat {age:.0f}s old (> {args.max_age_s}s)", file=sys.stderr)
         return 1
     print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago)")
+    return 0
+
+
+def _open_store(settings: Settings):
+    """A client on the configured store; a missing chdb directory is a user error."""
+    from probewire.sinks.clickhouse import connect
+
+    ch = settings.clickhouse
+    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
+        raise UserError(f"no store at {ch.url[len('chdb://'):]}; pass --store DIR")
+    return connect(ch.url, username=ch.username, password_env=ch.password_env)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from probewire.deploy.report import RunNotFound, write_report
+
+    settings = _settings(args)
+    try:
+        html_path, png_path = write_report(_open_store(settings), settings.clickhouse.database,
+                                           args.run, Path(args.out))
+    except RunNotFound as exc:
+        raise UserError(str(exc)) from None
+    except ClickHouseError as exc:
+        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+    print(f"wrote {html_path} and {png_path}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from probewire.deploy.explain import StepNotFound, explain, render
+
+    settings = _settings(args)
+    try:
+        result = explain(_open_store(settings), settings.clickhouse.database, args.run,
+                         args.step, window=args.window, lookback=args.lookback,
+                         z_threshold=args.z)
+    except StepNotFound as exc:
+        raise UserError(str(exc)) from None
+    except ClickHouseError as exc:
+        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+    if args.format == "json":
+        import dataclasses
+
+        first = result.first
+        print(json.dumps({"run_id": result.run_id, "step": result.step,
+                          "tokens": result.tokens, "headline": result.headline(),
+                          "first": None if first is None else first.signal,
+                          "findings": [dataclasses.asdict(f) for f in result.findings]},
+                         default=str))
+    else:
+        render(result)
     return 0
 
 
@@ -163,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    sql.add_argument("--format", choices=["table", "json"], default="table")
     sql.set_defaults(func=cmd_sql)
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
@@ -179,6 +244,24 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--heartbeat", help="heartbeat file (default: per component)")
     health.add_argument("--max-age-s", type=float, default=60.0)
     health.set_defaults(func=cmd_health)
+
+    report = sub.add_parser("report", help="write the first screen of a run as HTML and PNG")
+    report.add_argument("--run", required=True, help="run id")
+    report.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    report.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    report.add_argument("--out", default="probewire-report", help="output directory")
+    report.set_defaults(func=cmd_report)
+
+    explain = sub.add_parser("explain", help="walk the escalation order at one step of a run")
+    explain.add_argument("--run", required=True, help="run id")
+    explain.add_argument("--step", type=int, required=True)
+    explain.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    explain.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    explain.add_argument("--window", type=int, default=50, help="history steps per baseline")
+    explain.add_argument("--lookback", type=int, default=10, help="steps scanned for the onset")
+    explain.add_argument("--z", type=float, default=6.0, help="robust z that counts as moved")
+    explain.add_argument("--format", choices=["table", "json"], default="table")
+    explain.set_defaults(func=cmd_explain)
     return parser
 
 

@@ -86,6 +86,8 @@ class ClickHouseSettings:
     password_env: str = "PROBEWIRE_CLICKHOUSE_PASSWORD"
     batch_rows: int = 50_000
     retry_max_s: float = 30.0
+    sensitive_artifacts: bool = False  # opt-in table for raw samples / token traces (short TTL)
+    sensitive_ttl_days: int = 7
 
     def __post_init__(self) -> None:
         _check(self.url.startswith(("chdb:///", "http://", "https://")), "clickhouse.url",
@@ -94,6 +96,8 @@ class ClickHouseSettings:
                f"must be a plain identifier, got {self.database!r}")
         _check(self.batch_rows > 0, "clickhouse.batch_rows", "must be > 0")
         _check(self.retry_max_s > 0, "clickhouse.retry_max_s", "must be > 0")
+        _check(1 <= self.sensitive_ttl_days <= 90, "clickhouse.sensitive_ttl_days",
+               "must lie in [1, 90]: sensitive artifacts are short-lived")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,6 +7,7 @@ Tansu keeps everything in memory: a broker restart is a pipeline reset.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -97,6 +98,12 @@ class LocalStack:
     worker: subprocess.Popen | None = None
     bootstrap: str = ""
     logs: list[IO] = field(default_factory=list)
+    started: list[dict] = field(default_factory=list)
+
+    def record(self, what: str, proc: subprocess.Popen, port: int | None = None) -> None:
+        """Note a started process (and the loopback port it owns) in ``processes.json``."""
+        self.started.append({"what": what, "pid": proc.pid, "port": port})
+        (self.work_dir / "processes.json").write_text(json.dumps(self.started))
 
     @property
     def heartbeat_path(self) -> Path:
@@ -116,23 +123,36 @@ class LocalStack:
              "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],
             stdout=self._log("broker"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.record("broker", self.broker, port)
         _wait_port(port, self.broker, 20.0)
         self.bootstrap = f"127.0.0.1:{port}"
         create_topics(self.bootstrap, self.settings.topics.all())
         return self.bootstrap
 
+    def use_broker(self, bootstrap: str) -> str:
+        """Use an existing Kafka cluster instead of starting Tansu (topics still created)."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.bootstrap = bootstrap
+        create_topics(bootstrap, self.settings.topics.all())
+        return bootstrap
+
     def start_worker(self, timeout_s: float = 90.0) -> None:
-        env = {**os.environ,
-               "PROBEWIRE_KAFKA__BOOTSTRAP": self.bootstrap,
-               "PROBEWIRE_CLICKHOUSE__URL": self.settings.clickhouse.url,
-               "PROBEWIRE_STREAM__APP_ID": self.settings.stream.app_id,
-               "PROBEWIRE_STREAM__DEADLINE_S": str(self.settings.stream.deadline_s),
-               "PROBEWIRE_HEARTBEAT_FILE": str(self.heartbeat_path)}
+        # the worker gets the whole settings tree as a file (with this stack's broker);
+        # inherited PROBEWIRE_<SECTION>__<FIELD> variables would override it, so drop them
+        config = self.work_dir / "settings.json"
+        tree = self.settings.to_dict()
+        tree["kafka"]["bootstrap"] = self.bootstrap
+        config.write_text(json.dumps(tree))
+        env = {k: v for k, v in os.environ.items()
+               if not (k.startswith("PROBEWIRE_") and "__" in k)}
+        env.update({"PROBEWIRE_CONFIG": str(config),
+                    "PROBEWIRE_HEARTBEAT_FILE": str(self.heartbeat_path)})
         self.heartbeat_path.unlink(missing_ok=True)
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "probewire.deploy.cli", "worker"],
             stdout=self._log("worker"), stderr=subprocess.STDOUT, env=env,
             start_new_session=True)
+        self.record("worker", self.worker)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.worker.poll() is not None:

@@ -29,7 +29,7 @@ from probewire.sinks.clickhouse import ClickHouseSink, connect
 from .assemble import StepAssembler
 from .decode import DecodeError, decode_rank_step
 from .records import ReducedStep
-from .runstate import RunState, StepRow
+from .runstate import RunState, StepOrderer
 
 __all__ = ["create_app"]
 
@@ -40,10 +40,6 @@ def _rank_rows(reduced: ReducedStep, late: bool) -> list[dict]:
     return [{"run_id": reduced.run_id, "step": reduced.step, "rank": rank, "metric": name,
              "labels": "|".join(f"{k}={v}" for k, v in labels), "value": value, "late": int(late)}
             for rank, values in reduced.per_rank.items() for (name, labels), value in values.items()]
-
-
-def _step_row(row: StepRow) -> dict:
-    return asdict(row)
 
 
 def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
@@ -72,6 +68,12 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
     sink: list[ClickHouseSink] = []  # opened on start, in the worker process
     heartbeat = Heartbeat(heartbeat_path, "worker")
+
+    def count_progress(step_rows: list[dict]) -> None:
+        for row in step_rows:
+            progress = heartbeat.runs.setdefault(row["run_id"], {"steps_written": 0})
+            progress["steps_written"] += 1
+            progress["last_step"] = max(progress.get("last_step", -1), row["step"])
 
     async def publish(reduced: ReducedStep) -> None:
         await steps_topic.send(key=reduced.run_id.encode(), value=reduced.to_json())
@@ -111,8 +113,13 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
 
     @app.timer(interval=1.0)
     async def deadlines() -> None:
-        for reduced in assembler.expire(time.monotonic()):
+        now = time.monotonic()
+        for reduced in assembler.expire(now):
             await publish(reduced)
+        if sink:
+            rows = [asdict(row) for state in runs.values() for row in state.expire(now)]
+            await store("step_metrics", rows)
+            count_progress(rows)
         heartbeat.beat()
 
     @app.agent(steps_topic)
@@ -127,16 +134,14 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                 if reduced.complete_reason == "late":
                     rank_rows += _rank_rows(reduced, late=True)
                     continue
-                state = runs.setdefault(reduced.run_id, RunState(reduced.run_id))
-                rows = state.accept(reduced)
-                step_rows += [_step_row(r) for r in rows]
+                state = runs.setdefault(reduced.run_id, RunState(
+                    reduced.run_id, orderer=StepOrderer(settings.stream.deadline_s + 10.0)))
+                rows = state.accept(reduced, time.monotonic())
+                step_rows += [asdict(r) for r in rows]
                 rank_rows += _rank_rows(reduced, late=False)
             await store("rank_metrics", rank_rows)
             await store("step_metrics", step_rows)
-            for run_id, state in runs.items():
-                progress = heartbeat.runs.setdefault(run_id, {"steps_written": 0})
-                progress["last_step"] = state.last_step
-                progress["steps_written"] += sum(1 for r in step_rows if r["run_id"] == run_id)
+            count_progress(step_rows)
             heartbeat.beat()
 
     return app

@@ -42,30 +42,41 @@ class StepRow:
 
 @dataclass(slots=True)
 class StepOrderer:
-    """Releases steps in increasing order; a gap is skipped once ``max_hold`` later steps wait.
+    """Releases a run's steps in increasing order.
 
-    A step that never arrives (every rank lost) must not stall the run's series forever.
+    Stage 1 completes steps in parallel partitions, so they reach stage 2 slightly out of
+    order. A step is held until its predecessor was released; a gap (a step that never
+    comes, e.g. every rank's message lost) is skipped once the oldest held step has waited
+    ``max_wait_s`` — longer than stage 1's deadline, so a step completed by deadline is
+    still in time. The first step of a run is step 0, or, for a resumed run, the smallest
+    step seen once ``max_wait_s`` has passed.
     """
 
-    max_hold: int = 64
+    max_wait_s: float = 40.0
     next_step: int | None = None
-    held: dict[int, ReducedStep] = field(default_factory=dict)
+    held: dict[int, tuple[float, ReducedStep]] = field(default_factory=dict)
 
-    def offer(self, item: ReducedStep) -> list[ReducedStep]:
+    def offer(self, item: ReducedStep, now: float) -> list[ReducedStep]:
         if self.next_step is not None and item.step < self.next_step:
-            return [item]  # an old step arriving late: pass through, the caller dedups
-        self.held[item.step] = item
-        if self.next_step is None:
-            self.next_step = min(self.held)
+            return [item]  # its gap was skipped already: released as is, flagged by the caller
+        self.held.setdefault(item.step, (now, item))
+        if self.next_step is None and 0 in self.held:
+            self.next_step = 0
+        return self._release()
+
+    def expire(self, now: float) -> list[ReducedStep]:
+        """Skip gaps that held steps have waited on for longer than ``max_wait_s``."""
         out: list[ReducedStep] = []
-        while self.held:
-            if self.next_step in self.held:
-                out.append(self.held.pop(self.next_step))
-                self.next_step += 1
-            elif len(self.held) > self.max_hold:
-                self.next_step = min(self.held)
-            else:
-                break
+        while self.held and now - min(t for t, _ in self.held.values()) >= self.max_wait_s:
+            self.next_step = min(self.held)
+            out += self._release()
+        return out
+
+    def _release(self) -> list[ReducedStep]:
+        out: list[ReducedStep] = []
+        while self.next_step is not None and self.next_step in self.held:
+            out.append(self.held.pop(self.next_step)[1])
+            self.next_step += 1
         return out
 
 
@@ -77,10 +88,26 @@ class RunState:
     tokens: int = 0
     last_step: int = -1
     orderer: StepOrderer = field(default_factory=StepOrderer)
+    written: set[int] = field(default_factory=set)
 
-    def accept(self, reduced: ReducedStep) -> list[StepRow]:
-        return [self._row(item) for item in self.orderer.offer(reduced)
-                if item.step > self.last_step]
+    def accept(self, reduced: ReducedStep, now: float) -> list[StepRow]:
+        """Rows for the steps this arrival releases, in step order."""
+        return self._rows(self.orderer.offer(reduced, now))
+
+    def expire(self, now: float) -> list[StepRow]:
+        """Rows for steps released because a gap before them timed out."""
+        return self._rows(self.orderer.expire(now))
+
+    def _rows(self, items: list[ReducedStep]) -> list[StepRow]:
+        rows = []
+        for item in items:
+            if item.step in self.written:
+                continue  # re-delivery: already counted
+            if item.step < self.last_step:
+                item.complete_reason = "after_gap"  # tokens are the running total at arrival
+            rows.append(self._row(item))
+            self.written.add(item.step)
+        return rows
 
     def _row(self, item: ReducedStep) -> StepRow:
         ranks = sorted(item.per_rank)
@@ -89,7 +116,7 @@ class RunState:
         worst = worst_rank_loss(sums, counts)
         step_tokens = int(item.reduced.get(_LOSS_TOKENS, 0.0))
         self.tokens += step_tokens
-        self.last_step = item.step
+        self.last_step = max(self.last_step, item.step)
         grad_sq = item.reduced.get(_GRAD_SQ)
         return StepRow(
             run_id=item.run_id, step=item.step, tokens=self.tokens, step_tokens=step_tokens,

@@ -45,16 +45,21 @@ def _start_ranks(stack: LocalStack, run_id: str, ranks: int, steps: int,
             cmd += ["--trace", str(trace)]
         log = open(stack.work_dir / f"rank{rank}.log", "ab")
         stack.logs.append(log)
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        stack.record(f"rank{rank}", proc, port if rank == 0 else None)
+        procs.append(proc)
     return procs
 
 
 def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
              run_id: str | None = None, trace: Path | None = None,
              extra_train_args: list[str] | None = None, show_progress: bool = True,
-             timeout_s: float = 600.0) -> DemoResult:
-    """Run the demo end to end; the store is closed again when this returns."""
+             timeout_s: float = 600.0, bootstrap: str | None = None) -> DemoResult:
+    """Run the demo end to end; the store is closed again when this returns.
+
+    ``bootstrap`` names an existing Kafka cluster; by default a local Tansu broker is started.
+    """
     run_id = run_id or f"demo-{uuid.uuid4().hex[:8]}"
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
@@ -65,7 +70,10 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
     procs: list[subprocess.Popen] = []
     with LocalStack(settings, work_dir) as stack:
         try:
-            stack.start_broker()
+            if bootstrap:
+                stack.use_broker(bootstrap)
+            else:
+                stack.start_broker()
             stack.start_worker()
             procs = _start_ranks(stack, run_id, ranks, steps, trace, extra_train_args or [])
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
