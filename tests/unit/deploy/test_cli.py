@@ -1,0 +1,28 @@
+"""User mistakes on the command line: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from probewire.deploy.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sql", "--store", "/nonexistent/store", "SELECT 1"], "no store at"),
+    (["demo", "--steps", "0"], "--steps must be >= 1"),
+])
+def test_user_error_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_bad_setting_from_env_is_a_user_error(monkeypatch, capsys):
+    monkeypatch.setenv("PROBEWIRE_STREAM__DEADLINE_S", "-3")
+    assert main(["demo", "--steps", "1"]) == 2
+    assert "stream.deadline_s" in capsys.readouterr().err
+
+
+def test_health_reports_missing_heartbeat(tmp_path, capsys):
+    assert main(["health", "--component", "worker", "--heartbeat", str(tmp_path / "x")]) == 1
+    assert "no heartbeat" in capsys.readouterr().err

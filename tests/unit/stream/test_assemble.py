@@ -1,0 +1,88 @@
+"""Stage 1: completion rules and catalog-driven reduction across ranks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from probewire.stream.assemble import StepAssembler, reduce_step
+from probewire.stream.records import RankStep, ReducedStep, series_key
+
+LOSS, TOK, G2, TAU = (series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq",
+                                                "step_time_s"))
+
+
+def rec(rank: int, step: int = 0, world: int = 4, coords: dict | None = None, **values) -> RankStep:
+    keys = {"loss": LOSS, "tok": TOK, "g2": G2, "tau": TAU}
+    return RankStep(run_id="r", step=step, rank=rank, world_size=world, host="h",
+                    coords=coords or {"dp": rank}, values={keys[k]: v for k, v in values.items()})
+
+
+def test_sums_are_summed_maxima_maxed_and_dp_replicas_counted_once():
+    rng = np.random.default_rng(0)
+    sums, toks, taus = rng.random(4) * 100, rng.integers(1, 50, 4), rng.random(4)
+    g2 = 2.5  # all-reduced gradient: identical on every data-parallel rank
+    records = [rec(r, loss=float(sums[r]), tok=float(toks[r]), g2=g2, tau=float(taus[r]))
+               for r in range(4)]
+    out = reduce_step("r", 0, 4, records, "all_ranks")
+    assert out.reduced[LOSS] == pytest.approx(float(np.sum(sums, dtype=np.float64)), rel=1e-12)
+    assert out.reduced[TOK] == float(np.sum(toks))
+    assert out.reduced[TAU] == float(np.max(taus))
+    assert out.reduced[G2] == g2  # not 4 * g2
+
+
+def test_tensor_parallel_layout_counts_loss_once_and_sums_sharded_gradient():
+    """2 dp x 2 tp: the loss is replicated over tp, the gradient sharded over tp, replicated
+    over dp. Reduced values equal the single-process ones."""
+    shard_sq = {0: 1.25, 1: 0.75}        # squared norm of each tp shard
+    loss = {0: (10.0, 4.0), 1: (30.0, 6.0)}  # (sum, count) per dp replica
+    records = [rec(rank=2 * dp + tp, coords={"dp": dp, "tp": tp}, loss=loss[dp][0],
+                   tok=loss[dp][1], g2=shard_sq[tp], tau=0.1) for dp in (0, 1) for tp in (0, 1)]
+    out = reduce_step("r", 0, 4, records, "all_ranks")
+    assert out.reduced[LOSS] / out.reduced[TOK] == pytest.approx(40.0 / 10.0)
+    assert math.sqrt(out.reduced[G2]) == pytest.approx(math.sqrt(2.0))
+
+
+def test_nan_component_stays_visible():
+    out = reduce_step("r", 0, 2, [rec(0, world=2, loss=math.nan, tok=3.0),
+                                  rec(1, world=2, loss=1.0, tok=3.0)], "all_ranks")
+    assert math.isnan(out.reduced[LOSS])
+
+
+def test_complete_when_all_ranks_report_and_duplicates_ignored():
+    asm = StepAssembler(deadline_s=30)
+    assert asm.add(rec(0, world=2, loss=1.0, tok=1.0), now=0).completed == []
+    assert asm.add(rec(0, world=2, loss=1.0, tok=1.0), now=0).duplicate
+    done = asm.add(rec(1, world=2, loss=2.0, tok=1.0), now=0).completed
+    assert [(d.step, d.complete_reason, d.ranks_missing) for d in done] == [(0, "all_ranks", [])]
+    again = asm.add(rec(1, world=2, loss=2.0, tok=1.0), now=1)
+    assert again.duplicate and again.completed == [] and again.late is None
+
+
+def test_deadline_emits_with_missing_ranks_and_later_arrival_is_late():
+    asm = StepAssembler(deadline_s=5)
+    asm.add(rec(0, world=3, loss=1.0, tok=1.0), now=0)
+    assert asm.expire(now=4.9) == []
+    (done,) = asm.expire(now=5.0)
+    assert done.complete_reason == "deadline" and done.ranks_missing == [1, 2]
+    late = asm.add(rec(2, world=3, loss=1.0, tok=1.0), now=6)
+    assert late.late is not None and late.late.rank == 2 and late.completed == []
+
+
+def test_later_step_completing_in_same_partition_closes_earlier_step():
+    asm = StepAssembler(deadline_s=30)
+    asm.add(rec(0, step=5, world=2, tok=1.0), now=0, partition=1)
+    asm.add(rec(0, step=6, world=2, tok=1.0), now=0, partition=2)  # other partition
+    asm.add(rec(0, step=7, world=2, tok=1.0), now=0, partition=1)
+    done = asm.add(rec(1, step=7, world=2, tok=1.0), now=0, partition=1).completed
+    assert [(d.step, d.complete_reason) for d in done] == [(5, "later_step"), (7, "all_ranks")]
+    assert asm.pending == 1  # step 6 lives in another partition: only its deadline closes it
+
+
+def test_reduced_step_json_round_trip_keeps_nonfinite():
+    out = reduce_step("r", 3, 2, [rec(0, step=3, world=2, loss=math.inf, tok=2.0)], "deadline")
+    back = ReducedStep.from_json(out.to_json())
+    assert back.step == 3 and back.ranks_missing == [1] and math.isinf(back.reduced[LOSS])
+    assert back.per_rank[0][TOK] == 2.0
