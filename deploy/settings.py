@@ -132,8 +132,14 @@ class StreamSettings:
     detector_window: int = 100
     loss_z_threshold: float = 6.0
     grad_z_threshold: float = 6.0
+    signal_z_threshold: float = 8.0
     clip_threshold: float = 1.0
     clip_window: int = 100
+    memory_growth: float = 0.2
+    maxvio_threshold: float = 1.0
+    media_scale_min: float = 0.1
+    rearm_steps: int = 50
+    run_idle_s: float = 120.0
     retention_every_k: int = 100
     retention_halo: int = 100
     warmup_steps: int = 100
@@ -144,9 +150,11 @@ class StreamSettings:
     def __post_init__(self) -> None:
         _check(self.deadline_s > 0, "stream.deadline_s", "must be > 0")
         _check(self.detector_window >= 3, "stream.detector_window", "must be >= 3")
-        for name in ("loss_z_threshold", "grad_z_threshold", "clip_threshold"):
+        for name in ("loss_z_threshold", "grad_z_threshold", "signal_z_threshold",
+                     "clip_threshold", "memory_growth", "maxvio_threshold", "media_scale_min",
+                     "run_idle_s"):
             _check(getattr(self, name) > 0, f"stream.{name}", "must be > 0")
-        for name in ("clip_window", "retention_every_k"):
+        for name in ("clip_window", "retention_every_k", "rearm_steps"):
             _check(getattr(self, name) >= 1, f"stream.{name}", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):
             _check(getattr(self, name) >= 0, f"stream.{name}", "must be >= 0")

@@ -1,12 +1,16 @@
 """The Faust app: topics wired to small agents; the math lives in pure modules.
 
-    otlp_metrics --(decode, assemble per run:step)--> probewire.steps --(per run)--> ClickHouse
-                 \\--(malformed)--> probewire.deadletter
+    otlp_metrics ──assemble──► probewire.steps ──per_run──► ClickHouse (+ probewire.alerts,
+         │   (stage 1, key run:step)            (stage 2, key run_id)     probewire.control,
+         └──► probewire.deadletter ──dead_letters──► ClickHouse            Alertmanager webhook)
+    probewire.evals ──evaluations──► ClickHouse
 
-Agent ``assemble`` (stage 1) keys by ``<run_id>:<step>`` and reduces across ranks;
-agent ``per_run`` (stage 2) keys by ``run_id``, orders steps and writes the rows.
-Stage 2 awaits the store write before taking the next batch, so Faust acknowledges
-(and commits) the offsets only for events whose rows are durable.
+Delivery is at-least-once and every write is idempotent:
+- stage 1 acknowledges a rank message only once its step has been published, so a step
+  pending at a crash is re-assembled from re-delivered messages;
+- stage 2 writes rows, promotes retained detail and saves the run's state in ClickHouse
+  before Faust acknowledges the batch; on restart the state is loaded and re-delivered
+  steps at or before the saved position are skipped.
 """
 
 from __future__ import annotations
@@ -16,30 +20,42 @@ import base64
 import json
 import logging
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import faust
 
 from probewire.deploy.health import Heartbeat
 from probewire.deploy.settings import Settings
 from probewire.sinks.clickhouse import ClickHouseSink, connect
+from probewire.sinks.retained import load_state, promote, save_state
 
+from .alerting import AlertmanagerWebhook
 from .assemble import StepAssembler
 from .decode import DecodeError, decode_rank_step
 from .records import ReducedStep
-from .runstate import RunState, StepOrderer
+from .signals import DetectorConfig
+from .stage2 import RunPipeline, Stage2Config, Stage2Output
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "stage2_config"]
 
 log = logging.getLogger(__name__)
 
 
-def _rank_rows(reduced: ReducedStep, late: bool) -> list[dict]:
-    return [{"run_id": reduced.run_id, "step": reduced.step, "rank": rank, "metric": name,
-             "labels": "|".join(f"{k}={v}" for k, v in labels), "value": value, "late": int(late)}
-            for rank, values in reduced.per_rank.items() for (name, labels), value in values.items()]
+def stage2_config(settings: Settings) -> Stage2Config:
+    s = settings.stream
+    return Stage2Config(
+        detectors=DetectorConfig(
+            window=s.detector_window, loss_z=s.loss_z_threshold, grad_z=s.grad_z_threshold,
+            signal_z=s.signal_z_threshold, clip_threshold=s.clip_threshold,
+            clip_window=s.clip_window, memory_growth=s.memory_growth,
+            maxvio_threshold=s.maxvio_threshold, media_scale_min=s.media_scale_min,
+            rearm_steps=s.rearm_steps),
+        retention_every_k=s.retention_every_k, retention_halo=s.retention_halo,
+        warmup_steps=s.warmup_steps, final_steps=s.final_steps,
+        max_wait_s=s.deadline_s + 10.0, run_idle_s=s.run_idle_s)
 
 
 def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
@@ -62,64 +78,102 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
     metrics_topic = app.topic(topics.metrics)
     steps_topic = app.topic(topics.steps)
     deadletter_topic = app.topic(topics.deadletter)
+    alerts_topic = app.topic(topics.alerts)
+    control_topic = app.topic(topics.control)
+    evals_topic = app.topic(topics.evals)
 
+    config = stage2_config(settings)
     assembler = StepAssembler(settings.stream.deadline_s)
-    runs: dict[str, RunState] = {}
+    waiting: dict[tuple[str, int], list[Any]] = defaultdict(list)  # unacked events per step
+    runs: dict[str, RunPipeline] = {}
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
-    sink: list[ClickHouseSink] = []  # opened on start, in the worker process
+    sink: list[ClickHouseSink] = []  # opened in the worker process, on start
+    webhook = AlertmanagerWebhook(settings.stream.alert_webhook_url)
     heartbeat = Heartbeat(heartbeat_path, "worker")
 
-    def count_progress(step_rows: list[dict]) -> None:
-        for row in step_rows:
-            progress = heartbeat.runs.setdefault(row["run_id"], {"steps_written": 0})
-            progress["steps_written"] += 1
-            progress["last_step"] = max(progress.get("last_step", -1), row["step"])
+    async def in_writer(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(writer, fn, *args)
 
     async def publish(reduced: ReducedStep) -> None:
-        await steps_topic.send(key=reduced.run_id.encode(), value=reduced.to_json())
+        """Publish a reduced step, then acknowledge the rank messages it consumed."""
+        await (await steps_topic.send(key=reduced.run_id.encode(), value=reduced.to_json()))
+        for event in waiting.pop((reduced.run_id, reduced.step), []):
+            event.ack()
 
-    async def store(table: str, rows: list[dict]) -> None:
-        await asyncio.get_running_loop().run_in_executor(writer, sink[0].write, table, rows)
+    async def dead_letter(event, reason: str) -> None:
+        body = {"reason": reason, "topic": event.message.topic,
+                "partition": event.message.partition, "offset": event.message.offset,
+                "payload_b64": base64.b64encode(event.value or b"").decode()}
+        await deadletter_topic.send(key=event.key, value=json.dumps(body).encode())
 
     @app.task
     async def open_store() -> None:
         ch = settings.clickhouse
         client = connect(ch.url, username=ch.username, password_env=ch.password_env)
-        sink.append(ClickHouseSink(client, ch.database, ch.retry_max_s))
-        await asyncio.get_running_loop().run_in_executor(writer, sink[0].migrate)
+        store = ClickHouseSink(client, ch.database, ch.retry_max_s)
+        await in_writer(lambda: store.migrate(sensitive_artifacts=ch.sensitive_artifacts,
+                                              sensitive_ttl_days=ch.sensitive_ttl_days))
+        sink.append(store)
         heartbeat.beat("ready")
 
     @app.agent(metrics_topic)
     async def assemble(stream):
-        async for event in stream.events():
+        async for event in stream.noack().events():
             try:
                 record = decode_rank_step(event.key, event.value)
             except DecodeError as exc:
-                body = {"reason": exc.reason, "topic": event.message.topic,
-                        "partition": event.message.partition, "offset": event.message.offset,
-                        "payload_b64": base64.b64encode(event.value or b"").decode()}
-                await deadletter_topic.send(key=event.key, value=json.dumps(body).encode())
+                await dead_letter(event, exc.reason)
+                event.ack()
                 continue
             result = assembler.add(record, time.monotonic(), event.message.partition)
-            for reduced in result.completed:
-                await publish(reduced)
+            if result.duplicate:
+                event.ack()
+                continue
             if result.late is not None:
                 late = ReducedStep(run_id=record.run_id, step=record.step,
                                    world_size=record.world_size, ranks_reporting=[record.rank],
                                    ranks_missing=[], reduced={},
                                    per_rank={record.rank: record.values},
                                    hosts={record.rank: record.host}, complete_reason="late")
-                await publish(late)
+                await steps_topic.send(key=record.run_id.encode(), value=late.to_json())
+                event.ack()
+                continue
+            waiting[(record.run_id, record.step)].append(event)
+            for reduced in result.completed:
+                await publish(reduced)
 
-    @app.timer(interval=1.0)
-    async def deadlines() -> None:
-        now = time.monotonic()
-        for reduced in assembler.expire(now):
-            await publish(reduced)
-        if sink:
-            rows = [asdict(row) for state in runs.values() for row in state.expire(now)]
-            await store("step_metrics", rows)
-            count_progress(rows)
+    async def run_for(run_id: str) -> RunPipeline:
+        """The run's pipeline, resumed from its saved state after a restart."""
+        if run_id not in runs:
+            state = await in_writer(load_state, sink[0], run_id, "stage2")
+            runs[run_id] = RunPipeline(run_id, config) if state is None else \
+                RunPipeline.from_state(run_id, config, state, time.monotonic())
+        return runs[run_id]
+
+    async def commit(outputs: dict[str, Stage2Output]) -> None:
+        """Rows, promotion of retained detail, then state: in this order, in one thread."""
+        def write() -> None:
+            store = sink[0]
+            for run_id, out in outputs.items():
+                for table, rows in out.rows.items():
+                    store.write(table, rows)
+                promote(store, run_id, sorted(set(out.promote)))
+                save_state(store, run_id, "stage2", runs[run_id].last_step,
+                           runs[run_id].to_state())
+        await in_writer(write)
+        for run_id, out in outputs.items():
+            for alert in out.rows.get("alerts", []):
+                await alerts_topic.send(key=run_id.encode(), value=json.dumps(alert).encode())
+            for control in out.controls:
+                await control_topic.send(key=run_id.encode(), value=json.dumps(control).encode())
+            if out.rows.get("alerts"):
+                await asyncio.get_running_loop().run_in_executor(
+                    None, webhook.post, out.rows["alerts"])
+            progress = heartbeat.runs.setdefault(run_id, {"steps_written": 0})
+            progress["steps_written"] += len(out.rows.get("step_metrics", []))
+            progress["last_step"] = runs[run_id].last_step
+            progress["finished"] = runs[run_id].finished
+            progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
         heartbeat.beat()
 
     @app.agent(steps_topic)
@@ -127,21 +181,55 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
         async for batch in stream.take(2000, within=0.5):
             while not sink:
                 await asyncio.sleep(0.1)
-            step_rows: list[dict] = []
-            rank_rows: list[dict] = []
+            outputs: dict[str, Stage2Output] = defaultdict(Stage2Output)
+            now = time.monotonic()
             for payload in batch:
                 reduced = ReducedStep.from_json(payload)
-                if reduced.complete_reason == "late":
-                    rank_rows += _rank_rows(reduced, late=True)
-                    continue
-                state = runs.setdefault(reduced.run_id, RunState(
-                    reduced.run_id, orderer=StepOrderer(settings.stream.deadline_s + 10.0)))
-                rows = state.accept(reduced, time.monotonic())
-                step_rows += [asdict(r) for r in rows]
-                rank_rows += _rank_rows(reduced, late=False)
-            await store("rank_metrics", rank_rows)
-            await store("step_metrics", step_rows)
-            count_progress(step_rows)
-            heartbeat.beat()
+                run = await run_for(reduced.run_id)
+                outputs[reduced.run_id].extend(run.accept(reduced, now))
+            await commit(outputs)
+
+    @app.timer(interval=1.0)
+    async def deadlines() -> None:
+        now = time.monotonic()
+        for reduced in assembler.expire(now):
+            await publish(reduced)
+        if sink:
+            outputs = {run_id: run.expire(now) for run_id, run in runs.items()}
+            await commit({k: v for k, v in outputs.items() if v.rows or v.promote})
+        heartbeat.beat()
+
+    @app.agent(deadletter_topic)
+    async def dead_letters(stream):
+        async for batch in stream.take(500, within=1.0):
+            while not sink:
+                await asyncio.sleep(0.1)
+            rows = []
+            for payload in batch:
+                body = json.loads(payload)
+                rows.append({"topic": body.get("topic", ""), "partition": body.get("partition", 0),
+                             "offset": body.get("offset", 0), "key": "",
+                             "reason": body.get("reason", ""),
+                             "payload_b64": body.get("payload_b64", "")})
+            await in_writer(sink[0].write, "dead_letters", rows)
+
+    @app.agent(evals_topic)
+    async def evaluations(stream):
+        async for batch in stream.take(500, within=1.0):
+            while not sink:
+                await asyncio.sleep(0.1)
+            rows = [_evaluation_row(json.loads(payload)) for payload in batch]
+            await in_writer(sink[0].write, "evaluations", [r for r in rows if r is not None])
 
     return app
+
+
+def _evaluation_row(record: dict[str, Any]) -> dict[str, Any] | None:
+    """An evaluator record as an ``evaluations`` row; a non-finite value is stored as NaN."""
+    value = record.get("value")
+    row = {k: record[k] for k in (
+        "run_id", "step", "tokens", "flops", "suite", "metric", "n_items", "weights_stream",
+        "reference", "dataset_version", "tokenizer_version", "prompt_version",
+        "decoding_version", "postprocess_version", "judge_version") if k in record}
+    row["value"] = float("nan") if value is None else float(value)
+    return row if {"run_id", "step", "suite", "metric"} <= set(row) else None

@@ -65,7 +65,8 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
         run_id=run_id, step=step, world_size=world_size, ranks_reporting=reporting,
         ranks_missing=sorted(set(range(world_size)) - set(reporting)), reduced=reduced,
         per_rank={r.rank: dict(r.values) for r in records},
-        hosts={r.rank: r.host for r in records}, complete_reason=reason)
+        hosts={r.rank: r.host for r in records},
+        coords={r.rank: dict(r.coords) for r in records}, complete_reason=reason)
 
 
 @dataclass(slots=True)

@@ -57,7 +57,8 @@ class ReducedStep:
     reduced: dict[SeriesKey, float]
     per_rank: dict[int, dict[SeriesKey, float]]
     hosts: dict[int, str] = field(default_factory=dict)
-    complete_reason: str = "all_ranks"  # or "deadline", "later_step"
+    coords: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> {dp: i, ...}
+    complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late"
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = asdict(self)
@@ -65,6 +66,7 @@ class ReducedStep:
         body["per_rank"] = {str(r): {_encode_key(k): _json_float(v) for k, v in vals.items()}
                             for r, vals in self.per_rank.items()}
         body["hosts"] = {str(r): h for r, h in self.hosts.items()}
+        body["coords"] = {str(r): c for r, c in self.coords.items()}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -74,4 +76,5 @@ class ReducedStep:
         body["per_rank"] = {int(r): {_decode_key(k): float(v) for k, v in vals.items()}
                             for r, vals in body["per_rank"].items()}
         body["hosts"] = {int(r): h for r, h in body.get("hosts", {}).items()}
+        body["coords"] = {int(r): c for r, c in body.get("coords", {}).items()}
         return cls(**body)

@@ -1,0 +1,45 @@
+"""Stream-side store operations: promote retained detail, save and load stream state.
+
+Both are idempotent: promotion copies rows of the ``*_recent`` look-back tables into the
+detail tables (ReplacingMergeTree on the natural key), and state rows replace each other.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from .clickhouse import ClickHouseSink
+from .schema import RECENT_TABLES
+
+__all__ = ["load_state", "promote", "save_state"]
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def promote(sink: ClickHouseSink, run_id: str, steps: Sequence[int]) -> None:
+    """Copy the detail of ``steps`` from the look-back tables into the detail tables."""
+    if not steps:
+        return
+    db = sink.database
+    for recent in RECENT_TABLES:
+        target = recent.name.removesuffix("_recent")
+        columns = ", ".join(recent.writer_columns)
+        sink._command(f"INSERT INTO {db}.{target} ({columns}) SELECT {columns} "
+                     f"FROM {db}.{recent.name} FINAL WHERE run_id = {_quote(run_id)} "
+                     f"AND step IN ({', '.join(str(int(s)) for s in steps)})")
+
+
+def save_state(sink: ClickHouseSink, run_id: str, key: str, step: int,
+               state: dict[str, Any]) -> None:
+    sink.write("stream_state", [{"run_id": run_id, "key": key, "step": int(step),
+                                 "state": json.dumps(state)}])
+
+
+def load_state(sink: ClickHouseSink, run_id: str, key: str) -> dict[str, Any] | None:
+    sql = (f"SELECT state FROM {sink.database}.stream_state FINAL "
+           f"WHERE run_id = {_quote(run_id)} AND key = {_quote(key)}")
+    rows = sink._retry(lambda: sink.client.query(sql).result_rows)
+    return json.loads(rows[0][0]) if rows else None

@@ -1,0 +1,61 @@
+"""Stage 2's step order: a run's reduced steps are processed in increasing step order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .records import ReducedStep
+
+__all__ = ["StepOrderer"]
+
+
+@dataclass(slots=True)
+class StepOrderer:
+    """Releases a run's steps in increasing order.
+
+    Stage 1 completes steps in parallel partitions, so they reach stage 2 slightly out of
+    order. A step is held until its predecessor was released; a gap (a step that never
+    comes, e.g. every rank's message lost) is skipped once the oldest held step has waited
+    ``max_wait_s`` — longer than stage 1's deadline, so a step completed by deadline is
+    still in time. The first step of a run is step 0, or, for a resumed run, the smallest
+    step seen once ``max_wait_s`` has passed.
+    """
+
+    max_wait_s: float = 40.0
+    next_step: int | None = None
+    held: dict[int, tuple[float, ReducedStep]] = field(default_factory=dict)
+
+    def offer(self, item: ReducedStep, now: float) -> list[ReducedStep]:
+        if self.next_step is not None and item.step < self.next_step:
+            return [item]  # its gap was skipped already: released as is, flagged by the caller
+        self.held.setdefault(item.step, (now, item))
+        if self.next_step is None and 0 in self.held:
+            self.next_step = 0
+        return self._release()
+
+    def expire(self, now: float) -> list[ReducedStep]:
+        """Skip gaps that held steps have waited on for longer than ``max_wait_s``."""
+        out: list[ReducedStep] = []
+        while self.held and now - min(t for t, _ in self.held.values()) >= self.max_wait_s:
+            self.next_step = min(self.held)
+            out += self._release()
+        return out
+
+    def _release(self) -> list[ReducedStep]:
+        out: list[ReducedStep] = []
+        while self.next_step is not None and self.next_step in self.held:
+            out.append(self.held.pop(self.next_step)[1])
+            self.next_step += 1
+        return out
+
+    def to_state(self) -> dict[str, Any]:
+        return {"next_step": self.next_step,
+                "held": [item.to_json().decode() for _, item in self.held.values()]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], max_wait_s: float, now: float) -> "StepOrderer":
+        """Held steps restart their wait at ``now``."""
+        held = [ReducedStep.from_json(text.encode()) for text in state["held"]]
+        return cls(max_wait_s, state["next_step"], {i.step: (now, i) for i in held})
+
