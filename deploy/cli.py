@@ -209,6 +209,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from probewire.stream.calibration import CALIBRATED, calibrate_run
+
+    settings = _settings(args)
+    columns = ", ".join(sorted(set(CALIBRATED.values())))
+    names, rows = _query(settings, f"SELECT {columns} FROM {settings.clickhouse.database}"
+                                   f".step_metrics FINAL WHERE run_id = '{args.run}' ORDER BY step")
+    if not rows:
+        raise UserError(f"run {args.run!r} has no steps in the store")
+    series = {name: [row[i] for row in rows] for i, name in enumerate(names)}
+    window = args.window or settings.stream.detector_window
+    try:
+        results = calibrate_run(series, window, args.quantile, args.margin)
+    except ValueError as exc:
+        raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
+    _print_table(f"thresholds from run {args.run} (window {window}, "
+                 f"{args.margin} x quantile {args.quantile} of its robust z)",
+                 ["setting", "series", "threshold", "steps"],
+                 [(c.setting, c.column, c.threshold, c.n_steps) for c in results])
+    print("stream:\n" + "".join(f"  {c.setting}: {c.threshold:.3f}\n" for c in results), end="")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
@@ -238,6 +261,15 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument("--store")
     migrate.add_argument("--clickhouse-url")
     migrate.set_defaults(func=cmd_migrate)
+
+    calibrate = sub.add_parser("calibrate", help="derive detector thresholds from a stable run")
+    calibrate.add_argument("--run", required=True, help="run id of a stable (healthy) run")
+    calibrate.add_argument("--store")
+    calibrate.add_argument("--clickhouse-url")
+    calibrate.add_argument("--window", type=int, help="detector window (default: settings)")
+    calibrate.add_argument("--quantile", type=float, default=0.999)
+    calibrate.add_argument("--margin", type=float, default=1.5)
+    calibrate.set_defaults(func=cmd_calibrate)
 
     health = sub.add_parser("health", help="exit 0 when a service's heartbeat is fresh")
     health.add_argument("--component", choices=["worker", "evaluator"], required=True)

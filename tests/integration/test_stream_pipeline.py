@@ -7,6 +7,7 @@ mid-run and restarted, which must store exactly what the uninterrupted run store
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack, stop_process
@@ -79,10 +81,17 @@ def uninterrupted(kafka_bootstrap, tmp_path_factory, read_store):
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
         send(run, kafka_bootstrap, "otlp_metrics", range(STEPS), duplicates=[(20, 3)])
+        producer = Producer({"bootstrap.servers": kafka_bootstrap})
+        producer.produce("otlp_metrics", key=f"{run.run_id}:999".encode(), value=b"not otlp")
+        producer.flush(10)
         wait_finished(stack, run.run_id)
+        time.sleep(1.5)  # the dead-letter agent batches for up to 1 s
     finally:
         stack.stop()
-    return run, read_run(read_store, base / "store", run.run_id)
+    got = read_run(read_store, base / "store", run.run_id)
+    got["dead_letters"] = read_store(base / "store", "SELECT reason, payload_b64 FROM "
+                                                     "probewire.dead_letters FINAL")
+    return run, got
 
 
 def test_loss_and_worst_rank_loss_are_exact_every_step(uninterrupted):
@@ -101,6 +110,13 @@ def test_missing_rank_is_reported_and_duplicate_is_not_counted(uninterrupted):
     assert by_step[29]["ranks_missing"] == [] and by_step[29]["ranks_reporting"] == 8
     tokens_20 = sum(run.components(20, r)["loss.tokens"] for r in range(8))
     assert by_step[20]["step_tokens"] == tokens_20  # rank 3's duplicate counted once
+
+
+def test_malformed_message_is_dead_lettered_with_its_reason(uninterrupted):
+    _, got = uninterrupted
+    (letter,) = got["dead_letters"]
+    assert letter["reason"].startswith("not an OTLP")
+    assert base64.b64decode(letter["payload_b64"]) == b"not otlp"
 
 
 def test_exactly_one_cospike_at_the_injected_step(uninterrupted):
