@@ -146,6 +146,8 @@ class StreamSettings:
     final_steps: int = 100
     alert_webhook_url: str = ""
     web_bind: str = "127.0.0.1"
+    fetch_max_wait_ms: int = 50   # Tansu answers a waiting fetch only at its deadline
+    batch_within_s: float = 0.1   # stage 2 batches at most this long before writing
 
     def __post_init__(self) -> None:
         _check(self.deadline_s > 0, "stream.deadline_s", "must be > 0")
@@ -154,6 +156,9 @@ class StreamSettings:
                      "clip_threshold", "memory_growth", "maxvio_threshold", "media_scale_min",
                      "run_idle_s"):
             _check(getattr(self, name) > 0, f"stream.{name}", "must be > 0")
+        _check(1 <= self.fetch_max_wait_ms <= 5000, "stream.fetch_max_wait_ms",
+               "must lie in [1, 5000]")
+        _check(0 < self.batch_within_s <= 10, "stream.batch_within_s", "must lie in (0, 10]")
         for name in ("clip_window", "retention_every_k", "rearm_steps"):
             _check(getattr(self, name) >= 1, f"stream.{name}", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):

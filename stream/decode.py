@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError as _ProtoDecodeError
 
 from probewire.instrument.catalog import CATALOG
 
-from .records import RankStep, series_key
+from .records import RankStep
 
 __all__ = ["DecodeError", "decode_rank_step"]
 
@@ -58,34 +58,50 @@ def decode_rank_step(key: bytes | None, payload: bytes) -> RankStep:
     coords = {g: int(resource[f"probewire.{g}"]) for g in _GROUPS if f"probewire.{g}" in resource}
 
     values: dict = {}
-    steps: set[int] = set()
+    step: int | None = None
     for scope in resource_metrics.scope_metrics:
         for metric in scope.metrics:
-            if metric.name not in CATALOG:
+            spec = CATALOG.get(metric.name)
+            if spec is None:
                 raise DecodeError(f"unknown metric {metric.name!r}")
             if metric.WhichOneof("data") != "gauge":
                 raise DecodeError(f"metric {metric.name!r} is not a gauge")
+            allowed = spec.labels
             for point in metric.gauge.data_points:
-                attrs = {a.key: _any_value(a.value) for a in point.attributes}
-                if "step" not in attrs or not isinstance(attrs["step"], int):
+                point_step, nonfinite, labels = None, None, []
+                for attr in point.attributes:
+                    name = attr.key
+                    if name == "step":
+                        if attr.value.WhichOneof("value") != "int_value":
+                            raise DecodeError(f"point of {metric.name!r} has no integer step")
+                        point_step = attr.value.int_value
+                    elif name == _NONFINITE_ATTR:
+                        nonfinite = attr.value.string_value
+                    elif name in allowed:
+                        labels.append((name, str(_any_value(attr.value))))
+                    else:
+                        raise DecodeError(f"{metric.name!r} has label {name!r} outside its "
+                                          "catalog label set")
+                if point_step is None:
                     raise DecodeError(f"point of {metric.name!r} has no integer step")
-                steps.add(attrs.pop("step"))
-                nonfinite = attrs.pop(_NONFINITE_ATTR, None)
+                if step is None:
+                    step = point_step
+                elif point_step != step:
+                    raise DecodeError(f"expected points of exactly one step, got {step} "
+                                      f"and {point_step}")
                 if nonfinite is not None:
                     if nonfinite not in _NONFINITE:
                         raise DecodeError(f"bad {_NONFINITE_ATTR} value {nonfinite!r}")
                     value = _NONFINITE[nonfinite]
+                elif point.WhichOneof("value") == "as_double":
+                    value = point.as_double
                 else:
-                    value = point.as_double if point.WhichOneof("value") == "as_double" \
-                        else float(point.as_int)
-                unknown = set(attrs) - set(CATALOG[metric.name].labels)
-                if unknown:
-                    raise DecodeError(f"{metric.name!r} has labels {sorted(unknown)} "
-                                      "outside its catalog label set")
-                values[series_key(metric.name, {k: str(v) for k, v in attrs.items()})] = value
-    if len(steps) != 1:
-        raise DecodeError(f"expected points of exactly one step, got {sorted(steps)[:5]}")
-    step = steps.pop()
+                    value = float(point.as_int)
+                if len(labels) > 1:
+                    labels.sort()
+                values[(metric.name, tuple(labels))] = value
+    if step is None:
+        raise DecodeError("message holds no data point")
     if key is not None:
         expected = f"{run_id}:{step}".encode()
         if key != expected:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +52,11 @@ class StepOrderer:
 
     def to_state(self) -> dict[str, Any]:
         return {"next_step": self.next_step,
-                "held": [item.to_json().decode() for _, item in self.held.values()]}
+                "held": [base64.b64encode(item.to_bytes()).decode() for _, item in self.held.values()]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], max_wait_s: float, now: float) -> "StepOrderer":
         """Held steps restart their wait at ``now``."""
-        held = [ReducedStep.from_json(text.encode()) for text in state["held"]]
+        held = [ReducedStep.from_bytes(base64.b64decode(text)) for text in state["held"]]
         return cls(max_wait_s, state["next_step"], {i.step: (now, i) for i in held})
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+import struct
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
 
 __all__ = ["Labels", "RankStep", "ReducedStep", "SeriesKey", "series_key"]
 
@@ -26,10 +28,6 @@ def _encode_key(key: SeriesKey) -> str:
 def _decode_key(text: str) -> SeriesKey:
     name, *pairs = text.split("|")
     return name, tuple(tuple(p.split("=", 1)) for p in pairs)  # type: ignore[misc]
-
-
-def _json_float(value: float) -> float | str:
-    return value if math.isfinite(value) else repr(value)  # "nan", "inf", "-inf"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -60,21 +58,53 @@ class ReducedStep:
     coords: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> {dp: i, ...}
     complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late"
 
-    def to_json(self) -> bytes:
-        body: dict[str, Any] = asdict(self)
-        body["reduced"] = {_encode_key(k): _json_float(v) for k, v in self.reduced.items()}
-        body["per_rank"] = {str(r): {_encode_key(k): _json_float(v) for k, v in vals.items()}
-                            for r, vals in self.per_rank.items()}
-        body["hosts"] = {str(r): h for r, h in self.hosts.items()}
-        body["coords"] = {str(r): c for r, c in self.coords.items()}
-        return json.dumps(body, separators=(",", ":")).encode()
+    def to_bytes(self) -> bytes:
+        """Compact wire form: a JSON header naming the series once, then float64 arrays.
+
+        Layout: u32 header length, header JSON, reduced values [K], their presence [K]
+        (uint8), per-rank values [R, K], their presence [R, K]. NaN and ±Inf survive as is.
+        """
+        keys = sorted(set(self.reduced).union(*(v.keys() for v in self.per_rank.values())))
+        index = {k: i for i, k in enumerate(keys)}
+        ranks = sorted(self.per_rank)
+        reduced = np.full(len(keys), np.nan)
+        reduced_mask = np.zeros(len(keys), np.uint8)
+        for key, value in self.reduced.items():
+            reduced[index[key]], reduced_mask[index[key]] = value, 1
+        values = np.full((len(ranks), len(keys)), np.nan)
+        mask = np.zeros((len(ranks), len(keys)), np.uint8)
+        for i, rank in enumerate(ranks):
+            cols = [index[k] for k in self.per_rank[rank]]
+            values[i, cols] = list(self.per_rank[rank].values())
+            mask[i, cols] = 1
+        header = json.dumps({
+            "run_id": self.run_id, "step": self.step, "world_size": self.world_size,
+            "ranks_reporting": self.ranks_reporting, "ranks_missing": self.ranks_missing,
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "coords": {str(r): c for r, c in self.coords.items()},
+            "complete_reason": self.complete_reason, "ranks": ranks,
+            "keys": [_encode_key(k) for k in keys]}, separators=(",", ":")).encode()
+        return b"".join((struct.pack("<I", len(header)), header, reduced.tobytes(),
+                         reduced_mask.tobytes(), values.tobytes(), mask.tobytes()))
 
     @classmethod
-    def from_json(cls, payload: bytes) -> "ReducedStep":
-        body = json.loads(payload)
-        body["reduced"] = {_decode_key(k): float(v) for k, v in body["reduced"].items()}
-        body["per_rank"] = {int(r): {_decode_key(k): float(v) for k, v in vals.items()}
-                            for r, vals in body["per_rank"].items()}
-        body["hosts"] = {int(r): h for r, h in body.get("hosts", {}).items()}
-        body["coords"] = {int(r): c for r, c in body.get("coords", {}).items()}
-        return cls(**body)
+    def from_bytes(cls, payload: bytes) -> "ReducedStep":
+        (size,) = struct.unpack_from("<I", payload)
+        head = json.loads(payload[4:4 + size])
+        keys = [_decode_key(k) for k in head.pop("keys")]
+        ranks = head.pop("ranks")
+        k, r, offset = len(keys), len(ranks), 4 + size
+        reduced = np.frombuffer(payload, np.float64, k, offset)
+        reduced_mask = np.frombuffer(payload, np.uint8, k, offset + 8 * k)
+        offset += 9 * k
+        values = np.frombuffer(payload, np.float64, r * k, offset).reshape(r, k)
+        mask = np.frombuffer(payload, np.uint8, r * k, offset + 8 * r * k).reshape(r, k)
+        head["reduced"] = {keys[j]: v for j, v in zip(np.flatnonzero(reduced_mask).tolist(),
+                                                      reduced[reduced_mask == 1].tolist())}
+        head["per_rank"] = {
+            rank: {keys[j]: v for j, v in zip(np.flatnonzero(mask[i]).tolist(),
+                                              values[i, mask[i] == 1].tolist())}
+            for i, rank in enumerate(ranks)}
+        head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
+        head["coords"] = {int(x): c for x, c in head["coords"].items()}
+        return cls(**head)

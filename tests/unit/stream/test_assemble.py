@@ -81,8 +81,8 @@ def test_later_step_completing_in_same_partition_closes_earlier_step():
     assert asm.pending == 1  # step 6 lives in another partition: only its deadline closes it
 
 
-def test_reduced_step_json_round_trip_keeps_nonfinite():
+def test_reduced_step_wire_round_trip_keeps_nonfinite():
     out = reduce_step("r", 3, 2, [rec(0, step=3, world=2, loss=math.inf, tok=2.0)], "deadline")
-    back = ReducedStep.from_json(out.to_json())
+    back = ReducedStep.from_bytes(out.to_bytes())
     assert back.step == 3 and back.ranks_missing == [1] and math.isinf(back.reduced[LOSS])
     assert back.per_rank[0][TOK] == 2.0

@@ -1,0 +1,161 @@
+"""Stream worker throughput and alert latency, on the local broker and embedded store.
+
+    python benchmarks/stream.py [--ranks 8] [--steps 600] [--alerts 20]
+
+1. Throughput: 8 simulated ranks x N steps, ~50 points per message (loss, gradient and
+   per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
+   and we time from its first stored step to its last. Prints ``N points/s``.
+2. Alert latency: a live run paced at ~40 steps/s with a co-spike every 25 steps; the
+   latency is from the flush of a co-spike step's last rank message to the alert's
+   arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
+The configuration is printed first so a result can be reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from confluent_kafka import Consumer, Producer
+
+from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
+from probewire.deploy.stack import LocalStack
+from probewire.instrument.export import Point, RankIdentity, StepEmitter
+from probewire.stream.testing import SimRun
+
+TENSORS = [f"block{i}.{part}" for i in range(3) for part in ("attn", "mlp")]
+FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite")
+
+
+class ListTransport:
+    def __init__(self) -> None:
+        self.messages: list[tuple[bytes, bytes]] = []
+
+    def send(self, key: bytes, value: bytes) -> bool:
+        self.messages.append((key, value))
+        return True
+
+    def flush(self, timeout_s: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def encode_run(run: SimRun, steps: range) -> tuple[list[list[tuple[bytes, bytes]]], int]:
+    """Per step, the encoded messages of every rank; and the number of points."""
+    transports = [ListTransport() for _ in range(run.world_size)]
+    emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
+                                         coords={"dp": r}), transports[r], queue_size=100_000)
+                for r in range(run.world_size)]
+    points = 0
+    rng = np.random.default_rng(0)
+    for step in steps:
+        for rank, emitter in enumerate(emitters):
+            values = [Point(n, v) for n, v in run.components(step, rank).items()]
+            values += [Point(f"tensor.{f}", float(rng.random()), (("kind", "fwd"), ("tensor", t)))
+                       for t in TENSORS for f in FIELDS]
+            points += len(values)
+            emitter.emit(step, values)
+    for emitter in emitters:
+        emitter.close()
+    per_step = [[t.messages[i] for t in transports] for i in range(len(steps))]
+    return per_step, points
+
+
+def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
+    run = SimRun(run_id=f"bench-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=steps)
+    messages, points = encode_run(run, range(steps))
+    producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 20})
+    for step_messages in messages:
+        for key, value in step_messages:
+            producer.produce("otlp_metrics", key=key, value=value)
+    producer.flush(60)
+    stack.start_worker()
+    first = None
+    while (done := stack.progress(run.run_id)) < steps:
+        if done and first is None:
+            first = time.perf_counter()
+        time.sleep(0.05)
+    elapsed = time.perf_counter() - (first or time.perf_counter())
+    # the first batch's points were stored before `first`; count them out
+    print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
+          f"{elapsed:.2f}s after the first stored batch")
+    return points * (steps - 1) / steps / max(elapsed, 1e-9)
+
+
+def latency(stack: LocalStack, ranks: int, n_alerts: int) -> list[float]:
+    every = 25
+    steps = every * (n_alerts + 1)
+    spikes = {every * (i + 1) for i in range(n_alerts)}
+    run = SimRun(run_id=f"lat-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=steps)
+    run.cospike_step = None
+    messages, _ = encode_run(run, range(steps))
+    spiked = {}
+    for step in spikes:  # re-encode the co-spike steps with spiked loss and gradient
+        run.cospike_step = step
+        spiked[step] = encode_run(run, range(step, step + 1))[0][0]
+    run.cospike_step = None
+    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": uuid.uuid4().hex,
+                         "auto.offset.reset": "latest", "session.timeout.ms": 6000})
+    consumer.subscribe(["probewire.alerts"])
+    consumer.poll(2.0)
+    producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 0})
+    sent: dict[int, float] = {}
+    received: dict[int, float] = {}
+    for step in range(steps):
+        for key, value in spiked.get(step, messages[step]):
+            producer.produce("otlp_metrics", key=key, value=value)
+        producer.flush(10)
+        if step in spikes:
+            sent[step] = time.perf_counter()
+        while (msg := consumer.poll(0.0)) is not None:
+            if not msg.error():
+                alert = json.loads(msg.value())
+                if alert["run_id"] == run.run_id and alert["signal"] == "cospike":
+                    received[alert["step"]] = time.perf_counter()
+        time.sleep(0.025)
+    deadline = time.monotonic() + 10
+    while len(received) < len(sent) and time.monotonic() < deadline:
+        msg = consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            alert = json.loads(msg.value())
+            if alert["run_id"] == run.run_id and alert["signal"] == "cospike":
+                received[alert["step"]] = time.perf_counter()
+    consumer.close()
+    missing = sorted(set(sent) - set(received))
+    if missing:
+        print(f"  no alert for co-spike steps {missing}")
+    return [received[s] - sent[s] for s in sorted(received) if s in sent]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--alerts", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
+        settings = Settings(
+            clickhouse=ClickHouseSettings(url="chdb:///" + str(Path(tmp, "store")).lstrip("/")),
+            stream=StreamSettings(app_id=f"bench-{uuid.uuid4().hex[:6]}", detector_window=20,
+                                  rearm_steps=10, retention_halo=10))
+        print(f"config: ranks={args.ranks} steps={args.steps} alerts={args.alerts} "
+              f"points/message={4 + len(TENSORS) * len(FIELDS)} broker=tansu(memory) "
+              f"store=chdb worker=1 process")
+        with LocalStack(settings, Path(tmp, "run")) as stack:
+            stack.start_broker()
+            rate = throughput(stack, args.ranks, args.steps)
+            print(f"{rate:.0f} points/s")
+            lat = np.array(latency(stack, args.ranks, args.alerts)) * 1000
+            print(f"latency p50 {np.percentile(lat, 50):.0f} ms p99 {np.percentile(lat, 99):.0f} ms"
+                  f" (n={lat.size})")
+
+
+if __name__ == "__main__":
+    main()
