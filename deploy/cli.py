@@ -294,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--z", type=float, default=6.0, help="robust z that counts as moved")
     explain.add_argument("--format", choices=["table", "json"], default="table")
     explain.set_defaults(func=cmd_explain)
+    from probewire.evaluators.cli import add_evaluator_parser
+
+    add_evaluator_parser(sub)
     return parser
 
 

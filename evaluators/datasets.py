@@ -30,7 +30,7 @@ import random
 import re
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -286,11 +286,20 @@ def _stdlib_docstrings() -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
+def _module_of(qualname: str) -> str:
+    return qualname.split(".", 1)[0]
+
+
 @functools.cache
-def _sentences() -> tuple[str, ...]:
-    """Plain prose sentences of 8 to 30 words, whitespace collapsed, first occurrence kept."""
+def _sentences(exclude: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """Plain prose sentences of 8 to 30 words, whitespace collapsed, first occurrence kept.
+
+    Docstrings of the modules in ``exclude`` are skipped.
+    """
     seen: dict[str, None] = {}
-    for _, doc in _stdlib_docstrings():
+    for qualname, doc in _stdlib_docstrings():
+        if _module_of(qualname) in exclude:
+            continue
         for paragraph in doc.split("\n\n"):
             for sentence in _SENTENCE_SPLIT.split(" ".join(paragraph.split())):
                 if _PLAIN_SENTENCE.fullmatch(sentence) and 8 <= len(sentence.split()) <= 30:
@@ -311,23 +320,37 @@ def _check_count(name: str, n: int, available: int | None) -> None:
         raise ValueError(f"{name}={n} exceeds the {available} items this Python can supply")
 
 
-def make_heldout_text(n_docs: int, seed: int) -> list[HeldoutDoc]:
-    """``n_docs`` distinct stdlib docstrings of at least 200 characters, chosen by ``seed``."""
-    pool = [(q, d) for q, d in _stdlib_docstrings() if len(d) >= _MIN_DOC_CHARS]
+def make_heldout_text(
+    n_docs: int, seed: int, *, exclude_modules: Collection[str] = ()
+) -> list[HeldoutDoc]:
+    """``n_docs`` distinct stdlib docstrings of at least 200 characters, chosen by ``seed``.
+
+    ``exclude_modules`` (top-level module names) keeps text a model trained on out of
+    the held-out set.
+    """
+    skip = frozenset(exclude_modules)
+    pool = [
+        (q, d)
+        for q, d in _stdlib_docstrings()
+        if len(d) >= _MIN_DOC_CHARS and _module_of(q) not in skip
+    ]
     _check_count("n_docs", n_docs, len(pool))
     chosen = random.Random(seed).sample(pool, n_docs)
     return [HeldoutDoc(text=doc, source=f"{_SOURCE_TAG}:{q}") for q, doc in chosen]
 
 
-def make_choice_set(n: int, seed: int, n_options: int = 4) -> list[ChoiceItem]:
+def make_choice_set(
+    n: int, seed: int, n_options: int = 4, *, exclude_modules: Collection[str] = ()
+) -> list[ChoiceItem]:
     """Sentence completion: the first half of a docstring sentence is the question.
 
     The right option is the sentence's own second half; the distractors are second
-    halves of other sentences. Option order is shuffled by ``seed``.
+    halves of other sentences. Option order is shuffled by ``seed``. Sentences from
+    ``exclude_modules`` are not used.
     """
     if not isinstance(n_options, int) or n_options < 2:
         raise ValueError(f"n_options must be an int >= 2, got {n_options!r}")
-    pool = _sentences()
+    pool = _sentences(frozenset(exclude_modules))
     _check_count("n", n, len(pool))
     endings = sorted({_split_sentence(s)[1] for s in pool})
     if len(endings) < n_options:

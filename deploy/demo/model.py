@@ -100,15 +100,27 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-def save_checkpoint(model: TinyLM, path: Path) -> None:
-    torch.save({"config": asdict(model.cfg), "model": model.state_dict()}, path)
+def save_checkpoint(model: TinyLM, path: Path,
+                    ema: dict[str, torch.Tensor] | nn.Module | None = None) -> None:
+    """Save config and weights; ``ema`` (a running average of the weights, as a state dict
+    or a module of the same architecture) is stored beside them under the key "ema"."""
+    blob = {"config": asdict(model.cfg), "model": model.state_dict()}
+    if ema is not None:
+        blob["ema"] = ema.state_dict() if isinstance(ema, nn.Module) else dict(ema)
+    torch.save(blob, path)
 
 
-def load_checkpoint(path: str | Path) -> TinyLM:
-    """Model factory for the evaluator: ``probewire.deploy.demo.model:load_checkpoint``."""
+def load_checkpoint(path: str | Path, *, ema: bool = False) -> TinyLM | None:
+    """Model factory for the evaluator: ``probewire.deploy.demo.model:load_checkpoint``.
+
+    ``ema=True`` loads the averaged weights instead, or returns None when the checkpoint
+    carries none (checkpoints written before the "ema" key existed load unchanged).
+    """
     blob = torch.load(path, map_location="cpu", weights_only=True)
+    if ema and "ema" not in blob:
+        return None
     model = TinyLM(TinyConfig(**blob["config"]))
-    model.load_state_dict(blob["model"])
+    model.load_state_dict(blob["ema" if ema else "model"])
     return model.eval()
 
 

@@ -1,0 +1,68 @@
+"""Deterministic fakes for testing suites: models whose answers are known in closed form.
+
+``BigramLM`` returns a fixed row of logits for each input token, so every token's NLL
+is a NumPy one-liner; ``QuantileSampler`` replaces random draws by evenly spaced
+quantiles, so sample i of n picks the token whose cumulative probability first reaches
+(i + ½)/n; ``CharTokenizer`` makes a token out of every character, so tokens and UTF-8
+bytes differ as soon as the text is not ASCII.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["BigramLM", "CharTokenizer", "QuantileSampler"]
+
+
+class BigramLM(nn.Module):
+    """logits[b, t] = table[tokens[b, t]] (float64): the next token depends on this one only."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        super().__init__()
+        table = np.asarray(table, dtype=np.float64)
+        if table.ndim != 2 or table.shape[0] != table.shape[1]:
+            raise ValueError(f"table must be square [V, V], got {table.shape}")
+        self.register_buffer("table", torch.from_numpy(table.copy()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table[tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class CharTokenizer:
+    """One token per character of ``alphabet``; BOS is ``len(alphabet)``."""
+
+    alphabet: str
+    version: str = "chars/test"
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {c: i for i, c in enumerate(self.alphabet)})
+
+    @property
+    def bos_id(self) -> int:
+        return len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._index[c] for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.alphabet[i] for i in ids if 0 <= i < len(self.alphabet))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantileSampler:
+    """Sample i of ``n`` takes the first token whose cumulative probability >= (i + ½)/n."""
+
+    n: int
+    version: str = "quantile/test"
+
+    def __call__(self, probs: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+        cdf = probs.double().cumsum(-1)
+        u = (sample_ids.double().to(cdf.device) + 0.5) / self.n
+        return torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
