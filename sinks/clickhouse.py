@@ -1,9 +1,12 @@
 """The one writer into ClickHouse, for ``chdb:///abs/path`` (embedded) and ``http(s)://``.
 
-Rows are inserted column-oriented in batches; a failed insert is retried with capped
-exponential backoff (the caller does not move on, so Kafka offsets are committed only
-after the write is durable). Re-inserting a batch is harmless: tables deduplicate on
-their natural key.
+Rows are inserted column-oriented in batches of at most ``batch_rows``. A failed insert
+is retried with capped exponential backoff while the store is unavailable; the call
+returns only once the rows are stored (or raises ``StoreUnavailable`` when the retry
+budget is spent), so the stream commits Kafka offsets only for durable rows. Retrying
+is safe because every table deduplicates on its natural key: a batch stored twice
+reads back once. Rows that can never be stored (an unknown column, a value of the
+wrong type) raise at once instead of being retried.
 """
 
 from __future__ import annotations
@@ -11,21 +14,32 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import clickhouse_connect
-from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.exceptions import ClickHouseError, DataError, Error, ProgrammingError
 
-from .schema import MIGRATIONS, TABLE_COLUMNS
+from .schema import MIGRATIONS, SENSITIVE_ARTIFACTS, TABLE_COLUMNS, VIEWS
+from .schema import sensitive_artifacts as _sensitive_table
 
-__all__ = ["ClickHouseSink", "StoreUnavailable", "connect"]
+__all__ = ["ClickHouseSink", "RejectedRows", "StoreUnavailable", "connect"]
 
 log = logging.getLogger(__name__)
+
+# Server error codes that describe the rows or the statement, not the store's health:
+# retrying cannot help. 6 CANNOT_PARSE_TEXT, 16 NO_SUCH_COLUMN_IN_TABLE, 27
+# CANNOT_PARSE_INPUT_ASSERTION_FAILED, 53 TYPE_MISMATCH, 62 SYNTAX_ERROR, 70
+# CANNOT_CONVERT_TYPE, 117 INCORRECT_DATA, 349 CANNOT_INSERT_NULL_IN_ORDINARY_COLUMN.
+_PERMANENT_CODES = frozenset({6, 16, 27, 53, 62, 70, 117, 349})
 
 
 class StoreUnavailable(RuntimeError):
     """The store could not be reached within the retry budget."""
+
+
+class RejectedRows(ValueError):
+    """The rows can never be stored as given (unknown table or column, wrong value type)."""
 
 
 def connect(url: str, *, username: str = "default", password_env: str = "") -> Any:
@@ -37,54 +51,144 @@ def connect(url: str, *, username: str = "default", password_env: str = "") -> A
     return clickhouse_connect.get_client(dsn=url, username=username, password=password)
 
 
+def _permanent(exc: BaseException) -> bool:
+    if isinstance(exc, (DataError, TypeError, ValueError)):
+        return True  # raised while serialising the rows on this side
+    if isinstance(exc, ProgrammingError) and exc.code is None:
+        return True  # rejected by the client before anything was sent
+    return isinstance(exc, Error) and exc.code in _PERMANENT_CODES
+
+
 @dataclass(slots=True)
 class ClickHouseSink:
-    """Batched, retried, idempotent inserts into database ``database``."""
+    """Batched, retried, idempotent inserts into database ``database``.
+
+    ``retries`` counts failed attempts that were retried (for health reporting and tests).
+    """
 
     client: Any
     database: str = "probewire"
     retry_max_s: float = 30.0
     sleep: Callable[[float], None] = time.sleep
+    batch_rows: int = 50_000
+    retries: int = field(default=0, init=False)
 
-    def migrate(self) -> int:
-        """Create the database and apply pending migrations; returns the schema version."""
+    def __post_init__(self) -> None:
+        if not self.database.isidentifier():
+            raise ValueError(f"database must be a plain identifier, got {self.database!r}")
+        if self.batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1, got {self.batch_rows!r}")
+
+    def migrate(self, *, sensitive_artifacts: bool = False, sensitive_ttl_days: int = 7) -> int:
+        """Create the database, apply pending migrations and (re)create the views.
+
+        With ``sensitive_artifacts`` the opt-in table of raw samples and token traces is
+        created (or its TTL updated to ``sensitive_ttl_days``); without it nothing is
+        created, and an existing table is left as it is. Returns the schema version.
+        """
         db = self.database
-        self.client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
-        self.client.command(
+        self._command(f"CREATE DATABASE IF NOT EXISTS {db}")
+        self._command(
             f"CREATE TABLE IF NOT EXISTS {db}.schema_migrations (version UInt32, "
             "description String, applied_at DateTime64(3) DEFAULT now64(3)) "
             "ENGINE = ReplacingMergeTree ORDER BY version")
-        applied = {row[0] for row in self.client.query(
-            f"SELECT version FROM {db}.schema_migrations FINAL").result_rows}
+        applied = {row[0] for row in self._retry(lambda: self.client.query(
+            f"SELECT version FROM {db}.schema_migrations FINAL").result_rows)}
         for migration in MIGRATIONS:
             if migration.version in applied:
                 continue
             for statement in migration.statements:
-                self.client.command(statement.format(db=db))
-            self.client.insert(f"{db}.schema_migrations",
-                               [[migration.version, migration.description]],
-                               column_names=["version", "description"])
+                self._command(statement.replace("{db}", db))
+            self._retry(lambda m=migration: self.client.insert(
+                f"{db}.schema_migrations", [[m.version, m.description]],
+                column_names=["version", "description"]))
+        if sensitive_artifacts:
+            table = _sensitive_table(sensitive_ttl_days)
+            self._command(table.ddl(db))
+            self._command(f"ALTER TABLE {db}.{SENSITIVE_ARTIFACTS} MODIFY TTL {table.ttl}")
+        for view in VIEWS:
+            self._command(view.ddl(db))
         return max(m.version for m in MIGRATIONS)
 
     def write(self, table: str, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Insert rows (dicts keyed by column) as one column-oriented batch; retry until stored."""
+        """Store rows (dicts keyed by column); returns how many. Blocks until stored.
+
+        Each row may carry any subset of the table's columns; the others take their
+        defaults. Rows with the same set of columns go into one column-oriented insert.
+        """
         if not rows:
             return 0
-        columns = TABLE_COLUMNS[table]
-        data = [[row[c] for row in rows] for c in columns]
-        self._retry(lambda: self.client.insert(f"{self.database}.{table}", data,
-                                               column_names=list(columns), column_oriented=True))
+        known = _known_columns(table)
+        first = rows[0]
+        if all(len(row) == len(first) for row in rows):
+            try:  # the usual case: every row has the same columns
+                self._write_group(table, known, first, rows)
+                return len(rows)
+            except KeyError:
+                pass  # same width, different columns: group them below
+        by_columns: dict[frozenset[str], list[Mapping[str, Any]]] = {}
+        for row in rows:
+            by_columns.setdefault(frozenset(row), []).append(row)
+        for group in by_columns.values():
+            self._write_group(table, known, group[0], group)
         return len(rows)
+
+    def write_columns(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+        """Store rows given column-wise (``{column: values}``, equal lengths); returns how many."""
+        known = _known_columns(table)
+        unknown = set(columns) - set(known)
+        if unknown:
+            raise RejectedRows(f"{table}: unknown column(s) {sorted(unknown)}")
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise RejectedRows(f"{table}: columns of different lengths {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        names = [c for c in known if c in columns]
+        for start in range(0, n, self.batch_rows):
+            data = [columns[c][start:start + self.batch_rows] for c in names]
+            self._insert(table, names, data)
+        return n
+
+    def _write_group(self, table: str, known: tuple[str, ...], first: Mapping[str, Any],
+                     rows: Sequence[Mapping[str, Any]]) -> None:
+        """Rows that all carry ``first``'s columns (a KeyError says one does not)."""
+        unknown = set(first) - set(known)
+        if unknown:
+            raise RejectedRows(f"{table}: unknown column(s) {sorted(unknown)}; "
+                               f"known: {list(known)}")
+        names = [c for c in known if c in first]
+        data = [[row[c] for row in rows] for c in names]  # all before any insert; > zip(*rows)
+        for start in range(0, len(rows), self.batch_rows):
+            self._insert(table, names, [column[start:start + self.batch_rows] for column in data])
+
+    def _insert(self, table: str, columns: list[str], data: list[Sequence[Any]]) -> None:
+        self._retry(lambda: self.client.insert(f"{self.database}.{table}", data,
+                                               column_names=columns, column_oriented=True))
+
+    def _command(self, sql: str) -> Any:
+        return self._retry(lambda: self.client.command(sql))
 
     def _retry(self, action: Callable[[], Any]) -> Any:
         delay, waited = 0.1, 0.0
         while True:
             try:
                 return action()
-            except (ClickHouseError, OSError, RuntimeError) as exc:
+            except (ClickHouseError, OSError, TypeError, ValueError) as exc:
+                if _permanent(exc):
+                    raise RejectedRows(str(exc).strip().splitlines()[0]) from exc
                 if waited >= self.retry_max_s:
                     raise StoreUnavailable(f"store unavailable after {waited:.1f}s: {exc}") from exc
-                log.warning("probewire sink: insert failed (%s); retrying in %.1fs", exc, delay)
+                self.retries += 1
+                log.warning("probewire sink: store call failed (%s); retrying in %.1fs",
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else exc, delay)
                 self.sleep(delay)
                 waited += delay
                 delay = min(delay * 2, 5.0)
+
+
+def _known_columns(table: str) -> tuple[str, ...]:
+    try:
+        return TABLE_COLUMNS[table]
+    except KeyError:
+        raise RejectedRows(f"unknown table {table!r}; known: {sorted(TABLE_COLUMNS)}") from None
+

@@ -1,59 +1,410 @@
-"""ClickHouse schema of database ``probewire``, as ordered, idempotent migrations.
+"""ClickHouse schema of database ``probewire``: table definitions, migrations and views.
 
-Every table is a ReplacingMergeTree on its natural key with ``inserted_at`` as the
-version, so re-delivering the same rows leaves the deduplicated contents unchanged
-(read with ``FINAL`` or through the views). Names are LowCardinality; labels are a
-bounded, sorted ``k=v|k=v`` string so they can sit in the sort key.
+Idempotency. Every table is a ReplacingMergeTree whose sorting key is the row's natural
+key and whose version is an insert (or update) time, so re-delivering rows leaves the
+deduplicated contents unchanged and a corrected re-delivery wins. Read with ``FINAL``
+or through the views, which already do. No table is partitioned by time: rows of one
+key in different partitions would never be merged into one.
+
+Cardinality. Names (run, metric, source, tensor, layer, signal, ...) are
+LowCardinality; labels are one bounded, sorted ``k=v|k=v`` string that sits in the key.
+
+The tables are declared once below (``TABLES``); the DDL of migration 1 and the
+writer's column lists (``TABLE_COLUMNS``) are generated from those declarations, so
+they cannot drift apart. After a first deployment, a change to a table is a new
+``Migration`` (``ALTER TABLE ...``) plus the matching edit to its declaration. Views
+hold no data: ``migrate`` re-creates all of them on every run (``CREATE OR REPLACE``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MIGRATIONS", "Migration", "TABLE_COLUMNS"]
+__all__ = [
+    "Column",
+    "MIGRATIONS",
+    "Migration",
+    "RECENT_TABLES",
+    "SENSITIVE_ARTIFACTS",
+    "TABLES",
+    "TABLE_COLUMNS",
+    "Table",
+    "VIEWS",
+    "View",
+]
+
+_VERSION = "inserted_at"
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column: ClickHouse type, optional DEFAULT expression, and what it means."""
+
+    name: str
+    type: str
+    default: str | None = None
+    comment: str = ""
+
+    def ddl(self) -> str:
+        text = f"`{self.name}` {self.type}"
+        if self.default is not None:
+            text += f" DEFAULT {self.default}"
+        if self.comment:
+            text += " COMMENT '" + self.comment.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A ReplacingMergeTree keyed by its natural key, deduplicated on ``version``."""
+
+    name: str
+    comment: str
+    columns: tuple[Column, ...]
+    key: tuple[str, ...]
+    version: str = _VERSION
+    ttl: str | None = None
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.columns]
+        missing = [k for k in (*self.key, self.version) if k not in names]
+        if missing or len(set(names)) != len(names):
+            raise ValueError(f"table {self.name}: bad key/version {missing} or duplicate columns")
+
+    def ddl(self, db: str) -> str:
+        columns = ",\n    ".join(c.ddl() for c in self.columns)
+        ttl = f"\nTTL {self.ttl}" if self.ttl else ""
+        comment = self.comment.replace("'", "\\'")
+        key = self.key[0] if len(self.key) == 1 else f"({', '.join(self.key)})"
+        return (f"CREATE TABLE IF NOT EXISTS {db}.{self.name} (\n    {columns}\n)\n"
+                f"ENGINE = ReplacingMergeTree({self.version})\n"
+                f"ORDER BY {key}{ttl}\nCOMMENT '{comment}'")
+
+    @property
+    def writer_columns(self) -> tuple[str, ...]:
+        """Every column a writer may send (``inserted_at`` is always the server's)."""
+        return tuple(c.name for c in self.columns if c.name != _VERSION)
+
+
+def _inserted_at() -> Column:
+    return Column(_VERSION, "DateTime64(6)", "now64(6)",
+                  "version: the latest insert of a key wins")
+
+
+def _name(name: str, comment: str = "") -> Column:
+    return Column(name, "LowCardinality(String)", comment=comment)
+
+
+def _f(name: str, comment: str = "") -> Column:
+    """A measurement that may be absent: NULL means not measured, never zero."""
+    return Column(name, "Nullable(Float64)", "NULL", comment)
+
+
+_RUN = _name("run_id")
+_STEP = Column("step", "UInt64", comment="optimizer step")
+
+RUNS = Table("runs", "one row per training run, replaced as the run progresses", (
+    _RUN,
+    Column("world_size", "UInt32", comment="ranks in the job"),
+    Column("first_step", "UInt64", "0"),
+    Column("last_step", "UInt64", "0"),
+    Column("started_at", "DateTime64(3)", "now64(3)"),
+    Column("updated_at", "DateTime64(3)", "now64(3)", "version"),
+    Column("status", "LowCardinality(String)", "'running'", "running, finished or failed"),
+    Column("config", "String", "'{}'", "the run configuration as JSON"),
+    Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
+), key=("run_id",), version="updated_at")
+
+STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
+    _RUN, _STEP,
+    Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
+    Column("flops", "Float64", "0", "cumulative estimated FLOPs through this step"),
+    Column("step_tokens", "UInt64", "0", "valid tokens of this step (N_tok)"),
+    _f("loss", "L = sum of loss sums / sum of valid tokens over ranks"),
+    _f("loss_worst_rank", "L_max: the largest per-rank mean loss"),
+    Column("loss_worst_rank_id", "Nullable(UInt32)", "NULL", "the rank holding L_max"),
+    _f("grad_norm", "G2 before clipping"),
+    _f("clip_rate", "fraction of the recent window of steps with G2 above the clip threshold"),
+    Column("clipped", "UInt8", "0", "1 when G2 exceeded the clip threshold at this step"),
+    _f("loss_z", "robust spike score of the loss"),
+    _f("grad_z", "robust spike score of G2"),
+    Column("loss_spike", "UInt8", "0"),
+    Column("grad_spike", "UInt8", "0"),
+    Column("cospike", "UInt8", "0", "loss and G2 spiked at this step"),
+    Column("cospike_count", "UInt64", "0", "cumulative co-spikes"),
+    Column("cospike_magnitude", "Float64", "0", "cumulative co-spike magnitude"),
+    _f("step_time_s", "tau = max over ranks of the local step time"),
+    _f("tokens_per_s", "N_tok / tau"),
+    _f("compute_rate", "Phi: estimated FLOP/s per device"),
+    _f("straggler_score", "S = tau / median local step time"),
+    Column("straggler_rank", "Nullable(UInt32)", "NULL", "the slowest rank"),
+    _f("peak_memory_bytes", "peak device memory, max over ranks"),
+    Column("peak_memory_rank", "Nullable(UInt32)", "NULL", "the rank with the peak"),
+    _f("moe_maxvio", "expert MaxVio = I - 1, worst layer"),
+    _f("moe_shard_imbalance", "expert-parallel shard imbalance, worst layer"),
+    _f("moe_h_norm", "normalized routing entropy, lowest layer"),
+    _f("output_absmax", "absolute maximum of the model output"),
+    Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
+    Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
+    Column("replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"),
+    Column("ranks_reporting", "UInt32", "0"),
+    Column("ranks_missing", "Array(UInt32)", "[]"),
+    Column("complete_reason", "LowCardinality(String)", "''",
+           "all_ranks, deadline or later_step"),
+    Column("warmup", "UInt8", "0", "1 while the spike detectors warm up"),
+    _inserted_at(),
+), key=("run_id", "step"))
+
+SOURCE_METRICS = Table("source_metrics", "loss by data source or modality", (
+    _RUN, _STEP, _name("source"),
+    Column("loss", "Float64", comment="valid-token mean loss of the source"),
+    Column("token_share", "Float64", comment="share of the step's valid tokens"),
+    Column("tokens", "UInt64", comment="valid tokens of the source in this step"),
+    _inserted_at(),
+), key=("run_id", "source", "step"))
+
+RANK_METRICS = Table("rank_metrics", "per-rank components of retained steps", (
+    _RUN, _STEP,
+    Column("rank", "UInt32"),
+    _name("metric"),
+    Column("labels", "String", "''", "sorted k=v|k=v, bounded"),
+    Column("value", "Float64"),
+    Column("late", "UInt8", "0", "1 when the rank reported after its step was reduced"),
+    _inserted_at(),
+), key=("run_id", "metric", "step", "labels", "rank"))
+
+TENSOR_STATS = Table("tensor_stats", "one-pass tensor statistics reduced across ranks", (
+    _RUN, _STEP, _name("tensor"),
+    _name("kind", "fwd, bwd, grad, param, update, ..."),
+    Column("n", "Float64", comment="element count"),
+    Column("sum", "Float64"),
+    Column("sum_sq", "Float64"),
+    Column("abs_sum", "Float64"),
+    Column("abs_max", "Float64"),
+    Column("zeros", "Float64", "0"),
+    Column("nonfinite", "Float64", "0"),
+    Column("sum3", "Nullable(Float64)", "NULL"),
+    Column("sum4", "Nullable(Float64)", "NULL"),
+    _inserted_at(),
+), key=("run_id", "kind", "tensor", "step"))
+
+EXPERT_STATS = Table("expert_stats", "per-expert valid-token loads of retained steps", (
+    _RUN, _STEP, _name("layer"),
+    Column("expert", "UInt32"),
+    Column("tokens", "Float64", comment="c_i summed over ranks"),
+    Column("shard", "UInt32", "0", "expert-parallel shard of the expert"),
+    _inserted_at(),
+), key=("run_id", "layer", "step", "expert"))
+
+_CULPRIT = Column("culprit", "LowCardinality(String)", "''",
+                  "who carries it: rank 3, source code, layer 2, ... (part of the key)")
+
+ANOMALIES = Table("anomalies", "what the detectors flagged", (
+    _RUN, _STEP,
+    _name("signal", "what moved: loss, grad_norm, cospike, loss_by_source, step_time, ..."),
+    _name("kind", "spike, cospike, nonfinite, threshold or drift"),
+    Column("value", "Float64"),
+    _f("baseline"),
+    _f("z"),
+    _CULPRIT,
+    Column("detected_at", "DateTime64(3)", "now64(3)"),
+    _inserted_at(),
+), key=("run_id", "step", "signal", "kind", "culprit"))
+
+ALERTS = Table("alerts", "pages and warnings sent", (
+    _RUN, _STEP, _name("signal"),
+    _name("severity", "page or warn"),
+    Column("value", "Float64"),
+    _f("baseline"),
+    _f("z"),
+    Column("tokens", "UInt64", "0"),
+    Column("ranks", "Array(UInt32)", "[]"),
+    Column("message", "String", "''"),
+    Column("next_steps", "Array(String)", "[]"),
+    _CULPRIT,
+    Column("fired_at", "DateTime64(3)", "now64(3)"),
+    _inserted_at(),
+), key=("run_id", "step", "signal", "culprit"))
+
+EVALUATIONS = Table("evaluations", "checkpoint evaluations", (
+    _RUN, _STEP,
+    Column("tokens", "UInt64", "0"),
+    Column("flops", "Float64", "0"),
+    _name("suite"),
+    _name("metric", "bpb, nll, accuracy, exact_match, ..."),
+    Column("value", "Float64"),
+    Column("weights_stream", "LowCardinality(String)", "'raw'", "raw or ema"),
+    Column("reference", "UInt8", "0", "1 for the weight stream decisions are made on"),
+    Column("n_items", "UInt32", "0"),
+    *(Column(f"{part}_version", "LowCardinality(String)", "''")
+      for part in ("dataset", "tokenizer", "prompt", "decoding", "postprocess", "judge")),
+    Column("evaluated_at", "DateTime64(3)", "now64(3)"),
+    _inserted_at(),
+), key=("run_id", "suite", "metric", "weights_stream", "step"))
+
+DEAD_LETTERS = Table("dead_letters", "malformed input, kept with the reason", (
+    Column("topic", "LowCardinality(String)"),
+    Column("partition", "UInt32"),
+    Column("offset", "UInt64"),
+    Column("key", "String", "''"),
+    Column("reason", "String"),
+    Column("payload_b64", "String", "''"),
+    Column("received_at", "DateTime64(3)", "now64(3)"),
+    _inserted_at(),
+), key=("topic", "partition", "offset"))
+
+STREAM_STATE = Table("stream_state", "detector windows and other state of the stream", (
+    _RUN,
+    Column("key", "String"),
+    Column("step", "Int64", comment="last step folded into the state"),
+    Column("state", "String", comment="JSON"),
+    Column("updated_at", "DateTime64(6)", "now64(6)", "version"),
+), key=("run_id", "key"), version="updated_at")
+
+
+
+def _recent(table: Table) -> Table:
+    """The durable look-back buffer of a detail table: every step's detail, kept one day.
+
+    The stream writes all per-rank and P1/P2 detail here and copies the steps its
+    retention policy keeps into ``table`` (seeds 001 §12): the buffer survives a worker
+    restart because it lives in the store, not in the worker.
+    """
+    return Table(f"{table.name}_recent", f"look-back buffer of {table.name} (1 day)",
+                 table.columns, table.key, table.version,
+                 ttl=f"toDateTime({table.version}) + INTERVAL 1 DAY")
+
+
+RECENT_TABLES: tuple[Table, ...] = tuple(_recent(t) for t in (RANK_METRICS, TENSOR_STATS,
+                                                               EXPERT_STATS))
+
+TABLES: tuple[Table, ...] = (RUNS, STEP_METRICS, SOURCE_METRICS, RANK_METRICS, TENSOR_STATS,
+                             EXPERT_STATS, ANOMALIES, ALERTS, EVALUATIONS, DEAD_LETTERS,
+                             STREAM_STATE, *RECENT_TABLES)
+
+
+def sensitive_artifacts(ttl_days: int) -> Table:
+    """The opt-in table of raw samples and token traces; rows expire after ``ttl_days``."""
+    if not 1 <= int(ttl_days) <= 90:
+        raise ValueError(f"ttl_days must lie in [1, 90], got {ttl_days!r}")
+    return Table("sensitive_artifacts", "opt-in raw samples and token traces, short-lived", (
+        _RUN, _STEP,
+        Column("rank", "UInt32"),
+        _name("kind", "sample, token_trace, ..."),
+        Column("name", "String", "''"),
+        Column("content", "String"),
+        Column("created_at", "DateTime64(3)", "now64(3)"),
+        _inserted_at(),
+    ), key=("run_id", "step", "rank", "kind", "name"),
+        ttl=f"toDateTime(created_at) + INTERVAL {int(ttl_days)} DAY")
+
+
+SENSITIVE_ARTIFACTS = "sensitive_artifacts"
+
+# Columns a writer may supply per table; ``ClickHouseSink.write`` inserts the subset present.
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
+    **{t.name: t.writer_columns for t in TABLES},
+    SENSITIVE_ARTIFACTS: sensitive_artifacts(7).writer_columns,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Migration:
     version: int
     description: str
-    statements: tuple[str, ...]
+    statements: tuple[str, ...]  # ``{db}`` stands for the database name
 
 
-_V1 = Migration(1, "step and per-rank metrics", (
-    """CREATE TABLE IF NOT EXISTS {db}.step_metrics (
-        run_id LowCardinality(String),
-        step UInt64,
-        tokens UInt64,
-        step_tokens UInt64,
-        loss Nullable(Float64),
-        loss_worst_rank Nullable(Float64),
-        loss_worst_rank_id Nullable(UInt32),
-        grad_norm Nullable(Float64),
-        step_time_s Nullable(Float64),
-        ranks_reporting UInt32,
-        ranks_missing Array(UInt32),
-        complete_reason LowCardinality(String),
-        inserted_at DateTime64(6) DEFAULT now64(6)
-    ) ENGINE = ReplacingMergeTree(inserted_at) ORDER BY (run_id, step)""",
-    """CREATE TABLE IF NOT EXISTS {db}.rank_metrics (
-        run_id LowCardinality(String),
-        step UInt64,
-        rank UInt32,
-        metric LowCardinality(String),
-        labels String,
-        value Float64,
-        late UInt8,
-        inserted_at DateTime64(6) DEFAULT now64(6)
-    ) ENGINE = ReplacingMergeTree(inserted_at) ORDER BY (run_id, step, metric, labels, rank)""",
-))
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "runs, step/source/rank metrics, tensor and expert statistics (and their "
+                 "look-back buffers), anomalies, alerts, evaluations, dead letters, "
+                 "stream state",
+              tuple(t.ddl("{db}") for t in TABLES)),
+)
 
-MIGRATIONS: tuple[Migration, ...] = (_V1,)
 
-# Columns the writer supplies for each table (``inserted_at`` is filled by the server).
-TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "step_metrics": ("run_id", "step", "tokens", "step_tokens", "loss", "loss_worst_rank",
-                     "loss_worst_rank_id", "grad_norm", "step_time_s", "ranks_reporting",
-                     "ranks_missing", "complete_reason"),
-    "rank_metrics": ("run_id", "step", "rank", "metric", "labels", "value", "late"),
-}
+@dataclass(frozen=True, slots=True)
+class View:
+    name: str
+    select: str  # ``{db}`` stands for the database name
+
+    def ddl(self, db: str) -> str:
+        return f"CREATE OR REPLACE VIEW {db}.{self.name} AS\n" + self.select.replace("{db}", db)
+
+
+# One row per (run_id, step): the nine P0 signals, held-out bits per byte alongside (the
+# latest reference-stream ``bpb`` evaluation at or before the step; with several suites
+# at one step, the one with the most items).
+_FIRST_SCREEN = View("first_screen", """
+SELECT
+    s.run_id AS run_id, s.step AS step, s.tokens AS tokens, s.flops AS flops,
+    s.loss AS loss, s.loss_worst_rank AS loss_worst_rank,
+    s.loss_worst_rank_id AS loss_worst_rank_id,
+    s.grad_norm AS grad_norm, s.clip_rate AS clip_rate,
+    s.cospike AS cospike, s.cospike_count AS cospike_count,
+    s.step_time_s AS step_time_s, s.tokens_per_s AS tokens_per_s,
+    s.compute_rate AS compute_rate, s.straggler_score AS straggler_score,
+    s.straggler_rank AS straggler_rank,
+    s.peak_memory_bytes AS peak_memory_bytes, s.peak_memory_rank AS peak_memory_rank,
+    s.moe_maxvio AS moe_maxvio, s.moe_shard_imbalance AS moe_shard_imbalance,
+    s.output_absmax AS output_absmax,
+    e.bpb AS heldout_bpb, e.bpb_step AS heldout_bpb_step
+FROM (SELECT * FROM {db}.step_metrics FINAL) AS s
+ASOF LEFT JOIN (
+    SELECT run_id, step, toNullable(argMax(value, (n_items, suite))) AS bpb,
+           toNullable(step) AS bpb_step
+    FROM {db}.evaluations FINAL
+    WHERE metric = 'bpb' AND reference = 1
+    GROUP BY run_id, step
+) AS e ON s.run_id = e.run_id AND s.step >= e.step
+""")
+
+_LOSS_BY_SOURCE = View("loss_by_source", """
+SELECT src.run_id AS run_id, src.step AS step, run.tokens AS tokens, src.source AS source,
+       src.loss AS loss, src.token_share AS token_share, src.tokens AS source_tokens
+FROM (SELECT run_id, step, source, loss, token_share, tokens
+      FROM {db}.source_metrics FINAL) AS src
+LEFT JOIN (SELECT run_id, step, tokens FROM {db}.step_metrics FINAL) AS run
+    ON src.run_id = run.run_id AND src.step = run.step
+""")
+
+# RMS, absolute mean, zero fraction and excess kurtosis from the reduced power sums
+# (kurtosis only where sum3/sum4 were measured and the variance is resolvable).
+_TENSOR_VIEW = View("tensor_view", """
+SELECT run_id, step, tensor, kind, n, abs_max, nonfinite, rms, abs_mean, zero_frac, mean,
+    if(n > 0 AND m4 IS NOT NULL AND m2 > 1e-10 * e2, m4 / (m2 * m2) - 3, NULL)
+        AS excess_kurtosis
+FROM (
+    SELECT run_id, step, tensor, kind, n, abs_max, nonfinite,
+        if(n > 0, sqrt(sum_sq / n), NULL) AS rms,
+        if(n > 0, abs_sum / n, NULL) AS abs_mean,
+        if(n > 0, zeros / n, NULL) AS zero_frac,
+        if(n > 0, `sum` / n, NULL) AS mean,
+        `sum` / n AS mu, sum_sq / n AS e2, e2 - mu * mu AS m2,
+        sum4 / n - 4 * mu * sum3 / n + 6 * mu * mu * e2 - 3 * pow(mu, 4) AS m4
+    FROM {db}.tensor_stats FINAL
+)
+""")
+
+# Per (run, step, layer): I, MaxVio, H_norm, dead ratio and shard imbalance from the
+# expert loads c_i (seeds 001 §7). H = log T - sum c_i log c_i / T over c_i > 0.
+# Layers that received no valid token are left out, not reported as zero.
+_EXPERT_BALANCE = View("expert_balance", """
+SELECT run_id, step, layer,
+    count() AS experts,
+    sum(tokens) AS layer_tokens,
+    max(tokens) / (layer_tokens / experts) AS imbalance,
+    imbalance - 1 AS max_violation,
+    if(experts > 1,
+       (log(layer_tokens) - sumIf(tokens * log(tokens), tokens > 0) / layer_tokens)
+           / log(experts),
+       NULL) AS h_norm,
+    countIf(tokens = 0) / experts AS dead_ratio,
+    argMax(expert, tokens) AS busiest_expert,
+    arrayMax(sumMap([shard], [tokens]).2) / (layer_tokens / uniqExact(shard)) AS shard_imbalance
+FROM {db}.expert_stats FINAL
+GROUP BY run_id, step, layer
+HAVING layer_tokens > 0
+""")
+
+VIEWS: tuple[View, ...] = (_FIRST_SCREEN, _LOSS_BY_SOURCE, _TENSOR_VIEW, _EXPERT_BALANCE)

@@ -1,0 +1,129 @@
+"""The migrated schema: tables as declared, views that compute the seed definitions."""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import pytest
+
+from probewire.sinks import TABLE_COLUMNS, TABLES, VIEWS, ClickHouseSink
+from probewire.stream import derive
+from probewire.sinks.testing import recorded_run
+
+
+@pytest.fixture()
+def sink(ch_client, ch_database) -> ClickHouseSink:
+    sink = ClickHouseSink(ch_client, ch_database)
+    sink.migrate()
+    return sink
+
+
+def _rows(client, sql: str) -> list[tuple]:
+    return client.query(sql).result_rows
+
+
+def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, sink) -> None:
+    db = sink.database
+    for table in TABLES:
+        got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
+                               f"AND table = '{table.name}' ORDER BY position")
+        assert got == [(c.name, c.type) for c in table.columns], table.name
+        engine = _rows(ch_client, f"SELECT engine, sorting_key FROM system.tables "
+                                  f"WHERE database = '{db}' AND name = '{table.name}'")
+        assert engine == [("ReplacingMergeTree", ", ".join(table.key))], table.name
+    views = {r[0] for r in _rows(ch_client, f"SELECT name FROM system.tables WHERE "
+                                            f"database = '{db}' AND engine = 'View'")}
+    assert views == {v.name for v in VIEWS}
+
+
+def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
+    assert sink.migrate() == 1
+    assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations") == [(1,)]
+
+
+def test_sensitive_artifacts_exist_only_when_opted_in_with_their_ttl(ch_client, sink) -> None:
+    db = sink.database
+
+    def ttl() -> list[tuple]:
+        return _rows(ch_client, f"SELECT engine_full FROM system.tables WHERE database = "
+                                f"'{db}' AND name = 'sensitive_artifacts'")
+
+    assert ttl() == []
+    sink.migrate(sensitive_artifacts=True, sensitive_ttl_days=3)
+    assert "toIntervalDay(3)" in ttl()[0][0]
+    sink.migrate(sensitive_artifacts=True, sensitive_ttl_days=5)
+    assert "toIntervalDay(5)" in ttl()[0][0]
+    with pytest.raises(ValueError):
+        sink.migrate(sensitive_artifacts=True, sensitive_ttl_days=365)
+
+
+def test_every_column_the_stream_writes_is_known_to_the_writer() -> None:
+    run = recorded_run("cols", steps=12, retain_every=5)
+    for table, rows in run.tables.items():
+        assert set().union(*rows) <= set(TABLE_COLUMNS[table]), table
+
+
+def test_a_row_with_only_some_columns_takes_the_defaults_for_the_rest(ch_client, sink) -> None:
+    sink.write("step_metrics", [{"run_id": "r", "step": 3, "tokens": 300, "loss": 2.5,
+                                 "ranks_missing": [1], "complete_reason": "deadline"}])
+    got = _rows(ch_client, f"SELECT loss, ranks_missing, flops, clip_rate, cospike_count, "
+                           f"moe_maxvio FROM {sink.database}.step_metrics FINAL")
+    assert got == [(2.5, [1], 0.0, None, 0, None)]
+
+
+def test_tensor_view_matches_the_reference_formulas(ch_client, sink) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_t(df=5, size=5000) * 0.3 + 0.1
+    x[:40] = 0.0
+    row = {"run_id": "r", "step": 100, "tensor": "layers.0.mlp", "kind": "param",
+           "n": float(x.size), "sum": float(x.sum()), "sum_sq": float((x**2).sum()),
+           "abs_sum": float(np.abs(x).sum()), "abs_max": float(np.abs(x).max()),
+           "zeros": float((x == 0).sum()), "nonfinite": 0.0, "sum3": float((x**3).sum()),
+           "sum4": float((x**4).sum())}
+    sink.write("tensor_stats", [row, row | {"tensor": "no_moments", "sum3": None, "sum4": None}])
+    got = _rows(ch_client, f"SELECT tensor, rms, abs_mean, zero_frac, excess_kurtosis FROM "
+                           f"{sink.database}.tensor_view ORDER BY tensor")
+    (name, rms, abs_mean, zero_frac, kurt), (_, _, _, _, none) = got
+    assert name == "layers.0.mlp" and none is None
+    assert rms == pytest.approx(math.sqrt(np.mean(x**2)), rel=1e-12)
+    assert abs_mean == pytest.approx(np.mean(np.abs(x)), rel=1e-12)
+    assert zero_frac == pytest.approx(40 / 5000)
+    centered = x - x.mean()
+    reference = np.mean(centered**4) / np.mean(centered**2) ** 2 - 3
+    assert kurt == pytest.approx(reference, rel=1e-6)
+    assert kurt == pytest.approx(derive.kurtosis_from_moments(
+        row["n"], row["sum"], row["sum_sq"], row["sum3"], row["sum4"]), rel=1e-9)
+
+
+def test_expert_balance_view_matches_derive(ch_client, sink) -> None:
+    loads = [120.0, 30.0, 0.0, 50.0, 80.0, 20.0]
+    shards = [0, 0, 1, 1, 2, 2]
+    sink.write("expert_stats", [
+        {"run_id": "r", "step": 5, "layer": "layers.1.moe", "expert": e, "tokens": c,
+         "shard": s} for e, (c, s) in enumerate(zip(loads, shards))] + [
+        {"run_id": "r", "step": 5, "layer": "empty", "expert": e, "tokens": 0.0, "shard": 0}
+        for e in range(4)])
+    got = _rows(ch_client, f"SELECT layer, imbalance, max_violation, h_norm, dead_ratio, "
+                           f"busiest_expert, shard_imbalance FROM {sink.database}.expert_balance")
+    ref = derive.expert_balance(loads)
+    assert len(got) == 1  # a layer with no valid token is not a measured zero
+    layer, imbalance, maxvio, h_norm, dead, busiest, shard = got[0]
+    assert layer == "layers.1.moe" and busiest == 0
+    assert (imbalance, maxvio, h_norm, dead) == pytest.approx(
+        (ref.imbalance, ref.max_violation, ref.entropy_norm, ref.dead_ratio), rel=1e-12)
+    assert shard == pytest.approx(derive.shard_imbalance(loads, shards), rel=1e-12)
+
+
+def test_first_screen_carries_the_latest_reference_bpb_at_or_before_each_step(ch_client,
+                                                                              sink) -> None:
+    sink.write("step_metrics", [{"run_id": "r", "step": s, "tokens": 100 * s} for s in range(6)])
+    evals = [(2, "raw", 1, 1.5), (2, "ema", 0, 1.1), (4, "raw", 1, 1.3)]
+    sink.write("evaluations", [
+        {"run_id": "r", "step": s, "suite": "heldout", "metric": "bpb", "value": v,
+         "weights_stream": w, "reference": ref} for s, w, ref, v in evals] + [
+        {"run_id": "r", "step": 1, "suite": "heldout", "metric": "nll", "value": 9.0,
+         "reference": 1}])
+    got = _rows(ch_client, f"SELECT step, heldout_bpb, heldout_bpb_step FROM "
+                           f"{sink.database}.first_screen WHERE run_id = 'r' ORDER BY step")
+    assert got == [(0, None, None), (1, None, None), (2, 1.5, 2), (3, 1.5, 2), (4, 1.3, 4),
+                   (5, 1.3, 4)]
