@@ -103,7 +103,9 @@ class LocalStack:
     def record(self, what: str, proc: subprocess.Popen, port: int | None = None) -> None:
         """Note a started process (and the loopback port it owns) in ``processes.json``."""
         self.started.append({"what": what, "pid": proc.pid, "port": port})
-        (self.work_dir / "processes.json").write_text(json.dumps(self.started))
+        tmp = self.work_dir / "processes.json.tmp"
+        tmp.write_text(json.dumps(self.started))
+        os.replace(tmp, self.work_dir / "processes.json")  # readers never see half a file
 
     @property
     def heartbeat_path(self) -> Path:

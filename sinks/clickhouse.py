@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+from urllib.parse import urlparse
 
 import clickhouse_connect
 from clickhouse_connect.driver.exceptions import ClickHouseError, DataError, Error, ProgrammingError
@@ -43,9 +44,16 @@ class RejectedRows(ValueError):
 
 
 def connect(url: str, *, username: str = "default", password_env: str = "") -> Any:
-    """A clickhouse-connect client for ``chdb:///abs/path`` or ``http(s)://host:port``."""
+    """A clickhouse-connect client for ``chdb:///abs/path`` or ``http(s)://host:port``.
+
+    Credentials written into the URL (``http://user:secret@host:8123``) win; otherwise
+    ``username`` and the password held by the environment variable ``password_env``.
+    """
     if url.startswith("chdb:///"):
         os.makedirs(url[len("chdb://"):], exist_ok=True)
+        return clickhouse_connect.get_client(dsn=url)
+    parsed = urlparse(url)
+    if parsed.username or parsed.password:
         return clickhouse_connect.get_client(dsn=url)
     password = os.environ.get(password_env, "") if password_env else ""
     return clickhouse_connect.get_client(dsn=url, username=username, password=password)

@@ -265,13 +265,14 @@ class RunPipeline:
 
     def _anomaly_row(self, step: int, f: Finding) -> dict[str, Any]:
         return {"run_id": self.run_id, "step": step, "signal": f.signal, "kind": f.kind,
-                "value": f.value, "baseline": f.baseline, "z": f.z}
+                "value": f.value, "baseline": f.baseline, "z": f.z, "culprit": f.culprit}
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:
         baseline = "n/a" if f.baseline is None else f"{f.baseline:.4g}"
         z = "" if f.z is None else f", z={f.z:.1f}"
         culprit = f"; carried by {f.culprit}" if f.culprit else ""
         return {"run_id": self.run_id, "step": step, "signal": f.signal, "severity": "page",
+                "culprit": f.culprit,
                 "value": f.value, "baseline": f.baseline, "z": f.z, "tokens": self.tokens,
                 "ranks": list(f.ranks),
                 "message": f"{f.signal} {f.kind} at step {step}: {f.value:.4g} against "

@@ -114,3 +114,17 @@ def test_rows_that_can_never_be_stored_are_not_retried(error) -> None:
 def test_every_table_column_list_leaves_the_version_to_the_server() -> None:
     assert all("inserted_at" not in cols for cols in TABLE_COLUMNS.values())
     assert TABLE_COLUMNS["runs"][0] == "run_id" and "updated_at" in TABLE_COLUMNS["runs"]
+
+
+def test_credentials_in_a_server_url_win_over_the_settings(monkeypatch) -> None:
+    import clickhouse_connect
+
+    from probewire.sinks import connect
+
+    calls: list[dict] = []
+    monkeypatch.setattr(clickhouse_connect, "get_client", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("PW_TEST_SECRET", "s3cret")
+    connect("http://test:pw@db:8123", username="default", password_env="PW_TEST_SECRET")
+    connect("https://db:8443", username="probewire", password_env="PW_TEST_SECRET")
+    assert calls == [{"dsn": "http://test:pw@db:8123"},
+                     {"dsn": "https://db:8443", "username": "probewire", "password": "s3cret"}]
