@@ -7,6 +7,7 @@ Tansu keeps everything in memory: a broker restart is a pipeline reset.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -21,12 +22,28 @@ from typing import IO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings
 
-__all__ = ["LocalStack", "StackError", "create_topics", "free_port", "stop_process",
+__all__ = ["LocalStack", "StackError", "create_topics", "free_port", "spawn", "stop_process",
            "tansu_binary"]
 
 
 class StackError(RuntimeError):
     """A component of the local stack failed to start; the message says which and why."""
+
+
+def _child_setup() -> None:
+    """Runs in each child before exec: its own session (signals go to it alone) and, on
+    Linux, SIGTERM when the parent dies, so a killed parent leaves no orphan behind."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def spawn(cmd: list[str], log: IO, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a child of the local stack (see ``_child_setup``)."""
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=_child_setup)
 
 
 def free_port() -> int:
@@ -120,11 +137,10 @@ class LocalStack:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         url = f"tcp://127.0.0.1:{port}"
-        self.broker = subprocess.Popen(
+        self.broker = spawn(
             [str(tansu_binary()), "broker", "--cluster-id", f"probewire-{port}",
              "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=self._log("broker"), stderr=subprocess.STDOUT, start_new_session=True)
+             "--storage-engine", "memory://tansu/"], self._log("broker"))
         self.record("broker", self.broker, port)
         _wait_port(port, self.broker, 20.0)
         self.bootstrap = f"127.0.0.1:{port}"
@@ -150,10 +166,8 @@ class LocalStack:
         env.update({"PROBEWIRE_CONFIG": str(config),
                     "PROBEWIRE_HEARTBEAT_FILE": str(self.heartbeat_path)})
         self.heartbeat_path.unlink(missing_ok=True)
-        self.worker = subprocess.Popen(
-            [sys.executable, "-m", "probewire.deploy.cli", "worker"],
-            stdout=self._log("worker"), stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+        self.worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker"],
+                            self._log("worker"), env)
         self.record("worker", self.worker)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from probewire.deploy.settings import Settings
-from probewire.deploy.stack import LocalStack, StackError, free_port, stop_process
+from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -45,8 +45,7 @@ def _start_ranks(stack: LocalStack, run_id: str, ranks: int, steps: int,
             cmd += ["--trace", str(trace)]
         log = open(stack.work_dir / f"rank{rank}.log", "ab")
         stack.logs.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = spawn(cmd, log, env)
         stack.record(f"rank{rank}", proc, port if rank == 0 else None)
         procs.append(proc)
     return procs

@@ -91,3 +91,17 @@ def test_ctrl_c_stops_everything(scratch_dir: Path) -> None:
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     _assert_clean(_started(scratch_dir))
+
+
+def test_children_die_with_a_killed_demo(scratch_dir: Path) -> None:
+    """SIGKILL runs no cleanup code; the children still stop (parent-death signal)."""
+    proc = _demo(scratch_dir, steps=100_000)
+    _wait_for(scratch_dir, "rank1")
+    time.sleep(2.0)
+    proc.kill()
+    proc.communicate(timeout=30)
+    started = _started(scratch_dir)
+    deadline = time.monotonic() + 60
+    while any(_alive(p["pid"]) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    _assert_clean(started)
