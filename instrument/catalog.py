@@ -7,6 +7,20 @@ Torch-free: the stream, the sink and the docs import it without a training stack
 
 Ranks send reducible *components* (sums, counts, maxima), never means or ratios; the
 stream forms L, L_max, G2, ... from them (seeds 001 §3-§6, "distributed reduction").
+
+Two rules decide who reports what, so that nothing is counted twice:
+
+* ``replicated_over`` is declared per metric. The stream keeps one representative per
+  replica class (ranks that differ only in those groups) before reducing.
+* Where replication depends on the tensor rather than on the metric (a LayerNorm weight
+  is identical on every tensor-parallel rank while a column-parallel weight is a shard;
+  a DDP parameter is identical on every data-parallel rank), the *rank* decides: a
+  contribution that is identical across a group the metric does not declare is reported
+  only by the rank at coordinate 0 of that group. ``probewire.instrument`` applies this
+  for gradients, parameters, updates and activations (see ``ProbeConfig.tp_replicated``).
+
+Sampled components are emitted only when measured: a rank without a valid token sends
+no ``loss.*`` point at all, never a zero.
 """
 
 from __future__ import annotations
@@ -16,7 +30,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Mapping
 
-__all__ = ["CATALOG", "Group", "MetricSpec", "Priority", "Reduction", "spec"]
+__all__ = ["CATALOG", "Group", "MetricSpec", "Priority", "Reduction", "describe", "spec"]
 
 
 class Priority(StrEnum):
@@ -75,55 +89,500 @@ class MetricSpec:
             raise ValueError(f"bad metric name {self.name!r}")
 
 
-_GRAD_POINT = ("global gradient after accumulation over micro-batches and loss-scale removal, "
-               "before clipping; one value per optimizer step")
+_ALL = frozenset(Group)
+_DP_CP = frozenset({Group.DATA, Group.CONTEXT})
+_TP_PP = frozenset({Group.TENSOR, Group.PIPELINE})
+P0, P1, P2 = Priority.P0, Priority.P1, Priority.P2
+SUM, MAX, MIN = Reduction.SUM, Reduction.MAX, Reduction.MIN
 
-_SPECS = (
-    MetricSpec(
-        name="loss.sum", priority=Priority.P0, cadence_steps=1, reduction=Reduction.SUM,
-        unit="nats", labels=(),
-        point="after the forward pass of every micro-batch, summed over the optimizer step",
-        doc="Σ_t m_t·ℓ_t: negative log-likelihood summed over valid target tokens of this rank. "
-            "L = Σ_r loss.sum / Σ_r loss.tokens; L_r = loss.sum / loss.tokens on one rank.",
-        seed="001 §3 (global mean loss, local mean loss)",
-        replicated_over=frozenset({Group.TENSOR}),
-    ),
-    MetricSpec(
-        name="loss.tokens", priority=Priority.P0, cadence_steps=1, reduction=Reduction.SUM,
-        unit="tokens", labels=(),
-        point="with loss.sum: the count of valid targets (padding and ignored labels excluded)",
-        doc="Σ_t m_t: valid target tokens on this rank; the denominator of L and L_r, and "
-            "N_tok for throughput. A rank with zero valid tokens is skipped in L_max.",
-        seed="001 §3, §5 (N_tok)",
-        replicated_over=frozenset({Group.TENSOR}),
-    ),
-    MetricSpec(
-        name="grad.norm_sq", priority=Priority.P0, cadence_steps=1, reduction=Reduction.SUM,
-        unit="1", labels=(), point=_GRAD_POINT,
-        doc="Σ_j g_j² over the gradient elements this rank holds. G2 = sqrt(Σ over shards); "
-            "data-parallel ranks hold the same all-reduced gradient, so one replica counts.",
-        seed="001 §4 (global gradient norm G2)",
-        replicated_over=frozenset({Group.DATA}),
-    ),
-    MetricSpec(
-        name="step_time_s", priority=Priority.P0, cadence_steps=1, reduction=Reduction.MAX,
-        unit="s", labels=(),
-        point="wall time of the whole step on this rank: data loading, forward, backward, "
-              "optimizer and synchronisation",
-        doc="τ_r. The step's wall time is τ = max_r τ_r; the straggler score uses the median.",
-        seed="001 §5 (step time, straggler score)",
-    ),
-    MetricSpec(
-        name="export.dropped_total", priority=Priority.P1, cadence_steps=1,
-        reduction=Reduction.PER_RANK, unit="steps", labels=(),
-        point="the rank's emitter, when a step's points are enqueued",
-        doc="Cumulative count of steps whose measurements this rank's bounded export queue "
-            "could not hold. Non-zero means data was lost on the rank, not in the pipeline.",
-        seed="DESIGN 'Nothing silently lost'",
-    ),
+
+def _m(name: str, priority: Priority, cadence: int, reduction: Reduction, unit: str, *,
+       point: str, doc: str, seed: str, labels: tuple[str, ...] = (),
+       rep: frozenset[Group] = frozenset()) -> MetricSpec:
+    return MetricSpec(name=name, priority=priority, cadence_steps=cadence, reduction=reduction,
+                      unit=unit, point=point, doc=doc, seed=seed, labels=labels,
+                      replicated_over=rep)
+
+
+# ------------------------------------------------------------------------------- loss (§3)
+_LOSS_POINT = ("per-token NLL of every micro-batch under the valid-target mask (padding and "
+               "ignored labels excluded), accumulated in float64 over the optimizer step")
+_LOSS = (
+    _m("loss.sum", P0, 1, SUM, "nats", point=_LOSS_POINT, labels=("source",),
+       rep=frozenset({Group.TENSOR}),
+       doc="Σ_t m_t·ℓ_t over this rank's valid targets; with label source=μ only targets of "
+           "the registered data source or modality μ. Reduction: sum over ranks, then "
+           "L = Σ loss.sum / Σ loss.tokens, L_r = loss.sum/loss.tokens, L^(μ) likewise. "
+           "Not sent when the rank (or μ) has no valid target.",
+       seed="001 §3 (global mean loss, local mean loss, loss by source and modality)"),
+    _m("loss.tokens", P0, 1, SUM, "tokens", point=_LOSS_POINT, labels=("source",),
+       rep=frozenset({Group.TENSOR}),
+       doc="Σ_t m_t: valid targets on this rank (per source μ with the label). Reduction: "
+           "sum over ranks; the denominator of L and L^(μ), N_tok of TPS, and the token "
+           "share π^(μ) = Σ tokens{μ} / Σ tokens. Not sent when it would be 0.",
+       seed="001 §3 (π^(μ)), §5 (N_tok)"),
 )
 
+# --------------------------------------------------------------------------- gradients (§4)
+_GRAD_POINT = ("global gradient after accumulation over micro-batches and loss-scale removal, "
+               "before clipping; one value per optimizer step")
+_GRAD_LABEL_DOC = (" Label group ∈ {embedding, expert, other} restricts it to that parameter "
+                   "group; unlabelled = all parameters. Data- and context-parallel ranks hold "
+                   "the same all-reduced gradient (one replica counts); shards of a sharded "
+                   "parameter are summed; a parameter replicated over tp/ep is counted only "
+                   "at tp=0 / ep=0.")
+_G = dict(labels=("group",), rep=_DP_CP, point=_GRAD_POINT)
+_GRAD = (
+    _m("grad.norm_sq", P0, 1, SUM, "1", **_G,
+       doc="Σ_j g_j² over the gradient elements this rank holds. Reduction: sum over shards; "
+           "G2 = sqrt(Σ). Unlabelled (every step), it is computed like clip_grad_norm_ "
+           "(per-tensor norms, their norm, squared), so a NaN/Inf element makes it "
+           "non-finite; per group it comes with the P1 gradient scans (finite elements)."
+           + _GRAD_LABEL_DOC,
+       seed="001 §4 (global gradient norm G2)"),
+    _m("grad.abs_sum", P1, 1, SUM, "1", **_G,
+       doc="Σ_j |g_j| over finite elements. Reduction: sum; G_mean = Σ abs_sum / Σ elements."
+           + _GRAD_LABEL_DOC, seed="001 §4 (mean absolute gradient)"),
+    _m("grad.abs_max", P1, 1, MAX, "1", **_G,
+       doc="max_j |g_j| over finite elements. Reduction: max over ranks (G_max)." + _GRAD_LABEL_DOC,
+       seed="001 §4 (maximum absolute gradient)"),
+    _m("grad.zeros", P1, 1, SUM, "elements", **_G,
+       doc="Σ_j 1[g_j = 0]. Reduction: sum; Z_g = Σ zeros / Σ elements." + _GRAD_LABEL_DOC,
+       seed="001 §4 (gradient zero fraction)"),
+    _m("grad.elements", P1, 1, SUM, "elements", **_G,
+       doc="P: gradient elements held (parameters without a gradient are left out, as "
+           "clip_grad_norm_ does). Reduction: sum." + _GRAD_LABEL_DOC,
+       seed="001 §4 (P)"),
+    _m("grad.nonfinite", P1, 1, SUM, "elements", **_G,
+       doc="Σ_j 1[g_j is NaN or ±Inf]. Reduction: sum." + _GRAD_LABEL_DOC,
+       seed="001 §4, §6 (overflow)"),
+    _m("grad.clipped", P0, 1, MAX, "1", rep=_ALL, point=_GRAD_POINT + "; compared with the "
+       "loop's clip threshold c", doc="1[G2 > c] for the global G2 the loop clips with. "
+       "Identical on every rank; reduction: max. Clip rate = mean over a window of W steps.",
+       seed="001 §4 (clip rate)"),
+    _m("grad.clip_threshold", P1, 1, MAX, "1", rep=_ALL, point="the loop's configuration",
+       doc="c, the global-norm clip threshold behind grad.clipped. Reduction: max.",
+       seed="001 §4 (clip rate)"),
+)
+
+# --------------------------------------------------------------------- spike guard (§4)
+_GUARD_POINT = "the training loop's spike guard, once per optimizer step"
+_GUARD = (
+    _m("guard.skipped", P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+       doc="Updates the guard skipped in this step (0 or 1). A global decision: identical on "
+           "every rank, reduction max; the stream accumulates the count.",
+       seed="001 §4 (skip and replay counters)"),
+    _m("guard.replayed", P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+       doc="Times this step was replayed. Identical on every rank; reduction max.",
+       seed="001 §4 (skip and replay counters)"),
+    _m("guard.replay_mismatch", P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+       doc="Replays of this step whose loss differed from the original on identical inputs "
+           "(points at hardware, not data). Identical on every rank; reduction max.",
+       seed="001 §4 (skip and replay counters)"),
+)
+
+# ------------------------------------------------------------------------- system (§5)
+_STEP_POINT = "the monitor's step context on this rank: entry to exit"
+_NODE = "sampled on the emitter thread when the step's P1 probes run"
+_SYSTEM = (
+    _m("step_time_s", P0, 1, MAX, "s", point="wall time of the whole step on this rank: data "
+       "loading, forward, backward, optimizer and synchronisation",
+       doc="τ_r. The step's wall time is τ = max_r τ_r; the straggler score uses the median.",
+       seed="001 §5 (step time, straggler score)"),
+    _m("flops.step", P0, 1, SUM, "FLOP", rep=_TP_PP, point=_STEP_POINT + "; token positions "
+       "given to the model (padding included: the hardware computes them)",
+       doc="F = f·T_pos with the fixed estimator f = 6N + 12·L·d·S per token (PaLM, App. B; N "
+           "parameters of the whole model, L layers, d width, S sequence length). Every "
+           "tensor-parallel rank and pipeline stage of one replica works on the same positions "
+           "and reports the same F, so one counts; data/context/expert-parallel ranks hold "
+           "different positions and are summed. Φ = Σ F / (D·τ).",
+       seed="001 §5 (compute rate Φ)"),
+    _m("tokens.positions", P1, 1, SUM, "tokens", rep=_TP_PP, point=_STEP_POINT,
+       doc="T_pos: input positions fed to the model this step, padding included. Reduction: "
+           "sum over replicas; 1 - Σ loss.tokens / Σ tokens.positions is the padding fraction.",
+       seed="001 §5, §11 (padding counted as tokens)"),
+    _m("memory.peak_allocated_bytes", P0, 1, MAX, "By", point="CUDA caching allocator; the "
+       "peak is reset when the step context opens, so each value covers exactly one step",
+       doc="max allocated bytes during the step on this device. Reduction: max over ranks "
+           "(the device closest to out-of-memory).", seed="001 §5 (peak memory)"),
+    _m("memory.peak_reserved_bytes", P0, 1, MAX, "By", point="CUDA caching allocator; reset "
+       "when the step context opens", doc="max reserved (allocator-held) bytes during the "
+       "step. Reduction: max over ranks.", seed="001 §5 (peak memory)"),
+    _m("memory.peak_rss_bytes", P0, 1, MAX, "By", point="getrusage(RUSAGE_SELF).ru_maxrss at "
+       "step exit; the kernel's high-water mark since process start (never reset)",
+       doc="max over the process lifetime of its resident set size (the CPU analogue of peak "
+           "device memory). Reduction: max over ranks.",
+       seed="001 §5 (peak memory, CPU)"),
+    _m("memory.allocated_bytes", P1, 1, MAX, "By", point="CUDA allocator at step exit",
+       doc="bytes held by live tensors. Reduction: max. reserved - allocated widening means "
+           "fragmentation or an oversized cache.", seed="001 §5 (allocated and reserved)"),
+    _m("memory.reserved_bytes", P1, 1, MAX, "By", point="CUDA allocator at step exit",
+       doc="bytes held by the allocator, cached blocks included. Reduction: max.",
+       seed="001 §5 (allocated and reserved)"),
+    _m("comm.wait_s", P1, 10, MAX, "s", labels=("op",), point="around every torch.distributed "
+       "collective the loop issues while attached (sync calls; Work.wait of async ones); CUDA "
+       "events on the current stream, read later by the emitter thread",
+       doc="τ_wait: exposed collective wait summed over the step's calls of op. Reduction: "
+           "max over ranks; W_comm = τ_wait/τ. DDP's bucketed all-reduce is internal and not "
+           "included.", seed="001 §5 (exposed collective wait)"),
+    _m("comm.calls", P1, 10, SUM, "calls", labels=("op",), point="as comm.wait_s",
+       doc="number of calls of collective op in the step (a change in the count is a change "
+           "in the loop, not the network). Reduction: sum.", seed="001 §5"),
+    _m("comm.bytes", P1, 10, SUM, "By", labels=("op",), point="as comm.wait_s",
+       doc="input bytes of those calls (numel·element size). Reduction: sum.", seed="001 §5"),
+    _m("host.rss_bytes", P1, 1, MAX, "By", point="psutil, " + _NODE,
+       doc="process resident set size at the sample (host memory pressure, leaks in data "
+           "loaders). Reduction: max.", seed="001 §5 (host telemetry)"),
+    _m("host.cpu_percent", P1, 1, MAX, "%", point="psutil Process.cpu_percent, " + _NODE,
+       doc="process CPU use since the previous sample, percent of one core. Reduction: max.",
+       seed="001 §5 (host telemetry)"),
+    _m("host.cpu_pressure_pct", P1, 1, MAX, "%", point="/proc/pressure/cpu 'some avg10', " + _NODE,
+       doc="share of the last 10 s in which some task waited for a CPU (Linux PSI); absent "
+           "where PSI is not available. Reduction: max.", seed="001 §5 (CPU pressure)"),
+    _m("host.page_faults_minor", P1, 1, SUM, "faults", point="getrusage, " + _NODE,
+       doc="minor page faults of the process since the previous sample. Reduction: sum.",
+       seed="001 §5 (page faults)"),
+    _m("host.page_faults_major", P1, 1, SUM, "faults", point="getrusage, " + _NODE,
+       doc="major page faults (disk reads) since the previous sample. Reduction: sum.",
+       seed="001 §5 (page faults)"),
+    _m("host.interval_s", P1, 1, MAX, "s", point=_NODE,
+       doc="seconds covered by this sample's 'since the previous sample' counters (page "
+           "faults, net.*); rates are counter / interval. Reduction: max.", seed="001 §5"),
+    _m("device.utilization_pct", P1, 1, MIN, "%", point="NVML (pynvml, optional), " + _NODE,
+       doc="GPU utilisation over NVML's last sample period. Reduction: min (the idlest "
+           "device).", seed="001 §5 (device telemetry)"),
+    _m("device.memory_used_bytes", P1, 1, MAX, "By", point="NVML, " + _NODE,
+       doc="device memory in use by all processes, as NVML sees it (includes other processes "
+           "and the CUDA context). Reduction: max.", seed="001 §5"),
+    _m("device.power_w", P1, 1, MAX, "W", point="NVML, " + _NODE,
+       doc="board power draw averaged over NVML's last sample period, in watts. Reduction: max "
+           "(power capping throttles clocks).", seed="001 §5 (power)"),
+    _m("device.temperature_c", P1, 1, MAX, "Cel", point="NVML, " + _NODE,
+       doc="GPU die temperature in degrees Celsius; thermal throttling lowers the clock. "
+           "Reduction: max.", seed="001 §5 (temperature)"),
+    _m("device.clock_mhz", P1, 1, MIN, "MHz", point="NVML, " + _NODE,
+       doc="current SM clock in MHz; a device below its peers is throttled. Reduction: min "
+           "(the most throttled device).", seed="001 §5 (clock)"),
+    _m("net.rx_bytes", P1, 1, SUM, "By", point="psutil net_io_counters, non-loopback "
+       "interfaces, local rank 0 only (once per node), " + _NODE,
+       doc="bytes received by the node since the previous sample. Reduction: sum over nodes. "
+           "Read once per node: every local rank reading it would multiply the traffic.",
+       seed="001 §5 (node counters)"),
+    _m("net.tx_bytes", P1, 1, SUM, "By", point="as net.rx_bytes",
+       doc="bytes sent by the node since the previous sample. Reduction: sum over nodes.",
+       seed="001 §5 (node counters)"),
+)
+
+# -------------------------------------------------------------------- output layer (002)
+_OUT_POINT = ("LM-head output logits z [..., V] of every micro-batch, valid positions only "
+              "(the step's mask), accumulated over the step")
+_OUTPUT = (
+    _m("output.logits_abs_max", P0, 1, MAX, "1", point=_OUT_POINT,
+       doc="max |z| over valid positions and this rank's vocabulary entries; NaN/Inf "
+           "propagate (an overflow must show). Reduction: max. Moves before the loss.",
+       seed="001 §6 (absolute maximum at the model output is P0); 002 logits_abs.max"),
+    _m("output.logits_sum_sq", P0, 1, SUM, "1", point=_OUT_POINT,
+       doc="Σ z² over valid positions. Reduction: sum; RMS = sqrt(Σ sum_sq / Σ logits_n).",
+       seed="002 output_layer_logits_rms (P0)"),
+    _m("output.logits_n", P0, 1, SUM, "elements", point=_OUT_POINT,
+       doc="valid positions × vocabulary entries on this rank: the RMS denominator. Sum.",
+       seed="002 output_layer_logits_rms"),
+    _m("output.positions", P1, 100, SUM, "tokens", point=_OUT_POINT,
+       doc="Σ m_t: valid positions behind the top-2 statistics, their denominator. "
+           "Reduction: sum.",
+       seed="002 top2_diff, top2_equal_ratio"),
+    _m("output.top2_gap_sum", P1, 100, SUM, "1", point=_OUT_POINT + "; needs the full "
+       "vocabulary on the rank (not available with vocabulary-parallel logits)",
+       doc="Σ over valid positions of z_(1) − z_(2). Reduction: sum; mean gap = Σ / Σ "
+           "positions (head confidence; a small gap alone is not a collapse).",
+       seed="002 output_layer_logits_top2_diff"),
+    _m("output.top2_equal", P1, 100, SUM, "tokens", point=_OUT_POINT + "; full vocabulary",
+       doc="Σ over valid positions of 1[z_(1) = z_(2)]. Reduction: sum; ratio = Σ / Σ "
+           "positions.", seed="002 output_layer_logits_top2_equal_ratio"),
+)
+
+# ------------------------------------------------------------------------- tensors (§6)
+_T_POINT = ("one registered observation point; kind=fwd: module output in the original "
+            "forward (never the recomputation of activation checkpointing); bwd: gradient "
+            "w.r.t. that output; grad: parameter gradient at the grad.* point; param: the "
+            "parameter just before the optimizer step; update: Δw = w_after − w_before; "
+            "opt_grad/opt_normalized/opt_direction: AdamW chain (P2). Activations whose "
+            "leading dims are the step mask's [B, T] cover valid positions only")
+_T_DOC = (" Labels: tensor = registered name (model structure), kind as in the point. A "
+          "tensor identical on several ranks is reported by one of them (coordinate 0 of the "
+          "replicating groups); shards are summed.")
+_T = dict(labels=("tensor", "kind"), point=_T_POINT)
+_TENSOR = (
+    _m("tensor.n", P1, 100, SUM, "elements", **_T, doc="N, elements scanned. Sum." + _T_DOC,
+       seed="001 §6"),
+    _m("tensor.sum", P1, 100, SUM, "1", **_T, doc="Σ x_j over finite elements (mean). Sum."
+       + _T_DOC, seed="001 §6 (κ needs μ)"),
+    _m("tensor.sum_sq", P1, 100, SUM, "1", **_T,
+       doc="Σ x_j² over finite elements; M2 = sum_sq/(n − nonfinite), RMS = sqrt(M2). Sum. "
+           "ρ = RMS(update)/(RMS(param)+ε) is formed from kind=update and kind=param."
+       + _T_DOC, seed="001 §6 (RMS, update ratio ρ)"),
+    _m("tensor.abs_sum", P1, 100, SUM, "1", **_T,
+       doc="Σ |x_j| over finite elements; AbsMean = abs_sum/(n − nonfinite). Sum." + _T_DOC,
+       seed="001 §6 (absolute mean)"),
+    _m("tensor.abs_max", P0, 100, MAX, "1", **_T,
+       doc="max |x_j| over finite elements. Reduction: max over ranks, never averaged."
+       + _T_DOC, seed="001 §6 (absolute maximum)"),
+    _m("tensor.zeros", P1, 100, SUM, "elements", **_T,
+       doc="Σ 1[x_j = 0]; Z_x = zeros/n. Sum." + _T_DOC, seed="001 §6 (zero fraction)"),
+    _m("tensor.nonfinite", P1, 100, SUM, "elements", **_T,
+       doc="Σ 1[x_j is NaN or ±Inf]. Sum." + _T_DOC, seed="001 §6 (non-finite values)"),
+    _m("tensor.sum3", P2, 0, SUM, "1", **_T, doc="Σ x_j³ over finite elements (float64). "
+       "Sum; with n, sum, sum_sq, sum4 gives the excess kurtosis κ." + _T_DOC,
+       seed="001 §6 (excess kurtosis)"),
+    _m("tensor.sum4", P2, 0, SUM, "1", **_T, doc="Σ x_j⁴ over finite elements (float64). Sum."
+       + _T_DOC, seed="001 §6 (excess kurtosis)"),
+)
+
+_EXPORT = (
+    _m("export.dropped_total", P1, 1, Reduction.PER_RANK, "steps", point="the rank's "
+       "emitter, when a step's points are enqueued",
+       doc="Cumulative count of steps whose measurements this rank's bounded export queue "
+           "could not hold. Non-zero means data was lost on the rank, not in the pipeline.",
+       seed="DESIGN 'Nothing silently lost'"),
+)
+
+# ----------------------------------------------------- model structure (§7-§9, 002)
+# Measured by ``structure_probes`` on the points ``discover`` finds. Labels are bounded by
+# the model: layer = block index, expert < E, branch ∈ {attn, mlp}, modality ∈ {text,
+# media}, theta ∈ the configured gate thresholds, depth = MTP depth, module ∈ the role
+# names of ``discover.PARAM_ROLES`` and {attn_core, gate_score}.
+_TP = frozenset({Group.TENSOR})
+_ROUTER_POINT = ("each MoE layer's router output (top-k expert ids) on every micro-batch, "
+                 "valid tokens only (the step's mask; padding excluded), summed over the "
+                 "step's micro-batches")
+_QUANTILE_DOC = (" Per-token quantiles do not combine across ranks: each rank sends the "
+                 "q-quantile of its own valid tokens by the 'higher' rule (the order statistic "
+                 "at index ⌈q·(n_r − 1)⌉, numpy method='higher'), so at least q·n_r of its "
+                 "tokens lie at or below it; the stream keeps the maximum over ranks, which is "
+                 "therefore an upper bound of the global quantile (exact with one rank). "
+                 "Never averaged.")
+_EXPERTS = (
+    _m("moe.expert_tokens", P0, 1, SUM, "tokens", labels=("layer", "expert", "shard"), rep=_TP,
+       point=_ROUTER_POINT,
+       doc="c_i = Σ_t m_t Σ_j 1[e_(t,j) = i]: valid tokens routed to expert i (a token counts "
+           "once for each of its k experts, so Σ_i c_i = k·valid tokens). Reduction: sum over "
+           "ranks; then c̄ = Σc/E, I = max_i c_i / c̄, MaxVio = I − 1, shard imbalance over "
+           "expert-parallel shard loads, H = −Σ p_i log p_i with p_i = c_i/Σc, H_norm = "
+           "H/log E, dead-expert ratio. Every expert of a layer that received a valid token "
+           "is sent (zeros included: the stream reads E from them); a layer that received "
+           "none sends nothing.",
+       seed="001 §7 (imbalance ratio, MaxVio, shard imbalance, H_norm); 002 moe/dead_expert_ratio"),
+    _m("moe.router_bias", P2, 0, MAX, "1", labels=("layer", "expert"), rep=_ALL,
+       point="the router's expert-selection bias (parameter or buffer) at its first forward "
+             "of the step",
+       doc="b_i, the bias added to expert i's routing score before top-k selection "
+           "(auxiliary-loss-free balancing). Identical on every replica; reduction max over "
+           "the one representative.", seed="001 §7 (routing bias terms, P2)"),
+    _m("moe.expert_bias_abs_sum", P2, 0, MAX, "1", labels=("layer",), rep=_ALL,
+       point="as moe.router_bias",
+       doc="Σ_i |b_i| over the layer's expert-selection bias: drift of the balancing bias. "
+           "Identical on every replica; reduction max.",
+       seed="002 moe/ep_bias_abs_sum"),
+    _m("moe.topk_margin_tokens", P2, 0, SUM, "tokens", labels=("layer",), rep=_TP,
+       point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
+       doc="n: valid tokens behind the top-k margin statistics. Reduction: sum.",
+       seed="001 §7 (top-k margin distributions, P2)"),
+    _m("moe.topk_margin_sum", P2, 0, SUM, "1", labels=("layer",), rep=_TP,
+       point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
+       doc="Σ_t (s_(k) − s_(k+1)) over valid tokens, s_(j) the j-th largest selection score "
+           "of token t (in logit units: the log-ratio of the k-th and (k+1)-th routing "
+           "probabilities). Reduction: sum; mean margin = Σ sum / Σ tokens.",
+       seed="001 §7 (top-k margin distributions, P2)"),
+    *(_m(f"moe.topk_margin_{q}", P2, 0, MAX, "1", labels=("layer",), rep=_TP,
+         point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
+         doc=f"{q} over this rank's valid tokens of the top-k margin s_(k) − s_(k+1) "
+             "Reduction: max over ranks."
+             + (_QUANTILE_DOC if q != "max" else ""),
+         seed="001 §7 (top-k margin distributions, P2)") for q in ("p90", "p99", "max")),
+    *(_m(f"moe.topk_margin_{q}", P2, 0, MIN, "1", labels=("layer",), rep=_TP,
+         point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
+         doc=f"{q} over this rank's valid tokens of the top-k margin (near-ties: tokens whose "
+             "expert choice a small score change flips). Reduction: min over ranks"
+             + (", a lower bound of the global 10th percentile (each rank sends the order "
+                "statistic at index ⌊0.1·(n_r − 1)⌋, the mirror of the upper bound of "
+                "moe.topk_margin_p90)." if q == "p10" else "."),
+         seed="001 §7 (top-k margin distributions, P2)") for q in ("p10", "min")),
+)
+
+_RES_POINT = ("each block's residual adds a = s + b on every micro-batch's forward (never a "
+              "recomputation), per valid token (padding excluded; media positions are valid): "
+              "branch attn has s = the block input and b = the attention output; branch mlp "
+              "has s = block input + attention output and b = the feed-forward (or MoE) "
+              "output; b includes a branch gate where one exists")
+_RES_STATS = (
+    ("ratio", P0, "R_b = N_b / (N_s + ε): branch scale relative to the stream (small: a "
+                  "branch too weak to matter; large: a branch overwriting the stream)",
+     "001 §8 (relative branch scale R_b, P0)"),
+    ("stream_norm", P1, "N_s = ‖s‖₂ of the incoming stream (with N_b, tells a shrinking "
+                        "branch from a growing stream)", "001 §8 (R_b: report N_s and N_b)"),
+    ("branch_norm", P1, "N_b = ‖b‖₂ of the branch output", "001 §8 (R_b: report N_s and N_b)"),
+    ("importance", P1, "B = 1 − cos(s, a), cos(u, v) = uᵀv/(‖u‖‖v‖ + ε): how much the "
+                       "block turned the stream (0: direction kept)",
+     "001 §8 (block importance B)"),
+    ("angle", P1, "A = arccos(cos(s, a))/π ∈ [0, 1]: the same turn as an angle",
+     "001 §8 (angular distance A)"),
+    ("noop", P1, "F_noop = (1/d) Σ_j 1[Q_bf16(s_j + b_j) = Q_bf16(s_j) ∧ b_j ≠ 0]: the "
+                 "fraction of the token's non-zero branch values a bfloat16 residual add "
+                 "throws away (watch it with N_s)", "001 §8 (bfloat16 no-op fraction, P1)"),
+)
+_RESIDUAL = (
+    _m("residual.tokens", P0, 100, SUM, "tokens", labels=("layer", "branch"), rep=_TP,
+       point=_RES_POINT,
+       doc="n: valid tokens behind the residual statistics of (layer, branch). Reduction: "
+           "sum; the denominator of every residual.*_sum mean. Not sent when 0. With "
+           "sequence parallelism the tensor-parallel ranks hold different tokens and must "
+           "not be treated as replicas.", seed="001 §8 (aggregation: per valid token)"),
+    *(_m(f"residual.{stem}_{field}", priority, 100, SUM if field == "sum" else MAX, "1",
+         labels=("layer", "branch"), rep=_TP, point=_RES_POINT,
+         doc=f"{text}, computed per valid token, then: "
+             + {"sum": "Σ over valid tokens. Reduction: sum; mean = Σ sum / Σ residual.tokens.",
+                "max": "maximum over valid tokens. Reduction: max over ranks.",
+                "p90": "90th percentile over this rank's valid tokens." + _QUANTILE_DOC,
+                "p99": "99th percentile over this rank's valid tokens." + _QUANTILE_DOC}[field],
+         seed=seed)
+      for stem, priority, text, seed in _RES_STATS for field in ("sum", "p90", "p99", "max")),
+    _m("residual.gate_closed", P1, 100, SUM, "channels", labels=("layer", "branch", "theta"),
+       rep=_DP_CP, point="a gated branch's learned gate logits g (per channel), at the "
+       "gate's first forward of the step",
+       doc="Σ_j 1[σ(g_j/T) < θ]: channels of the branch gate β_j = σ(g_j/T) below θ (label "
+           "theta). Reduction: sum; F_gate(θ) = Σ gate_closed / Σ gate_channels. A branch "
+           "whose gates have all closed contributes nothing and rarely reopens.",
+       seed="001 §8 (gate saturation fraction, θ ∈ {0.05, 0.1, 0.25})"),
+    _m("residual.gate_channels", P1, 100, SUM, "channels", labels=("layer", "branch"),
+       rep=_DP_CP, point="as residual.gate_closed",
+       doc="d: gate channels of (layer, branch) on this rank, the F_gate denominator. Sum.",
+       seed="001 §8 (gate saturation fraction)"),
+)
+
+_MEDIA_POINT = ("the backbone's input on every micro-batch: media = the projector's output "
+                "(media tokens, absent images masked), text = the token embedding's output at "
+                "valid text positions; elements = tokens × width, non-finite elements excluded")
+_MODALITY = (
+    _m("modality.tokens", P0, 1, SUM, "tokens", labels=("modality",), rep=_TP,
+       point="the token embedding (text: valid positions) and the media projector (media: "
+             "present media tokens) of every micro-batch; registered only for models with a "
+             "media path",
+       doc="Tokens of modality μ entering the backbone. Reduction: sum; token share π^(μ) = "
+           "Σ tokens{μ} / Σ_μ Σ tokens (a change means a data-mix or packing change). Not "
+           "sent when 0: a rank without media sends no media count.",
+       seed="001 §9 (token share π, P0, every 1-10 steps), §3"),
+    *(_m(f"modality.{name}", P0, 100, SUM, unit, rep=_TP, point=_MEDIA_POINT,
+         doc=doc + " Reduction: sum over ranks, token-weighted (never averaged over samples or "
+             "ranks); γ = sqrt(Σ media_sum_sq / Σ media_n) / (sqrt(Σ text_sum_sq / Σ text_n) "
+             "+ ε). A rank that received no media sends no media_* point: no measurement, "
+             "not a zero.",
+         seed="001 §9 (media scale ratio γ, P0)")
+      for name, unit, doc in (
+          ("media_sum_sq", "1", "Σ e² over the media embeddings' elements."),
+          ("media_n", "elements", "Media embedding elements (present media tokens × width)."),
+          ("text_sum_sq", "1", "Σ e² over the valid text embeddings' elements."),
+          ("text_n", "elements", "Text embedding elements (valid text tokens × width)."))),
+    _m("modality.encoder_grad_sq", P1, 100, SUM, "1", rep=_DP_CP, point=_GRAD_POINT,
+       doc="‖g_enc‖²: Σ of squared finite gradient elements of the media encoder's "
+           "parameters. Reduction: sum over shards; S_enc = Σ encoder_grad_sq / Σ "
+           "all_grad_sq, to read next to the encoder's parameter share (an encoder that "
+           "stopped learning has S_enc far below it).",
+       seed="001 §9 (encoder gradient share S_enc, P1)"),
+    _m("modality.all_grad_sq", P1, 100, SUM, "1", rep=_DP_CP, point=_GRAD_POINT,
+       doc="‖g‖²: Σ of squared finite gradient elements of every parameter (the S_enc "
+           "denominator, measured at the same point as its numerator). Reduction: sum.",
+       seed="001 §9 (encoder gradient share S_enc)"),
+    _m("modality.encoder_params", P1, 100, SUM, "parameters", rep=_DP_CP,
+       point="the parameters counted in modality.encoder_grad_sq",
+       doc="Parameter elements of the media encoder. Reduction: sum; parameter share = Σ "
+           "encoder_params / Σ all_params, the reference S_enc is read against.",
+       seed="001 §9 (S_enc next to the encoder's parameter share)"),
+    _m("modality.all_params", P1, 100, SUM, "parameters", rep=_DP_CP,
+       point="the parameters counted in modality.all_grad_sq",
+       doc="Parameter elements of the whole model (with gradients). Reduction: sum.",
+       seed="001 §9 (S_enc next to the encoder's parameter share)"),
+)
+
+_MTP_POINT = ("LM-head logits and MTP depth-k logits of every micro-batch, aligned on the "
+              "same target: main positions t+k against MTP positions t (main at t+k and MTP "
+              "depth k at t both predict token t+k+1), valid targets only")
+_BOS_POINT = ("the gradient w.r.t. the attention value projection's output v (v_proj, or the "
+              "V third of a fused [Q|K|V] projection) of each block, in the backward of every "
+              "micro-batch; loss scale and loss normalisation included as the loop applies "
+              "them (the ratio to attn.value_grad_* cancels both)")
+_STRUCT_OUTPUT = (
+    _m("output.mtp_positions", P1, 100, SUM, "tokens", labels=("depth",), rep=_TP,
+       point=_MTP_POINT,
+       doc="Aligned valid positions compared for MTP depth k. Reduction: sum; the agreement "
+           "denominator.", seed="002 act/mtp_{k}_lm_head_top1_agreement"),
+    _m("output.mtp_agree", P1, 100, SUM, "tokens", labels=("depth",), rep=_TP,
+       point=_MTP_POINT,
+       doc="Σ 1[argmax main = argmax MTP_k] over the aligned valid positions (ties resolve "
+           "to the first index in both heads). Reduction: sum; top-1 agreement = Σ agree / "
+           "Σ positions. Read with the MTP head's own accuracy.",
+       seed="002 act/mtp_{k}_lm_head_top1_agreement"),
+    _m("attn.bos_value_grad_sum_sq", P0, 100, SUM, "1", labels=("layer",), point=_BOS_POINT,
+       doc="Σ ‖∂L/∂v_t‖² over valid BOS positions t (token id = BOS). Every query that "
+           "attends to BOS sends gradient into v_BOS (∂L/∂v_BOS = Σ_q a_(q,BOS) ∂L/∂o_q), so "
+           "an attention sink on BOS shows as a BOS value gradient far above other positions'. "
+           "Reduction: sum over ranks (tensor-parallel ranks hold different heads); "
+           "BOS RMS = sqrt(Σ sum_sq / Σ bos_value_grad_n), compared with the RMS of "
+           "attn.value_grad_*. Not sent without a valid BOS position.",
+       seed="002 bos_value_grad (attention, P0 diagnostic)"),
+    _m("attn.bos_value_grad_n", P0, 100, SUM, "elements", labels=("layer",), point=_BOS_POINT,
+       doc="Elements behind attn.bos_value_grad_sum_sq: valid BOS positions × value width. "
+           "Reduction: sum.", seed="002 bos_value_grad"),
+    _m("attn.bos_value_grad_abs_max", P0, 100, MAX, "1", labels=("layer",), point=_BOS_POINT,
+       doc="max |∂L/∂v| over valid BOS positions and value features. Reduction: max over "
+           "ranks.", seed="002 bos_value_grad"),
+    _m("attn.value_grad_sum_sq", P1, 100, SUM, "1", labels=("layer",), point=_BOS_POINT,
+       doc="Σ ‖∂L/∂v_t‖² over the other valid positions: the reference the BOS value gradient "
+           "is read against. Reduction: sum.", seed="002 bos_value_grad"),
+    _m("attn.value_grad_n", P1, 100, SUM, "elements", labels=("layer",), point=_BOS_POINT,
+       doc="Elements behind attn.value_grad_sum_sq (valid non-BOS positions × value width). "
+           "Sum.", seed="002 bos_value_grad"),
+)
+
+_MODULE_POINT = (_GRAD_POINT + "; per role of the parameter-name patterns of "
+                 "``discover`` (a fused QKV weight split into equal Q, K, V parts along its "
+                 "output features; stacked expert weights summed over the layer's experts)")
+_MODULE = (
+    _m("module.grad_sum_sq", P2, 0, SUM, "1", labels=("layer", "module"), rep=_DP_CP,
+       point=_MODULE_POINT,
+       doc="Σ g² over the weight gradient of role module in block layer (no layer label: "
+           "embedding, output, norm_final). Roles: q, k, v (own or split from fused qkv), o "
+           "(attention output projection), q_down, q_up, kv_down, kv_up (MLA), mlp_gate, "
+           "mlp_up, mlp_down, expert_gate, expert_up, expert_down, router, norm_attn, "
+           "norm_mlp, norm_q, norm_k, norm_final, embedding, output (not sent when tied to "
+           "the embedding). Reduction: sum; RMS = sqrt(Σ sum_sq / Σ grad_n).",
+       seed="002 grad/W_gate_rms, grad/{name}_rms (layer norms), grad/Wq,Wk,Wv, grad/Wo, "
+            "grad/mla_*"),
+    _m("module.grad_n", P2, 0, SUM, "elements", labels=("layer", "module"), rep=_DP_CP,
+       point=_MODULE_POINT, doc="Gradient elements behind module.grad_sum_sq. Sum.",
+       seed="002 per-module gradient rows"),
+    _m("module.grad_abs_max", P2, 0, MAX, "1", labels=("layer", "module"), rep=_DP_CP,
+       point=_MODULE_POINT,
+       doc="max |g| over the role's weight gradient; NaN propagates. Reduction: max.",
+       seed="002 grad/word_embeddings_abs.max, grad/output_layer_abs.max, grad/Wq_abs.max, "
+            "grad/Wo_abs.max, grad/mla_*_abs.max"),
+    _m("module.act_sum_sq", P2, 0, SUM, "1", labels=("layer", "module"),
+       point="module attn_core: the input of the attention output projection (attention "
+             "core output, after a gated-attention gate), module gate_score: the sigmoid "
+             "gate scores of gated attention; forward of every micro-batch, valid positions",
+       doc="Σ x² over valid positions × features. Reduction: sum (tensor-parallel ranks hold "
+           "different heads); RMS = sqrt(Σ act_sum_sq / Σ act_n).",
+       seed="002 act/attn_out_before_proj_rms, act/gate_scores_rms"),
+    _m("module.act_n", P2, 0, SUM, "elements", labels=("layer", "module"),
+       point="as module.act_sum_sq", doc="Elements behind module.act_sum_sq. Sum.",
+       seed="002 act/attn_out_before_proj_rms, act/gate_scores_rms"),
+)
+
+_SPECS = (*_LOSS, *_GRAD, *_GUARD, *_SYSTEM, *_OUTPUT, *_TENSOR, *_EXPORT,
+          *_EXPERTS, *_RESIDUAL, *_MODALITY, *_STRUCT_OUTPUT, *_MODULE)
+
 CATALOG: Mapping[str, MetricSpec] = MappingProxyType({s.name: s for s in _SPECS})
+if len(CATALOG) != len(_SPECS):  # pragma: no cover - a duplicated name is a programming error
+    raise RuntimeError("duplicate metric name in the catalog")
 
 
 def spec(name: str) -> MetricSpec:
@@ -132,3 +591,14 @@ def spec(name: str) -> MetricSpec:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"unknown metric {name!r}; the catalog has {sorted(CATALOG)}") from None
+
+
+def describe(name: str) -> str:
+    """One entry as documentation: formula, reduction, replication, measurement point, seed."""
+    s = spec(name)
+    rep = ", ".join(sorted(g.value for g in s.replicated_over)) or "none"
+    cadence = "on demand" if s.cadence_steps == 0 else f"every {s.cadence_steps} step(s)"
+    labels = ", ".join(s.labels) or "none"
+    return (f"{s.name} [{s.unit}] {s.priority.value}, {cadence}; reduction {s.reduction.value}, "
+            f"replicated over {rep}; labels {labels}.\n  {s.doc}\n  Measured: {s.point}.\n"
+            f"  Seed: {s.seed}")

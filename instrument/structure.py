@@ -77,14 +77,23 @@ class MediaField(enum.IntEnum):
 
 
 # ------------------------------------------------------------------------ token quantiles
-def token_quantiles(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def token_quantiles(values: torch.Tensor, valid: torch.Tensor, *,
+                    method: str = "linear") -> torch.Tensor:
     """Token block(s) of per-token ``values`` [T] or [T, C] over tokens with ``valid`` [T].
 
     Returns float64 [5] (or [C, 5]) in ``TokenField`` order. The q-quantile interpolates
-    linearly between the order statistics around rank q·(n − 1) of the n valid tokens.
+    linearly between the order statistics around rank q·(n − 1) of the n valid tokens
+    (``method="linear"``, numpy's default) or takes the upper one of them
+    (``method="higher"``, numpy's "higher": the order statistic at index ⌈q·(n − 1)⌉).
+    "higher" is what a rank ships when the stream bounds the global quantile by the
+    maximum over ranks: at least q·n_r of rank r's tokens lie at or below its value, so
+    the maximum over ranks is an upper bound of the global quantile (linear or higher);
+    interpolated rank values are not (ranks {0, 10} and {0, 10}: 9 each, global 10).
     Invalid tokens are set to NaN, which ``sort`` places last, so they never enter. With
     n = 0 the block has COUNT = 0 and its other fields mean nothing.
     """
+    if method not in ("linear", "higher"):
+        raise ValueError(f"method must be 'linear' or 'higher', got {method!r}")
     flat = values.detach().reshape(values.shape[0], math.prod(values.shape[1:])).to(torch.float64)
     if flat.shape[0] == 0:
         block = flat.new_zeros((flat.shape[1], len(TokenField)))
@@ -95,18 +104,21 @@ def token_quantiles(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     peak = torch.where(mask, flat, -math.inf).amax(dim=0)
     ordered = torch.where(mask, flat, math.nan).sort(dim=0).values
     last = (count - 1).clamp(min=0)
-    p90, p99 = (_sorted_quantile(ordered, last, q) for q in (0.90, 0.99))
+    p90, p99 = (_sorted_quantile(ordered, last, q, method == "higher") for q in (0.90, 0.99))
     block = torch.stack([count.to(torch.float64).expand_as(total), total, p90, p99, peak], -1)
     return block[0] if values.dim() == 1 else block
 
 
-def _sorted_quantile(ordered: torch.Tensor, last: torch.Tensor, q: float) -> torch.Tensor:
+def _sorted_quantile(ordered: torch.Tensor, last: torch.Tensor, q: float,
+                     higher: bool = False) -> torch.Tensor:
     position = last.to(torch.float64) * q
     low = position.floor()
     frac = position - low
     low_i = low.long().expand(1, ordered.shape[1])
     lo = ordered.gather(0, low_i)[0]
     hi = ordered.gather(0, torch.minimum(low_i + 1, last))[0]
+    if higher:
+        return torch.where(frac > 0, hi, lo)
     return torch.where(frac > 0, lo + frac * (hi - lo), lo)
 
 

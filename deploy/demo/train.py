@@ -3,12 +3,17 @@
 Started by ``probewire demo`` once per rank::
 
     python -m probewire.deploy.demo.train --rank R --world-size W --master-port P \
-        --run-id ID --steps N --bootstrap HOST:PORT [--trace DIR]
+        --run-id ID --steps N --bootstrap HOST:PORT [--trace DIR] \
+        [--save-every K --ckpt-dir DIR]
 
-Per step each rank emits its valid-token loss sum and count, its step time, and the
-squared global gradient norm of its replica (after accumulation and unscaling, before
-clipping). ``--trace`` writes the same values, plus the norm ``clip_grad_norm_``
-returned, to ``DIR/rank<R>.jsonl`` so tests can check the pipeline independently.
+The rank attaches ``probewire.instrument`` once and marks every optimizer step with the
+monitor's step context: loss by data source, the gradient norm after accumulation and
+before clipping, output-layer and system probes every step, tensor probes every
+``--p1-every`` steps; a control listener can densify or dump. ``--trace`` writes the
+values the loop itself sees (valid-token loss sum, tokens, the norm ``clip_grad_norm_``
+returned, the step time the monitor measured) to ``DIR/rank<R>.jsonl`` so tests can check
+the pipeline independently. ``--save-every`` saves a checkpoint on rank 0 and announces
+it on ``probewire.checkpoints``.
 """
 
 from __future__ import annotations
@@ -16,20 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from probewire.deploy.settings import KafkaSettings
-from probewire.instrument.export import KafkaTransport, Point, RankIdentity, StepEmitter
+from probewire.instrument import (ControlListener, KafkaTransport, ProbeConfig, RankIdentity,
+                                  attach)
 
-from .data import load_corpus
-from .model import TinyConfig, TinyLM, token_loss_sum
+from .data import SOURCES, load_corpus
+from .model import IGNORE, TinyConfig, TinyLM, save_checkpoint
 
 __all__ = ["main"]
 
@@ -43,13 +49,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--topic", default="otlp_metrics")
+    p.add_argument("--control-topic", default="probewire.control")
+    p.add_argument("--checkpoint-topic", default="probewire.checkpoints")
     p.add_argument("--trace", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0)
-    return p.parse_args(argv)
+    p.add_argument("--p1-every", type=int, default=100, help="steps between tensor probes")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
+    p.add_argument("--ckpt-dir", type=Path, help="where --save-every writes checkpoints")
+    args = p.parse_args(argv)
+    if args.save_every and args.ckpt_dir is None:
+        p.error("--save-every needs --ckpt-dir")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,42 +77,67 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     corpus = load_corpus()
     rng = np.random.default_rng([args.seed, args.rank])  # a different data shard per rank
-    emitter = StepEmitter(RankIdentity(run_id=args.run_id, rank=args.rank,
-                                       world_size=args.world_size, coords={"dp": args.rank}),
-                          KafkaTransport(KafkaSettings(bootstrap=args.bootstrap).client_config(),
-                                         args.topic))
+    kafka = KafkaSettings(bootstrap=args.bootstrap).client_config()
+    # attach once: observation points, optimizer hooks, control listener, exporters
+    monitor = attach(
+        model, opt,
+        identity=RankIdentity(run_id=args.run_id, rank=args.rank, world_size=args.world_size,
+                              local_rank=args.rank, coords={"dp": args.rank}),
+        config=ProbeConfig(clip_threshold=args.clip, sources=SOURCES,
+                           cadence={"P0": 1, "P1": args.p1_every, "P2": 0}),
+        transport=KafkaTransport(kafka, args.topic),
+        control=ControlListener(kafka, run_id=args.run_id, rank=args.rank,
+                                topic=args.control_topic),
+        events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None)
     trace = open(args.trace / f"rank{args.rank}.jsonl", "w") if args.trace else None
+    if args.ckpt_dir is not None and args.rank == 0:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    flops_per_token = model.module.flops_per_token()
+    local_tokens, local_flops = 0, 0.0
     try:
         for step in range(args.steps):
-            t0 = time.perf_counter()
-            # data: a few rows per micro-batch; random valid lengths pad some rows
-            batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8)
-                       for _ in range(args.micro_batches)]
-            n_valid = sum(int((b.targets != -100).sum()) for b in batches)
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            # forward/backward: the objective is this rank's valid-token mean loss
-            for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                with nullcontext() if last else model.no_sync():
-                    micro = token_loss_sum(model(batch.tokens), batch.targets)
-                    (micro / max(n_valid, 1)).backward()
-                loss_sum += micro.detach().double()
-            # clip: the returned norm is G2 of this replica, measured before clipping
-            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            # note: host sync point; the step's scalars are read once, here
-            loss_value, norm_value = loss_sum.item(), float(total_norm.item())
-            step_time = time.perf_counter() - t0
-            emitter.emit(step, [Point("loss.sum", loss_value), Point("loss.tokens", n_valid),
-                                Point("grad.norm_sq", norm_value * norm_value),
-                                Point("step_time_s", step_time)])
+            with monitor.step(step) as s:
+                # data: a few rows per micro-batch; random valid lengths pad some rows
+                batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8)
+                           for _ in range(args.micro_batches)]
+                n_valid = sum(int((b.targets != IGNORE).sum()) for b in batches)
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                # forward/backward: the objective is this rank's valid-token mean loss
+                for i, batch in enumerate(batches):
+                    last = i == len(batches) - 1
+                    s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE,
+                                  source=batch.source)
+                    with nullcontext() if last else model.no_sync():
+                        logits = model(batch.tokens).float()
+                        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 batch.targets.reshape(-1), ignore_index=IGNORE,
+                                                 reduction="none").view_as(batch.targets)
+                        s.loss(losses)
+                        (losses.sum() / max(n_valid, 1)).backward()
+                    loss_sum += losses.detach().double().sum()
+                # clip: the monitor measures G2 (accumulated, unscaled, not yet clipped) and
+                # the same norm clips, as torch.nn.utils.clip_grad_norm_ would
+                total_norm = s.clip_grad_norm_(model.parameters(), args.clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                # note: host sync point; the step's scalars are read once, here
+                loss_value, norm_value = loss_sum.item(), float(total_norm.item())
+            local_tokens += n_valid
+            local_flops += flops_per_token * sum(b.tokens.numel() for b in batches)
             if trace:
                 trace.write(json.dumps({"step": step, "loss_sum": loss_value, "tokens": n_valid,
                                         "clip_total_norm": norm_value,
-                                        "step_time_s": step_time}) + "\n")
+                                        "step_time_s": monitor.last_step_time_s}) + "\n")
+            if args.save_every and (step + 1) % args.save_every == 0:
+                # every rank joins the one collective; rank 0 saves and announces
+                totals = torch.tensor([float(local_tokens), local_flops], dtype=torch.float64)
+                dist.all_reduce(totals)
+                if args.rank == 0:
+                    path = args.ckpt_dir / f"step{step:07d}.pt"
+                    save_checkpoint(model.module, path)
+                    monitor.checkpoint(str(path), step, int(totals[0]), float(totals[1]))
     finally:
-        emitter.close()
+        monitor.close()
         if trace:
             trace.close()
         dist.destroy_process_group()

@@ -1,0 +1,148 @@
+"""Probe overhead on the tiny demo model (CPU), measured side by side in one run.
+
+Configuration (printed on stderr): TinyLM(TinyConfig()) — 2 layers, d=64, 4 heads,
+sequence 64, byte vocabulary — AdamW, global-norm clipping at 1.0, 2 micro-batches of
+4 padded rows per step (the demo's defaults), one intra-op thread (as each demo rank),
+pre-built batches, a null transport that counts bytes (the broker is not measured).
+Three identical model copies train on the same batches: probes off (the null monitor),
+P0 every step (P1/P2 off), and P0 every step + P1 every 100 steps. After a warm-up, blocks
+of 20 steps run for each variant in turn, so drift and noise from other processes hit all
+three alike; medians keep one disturbed step from moving a figure.
+
+Figures (stdout, one line each, machine-readable):
+
+  p0 ratio X    median step time(P0) / median step time(off); goal <= 1.01
+  p1 ratio X    amortised cost of P1 every 100 steps relative to P0 alone:
+                (median unsampled step + median extra time of a P1 step / 100) / median(P0),
+                both from the P0 + P1 variant; goal <= 1.005
+  scan ratio X  worst over 1M..64M float32 elements of scan(x) / x.abs().max(), best of
+                several repeats each, with the monitor's chunk size; goal <= 1.3
+  emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
+                gather + hand-off; probe arithmetic is in the ratios); goal <= 50
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from probewire.deploy.demo.data import SOURCES, load_corpus
+from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
+from probewire.instrument import NullTransport, ProbeConfig, RankIdentity, attach
+from probewire.instrument.scan import scan
+
+WARMUP_STEPS = 60
+BLOCK_STEPS = 20
+BLOCKS = 40       # 800 steps per variant: 8 sampled P1 steps
+SCAN_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
+
+
+def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = TinyConfig()
+    model = TinyLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    identity = RankIdentity(run_id=f"bench-{name}", rank=0, world_size=1)
+    transport = NullTransport()
+    monitor = attach(model, optimizer, identity=identity,
+                     config=config or ProbeConfig(enabled=False), transport=transport)
+    state = {"step": 0}
+
+    def run(steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            step = state["step"]
+            micro = batches[step % len(batches)]
+            n_valid = sum(int(b.targets.ne(IGNORE).sum()) for b in micro)
+            t0 = time.perf_counter()
+            with monitor.step(step) as s:
+                for b in micro:
+                    s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
+                    logits = model(b.tokens)
+                    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             b.targets.reshape(-1), ignore_index=IGNORE,
+                                             reduction="none").view_as(b.targets)
+                    s.loss(losses)
+                    (losses.sum() / n_valid).backward()
+                s.clip_grad_norm_(model.parameters(), 1.0)  # measures, then clips
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            state["step"] += 1
+        return times
+
+    return run, monitor, transport
+
+
+def _best(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def scan_ratio(chunk: int) -> tuple[float, dict[int, float]]:
+    ratios = {}
+    for n in SCAN_SIZES:
+        x = torch.randn(n)
+        reference = _best(lambda: x.abs().max())
+        ours = _best(lambda: scan(x, chunk_elems=chunk))
+        ratios[n] = ours / reference
+        del x
+    return max(ratios.values()), ratios
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    corpus = load_corpus()
+    rng = np.random.default_rng(0)
+    cfg = TinyConfig()
+    batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)]
+               for _ in range(50)]
+    common = dict(clip_threshold=1.0, sources=SOURCES)
+    p0_config = ProbeConfig(cadence={"P0": 1, "P1": 0, "P2": 0}, **common)
+    p1_config = ProbeConfig(cadence={"P0": 1, "P1": 100, "P2": 0}, **common)
+    off, _, _ = _variant("off", None, batches)
+    p0, p0_monitor, p0_transport = _variant("p0", p0_config, batches)
+    p1, p1_monitor, _ = _variant("p1", p1_config, batches)
+    for run in (off, p0, p1):
+        run(WARMUP_STEPS)
+    emit_before = (p0_monitor.emit_time_s, p0_monitor.emitted_steps)
+    times: dict[str, list[float]] = {"off": [], "p0": [], "p1": []}
+    for _ in range(BLOCKS):
+        for name, run in (("off", off), ("p0", p0), ("p1", p1)):
+            times[name] += run(BLOCK_STEPS)
+    emit_s = p0_monitor.emit_time_s - emit_before[0]
+    emit_n = p0_monitor.emitted_steps - emit_before[1]
+    t_off, t_p0 = statistics.median(times["off"]), statistics.median(times["p0"])
+    first = WARMUP_STEPS  # step numbers of the p1 variant's timed steps start here
+    sampled = [t for i, t in enumerate(times["p1"]) if (first + i) % 100 == 0]
+    unsampled = statistics.median(t for i, t in enumerate(times["p1"]) if (first + i) % 100)
+    extra = statistics.median(t - unsampled for t in sampled)
+    p1_ratio = (unsampled + extra / 100) / t_p0
+    for monitor in (p0_monitor, p1_monitor):
+        monitor.close()
+    worst, per_size = scan_ratio(p0_config.scan_chunk_elems)
+    print(f"# tiny model, 1 thread, {BLOCKS} x {BLOCK_STEPS} steps per variant; median step: "
+          f"off {t_off * 1e3:.2f} ms, P0 {t_p0 * 1e3:.2f} ms, P0+P1 unsampled "
+          f"{unsampled * 1e3:.2f} ms, a P1 step +{extra * 1e3:.1f} ms ({len(sampled)} seen); "
+          f"scan per size { {n: round(r, 2) for n, r in per_size.items()} }; P0 messages "
+          f"{p0_transport.messages}, {p0_transport.bytes / max(p0_transport.messages, 1):.0f} B "
+          f"each", file=sys.stderr)
+    sys.stderr.flush()
+    print(f"p0 ratio {t_p0 / t_off:.4f}")
+    print(f"p1 ratio {p1_ratio:.4f}")
+    print(f"scan ratio {worst:.2f}")
+    print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Many small tensors scanned together: per tensor, exactly the vector ``scan.scan`` gives.
+
+A P1 step observes a hundred or more tensors; for small ones the cost of ``scan`` is its
+dozen kernel launches, not the bytes. Transformers repeat shapes (every layer's q, k, v,
+every block's output, every layer's weights), so ``scan_many`` stacks the tensors of one
+size into a [k, n] matrix and runs ``scan``'s own sequence of reductions along dim 1:
+a dozen kernels per distinct size instead of per tensor. Tensors above ``SMALL_ELEMS``,
+and sizes seen once, go through ``scan`` itself. Fields, dtypes and conventions are
+``scan``'s (``ScanFields``): float32 work (float64 for float64 inputs or with moments),
+sums over finite elements, NONFINITE counts the others, ABS_MAX over finite elements.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .scan import BASE_FIELDS, MOMENT_FIELDS, scan
+
+__all__ = ["SMALL_ELEMS", "scan_many"]
+
+SMALL_ELEMS = 1 << 16
+"""Tensors up to this many elements are batched with others of their size."""
+STACK_ELEMS = 1 << 22
+"""Elements per stacked matrix: bounds the working copy at 16 MiB in float32."""
+
+F64 = torch.float64
+
+
+def _rows(tensors: Sequence[torch.Tensor], moments: bool) -> torch.Tensor:
+    """[k, fields] of k same-sized tensors: ``scan``'s chunk arithmetic along dim 1."""
+    n = tensors[0].numel()
+    dtype = F64 if moments or any(t.dtype == F64 for t in tensors) else torch.float32
+    work = torch.stack([t.detach().reshape(-1) for t in tensors]).to(dtype)  # a fresh copy
+    # counts as float sums of 0/1 (exact below 2**24 elements per row; rows are far
+    # smaller): x − x is 0 for a finite x and NaN otherwise; sign() is 0 only at 0.
+    # (count_nonzero along a dim is several times slower on CPU.)
+    nonfinite = (work - work).nan_to_num_(nan=1.0).sum(dim=1)
+    work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    nonzero = work.sign().abs_().sum(dim=1)
+    total = work.sum(dim=1)
+    extra: list[torch.Tensor] = []
+    if moments:
+        square = work * work
+        sum_sq = square.sum(dim=1)
+        extra = [(square * work).sum(dim=1), (square * square).sum(dim=1)]
+        del square
+    work.abs_()
+    sum_abs = work.sum(dim=1)
+    abs_max = work.amax(dim=1)
+    if not moments:
+        sum_sq = work.square_().sum(dim=1)
+    count = torch.full_like(total, float(n), dtype=F64)
+    columns = [count, total, sum_sq, sum_abs, abs_max, n - nonzero - nonfinite, nonfinite, *extra]
+    return torch.stack([c.to(F64) for c in columns], dim=1)
+
+
+def scan_many(tensors: Sequence[torch.Tensor], *, moments: bool = False,
+              chunk_elems: int | None = None) -> torch.Tensor:
+    """``[K, fields]`` float64 on the tensors' device: row i is ``scan(tensors[i])``.
+
+    An empty tensor gives an all-zero row, as ``scan`` does.
+    """
+    width = MOMENT_FIELDS if moments else BASE_FIELDS
+    if not tensors:
+        return torch.zeros(0, width, dtype=F64)
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    by_size: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if 0 < n <= SMALL_ELEMS and t.is_floating_point() and not t.is_complex():
+            by_size.setdefault((n, t.device), []).append(i)
+        else:
+            rows[i] = scan(t, moments=moments, chunk_elems=chunk_elems)
+    for (n, _), members in by_size.items():
+        if len(members) == 1:
+            rows[members[0]] = scan(tensors[members[0]], moments=moments, chunk_elems=chunk_elems)
+            continue
+        per_block = max(1, STACK_ELEMS // n)
+        for start in range(0, len(members), per_block):
+            block = members[start:start + per_block]
+            for i, row in zip(block, _rows([tensors[i] for i in block], moments)):
+                rows[i] = row
+    return torch.stack(rows)  # type: ignore[arg-type]

@@ -1,0 +1,168 @@
+"""``ProbeConfig``: what a rank measures, how often, and where (validated at construction).
+
+Cadence is set per *probe priority*. A probe is one unit of work; its priority says how
+often it runs, and every metric it produces rides along:
+
+====================  ========  ===================================================
+probe                 priority  metrics
+====================  ========  ===================================================
+step bookkeeping      P0        step_time_s, flops.step, tokens.positions, memory.peak_*,
+                                guard.* (host values, no tensor work)
+loss                  P0        loss.sum, loss.tokens (per source/modality too)
+gradient norm         P0        grad.norm_sq (all parameters), grad.clipped
+output layer          P0        output.logits_abs_max, output.logits_sum_sq, output.logits_n
+output top-2          P1        output.positions, output.top2_gap_sum, output.top2_equal
+gradient detail       P1        grad.norm_sq per group, grad.abs_sum/abs_max/zeros/elements/
+                                nonfinite (from the per-tensor scans of kind=grad)
+tensor scans          P1        tensor.* for fwd, bwd, grad, param, update
+telemetry             P1        memory.allocated/reserved, host.*, device.*, net.*, comm.*,
+                                grad.clip_threshold
+kurtosis moments      P2        tensor.sum3, tensor.sum4 on every scan of that step
+optimizer chain       P2        tensor.* for kind=opt_grad, opt_normalized, opt_direction
+====================  ========  ===================================================
+
+A probe of priority p runs on step t when ``cadence[p] > 0 and t % cadence[p] == 0``, or
+while a control message has densified the monitor. The defaults (P0 every step, P1 every
+100 steps, P2 off) follow the seeds' cadence rule: cheap alerting metrics every step,
+tensor scans every 100 steps, forensics on demand (001 §2, §12).
+
+Name patterns are regular expressions matched in full (``re.fullmatch``) against qualified
+names with wrapper prefixes removed (``module.`` of DDP, ``_orig_mod.`` of torch.compile).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from .catalog import Priority
+
+__all__ = ["DEFAULT_CADENCE", "DEFAULT_MODULE_NAMES", "DEFAULT_MODULE_TYPES", "ProbeConfig"]
+
+DEFAULT_CADENCE: Mapping[Priority, int] = MappingProxyType(
+    {Priority.P0: 1, Priority.P1: 100, Priority.P2: 0})
+
+DEFAULT_MODULE_NAMES: tuple[str, ...] = (
+    r"(.*\.)?(embed|embed_tokens|wte|wpe|tok_embeddings|word_embeddings|pos)",  # embeddings
+    r"(.*\.)?(layers|blocks|h)\.\d+",                                # residual stream (block out)
+    r"(.*\.)?(attn|self_attn|attention)",                            # attention output
+    r"(.*\.)?(q_proj|k_proj|v_proj|qkv|qkv_proj|wq|wk|wv|c_attn)",   # query / key / value
+    r"(.*\.)?(q_norm|k_norm|q_layernorm|k_layernorm)",               # normalized q / k
+    r"(.*\.)?(mlp|feed_forward|ffn)",                                # feed-forward output
+    r"(.*\.)?(mlp|feed_forward|ffn)\.(up|up_proj|act|act_fn|w1|c_fc|fc1)",  # ffn activations
+    r"(.*\.)?(lm_head|head|output|output_layer)",                    # logits
+)
+"""Observation points of seeds §6 under the common module names of GPT/Llama-style models."""
+
+DEFAULT_MODULE_TYPES: tuple[str, ...] = ()
+"""Class-name patterns; e.g. ``("Embedding", "LayerNorm")`` observes every such module."""
+
+
+def _compile(field_name: str, patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"ProbeConfig.{field_name}: bad pattern {pattern!r}: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeConfig:
+    """Root configuration of the rank-side monitor. Every check names the field it rejects."""
+
+    enabled: bool = True
+    """False: ``attach`` returns the null monitor (same API, no hooks, no thread)."""
+    cadence: Mapping[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CADENCE))
+    """Steps between runs of the probes of each priority; 0 = off until densified."""
+    clip_threshold: float | None = None
+    """The loop's global-norm clip threshold c (grad.clipped); None: not reported."""
+    ring_steps: int = 16
+    """Step records kept on the rank for a ``dump`` control message."""
+    queue_size: int = 256
+    """Steps the export queue holds before it drops (and counts) one."""
+    module_names: tuple[str, ...] = DEFAULT_MODULE_NAMES
+    module_types: tuple[str, ...] = DEFAULT_MODULE_TYPES
+    logits_module: str = r"(.*\.)?(lm_head|head|output|output_layer)"
+    """The module whose output is the logits (output.*); the first match in module order."""
+    embedding_params: tuple[str, ...] = ()
+    """Parameter-name patterns in group=embedding besides every nn.Embedding's weight."""
+    expert_params: tuple[str, ...] = (r"(.*\.)?experts?\..*",)
+    """Parameter-name patterns in group=expert (sharded over ep, not replicated)."""
+    tp_replicated: tuple[str, ...] = ()
+    """Module/parameter-name patterns identical on every tensor-parallel rank (e.g. norms,
+    the residual stream without sequence parallelism): only tp=0 reports them."""
+    dp_replicated: bool = True
+    """Parameters are whole replicas over dp (DDP). False for ZeRO-3/FSDP shards."""
+    fused_splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Module pattern -> part names: a fused projection (e.g. ``r".*\\.qkv": ("q","k","v")``)
+    whose output (last dim) and weight (dim 0) are scanned as equal parts."""
+    sources: tuple[str, ...] = ()
+    """Registered data sources (label ``source`` of loss.*), indexed by the loop's ids."""
+    modalities: tuple[str, ...] = ()
+    """Registered modalities, the same label namespace as ``sources``."""
+    mask_activations: bool = True
+    update_ratio: bool = True
+    """Snapshot parameters before the optimizer step on P1 steps (one copy of the rank's
+    reported parameters) to scan Δw exactly."""
+    flops_per_token: float | None = None
+    """The fixed FLOP estimator f; None: ``model.flops_per_token()`` if present, else 6·N."""
+    persistent_hooks: bool = False
+    """False: the tensor-probe module hooks (built at attach) are installed only for steps
+    whose P1 probes run, so other steps pay nothing, not even a hook call. True keeps them
+    installed (their first line returns on unsampled steps), e.g. for torch.compile, whose
+    guards would recompile when hooks come and go."""
+    telemetry: bool = True
+    comm: bool = True
+    scan_chunk_elems: int | None = None
+    """Elements per scan chunk; None: the scan's own default per device (``scan.CPU_CHUNK_ELEMS``
+    keeps a chunk's working copy in L2 on CPU, ``DEVICE_CHUNK_ELEMS`` elsewhere)."""
+    encoder: str = "wire"
+    """OTLP encoder on the emitter thread: "wire" (fast), "proto" or "sdk" (OpenTelemetry SDK)."""
+
+    def __post_init__(self) -> None:
+        cadence: dict[Priority, int] = dict(DEFAULT_CADENCE)
+        for key, every in dict(self.cadence).items():
+            try:
+                priority = Priority(key)
+            except ValueError:
+                raise ValueError(f"ProbeConfig.cadence: unknown priority {key!r}") from None
+            if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+                raise ValueError(f"ProbeConfig.cadence[{key}]: must be an int >= 0, got {every!r}")
+            cadence[priority] = every
+        object.__setattr__(self, "cadence", MappingProxyType(cadence))
+        object.__setattr__(self, "fused_splits", MappingProxyType(dict(self.fused_splits)))
+        if self.clip_threshold is not None and not self.clip_threshold > 0:
+            raise ValueError(f"ProbeConfig.clip_threshold: must be > 0, "
+                             f"got {self.clip_threshold!r}")
+        if self.ring_steps < 0:
+            raise ValueError(f"ProbeConfig.ring_steps: must be >= 0, got {self.ring_steps}")
+        if self.queue_size < 1:
+            raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
+        if self.scan_chunk_elems is not None and self.scan_chunk_elems < 1:
+            raise ValueError("ProbeConfig.scan_chunk_elems: must be >= 1")
+        if self.flops_per_token is not None and not self.flops_per_token >= 0:
+            raise ValueError("ProbeConfig.flops_per_token: must be >= 0")
+        if self.encoder not in ("wire", "proto", "sdk"):
+            raise ValueError(f"ProbeConfig.encoder: 'wire', 'proto' or 'sdk', "
+                             f"got {self.encoder!r}")
+        for name in ("module_names", "module_types", "embedding_params", "expert_params",
+                     "tp_replicated"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, tuple):
+                raise ValueError(f"ProbeConfig.{name}: must be a tuple of patterns")
+            _compile(name, value)
+        _compile("logits_module", (self.logits_module,))
+        _compile("fused_splits", tuple(self.fused_splits))
+        for pattern, parts in self.fused_splits.items():
+            if len(parts) < 2 or len(set(parts)) != len(parts):
+                raise ValueError(f"ProbeConfig.fused_splits[{pattern!r}]: need >= 2 distinct parts")
+        labels = (*self.sources, *self.modalities)
+        if len(set(labels)) != len(labels) or not all(isinstance(s, str) and s for s in labels):
+            raise ValueError("ProbeConfig.sources/modalities: names must be distinct non-empty "
+                             "strings (they share the label 'source')")
+
+    def every(self, priority: Priority | str) -> int:
+        """Steps between runs of probes of ``priority`` (0 = off)."""
+        return self.cadence[Priority(priority)]

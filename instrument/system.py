@@ -1,0 +1,165 @@
+"""System probes: the FLOP estimator, memory peaks, host/device/network telemetry (seeds §5).
+
+Memory peaks are read on the training thread at step exit (allocator statistics and
+``getrusage`` are host-side calls: no device synchronisation). Telemetry (psutil, PSI,
+NVML, network counters) is sampled on the emitter thread when a step's P1 probes ran,
+so its system calls never sit on the training path.
+
+Reset boundary (001 §5, "reset peak counters only at documented boundaries"): the CUDA
+peak counters of the current device are reset when the monitor's step context opens, so
+``memory.peak_*`` covers exactly one step (data loading, forward, backward, optimizer).
+``memory.peak_rss_bytes`` is the kernel's process high-water mark and is never reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .otlp import Point
+
+__all__ = ["DeviceTelemetry", "HostTelemetry", "default_flops_per_token", "peak_memory_points",
+           "reset_peaks", "transformer_flops_per_token"]
+
+log = logging.getLogger(__name__)
+
+_RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+
+
+def transformer_flops_per_token(n_params: int, n_layer: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token of a dense decoder: 6·N + 12·L·d·S (PaLM, Appendix B).
+
+    6·N counts the forward (2N) and backward (4N) multiply-adds of the weight matmuls; the
+    second term is attention's QK^T and AV products (L layers, width d = heads × head dim,
+    sequence length S). Keep this estimator fixed across compared runs (001 §5).
+    """
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def default_flops_per_token(model: nn.Module, n_params: int) -> float:
+    """``model.flops_per_token()`` when the model defines it, else 6·N (no attention term)."""
+    inner = getattr(model, "module", model)  # DDP / FSDP1 wrappers
+    method = getattr(inner, "flops_per_token", None)
+    if callable(method):
+        return float(method())
+    return 6.0 * n_params
+
+
+def reset_peaks(device: torch.device | None) -> None:
+    """Start a new peak window on ``device`` (a CUDA device; nothing on CPU)."""
+    if device is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_points(device: torch.device | None, detail: bool) -> list[Point]:
+    """memory.peak_* (and with ``detail`` the current allocated/reserved bytes)."""
+    points = [Point("memory.peak_rss_bytes",
+                    float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT))]
+    if device is not None:
+        points += [
+            Point("memory.peak_allocated_bytes", float(torch.cuda.max_memory_allocated(device))),
+            Point("memory.peak_reserved_bytes", float(torch.cuda.max_memory_reserved(device)))]
+        if detail:
+            points += [Point("memory.allocated_bytes", float(torch.cuda.memory_allocated(device))),
+                       Point("memory.reserved_bytes", float(torch.cuda.memory_reserved(device)))]
+    return points
+
+
+def _read_psi() -> float | None:
+    try:
+        with open("/proc/pressure/cpu") as handle:
+            first = handle.readline().split()
+    except OSError:
+        return None
+    for item in first[1:]:
+        if item.startswith("avg10="):
+            return float(item[len("avg10="):])
+    return None
+
+
+class HostTelemetry:
+    """psutil / getrusage / PSI / network counters; call ``sample`` from one thread only."""
+
+    def __init__(self, *, read_network: bool) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._process = psutil.Process(os.getpid())
+        self._process.cpu_percent(None)  # first call primes the interval
+        self._read_network = read_network
+        self._last_time = time.monotonic()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self._last_faults = (usage.ru_minflt, usage.ru_majflt)
+        self._last_net = self._net() if read_network else None
+
+    def _net(self) -> tuple[int, int]:
+        counters = self._psutil.net_io_counters(pernic=True)
+        rx = sum(c.bytes_recv for nic, c in counters.items() if nic != "lo")
+        tx = sum(c.bytes_sent for nic, c in counters.items() if nic != "lo")
+        return rx, tx
+
+    def sample(self) -> list[Point]:
+        now = time.monotonic()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        points = [
+            Point("host.rss_bytes", float(self._process.memory_info().rss)),
+            Point("host.cpu_percent", float(self._process.cpu_percent(None))),
+            Point("host.page_faults_minor", float(usage.ru_minflt - self._last_faults[0])),
+            Point("host.page_faults_major", float(usage.ru_majflt - self._last_faults[1])),
+            Point("host.interval_s", now - self._last_time),
+        ]
+        pressure = _read_psi()
+        if pressure is not None:
+            points.append(Point("host.cpu_pressure_pct", pressure))
+        if self._last_net is not None:
+            rx, tx = self._net()
+            points += [Point("net.rx_bytes", float(rx - self._last_net[0])),
+                       Point("net.tx_bytes", float(tx - self._last_net[1]))]
+            self._last_net = (rx, tx)
+        self._last_time = now
+        self._last_faults = (usage.ru_minflt, usage.ru_majflt)
+        return points
+
+
+class DeviceTelemetry:
+    """NVML through torch.cuda's wrappers (which map CUDA_VISIBLE_DEVICES); needs pynvml.
+
+    ``available`` is False without CUDA or without the optional ``pynvml`` package, and
+    after the first failing query (logged once); then ``sample`` returns nothing.
+    """
+
+    def __init__(self, device: torch.device | None) -> None:
+        self._device = device
+        self.available = False
+        if device is None or device.type != "cuda":
+            return
+        try:
+            import pynvml  # noqa: F401  (optional dependency: nvidia-ml-py)
+        except ImportError:
+            log.info("probewire: pynvml not installed; device.* telemetry off")
+            return
+        self.available = True
+        self._queries: list[tuple[str, Callable[[], float]]] = [
+            ("device.utilization_pct", lambda: torch.cuda.utilization(device)),
+            ("device.power_w", lambda: torch.cuda.power_draw(device) / 1000.0),  # mW
+            ("device.temperature_c", lambda: torch.cuda.temperature(device)),
+            ("device.clock_mhz", lambda: torch.cuda.clock_rate(device)),
+            ("device.memory_used_bytes", lambda: torch.cuda.device_memory_used(device)),
+        ]
+
+    def sample(self) -> list[Point]:
+        if not self.available:
+            return []
+        try:
+            return [Point(name, float(query())) for name, query in self._queries]
+        except Exception as exc:  # NVML errors have many types; turn the probe off, once
+            log.warning("probewire: NVML query failed (%s); device.* telemetry off", exc)
+            self.available = False
+            return []

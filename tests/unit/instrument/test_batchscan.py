@@ -1,0 +1,49 @@
+"""scan_many(): per tensor, the vector scan() gives, and a float64 NumPy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from probewire.instrument.batchscan import SMALL_ELEMS, scan_many
+from probewire.instrument.scan import ScanFields as F
+from probewire.instrument.scan import scan
+
+
+def tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(s, generator=g) for s in [(3, 4), (100,), (0,), (16, 16), (12,), (100,),
+                                                  (SMALL_ELEMS + 1,)]]
+    out[1][3], out[1][5], out[1][7] = float("inf"), float("nan"), float("-inf")
+    out[3][0, :3] = 0.0
+    out[5].zero_()                                   # a zero tensor beside a same-sized one
+    out += [torch.randn(256, generator=g).to(torch.bfloat16) for _ in range(2)]
+    out += [torch.randn(7, generator=g, dtype=torch.float64) for _ in range(2)]
+    return out
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_rows_equal_the_single_tensor_scan(moments):
+    xs = tensors()
+    got = scan_many(xs, moments=moments)
+    want = torch.stack([scan(x, moments=moments) for x in xs])
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-9)
+
+
+def test_rows_against_a_float64_reference():
+    xs = tensors()
+    got = scan_many(xs).numpy()
+    for row, x in zip(got, xs):
+        a = x.to(torch.float64).numpy().ravel()
+        f = a[np.isfinite(a)]
+        assert row[F.N] == a.size and row[F.ZEROS] == np.count_nonzero(a == 0)
+        assert row[F.NONFINITE] == np.count_nonzero(~np.isfinite(a))
+        assert row[F.ABS_MAX] == pytest.approx(np.abs(f).max() if f.size else 0.0, rel=1e-7)
+        assert row[F.SUM_SQ] == pytest.approx((f * f).sum(), rel=1e-5, abs=1e-6)
+        assert row[F.SUM_ABS] == pytest.approx(np.abs(f).sum(), rel=1e-5, abs=1e-6)
+
+
+def test_no_tensor_gives_an_empty_matrix():
+    assert scan_many([]).shape == (0, 7)

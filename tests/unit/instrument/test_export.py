@@ -1,0 +1,221 @@
+"""The emitter and the OTLP message: stock proto decoding, non-finite values, bounded
+memory over 100k emits, counted drops, ring-buffer re-sends."""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import threading
+import tracemalloc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+
+from probewire.deploy.demo.model import TinyConfig, TinyLM
+from probewire.instrument import MemoryTransport, Point, ProbeConfig, RankIdentity, attach
+from probewire.instrument.export import StepEmitter
+from probewire.instrument.otlp import ProtoEncoder, SdkEncoder, WireEncoder
+from probewire.stream.assemble import reduce_step
+from probewire.stream.decode import decode_rank_step
+
+IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1",
+                        coords={"dp": 1, "tp": 0})
+POINTS = [Point("loss.sum", 12.5), Point("loss.tokens", 5),
+          Point("loss.sum", 2.5, (("source", "web"),)), Point("grad.norm_sq", float("inf")),
+          Point("tensor.abs_max", 3.0, (("tensor", "blocks.0.attn"), ("kind", "bwd"))),
+          Point("step_time_s", 0.25)]
+
+
+class Counting:
+    """A transport that keeps only counts (so 100k messages cost no memory)."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.last: tuple[bytes, bytes] | None = None
+
+    def send(self, key: bytes, value: bytes) -> bool:
+        self.messages += 1
+        self.last = (key, value)
+        return True
+
+    def flush(self, timeout_s: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None
+
+
+def attrs(kvs) -> dict:
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in kvs}
+
+
+@pytest.mark.parametrize("encoder", [WireEncoder, ProtoEncoder])
+def test_a_message_decodes_with_the_stock_opentelemetry_proto_classes(encoder):
+    payload = encoder(IDENTITY.resource_attributes()).encode(42, POINTS)
+    request = ExportMetricsServiceRequest.FromString(payload)
+    [rm] = request.resource_metrics
+    resource = attrs(rm.resource.attributes)
+    assert resource["probewire.run_id"] == "run1" and resource["probewire.rank"] == 1
+    assert resource["probewire.dp"] == 1 and resource["probewire.tp"] == 0
+    metrics = {m.name: m for sm in rm.scope_metrics for m in sm.metrics}
+    assert metrics["step_time_s"].unit == "s" and metrics["loss.sum"].unit == "nats"
+    loss_points = {tuple(sorted(attrs(p.attributes).items())): p.as_double
+                   for p in metrics["loss.sum"].gauge.data_points}
+    assert loss_points == {(("step", 42),): 12.5, (("source", "web"), ("step", 42)): 2.5}
+    [inf] = metrics["grad.norm_sq"].gauge.data_points
+    assert inf.as_double == 0.0 and attrs(inf.attributes)["probewire.nonfinite"] == "inf"
+
+
+def without_time(payload: bytes) -> ExportMetricsServiceRequest:
+    request = ExportMetricsServiceRequest.FromString(payload)
+    for sm in request.resource_metrics[0].scope_metrics:
+        for metric in sm.metrics:
+            for point in metric.gauge.data_points:
+                point.time_unix_nano = 0
+    return request
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_wire_encoder_writes_exactly_the_reference_message(replay):
+    attributes = IDENTITY.resource_attributes()
+    wire = WireEncoder(attributes).encode(7, POINTS, replay=replay)
+    reference = ProtoEncoder(attributes).encode(7, POINTS, replay=replay)
+    assert without_time(wire) == without_time(reference)
+
+
+@pytest.mark.parametrize("encoder", [WireEncoder, ProtoEncoder, SdkEncoder])
+def test_every_encoder_gives_the_same_rank_step(encoder):
+    payload = encoder(IDENTITY.resource_attributes()).encode(42, POINTS)
+    record = decode_rank_step(b"run1:42", payload)
+    assert (record.step, record.rank, record.coords) == (42, 1, {"dp": 1, "tp": 0})
+    assert record.values[("loss.sum", (("source", "web"),))] == 2.5
+    assert record.values[("grad.norm_sq", ())] == math.inf
+    assert record.values[("tensor.abs_max", (("kind", "bwd"), ("tensor", "blocks.0.attn")))] == 3.0
+    assert len(record.values) == len(POINTS)
+
+
+def test_nan_loss_and_inf_gradient_arrive_as_non_finite_measurements_not_gaps():
+    torch.manual_seed(0)
+    transports = [MemoryTransport(), MemoryTransport()]
+    for rank, transport in enumerate(transports):
+        model = TinyLM(TinyConfig(seq_len=4, d_model=8, n_layer=1, n_head=2))
+        monitor = attach(model, None, transport=transport,
+                         identity=RankIdentity(run_id="nf", rank=rank, world_size=2),
+                         config=ProbeConfig(telemetry=False, comm=False))
+        tokens = torch.randint(0, 256, (2, 4))
+        with monitor.step(7) as s:
+            s.micro_batch(tokens=tokens)
+            logits = model(tokens)
+            losses = F.cross_entropy(logits.reshape(-1, 257), tokens.reshape(-1),
+                                     reduction="none").view(2, 4)
+            s.loss(losses * float("nan") if rank == 0 else losses)
+            losses.sum().backward()
+            if rank == 1:
+                model.head.weight.grad[0, 0] = float("inf")
+            s.gradients()
+        monitor.close()
+    records = [decode_rank_step(k, v) for t in transports for k, v in t.messages]
+    assert math.isnan(records[0].values[("loss.sum", ())])
+    assert records[0].values[("loss.tokens", ())] == 8
+    assert records[1].values[("grad.norm_sq", ())] == math.inf
+    step = reduce_step("nf", 7, 2, records, "all_ranks")
+    assert math.isnan(step.reduced[("loss.sum", ())])  # visible after reduction, not a gap
+    assert step.per_rank[1][("grad.norm_sq", ())] == math.inf
+
+
+SMALL = [Point("loss.sum", 1.0), Point("tensor.n", 4.0, (("tensor", "x"), ("kind", "fwd")))]
+
+
+def growth(emitter: StepEmitter, transport: Counting, warm: int, traced: int, total: int
+           ) -> tuple[int, int]:
+    """(allocated-block growth from ``warm`` to ``total`` emits, tracemalloc byte growth
+    over the ``traced`` emits right after ``warm``). tracemalloc slows every allocation
+    ~7x, so it watches a sub-window; the block count watches the whole range for free."""
+
+    def emit_range(a: int, b: int) -> None:
+        for step in range(a, b):
+            emitter.emit(step, SMALL)
+            if step % 1000 == 999:
+                assert emitter.flush(30.0)
+        assert emitter.flush(30.0)
+
+    emit_range(0, warm)
+    gc.collect()
+    blocks = sys.getallocatedblocks()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        emit_range(warm, warm + traced)
+        gc.collect()  # the SDK leaves reference cycles for the collector: garbage, not growth
+        traced_growth = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    emit_range(warm + traced, total)
+    gc.collect()
+    assert transport.messages == total and emitter.dropped == 0
+    return sys.getallocatedblocks() - blocks, traced_growth
+
+
+def test_memory_stays_flat_over_100k_emits():
+    transport = Counting()
+    emitter = StepEmitter(IDENTITY, transport, queue_size=1024, ring_steps=16)
+    blocks, traced = growth(emitter, transport, 20_000, 10_000, 100_000)
+    emitter.close()
+    assert blocks < 2_000, f"{blocks} more allocated blocks after 80k more emits"
+    assert traced < 64 * 1024, f"grew {traced} bytes over 10k traced emits"
+    assert decode_rank_step(*transport.last).step == 99_999
+
+
+def test_the_sdk_encoder_keeps_no_per_step_state():
+    transport = Counting()
+    emitter = StepEmitter(IDENTITY, transport, queue_size=1024, encoder="sdk")
+    blocks, traced = growth(emitter, transport, 2_000, 2_000, 12_000)
+    emitter.close()
+    assert blocks < 2_000, f"{blocks} more allocated blocks after 10k more emits"
+    assert traced < 64 * 1024, f"grew {traced} bytes over 2k traced emits"
+
+
+def test_a_full_queue_drops_steps_counts_them_and_exports_the_count():
+    gate, sending = threading.Event(), threading.Event()
+
+    class Blocking(MemoryTransport):
+        def send(self, key: bytes, value: bytes) -> bool:
+            sending.set()
+            gate.wait(10)
+            return super().send(key, value)
+
+    transport = Blocking()
+    emitter = StepEmitter(IDENTITY, transport, queue_size=2)
+    emitter.emit(0, POINTS)
+    assert sending.wait(5)  # the emitter thread now blocks inside send
+    for step in range(1, 10):
+        emitter.emit(step, POINTS)
+    dropped = emitter.dropped
+    assert dropped == 7  # 2 fit in the queue
+    gate.set()
+    emitter.emit(10, POINTS)  # may or may not fit; its message carries the running count
+    emitter.close()
+    last = decode_rank_step(*transport.messages[-1])
+    assert last.values[("export.dropped_total", ())] == emitter.dropped >= dropped
+    assert len(transport.messages) + emitter.dropped == 11
+
+
+def test_dump_resends_the_ring_buffer_marked_as_replay():
+    transport = MemoryTransport()
+    emitter = StepEmitter(IDENTITY, transport, ring_steps=3)
+    for step in range(5):
+        emitter.emit(step, POINTS)
+    assert emitter.flush(5.0)
+    emitter.dump()
+    emitter.close()
+    steps = [decode_rank_step(k, v).step for k, v in transport.messages]
+    assert steps == [0, 1, 2, 3, 4, 2, 3, 4]
+    resources = [ExportMetricsServiceRequest.FromString(v).resource_metrics[0].resource
+                 for _, v in transport.messages]
+    replay = [attrs(r.attributes).get("probewire.replay", False) for r in resources]
+    assert replay == [False] * 5 + [True] * 3

@@ -1,0 +1,374 @@
+"""attach() on a real model in one process: every step value against a float64 reference,
+gating (no tensor work on an unsampled step), recomputation, scaling, the null monitor."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
+from probewire.instrument import (MemoryTransport, NullMonitor, ProbeConfig, RankIdentity,
+                                  attach)
+from probewire.stream.decode import decode_rank_step
+
+SOURCES = ("web", "code")
+CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
+QUIET = dict(telemetry=False, comm=False)
+
+
+def identity(rank: int = 0, world: int = 1, **coords: int) -> RankIdentity:
+    return RankIdentity(run_id="t", rank=rank, world_size=world, coords=coords or {"dp": rank})
+
+
+def make_batches(seed: int, rows=(3, 2)):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in rows:  # uneven micro-batches, padded rows
+        tokens = torch.randint(0, 256, (n, CFG.seq_len), generator=g)
+        targets = torch.randint(0, 256, (n, CFG.seq_len), generator=g)
+        lengths = torch.randint(1, CFG.seq_len + 1, (n,), generator=g)
+        targets[torch.arange(CFG.seq_len)[None, :] >= lengths[:, None]] = IGNORE
+        out.append((tokens, targets, torch.randint(0, 2, (n,), generator=g)))
+    return out
+
+
+def token_losses(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="none").view_as(targets)
+
+
+def train_step(monitor, model, opt, step, batches, clip=1.0, scaler=None):
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    with monitor.step(step) as s:
+        for tokens, targets, source in batches:
+            s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
+            losses = token_losses(model(tokens), targets)
+            s.loss(losses)
+            loss = losses.sum() / max(n_valid, 1)
+            (scaler.scale(loss) if scaler else loss).backward()
+        s.gradients(scaler=scaler)
+        if scaler:
+            scaler.unscale_(opt)
+        s.clipped(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        (scaler.step(opt), scaler.update()) if scaler else opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def run(config, steps=1, seed=0, model=None, batches=None, **kwargs):
+    torch.manual_seed(seed)
+    model = model or TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    transport = MemoryTransport()
+    monitor = attach(model, opt, identity=identity(), config=config, transport=transport)
+    for step in range(steps):
+        train_step(monitor, model, opt, step, batches or make_batches(seed + step), **kwargs)
+    monitor.close()
+    return [decode_rank_step(k, v) for k, v in transport.messages], model
+
+
+def value(record, name, **labels):
+    return record.values[(name, tuple(sorted(labels.items())))]
+
+
+def test_p0_step_values_match_a_float64_reference():
+    batches = make_batches(7)
+    torch.manual_seed(0)
+    ref_model = TinyLM(CFG)
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    ref = {"sum": 0.0, "src": np.zeros((2, 2)), "absmax": 0.0, "sumsq": 0.0, "n": 0}
+    for tokens, targets, source in batches:
+        logits = ref_model(tokens)
+        losses = token_losses(logits, targets)
+        (losses.sum() / n_valid).backward()
+        mask = (targets != IGNORE).numpy()
+        l64 = losses.detach().double().numpy() * mask
+        ref["sum"] += l64.sum()
+        for r, s in enumerate(source.tolist()):
+            ref["src"][s] += (l64[r].sum(), mask[r].sum())
+        z = logits.detach().double().numpy()[mask]
+        ref["absmax"] = max(ref["absmax"], np.abs(z).max())
+        ref["sumsq"] += (z * z).sum()
+        ref["n"] += z.size
+    g2 = sum(float((p.grad.double() ** 2).sum()) for p in ref_model.parameters())
+
+    [rec], model = run(ProbeConfig(clip_threshold=1.0, sources=SOURCES, **QUIET),
+                       batches=batches)
+    assert value(rec, "loss.sum") == pytest.approx(ref["sum"], rel=1e-9)
+    assert value(rec, "loss.tokens") == n_valid
+    for i, name in enumerate(SOURCES):
+        assert value(rec, "loss.sum", source=name) == pytest.approx(ref["src"][i, 0], rel=1e-9)
+        assert value(rec, "loss.tokens", source=name) == ref["src"][i, 1]
+    assert value(rec, "grad.norm_sq") == pytest.approx(g2, rel=1e-5)
+    assert value(rec, "grad.clipped") == float(math.sqrt(g2) > 1.0)
+    assert value(rec, "output.logits_abs_max") == pytest.approx(ref["absmax"], rel=1e-6)
+    assert value(rec, "output.logits_sum_sq") == pytest.approx(ref["sumsq"], rel=1e-5)
+    assert value(rec, "output.logits_n") == ref["n"]
+    positions = sum(t.numel() for t, _, _ in batches)
+    assert value(rec, "tokens.positions") == positions
+    assert value(rec, "flops.step") == pytest.approx(model.flops_per_token() * positions)
+    assert value(rec, "step_time_s") > 0 and value(rec, "memory.peak_rss_bytes") > 0
+    assert value(rec, "guard.skipped") == 0
+
+
+def test_p1_gradient_detail_and_update_ratio_components():
+    batches = make_batches(3)
+    torch.manual_seed(0)
+    before = {n: p.detach().clone() for n, p in TinyLM(CFG).named_parameters()}
+    recs, model = run(ProbeConfig(cadence={"P1": 1}, **QUIET), batches=batches)
+    rec = recs[0]
+    after = dict(model.named_parameters())
+    for name in ("blocks.0.mlp.up.weight", "embed.weight"):
+        w, delta = before[name].double(), after[name].detach().double() - before[name].double()
+        assert value(rec, "tensor.n", tensor=name, kind="param") == w.numel()
+        assert value(rec, "tensor.sum_sq", tensor=name, kind="param") == pytest.approx(
+            float((w * w).sum()), rel=1e-6)
+        assert value(rec, "tensor.sum_sq", tensor=name, kind="update") == pytest.approx(
+            float((delta * delta).sum()), rel=1e-4)
+    # group detail: the embedding rows of absent bytes get exactly zero gradient
+    assert value(rec, "grad.zeros", group="embedding") > 0
+    assert value(rec, "grad.elements") == sum(p.numel() for p in model.parameters())
+    assert value(rec, "grad.norm_sq", group="embedding") + value(
+        rec, "grad.norm_sq", group="other") == pytest.approx(value(rec, "grad.norm_sq"), rel=1e-5)
+    kinds = {dict(labels)["kind"] for (name, labels) in rec.values if name == "tensor.n"}
+    assert kinds == {"fwd", "bwd", "grad", "param", "update"}  # P2 chain is off
+
+
+def test_p2_adds_kurtosis_moments_and_the_adamw_chain():
+    [rec], _ = run(ProbeConfig(cadence={"P1": 1, "P2": 1}, **QUIET))
+    kinds = {dict(labels)["kind"] for (name, labels) in rec.values if name == "tensor.sum4"}
+    assert {"opt_grad", "opt_normalized", "opt_direction", "fwd"} <= kinds
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_ops(monitor, step):
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = monitor(model, opt)
+    batches = make_batches(11)
+    with CountOps() as counter:
+        train_step(mon, model, opt, step, batches)
+    mon.close()
+    return counter.ops
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_unsampled_step_runs_no_probe_tensor_op(persistent):
+    config = ProbeConfig(cadence={"P0": 2, "P1": 4}, clip_threshold=1.0, sources=SOURCES,
+                         persistent_hooks=persistent, **QUIET)
+
+    def attached(model, opt):
+        return attach(model, opt, identity=identity(), config=config, transport=MemoryTransport())
+
+    def detached(model, opt):
+        return NullMonitor()
+
+    baseline = count_step_ops(detached, 1)
+    assert count_step_ops(attached, 1) == baseline  # step 1: nothing sampled
+    assert len(count_step_ops(attached, 4)) > len(baseline) + 100  # step 4: P0 + P1 ran
+
+
+class Checkpointed(TinyLM):
+    reentrant: bool | None = None
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.reentrant is not None \
+                else block(x)
+        return self.head(self.ln_f(x))
+
+
+def tensor_stats(recs):
+    return {(dict(l)["tensor"], dict(l)["kind"], n): v for (n, l), v in recs[0].values.items()
+            if n.startswith("tensor.") and dict(l)["kind"] in ("fwd", "bwd")}
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_does_not_count_a_probe_twice(reentrant):
+    config = ProbeConfig(cadence={"P1": 1}, **QUIET)
+    torch.manual_seed(0)
+    plain = Checkpointed(CFG)
+    plain_recs, _ = run(config, model=plain, batches=make_batches(5))
+    torch.manual_seed(0)
+    ckpt = Checkpointed(CFG)
+    ckpt.reentrant = reentrant
+    ckpt_recs, _ = run(config, model=ckpt, batches=make_batches(5))
+    plain_stats, ckpt_stats = tensor_stats(plain_recs), tensor_stats(ckpt_recs)
+    assert ("blocks.0.attn", "bwd", "tensor.n") in ckpt_stats
+    assert set(ckpt_stats) == set(plain_stats)
+    for key, v in plain_stats.items():
+        assert ckpt_stats[key] == pytest.approx(v, rel=1e-5, abs=1e-9), key
+
+
+def test_grad_scaler_scale_is_removed_before_and_not_after_unscale():
+    batches = make_batches(9)
+    [plain], _ = run(ProbeConfig(**QUIET), batches=batches)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    [scaled], _ = run(ProbeConfig(**QUIET), batches=batches, scaler=scaler)
+    assert value(scaled, "grad.norm_sq") == pytest.approx(value(plain, "grad.norm_sq"), rel=1e-5)
+
+
+def test_guard_counters_and_densify():
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    transport = MemoryTransport()
+    monitor = attach(model, opt, identity=identity(), transport=transport,
+                     config=ProbeConfig(cadence={"P1": 0}, **QUIET))
+    with monitor.step(0) as s:
+        s.skipped()
+        s.replayed(reproduced=True)
+        s.replayed(reproduced=False)
+    monitor.densify(2)
+    for step in (1, 2, 3):
+        train_step(monitor, model, opt, step, make_batches(step))
+    monitor.close()
+    recs = {r.step: r for r in (decode_rank_step(k, v) for k, v in transport.messages)}
+    assert (value(recs[0], "guard.skipped"), value(recs[0], "guard.replayed"),
+            value(recs[0], "guard.replay_mismatch")) == (1, 2, 1)
+    assert value(recs[1], "guard.skipped") == 0
+    has_tensors = {s: any(n == "tensor.n" for n, _ in r.values) for s, r in recs.items()}
+    assert has_tensors == {0: False, 1: True, 2: True, 3: False}
+
+
+def test_disabled_monitor_is_a_null_object_with_the_same_api():
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    transport = MemoryTransport()
+    monitor = attach(model, opt, identity=identity(), transport=transport,
+                     config=ProbeConfig(enabled=False))
+    assert isinstance(monitor, NullMonitor)
+    train_step(monitor, model, opt, 0, make_batches(0))
+    assert monitor.checkpoint("/x", 0, 1, 1.0) is False
+    assert not any(m._forward_hooks for m in model.modules())
+    monitor.close()
+    assert transport.messages == []
+
+
+def test_close_removes_every_hook():
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    monitor = attach(model, opt, identity=identity(), transport=MemoryTransport(),
+                     config=ProbeConfig(persistent_hooks=True, **QUIET))
+    assert any(m._forward_hooks for m in model.modules())
+    monitor.close()
+    assert not any(m._forward_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_checkpoint_event_is_published_by_rank_0_only():
+    import json
+
+    model = TinyLM(CFG)
+    events = [MemoryTransport(), MemoryTransport()]
+    for rank, transport in enumerate(events):
+        mon = attach(model, None, identity=identity(rank, 2), transport=MemoryTransport(),
+                     events=transport, config=ProbeConfig(**QUIET))
+        mon.checkpoint("/ckpt/step10.pt", 10, 5000, 1.5e12, weights_stream="ema", key=True)
+        mon.close()
+    [(key, body)] = events[0].messages
+    assert key == b"t" and events[1].messages == []
+    assert json.loads(body) == {"run_id": "t", "step": 10, "tokens": 5000, "flops": 1.5e12,
+                                "path": "/ckpt/step10.pt", "weights_stream": "ema", "key": True}
+    with pytest.raises(ValueError, match="weights_stream"):
+        attach(model, None, identity=identity(), transport=MemoryTransport(),
+               config=ProbeConfig(**QUIET)).checkpoint("/x", 1, 1, 1.0, weights_stream="avg")
+
+
+def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
+    batches = make_batches(13)
+    torch.manual_seed(0)
+    reference = TinyLM(CFG)
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    for tokens, targets, _ in batches:
+        (token_losses(reference(tokens), targets).sum() / n_valid).backward()
+    pre_clip = [p.grad.detach().clone() for p in reference.parameters()]
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    expected_grads = [p.grad.clone() for p in reference.parameters()]
+
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport,
+                     config=ProbeConfig(cadence={"P1": 1}, clip_threshold=0.5, **QUIET))
+    with monitor.step(0) as s:
+        for tokens, targets, source in batches:
+            s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
+            (token_losses(model(tokens), targets).sum() / n_valid).backward()
+        norm = s.clip_grad_norm_(model.parameters(), 0.5)
+    monitor.close()
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    assert float(norm) == float(expected_norm)
+    assert math.sqrt(value(rec, "grad.norm_sq")) == float(expected_norm)  # exactly the norm
+    assert value(rec, "grad.clipped") == 1.0 and float(expected_norm) > 0.5
+    for p, g in zip(model.parameters(), expected_grads):
+        assert torch.equal(p.grad, g)  # clipped as torch clips
+    embed_grad = pre_clip[0].double()
+    assert value(rec, "tensor.sum_sq", tensor="embed.weight", kind="grad") == pytest.approx(
+        float((embed_grad ** 2).sum()), rel=1e-6)  # the scans saw the unclipped gradient
+
+
+def test_fused_loss_totals_and_a_stage_without_the_loss():
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport,
+                     config=ProbeConfig(sources=SOURCES, **QUIET))
+    tokens, targets, _ = make_batches(2)[0]
+    with monitor.step(0) as s:  # a fused loss that only returns its sum and count
+        loss_sum = token_losses(model(tokens), targets).sum()
+        s.loss_totals(loss_sum, int((targets != IGNORE).sum()))
+        s.loss_totals(torch.tensor(1.5), 3)
+    with monitor.step(1) as s:  # e.g. a pipeline stage that never sees the loss
+        s.micro_batch(tokens=tokens)
+        model(tokens)
+    monitor.close()
+    first, second = (decode_rank_step(k, v) for k, v in transport.messages)
+    assert value(first, "loss.sum") == pytest.approx(float(loss_sum.detach()) + 1.5, rel=1e-6)
+    assert value(first, "loss.tokens") == int((targets != IGNORE).sum()) + 3
+    assert not any(labels for name, labels in first.values if name == "loss.sum")
+    assert not any(name.startswith("loss.") for name, _ in second.values)
+    assert value(second, "tokens.positions") == tokens.numel()
+
+
+def test_an_extension_shares_the_step_and_is_told_its_boundaries():
+    calls = []
+
+    class Extension:
+        def on_gradients(self, inv_scale):
+            calls.append(("on_gradients", inv_scale))
+
+        def finish(self):
+            calls.append(("finish",))
+
+        def remove(self):
+            calls.append(("remove",))
+
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters())
+    monitor = attach(model, opt, identity=identity(), transport=MemoryTransport(),
+                     config=ProbeConfig(cadence={"P0": 2}, **QUIET))
+    monitor.add_extension(Extension())
+    for step in (0, 1):
+        train_step(monitor, model, opt, step, make_batches(step))
+    monitor.close()
+    assert calls == [("on_gradients", None), ("finish",), ("remove",)]  # step 1 unsampled

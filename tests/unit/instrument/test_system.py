@@ -1,0 +1,50 @@
+"""System probes: the fixed FLOP estimator, memory points, host telemetry deltas."""
+
+from __future__ import annotations
+
+import torch
+
+from probewire.deploy.demo.model import TinyConfig, TinyLM
+from probewire.instrument.system import (DeviceTelemetry, HostTelemetry, default_flops_per_token,
+                                         peak_memory_points, transformer_flops_per_token)
+
+
+def test_flop_estimator_is_6n_plus_the_attention_term():
+    assert transformer_flops_per_token(1000, 2, 64, 128) == 6000 + 12 * 2 * 64 * 128
+
+
+def test_default_estimator_uses_the_models_own_and_unwraps_wrappers():
+    model = TinyLM(TinyConfig())
+    n = sum(p.numel() for p in model.parameters())
+    assert default_flops_per_token(model, n) == model.flops_per_token()
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = model
+
+    assert default_flops_per_token(Wrapper(), n) == model.flops_per_token()
+    assert default_flops_per_token(torch.nn.Linear(3, 4), 16) == 96.0
+
+
+def test_cpu_memory_points_report_the_process_peak_only():
+    points = {p.name: p.value for p in peak_memory_points(None, detail=True)}
+    assert set(points) == {"memory.peak_rss_bytes"} and points["memory.peak_rss_bytes"] > 1e6
+
+
+def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked():
+    host = HostTelemetry(read_network=True)
+    blob = [bytearray(1 << 20) for _ in range(8)]  # touch memory: minor page faults
+    first = {p.name: p.value for p in host.sample()}
+    second = {p.name: p.value for p in host.sample()}
+    del blob
+    assert first["host.page_faults_minor"] > 0 and first["host.rss_bytes"] > 1e6
+    assert {"net.rx_bytes", "net.tx_bytes", "host.interval_s"} <= set(second)
+    assert second["host.interval_s"] >= 0 and second["net.rx_bytes"] >= 0
+    quiet = {p.name for p in HostTelemetry(read_network=False).sample()}
+    assert not quiet & {"net.rx_bytes", "net.tx_bytes"}
+
+
+def test_device_telemetry_is_off_without_cuda():
+    telemetry = DeviceTelemetry(None)
+    assert telemetry.available is False and telemetry.sample() == []
