@@ -86,11 +86,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.steps < 1:
         raise UserError("--ranks and --steps must be >= 1")
+    from probewire.deploy.demo.faults import FaultError, parse_fault
+
+    try:
+        for text in args.fault:
+            parse_fault(text)
+    except FaultError as exc:
+        raise UserError(str(exc)) from None
     settings = _settings(args)
     work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
     try:
         result = run_demo(settings, ranks=args.ranks, steps=args.steps, work_dir=work_dir,
-                          run_id=args.run_id)
+                          run_id=args.run_id,
+                          extra_train_args=[a for f in args.fault for a in ("--fault", f)])
     except StackError as exc:
         raise UserError(str(exc)) from None
     columns, rows = _query(settings, f"""
@@ -244,6 +252,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-id", help="run id (default: demo-<random>)")
     demo.add_argument("--show", type=int, default=10, help="how many last steps to print")
     demo.add_argument("--work-dir", help="logs and heartbeat of the local stack")
+    demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
+                      help="inject a real training fault (repeatable): bad-rank, "
+                           "source-regression, poisoned-batch, layer-explosion, straggler, "
+                           "memory-creep, flaky-replay")
     demo.set_defaults(func=cmd_demo)
 
     sql = sub.add_parser("sql", help="run SQL on the store")

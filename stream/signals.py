@@ -114,7 +114,10 @@ class SignalDetectors:
     # -- one step ---------------------------------------------------------------------------
     def observe(self, step: int, view: dict[str, Any], sources: dict[str, float]) -> tuple[
             dict[str, Any], list[Finding]]:
-        """Update every detector with one step's P0 view; return derived fields and findings."""
+        """Update every detector with one step's P0 view; return derived fields and findings.
+
+        ``sources`` maps each data source to its loss relative to the global loss,
+        L_source / L; the worst rank is scored the same way, as L_max / L."""
         cfg, found = self.config, []
         derived: dict[str, Any] = {}
         loss = self.spikes["loss"].update(view["loss"]) if view["loss"] is not None else None

@@ -234,8 +234,11 @@ class RunPipeline:
         self.tokens += view["step_tokens"]
         self.flops += view.pop("flops_step") or 0.0
         self.last_step = max(self.last_step, item.step)
-        derived, findings = self.detectors.observe(
-            item.step, view, {s: loss for s, (loss, _, _) in sources.items()})
+        # a source regresses when it moves against the whole: score L_source / L, so a
+        # step where every source spikes together (a co-spike) does not page per source
+        ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
+                  if view["loss"] and math.isfinite(view["loss"])}
+        derived, findings = self.detectors.observe(item.step, view, ratios)
         view.pop("media_scale")
         view.pop("moe_maxvio_layer")
         view["clipped"] = derived.pop("clipped")

@@ -35,6 +35,7 @@ from probewire.instrument import (ControlListener, KafkaTransport, ProbeConfig, 
                                   attach)
 
 from .data import SOURCES, load_corpus
+from .faults import FaultError, parse_fault
 from .model import IGNORE, TinyConfig, TinyLM, save_checkpoint
 
 __all__ = ["main"]
@@ -60,7 +61,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--p1-every", type=int, default=100, help="steps between tensor probes")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     p.add_argument("--ckpt-dir", type=Path, help="where --save-every writes checkpoints")
+    p.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
+                   help="inject a real training fault (see probewire.deploy.demo.faults)")
+    p.add_argument("--guard-factor", type=float, default=3.0,
+                   help="spike guard: replay a step whose loss exceeds this x its running mean")
     args = p.parse_args(argv)
+    try:
+        args.faults = [parse_fault(text) for text in args.fault]
+    except FaultError as exc:
+        p.error(str(exc))
     if args.save_every and args.ckpt_dir is None:
         p.error("--save-every needs --ckpt-dir")
     return args
@@ -94,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     flops_per_token = model.module.flops_per_token()
     local_tokens, local_flops = 0, 0.0
+    running_loss: float | None = None
     try:
         for step in range(args.steps):
             with monitor.step(step) as s:
+                for fault in args.faults:
+                    fault.on_step_start(step, args.rank, model, opt)
                 # data: a few rows per micro-batch; random valid lengths pad some rows
                 batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8)
                            for _ in range(args.micro_batches)]
+                for fault in args.faults:
+                    batches = [fault.on_batch(step, args.rank, b) for b in batches]
                 n_valid = sum(int((b.targets != IGNORE).sum()) for b in batches)
                 loss_sum = torch.zeros((), dtype=torch.float64)
                 # forward/backward: the objective is this rank's valid-token mean loss
@@ -115,6 +129,17 @@ def main(argv: list[str] | None = None) -> None:
                         s.loss(losses)
                         (losses.sum() / max(n_valid, 1)).backward()
                     loss_sum += losses.detach().double().sum()
+                # spike guard: replay a suspicious step on the same batches (no update) and
+                # check that it reproduces the loss; a replay that does not points at hardware
+                mean_loss = loss_sum.item() / max(n_valid, 1)  # note: host sync point
+                flaky = any(f.replay_differs(step) for f in args.faults)
+                if flaky or (running_loss is not None and mean_loss > args.guard_factor
+                             * running_loss):
+                    replay = _replay_loss(model.module, batches, perturb=flaky)
+                    s.replayed(reproduced=abs(replay - loss_sum.item())
+                               <= 1e-6 * abs(loss_sum.item()))
+                running_loss = mean_loss if running_loss is None else \
+                    0.95 * running_loss + 0.05 * mean_loss
                 # clip: the monitor measures G2 (accumulated, unscaled, not yet clipped) and
                 # the same norm clips, as torch.nn.utils.clip_grad_norm_ would
                 total_norm = s.clip_grad_norm_(model.parameters(), args.clip)
@@ -122,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                 opt.zero_grad(set_to_none=True)
                 # note: host sync point; the step's scalars are read once, here
                 loss_value, norm_value = loss_sum.item(), float(total_norm.item())
+            for fault in args.faults:
+                fault.on_step_end(step, args.rank)
             local_tokens += n_valid
             local_flops += flops_per_token * sum(b.tokens.numel() for b in batches)
             if trace:
@@ -141,6 +168,23 @@ def main(argv: list[str] | None = None) -> None:
         if trace:
             trace.close()
         dist.destroy_process_group()
+
+
+def _replay_loss(model: torch.nn.Module, batches: list, perturb: bool) -> float:
+    """The step's loss sum recomputed on the same batches without touching the gradients.
+    ``perturb`` flips one weight's low mantissa bit for the replay (then restores it):
+    what a flaky device does to a replay."""
+    weight = model.head.weight
+    saved = weight.data[0, 0].clone()
+    with torch.no_grad():
+        if perturb:
+            bits = weight.data[0, 0].view(torch.int32)
+            bits ^= 1 << 12
+        total = sum(float(F.cross_entropy(model(b.tokens).float().transpose(1, 2), b.targets,
+                                          ignore_index=IGNORE, reduction="sum"))
+                    for b in batches)
+        weight.data[0, 0] = saved
+    return total
 
 
 if __name__ == "__main__":
