@@ -84,8 +84,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from probewire.deploy.demo.run import run_demo
     from probewire.deploy.stack import StackError
 
-    if args.ranks < 1 or args.steps < 1:
-        raise UserError("--ranks and --steps must be >= 1")
+    if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
+        raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
     from probewire.deploy.demo.faults import FaultError, parse_fault
 
     try:
@@ -97,7 +97,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
     try:
         result = run_demo(settings, ranks=args.ranks, steps=args.steps, work_dir=work_dir,
-                          run_id=args.run_id,
+                          run_id=args.run_id, evaluate_every=args.evaluate_every,
                           extra_train_args=[a for f in args.fault for a in ("--fault", f)])
     except StackError as exc:
         raise UserError(str(exc)) from None
@@ -252,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-id", help="run id (default: demo-<random>)")
     demo.add_argument("--show", type=int, default=10, help="how many last steps to print")
     demo.add_argument("--work-dir", help="logs and heartbeat of the local stack")
+    demo.add_argument("--evaluate-every", type=int, default=0, metavar="N",
+                      help="checkpoint every N steps and score them with the evaluator")
     demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
                       help="inject a real training fault (repeatable): bad-rank, "
                            "source-regression, poisoned-batch, layer-explosion, straggler, "

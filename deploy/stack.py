@@ -113,6 +113,7 @@ class LocalStack:
     work_dir: Path
     broker: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
+    evaluator: subprocess.Popen | None = None
     bootstrap: str = ""
     logs: list[IO] = field(default_factory=list)
     started: list[dict] = field(default_factory=list)
@@ -154,40 +155,68 @@ class LocalStack:
         create_topics(bootstrap, self.settings.topics.all())
         return bootstrap
 
-    def start_worker(self, timeout_s: float = 90.0) -> None:
-        # the worker gets the whole settings tree as a file (with this stack's broker);
-        # inherited PROBEWIRE_<SECTION>__<FIELD> variables would override it, so drop them
+    def _child_env(self, heartbeat: Path) -> dict[str, str]:
+        """A child's environment: the whole settings tree as a file (with this stack's
+        broker); inherited PROBEWIRE_<SECTION>__<FIELD> variables would override it."""
         config = self.work_dir / "settings.json"
         tree = self.settings.to_dict()
         tree["kafka"]["bootstrap"] = self.bootstrap
         config.write_text(json.dumps(tree))
         env = {k: v for k, v in os.environ.items()
                if not (k.startswith("PROBEWIRE_") and "__" in k)}
-        env.update({"PROBEWIRE_CONFIG": str(config),
-                    "PROBEWIRE_HEARTBEAT_FILE": str(self.heartbeat_path)})
+        env.update({"PROBEWIRE_CONFIG": str(config), "PROBEWIRE_HEARTBEAT_FILE": str(heartbeat)})
+        return env
+
+    def _wait_ready(self, proc: subprocess.Popen, heartbeat: Path, what: str,
+                    timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StackError(f"{what} exited with code {proc.returncode}; "
+                                 f"see {self.work_dir / (what + '.log')}")
+            beat = read_heartbeat(heartbeat)
+            if beat and beat.get("status") == "ready":
+                return
+            time.sleep(0.2)
+        raise StackError(f"{what} not ready within {timeout_s}s; "
+                         f"see {self.work_dir / (what + '.log')}")
+
+    @property
+    def evaluator_heartbeat_path(self) -> Path:
+        return self.work_dir / "evaluator.heartbeat"
+
+    def start_evaluator(self, data_dir: Path, timeout_s: float = 120.0) -> None:
+        """The checkpoint evaluator service, scoring what ``probewire.checkpoints`` announces."""
+        self.evaluator_heartbeat_path.unlink(missing_ok=True)
+        self.evaluator = spawn([sys.executable, "-m", "probewire.deploy.cli", "evaluator",
+                                "--data-dir", str(data_dir), "--no-progress"],
+                               self._log("evaluator"), self._child_env(
+                                   self.evaluator_heartbeat_path))
+        self.record("evaluator", self.evaluator)
+        self._wait_ready(self.evaluator, self.evaluator_heartbeat_path, "evaluator", timeout_s)
+
+    def start_worker(self, timeout_s: float = 90.0) -> None:
+        env = self._child_env(self.heartbeat_path)
         self.heartbeat_path.unlink(missing_ok=True)
         self.worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker"],
                             self._log("worker"), env)
         self.record("worker", self.worker)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.worker.poll() is not None:
-                raise StackError(f"stream worker exited with code {self.worker.returncode}; "
-                                 f"see {self.work_dir / 'worker.log'}")
-            beat = read_heartbeat(self.heartbeat_path)
-            if beat and beat.get("status") == "ready":
-                return
-            time.sleep(0.2)
-        raise StackError(f"stream worker not ready within {timeout_s}s; "
-                         f"see {self.work_dir / 'worker.log'}")
+        self._wait_ready(self.worker, self.heartbeat_path, "worker", timeout_s)
 
-    def progress(self, run_id: str) -> int:
-        """Steps of ``run_id`` the worker has durably written."""
+    def progress(self, run_id: str, key: str = "steps_written") -> int:
+        """Steps (or ``evals_written``) of ``run_id`` the worker has durably written."""
         beat = read_heartbeat(self.heartbeat_path) or {}
-        return int(beat.get("runs", {}).get(run_id, {}).get("steps_written", 0))
+        return int(beat.get("runs", {}).get(run_id, {}).get(key, 0))
+
+    def checkpoints_done(self, run_id: str) -> int:
+        """Checkpoints of ``run_id`` the evaluator has finished (scored, skipped or failed)."""
+        beat = read_heartbeat(self.evaluator_heartbeat_path) or {}
+        run = beat.get("runs", {}).get(run_id, {})
+        return sum(int(run.get(k, 0)) for k in ("evaluated", "skipped", "failed"))
 
     def stop(self) -> None:
-        """Worker first (it flushes), then the broker. Safe to call twice."""
+        """Services first (the worker flushes), then the broker. Safe to call twice."""
+        stop_process(self.evaluator, signal.SIGTERM, 30.0)
         stop_process(self.worker, signal.SIGTERM, 30.0)
         stop_process(self.broker, signal.SIGTERM, 10.0)
         for handle in self.logs:

@@ -241,8 +241,12 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
         async for batch in stream.take(500, within=1.0):
             while not sink:
                 await asyncio.sleep(0.1)
-            rows = [_evaluation_row(json.loads(payload)) for payload in batch]
-            await in_writer(sink[0].write, "evaluations", [r for r in rows if r is not None])
+            rows = [r for r in (_evaluation_row(json.loads(p)) for p in batch) if r is not None]
+            await in_writer(sink[0].write, "evaluations", rows)
+            for row in rows:
+                progress = heartbeat.runs.setdefault(row["run_id"], {"steps_written": 0})
+                progress["evals_written"] = progress.get("evals_written", 0) + 1
+            heartbeat.beat()
 
     return app
 

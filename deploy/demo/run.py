@@ -51,13 +51,31 @@ def _start_ranks(stack: LocalStack, run_id: str, ranks: int, steps: int,
     return procs
 
 
+def _wait_evaluations(stack: LocalStack, run_id: str, checkpoints: int,
+                      deadline: float) -> None:
+    """Until the evaluator finished every checkpoint and the worker stored its records."""
+    stable_since, last = time.monotonic(), -1
+    while time.monotonic() < deadline:
+        written = stack.progress(run_id, "evals_written")
+        if written != last:
+            stable_since, last = time.monotonic(), written
+        if stack.checkpoints_done(run_id) >= checkpoints and written and \
+                time.monotonic() - stable_since > 2.0:
+            return
+        time.sleep(0.25)
+    raise StackError(f"evaluations of {run_id} not stored in time; see evaluator.log")
+
+
 def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
              run_id: str | None = None, trace: Path | None = None,
              extra_train_args: list[str] | None = None, show_progress: bool = True,
-             timeout_s: float = 600.0, bootstrap: str | None = None) -> DemoResult:
+             timeout_s: float = 600.0, bootstrap: str | None = None,
+             evaluate_every: int = 0) -> DemoResult:
     """Run the demo end to end; the store is closed again when this returns.
 
     ``bootstrap`` names an existing Kafka cluster; by default a local Tansu broker is started.
+    ``evaluate_every`` > 0 saves a checkpoint every that many steps and runs the evaluator
+    service on them; the run returns once their evaluations are stored.
     """
     run_id = run_id or f"demo-{uuid.uuid4().hex[:8]}"
     if trace is not None:
@@ -74,7 +92,12 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
             else:
                 stack.start_broker()
             stack.start_worker()
-            procs = _start_ranks(stack, run_id, ranks, steps, trace, extra_train_args or [])
+            extra = list(extra_train_args or [])
+            if evaluate_every:
+                stack.start_evaluator(work_dir / "evals-data")
+                extra += ["--save-every", str(evaluate_every),
+                          "--ckpt-dir", str(work_dir / "checkpoints" / run_id)]
+            procs = _start_ranks(stack, run_id, ranks, steps, trace, extra)
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                           MofNCompleteColumn(), TimeElapsedColumn(),
                           disable=not show_progress, transient=True) as bar:
@@ -93,6 +116,8 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
                 bar.update(task, completed=written)
             for proc in procs:
                 proc.wait(60)
+            if evaluate_every:
+                _wait_evaluations(stack, run_id, steps // evaluate_every, deadline)
         finally:
             for proc in procs:
                 stop_process(proc)
