@@ -102,9 +102,11 @@ def latency(stack: LocalStack, ranks: int, n_alerts: int) -> list[float]:
         spiked[step] = encode_run(run, range(step, step + 1))[0][0]
     run.cospike_step = None
     consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": uuid.uuid4().hex,
-                         "auto.offset.reset": "latest", "session.timeout.ms": 6000})
+                         "auto.offset.reset": "latest", "session.timeout.ms": 6000,
+                         "fetch.wait.max.ms": 10})
     consumer.subscribe(["probewire.alerts"])
-    consumer.poll(2.0)
+    while not consumer.assignment():  # joined: nothing published from here on is missed
+        consumer.poll(0.2)
     producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 0})
     sent: dict[int, float] = {}
     received: dict[int, float] = {}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "CATALOG",
     "ControlListener",
+    "ExplosionLocator",
     "Group",
     "KafkaTransport",
     "MemoryTransport",
@@ -28,10 +29,13 @@ __all__ = [
     "Reduction",
     "StepContext",
     "StepEmitter",
+    "StructureConfig",
     "Transport",
     "attach",
     "checkpoint_event",
     "describe",
+    "discover",
+    "locate_explosion",
     "spec",
     "transformer_flops_per_token",
 ]
@@ -40,6 +44,8 @@ _HOME = {
     "CATALOG": "catalog", "Group": "catalog", "MetricSpec": "catalog", "Priority": "catalog",
     "Reduction": "catalog", "describe": "catalog", "spec": "catalog",
     "ProbeConfig": "config",
+    "StructureConfig": "structure_config", "discover": "discover",
+    "ExplosionLocator": "localize", "locate_explosion": "localize",
     "ControlListener": "control", "checkpoint_event": "control",
     "KafkaTransport": "export", "RankIdentity": "export", "StepEmitter": "export",
     "Transport": "export",
@@ -67,6 +73,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers see the eager imports
     from .catalog import CATALOG, Group, MetricSpec, Priority, Reduction, describe, spec
     from .config import ProbeConfig
+    from .discover import discover
+    from .localize import ExplosionLocator, locate_explosion
+    from .structure_config import StructureConfig
     from .control import ControlListener, checkpoint_event
     from .export import KafkaTransport, RankIdentity, StepEmitter, Transport
     from .monitor import Monitor, NullMonitor, attach

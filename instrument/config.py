@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .catalog import Priority
+from .structure_config import StructureConfig
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_MODULE_NAMES", "DEFAULT_MODULE_TYPES", "ProbeConfig"]
 
@@ -120,6 +121,9 @@ class ProbeConfig:
     keeps a chunk's working copy in L2 on CPU, ``DEVICE_CHUNK_ELEMS`` elsewhere)."""
     encoder: str = "wire"
     """OTLP encoder on the emitter thread: "wire" (fast), "proto" or "sdk" (OpenTelemetry SDK)."""
+    structure: StructureConfig = field(default_factory=StructureConfig)
+    """Model-structure probes (experts, residual paths, modality, MTP, BOS value gradient,
+    per-module views): discovered by module patterns at attach (``structure_config``)."""
 
     def __post_init__(self) -> None:
         cadence: dict[Priority, int] = dict(DEFAULT_CADENCE)
@@ -158,6 +162,8 @@ class ProbeConfig:
         for pattern, parts in self.fused_splits.items():
             if len(parts) < 2 or len(set(parts)) != len(parts):
                 raise ValueError(f"ProbeConfig.fused_splits[{pattern!r}]: need >= 2 distinct parts")
+        if not isinstance(self.structure, StructureConfig):
+            raise ValueError("ProbeConfig.structure: must be a StructureConfig")
         labels = (*self.sources, *self.modalities)
         if len(set(labels)) != len(labels) or not all(isinstance(s, str) and s for s in labels):
             raise ValueError("ProbeConfig.sources/modalities: names must be distinct non-empty "

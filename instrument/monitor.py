@@ -52,6 +52,7 @@ from .hooks import forward_hook, logits_hook, optimizer_hooks
 from .otlp import Point
 from .probes import grad_norms, inverse_scale, loss_components, output_head, output_top2
 from .registry import GRAD_GROUPS, build_registry
+from .structure_probes import attach_structure
 from .steps import (NullStepContext, StepContext, decode_clipped, decode_grad_detail, decode_head,
                     decode_norms, decode_top2, loss_decoder)
 from .system import (DeviceTelemetry, HostTelemetry, default_flops_per_token, peak_memory_points,
@@ -111,6 +112,9 @@ class Monitor:
         self._extensions: list[Any] = []
         self._handles: list[Any] = []
         self._register(model, optimizer)
+        self._structure = attach_structure(self, model, config.structure)
+        if self._structure is not None:
+            self.add_extension(self._structure)
         self._comm = CommTimer()
         if config.comm:
             self._comm.install()

@@ -174,7 +174,18 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
         return runs[run_id]
 
     async def commit(outputs: dict[str, Stage2Output]) -> None:
-        """Rows, promotion of retained detail, then state: in this order, in one thread."""
+        """Alerts out first (latency), then rows, promotion of retained detail and state,
+        in that order, in one thread. A crash in between can only repeat an alert (it is
+        re-derived from re-delivered steps), never lose one."""
+        for run_id, out in outputs.items():
+            for alert in out.rows.get("alerts", []):
+                await alerts_topic.send(key=run_id.encode(), value=json.dumps(alert).encode())
+            for control in out.controls:
+                await control_topic.send(key=run_id.encode(), value=json.dumps(control).encode())
+            if out.rows.get("alerts"):
+                asyncio.get_running_loop().run_in_executor(None, webhook.post,
+                                                           out.rows["alerts"])
+
         def write() -> None:
             store = sink[0]
             for run_id, out in outputs.items():
@@ -185,13 +196,6 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                            runs[run_id].to_state())
         await in_writer(write)
         for run_id, out in outputs.items():
-            for alert in out.rows.get("alerts", []):
-                await alerts_topic.send(key=run_id.encode(), value=json.dumps(alert).encode())
-            for control in out.controls:
-                await control_topic.send(key=run_id.encode(), value=json.dumps(control).encode())
-            if out.rows.get("alerts"):
-                await asyncio.get_running_loop().run_in_executor(
-                    None, webhook.post, out.rows["alerts"])
             progress = heartbeat.runs.setdefault(run_id, {"steps_written": 0})
             progress["steps_written"] += len(out.rows.get("step_metrics", []))
             progress["last_step"] = runs[run_id].last_step
