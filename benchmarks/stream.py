@@ -26,30 +26,16 @@ from confluent_kafka import Consumer, Producer
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
 from probewire.instrument.export import Point, RankIdentity, StepEmitter
+from probewire.instrument.testing import MemoryTransport
 from probewire.stream.testing import SimRun
 
 TENSORS = [f"block{i}.{part}" for i in range(3) for part in ("attn", "mlp")]
 FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite")
 
 
-class ListTransport:
-    def __init__(self) -> None:
-        self.messages: list[tuple[bytes, bytes]] = []
-
-    def send(self, key: bytes, value: bytes) -> bool:
-        self.messages.append((key, value))
-        return True
-
-    def flush(self, timeout_s: float) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
 def encode_run(run: SimRun, steps: range) -> tuple[list[list[tuple[bytes, bytes]]], int]:
     """Per step, the encoded messages of every rank; and the number of points."""
-    transports = [ListTransport() for _ in range(run.world_size)]
+    transports = [MemoryTransport() for _ in range(run.world_size)]
     emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
                                          coords={"dp": r}), transports[r], queue_size=100_000)
                 for r in range(run.world_size)]

@@ -10,27 +10,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 from probewire.instrument.export import Point, RankIdentity, StepEmitter
+from probewire.instrument.testing import MemoryTransport
 from probewire.stream.decode import DecodeError, decode_rank_step
 from probewire.stream.records import series_key
 
 
-class ListTransport:
-    def __init__(self) -> None:
-        self.messages: list[tuple[bytes, bytes]] = []
-
-    def send(self, key: bytes, value: bytes) -> bool:
-        self.messages.append((key, value))
-        return True
-
-    def flush(self, timeout_s: float) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
 def emitted(points, step: int = 7) -> tuple[bytes, bytes]:
-    transport = ListTransport()
+    transport = MemoryTransport()
     emitter = StepEmitter(RankIdentity(run_id="run1", rank=1, world_size=2, host="n1",
                                        coords={"dp": 1}), transport)
     emitter.emit(step, points)
