@@ -114,8 +114,11 @@ class KafkaTransport:
 
         self._errors = (BufferError, KafkaException)
         self._topic = topic
+        # one request in flight: a retried batch cannot overtake a later one, so a rank's
+        # steps stay in order within a partition (stage 1 relies on that order)
         self._producer = Producer({**client_config, "linger.ms": "5", "acks": "all",
-                                   "enable.idempotence": "false"})
+                                   "enable.idempotence": "false",
+                                   "max.in.flight.requests.per.connection": "1"})
         self.failed = 0
 
     def _on_delivery(self, err: object, _msg: object) -> None:

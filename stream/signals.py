@@ -233,7 +233,9 @@ class SignalDetectors:
         """Pages once per episode of a signal; anomalies that don't page always pass."""
         if not finding.page:
             return True
-        key = f"{finding.signal}:{finding.culprit}"
+        # one episode per signal; per-source losses are separate signals, one per source
+        key = finding.signal + (f":{finding.culprit}" if finding.signal == "loss_by_source"
+                                else "")
         last = self.last_page.get(key)
         self.last_page[key] = step
         return last is None or step - last > self.config.rearm_steps

@@ -12,7 +12,11 @@ before clipping, output-layer and system probes every step, tensor probes every
 ``--p1-every`` steps; a control listener can densify or dump. ``--trace`` writes the
 values the loop itself sees (valid-token loss sum, tokens, the norm ``clip_grad_norm_``
 returned, the step time the monitor measured) to ``DIR/rank<R>.jsonl`` so tests can check
-the pipeline independently. ``--save-every`` saves a checkpoint on rank 0 and announces
+the pipeline independently; its ``comm_wait_s`` is this rank's wait on DDP's gradient
+all-reduce (a comm hook times each bucket from launch to completion), so a straggler can
+be told from the ranks that wait for it: under synchronous DDP every rank's step time
+includes the slowest rank's delay, and step time minus this wait is the rank's own work.
+``--save-every`` saves a checkpoint on rank 0 and announces
 it on ``probewire.checkpoints``.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -39,6 +44,35 @@ from .faults import FaultError, parse_fault
 from .model import IGNORE, TinyConfig, TinyLM, save_checkpoint
 
 __all__ = ["main"]
+
+
+class AllReduceWaitHook:
+    """A DDP comm hook equal to the default all-reduce hook (divide by the world size,
+    all-reduce, return the bucket) that also times each bucket's all-reduce, launch to
+    completion, on this rank. Under gloo the wait of a rank that arrives early includes
+    the time the last rank took to join: ``take()`` returns the step's total and resets."""
+
+    def __init__(self) -> None:
+        self._waits: list[float] = []
+
+    def hook(self, state, bucket):  # no annotations: DDP compares them as objects
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        # the untimed original: the monitor's CommTimer only times Work.wait(), which a
+        # comm hook never calls, and would report a misleading zero wait
+        all_reduce = getattr(dist.all_reduce, "__probewire_original__", dist.all_reduce)
+        start = time.perf_counter()
+        fut = all_reduce(tensor, async_op=True).get_future()
+
+        def done(f):
+            self._waits.append(time.perf_counter() - start)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def take(self) -> float:
+        total = sum(self._waits)
+        self._waits = []
+        return total
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -83,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     cfg = TinyConfig()
     model = DistributedDataParallel(TinyLM(cfg))
+    comm_wait = AllReduceWaitHook()
+    model.register_comm_hook(None, comm_wait.hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     corpus = load_corpus()
     rng = np.random.default_rng([args.seed, args.rank])  # a different data shard per rank
@@ -147,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                 opt.zero_grad(set_to_none=True)
                 # note: host sync point; the step's scalars are read once, here
                 loss_value, norm_value = loss_sum.item(), float(total_norm.item())
+            wait_s = comm_wait.take()
             for fault in args.faults:
                 fault.on_step_end(step, args.rank)
             local_tokens += n_valid
@@ -154,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
             if trace:
                 trace.write(json.dumps({"step": step, "loss_sum": loss_value, "tokens": n_valid,
                                         "clip_total_norm": norm_value,
-                                        "step_time_s": monitor.last_step_time_s}) + "\n")
+                                        "step_time_s": monitor.last_step_time_s,
+                                        "comm_wait_s": wait_s}) + "\n")
             if args.save_every and (step + 1) % args.save_every == 0:
                 # every rank joins the one collective; rank 0 saves and announces
                 totals = torch.tensor([float(local_tokens), local_flops], dtype=torch.float64)
@@ -172,18 +210,21 @@ def main(argv: list[str] | None = None) -> None:
 
 def _replay_loss(model: torch.nn.Module, batches: list, perturb: bool) -> float:
     """The step's loss sum recomputed on the same batches without touching the gradients.
-    ``perturb`` flips one weight's low mantissa bit for the replay (then restores it):
-    what a flaky device does to a replay."""
+    ``perturb`` flips one bit of one weight for the replay (then restores it): what a flaky
+    device does to a replay. The bit is the lowest exponent bit of the output weight of
+    byte 32 (space, the commonest target), so the weight halves or doubles and the replayed
+    loss sum moves past the guard's 1e-6 tolerance; the former low mantissa bit of byte 0's
+    weight moved it by less than that, the replay "reproduced" and nothing paged."""
     weight = model.head.weight
-    saved = weight.data[0, 0].clone()
+    saved = weight.data[32, 0].clone()
     with torch.no_grad():
         if perturb:
-            bits = weight.data[0, 0].view(torch.int32)
-            bits ^= 1 << 12
+            bits = weight.data[32, 0].view(torch.int32)
+            bits ^= 1 << 23
         total = sum(float(F.cross_entropy(model(b.tokens).float().transpose(1, 2), b.targets,
                                           ignore_index=IGNORE, reduction="sum"))
                     for b in batches)
-        weight.data[0, 0] = saved
+        weight.data[32, 0] = saved
     return total
 
 
