@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from probewire.instrument.localize import layer_of_tensor
+
 __all__ = ["Explanation", "Finding", "StepNotFound", "STAGES", "explain", "render"]
 
 STAGES = ("job state", "loss", "gradient", "step time", "memory", "expert balance", "layers")
@@ -196,11 +198,9 @@ def _load(client: Any, sql: str, params: dict[str, Any]) -> tuple[list[str], lis
 
 
 def _depth(tensor: str) -> float:
-    """Position from the input (embeddings: -1) to the output (no layer number: +inf)."""
-    if "embed" in tensor:
-        return -1.0
-    match = re.search(r"(\d+)", tensor)
-    return float(match.group(1)) if match else math.inf
+    """Position from the input (embeddings, positional ones included: -1) to the output
+    (+inf), with the layer naming rules the rank-side localisation uses."""
+    return layer_of_tensor(tensor)[0]
 
 
 def explain(client: Any, database: str, run_id: str, step: int, *, window: int = 50,

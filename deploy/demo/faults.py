@@ -169,17 +169,18 @@ class LayerExplosion(Fault):
     (L 2.7 -> 4.8, G2 x12); nothing else pages (`output_absmax` moves but stays under
     z 8). With tensor probes at ``step`` (``--p1-every 10``) the forward |x|max of
     ``blocks.{layer}.mlp`` jumps x37 and nothing before it moves; backward |g|max jumps
-    from ``blocks.{layer}`` inward. explain's layer walk should name ``layer {layer}`` but
-    names "output (pos)": it reads the positional embedding ``pos`` (no digit, no
-    "embed") as the output layer, whose backward |g|max jumps x6."""
+    from ``blocks.{layer}`` inward. explain's layer walk names ``layer {layer}`` (it places
+    the positional embedding ``pos`` with the embeddings, as the rank-side localisation
+    does), but dates the move to an earlier natural gradient-norm blip (step 112 with
+    seed 0) instead of ``step``."""
 
     name: ClassVar[str] = "layer-explosion"
     signal: ClassVar[str] = "cospike"
     culprit: ClassVar[str] = "layer"
     explain_stage: ClassVar[str] = "layers"
     explain_gap: ClassVar[str] = (
-        "explain._depth reads the positional embedding 'pos' as the output layer (no digit, "
-        "no 'embed'), so the walk from the output inward stops there before layer 1")
+        "explain names layer 1 (blocks.1.mlp.up) but dates its move to a natural gradient "
+        "blip 8 steps before the fault, so 'moved since the fault' is not met")
     demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
     layer: int = 1
     scale: float = 30.0
