@@ -93,6 +93,9 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
         topic_partitions=topics.partitions,
         topic_allow_declare=False,
         producer_max_batch_size=64,
+        # the worker keeps no Faust tables (state lives in ClickHouse), but Faust creates its
+        # data directory anyway: next to the heartbeat file, never in the working directory
+        datadir=str(heartbeat_path.parent / "faust-{conf.id}"),
     )
     metrics_topic = app.topic(topics.metrics)
     steps_topic = app.topic(topics.steps)

@@ -91,7 +91,14 @@ def uninterrupted(kafka_bootstrap, tmp_path_factory, read_store):
     got = read_run(read_store, base / "store", run.run_id)
     got["dead_letters"] = read_store(base / "store", "SELECT reason, payload_b64 FROM "
                                                      "probewire.dead_letters FINAL")
+    app_id = stack.settings.stream.app_id
+    got["faust_dirs"] = {"work dir": (stack.heartbeat_path.parent / f"faust-{app_id}").is_dir(),
+                         "cwd": Path(f"{app_id}-data").exists()}
     return run, got
+
+
+def test_worker_keeps_its_faust_data_dir_out_of_the_working_directory(uninterrupted):
+    assert uninterrupted[1]["faust_dirs"] == {"work dir": True, "cwd": False}
 
 
 def test_loss_and_worst_rank_loss_are_exact_every_step(uninterrupted):
