@@ -86,11 +86,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
         raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
-    from probewire.deploy.demo.faults import FaultError, parse_fault
+    from probewire.deploy.demo.faults import FaultError, demo_train_args
 
     try:
-        for text in args.fault:
-            parse_fault(text)
+        train_args = demo_train_args(args.fault, args.preset)
     except FaultError as exc:
         raise UserError(str(exc)) from None
     settings = _settings(args)
@@ -98,7 +97,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         result = run_demo(settings, ranks=args.ranks, steps=args.steps, work_dir=work_dir,
                           run_id=args.run_id, evaluate_every=args.evaluate_every,
-                          extra_train_args=[a for f in args.fault for a in ("--fault", f)])
+                          extra_train_args=train_args)
     except StackError as exc:
         raise UserError(str(exc)) from None
     columns, rows = _query(settings, f"""
@@ -254,6 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--work-dir", help="logs and heartbeat of the local stack")
     demo.add_argument("--evaluate-every", type=int, default=0, metavar="N",
                       help="checkpoint every N steps and score them with the evaluator")
+    demo.add_argument("--preset",
+                      help="demo model: tiny (dense), moe (experts), media (images), full "
+                           "(all); default: tiny, or what the --fault needs")
     demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
                       help="inject a real training fault (repeatable): bad-rank, "
                            "source-regression, poisoned-batch, layer-explosion, straggler, "

@@ -14,7 +14,9 @@ seeds 001 §6 "Reading an explosion"). Each signal is scored against its own his
 * z = 0.6745 (u - baseline) / MAD of the history's residuals, as the stream's detector;
 * moved: z ≥ ``z_threshold`` and the value differs from the baseline by at least
   ``min_change`` (relative), upward (every signal here is worse when it rises);
-* onset: the first scanned step at which it had moved.
+* onset: the first step of the episode the reported step belongs to (the run of
+  consecutive moved scanned steps that ends there), so an earlier blip that came back is
+  not taken for the start of the present one.
 
 Loss by source is the ratio L_source / L against that ratio's own history (absolute
 levels differ between sources, and the ratio removes the trend all sources share); the
@@ -167,11 +169,14 @@ def _score(hist_steps: np.ndarray, hist: np.ndarray, scan_steps: np.ndarray, sca
         z = 0.6745 * (w - level) / (mad + _EPS)
         change = (v / base - 1.0) if (log and base > 0) else (v - base)
         scored.append((int(s), float(v), base, z, z >= z_threshold and change >= min_change))
-    onset = next((s for s, *_rest, moved in scored if moved), None)
-    pick = scored[-1]
-    if onset is not None and not pick[4]:
-        pick = max((t for t in scored if t[4]), key=lambda t: t[3])
-    s, value, base, z, _moved = pick
+    pick = len(scored) - 1
+    if not scored[pick][4] and any(t[4] for t in scored):
+        pick = max((i for i, t in enumerate(scored) if t[4]), key=lambda i: scored[i][3])
+    start = pick  # the onset of the episode the picked step belongs to
+    while start > 0 and scored[start - 1][4]:
+        start -= 1
+    onset = scored[start][0] if scored[pick][4] else None
+    s, value, base, z, _moved = scored[pick]
     ratio = value / base if math.isfinite(value) and base > 0 else None
     return _Score(base, z, ratio, onset is not None, onset, s)
 
@@ -228,18 +233,24 @@ def explain(client: Any, database: str, run_id: str, step: int, *, window: int =
 
     def scored(stage: str, signal: str, values: np.ndarray, present: np.ndarray, *,
                log: bool = True, change: float = min_change, culprit: str | None = None,
-               note: str = "", shown: np.ndarray | None = None) -> Finding | None:
-        """Score one series; None when it was not measured in the scanned steps."""
+               note: str = "", shown: np.ndarray | None = None, falls: bool = False,
+               history: int = min_history) -> Finding | None:
+        """Score one series; None when it was not measured in the scanned steps.
+        ``falls``: the signal is worse when it falls, so 1/x is scored (x is reported)."""
         h, sc_ = hist & present, scan & present
         if not sc_.any():
             return None
-        sc = _score(data.steps[h], values[h], data.steps[sc_], values[sc_], log=log,
+        score_on = 1.0 / values if falls else values
+        sc = _score(data.steps[h], score_on[h], data.steps[sc_], score_on[sc_], log=log,
                     min_change=change, z_threshold=z_threshold,
-                    trend_window=trend_window if log and shown is None else None,
-                    min_history=min_history)
+                    trend_window=trend_window if log and shown is None and not falls else None,
+                    min_history=history)
         at = sc.at if sc.at is not None else int(data.steps[sc_][-1])
         i = int(np.flatnonzero(data.steps == at)[0])
         value, baseline = float(values[i]), sc.baseline
+        if falls:
+            baseline = 1.0 / baseline if baseline else None
+            sc = replace(sc, ratio=value / baseline if baseline else None)
         if shown is not None:  # report the signal itself, scored through a ratio
             value = float(shown[i])
             baseline = value / sc.ratio if sc.ratio else None
@@ -345,11 +356,22 @@ def explain(client: Any, database: str, run_id: str, step: int, *, window: int =
     moe_culprit = None
     if moe:
         s, layer_name, _vio, expert, _h = moe[0]
-        moe_culprit = f"expert {expert} of {layer_name} (step {s})"
+        where = f"layer {layer_name}" if str(layer_name).isdigit() else layer_name
+        moe_culprit = f"expert {expert} of {where} (step {s})"
     scored("expert balance", "moe_maxvio", *col("moe_maxvio"), log=False, change=0.1,
            culprit=moe_culprit)
 
-    # 7. Layer views.
+    # 7. Layer views: the media scale γ and the weakest residual branch R_b (P0 at the
+    # structure probes' cadence, so few history points), both worse when they fall; then
+    # the backward walk.
+    scored("layers", "media_scale", *col("media_scale"), falls=True, change=0.5,
+           culprit="media projector", history=3)
+    ratio, has_ratio = col("residual_ratio_min")
+    residual = scored("layers", "residual_ratio_min", ratio, has_ratio, falls=True, change=0.5,
+                      history=3)
+    if residual is not None and residual.moved:
+        findings[findings.index(residual)] = replace(
+            residual, culprit=_residual_cause(data, hist & has_ratio, step, jump_ratio))
     if layer is not None:
         findings.append(layer)
     tokens = data.at("tokens", step)
@@ -384,16 +406,47 @@ def _sources(client: Any, db: str, p: dict[str, Any], data: _Data, hist: np.ndar
     return sorted(out, key=lambda f: -(f.z if f.z is not None and math.isfinite(f.z) else 1e300))
 
 
+def _residual_cause(data: _Data, hist: np.ndarray, step: int, jump_ratio: float) -> str:
+    """Tell a growing residual stream from a shrinking branch (seeds 001 §8): the weakest
+    branch's stream norm N_s and branch norm N_b at ``step`` against their history medians."""
+    branch = data.at("residual_ratio_branch", step) or "the weakest branch"
+    i = int(np.flatnonzero(data.steps == step)[0])
+    for name, verb in (("residual_stream_norm", "residual stream grew"),
+                       ("residual_branch_norm", "branch shrank")):
+        series = data.series(name)
+        past = series[hist & np.isfinite(series)]
+        if past.size and math.isfinite(series[i]) and np.median(past) > 0:
+            change = series[i] / float(np.median(past))
+            if (change if verb.endswith("grew") else 1.0 / max(change, _EPS)) >= jump_ratio:
+                return f"{branch}: {verb} {change:.3g}×"
+    return branch
+
+
 def _rank_note(client: Any, db: str, run_id: str, step: int, metric: str) -> str:
-    rows = _load(client, f"SELECT rank, value FROM {db}.rank_metrics FINAL WHERE run_id = "
-                         "{run:String} AND step = {s:UInt64} AND metric = {m:String} "
-                         "ORDER BY rank", {"run": run_id, "s": step, "m": metric})[1]
-    if len(rows) < 2:
+    """The slowest rank by its own time, as stage 2 names the straggler: ``metric`` (the
+    step time) minus the collective wait the rank reported (comm.wait_s, all ops), against
+    the other ranks' median. Under synchronous DDP the waiting ranks' step times carry the
+    straggler's delay too, so the step time alone does not tell them apart."""
+    rows = _load(client, f"SELECT rank, metric, value FROM {db}.rank_metrics FINAL WHERE "
+                         "run_id = {run:String} AND step = {s:UInt64} AND metric IN "
+                         "({m:String}, 'comm.wait_s') ORDER BY rank",
+                         {"run": run_id, "s": step, "m": metric})[1]
+    taus = {int(r): v for r, name, v in rows if name == metric}
+    waits: dict[int, float] = {}
+    for r, name, v in rows:
+        if name == "comm.wait_s" and math.isfinite(v):
+            waits[int(r)] = waits.get(int(r), 0.0) + v
+    if len(taus) < 2:
         return ""
-    values = np.array([v for _, v in rows])
-    slowest = int(np.argmax(values))
-    return (f"rank {rows[slowest][0]} at {values[slowest]:.4g}, "
-            f"{values[slowest] / np.median(values):.2f}× the median rank")
+    own = {r: max(t - waits[r], 0.0) if r in waits else t for r, t in taus.items()}
+    slowest = max(sorted(own), key=own.__getitem__)
+    others = float(np.median([v for r, v in own.items() if r != slowest]))
+    ratio = f"{own[slowest] / others:.2f}×" if others > 0 else "far above"
+    if not waits:
+        return f"rank {slowest} at {own[slowest]:.4g}, {ratio} the other ranks' median"
+    return (f"rank {slowest}: own time {own[slowest]:.4g} s (step {taus[slowest]:.4g} s - "
+            f"collective wait {waits.get(slowest, 0.0):.4g} s), {ratio} the other ranks' "
+            "median own time")
 
 
 def _layers(client: Any, db: str, run_id: str, step: int, start: int, jump_ratio: float,
@@ -440,7 +493,15 @@ def _layers(client: Any, db: str, run_id: str, step: int, start: int, jump_ratio
 
     latest = max(steps)
     found = origin(latest)
-    onset = min((s for s in steps if s >= start and origin(s) is not None), default=None)
+    # the onset: the first scanned tensor step from which the walk names the same layer on
+    # every step up to the latest (an earlier blip that came back is another episode)
+    onset = None
+    if found is not None:
+        for s in sorted((s for s in steps if s >= start), reverse=True):
+            at = origin(s)
+            if at is None or at[0] != found[0]:
+                break
+            onset = s
     if found is None:
         walk = jumps(latest)
         top = max(walk, key=lambda t: t[2]) if walk else None

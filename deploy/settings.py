@@ -133,11 +133,15 @@ class StreamSettings:
     loss_z_threshold: float = 6.0
     grad_z_threshold: float = 6.0
     signal_z_threshold: float = 8.0
+    straggler_ratio: float = 5.0   # step_time pages when one rank's own-time ratio S stays
+    straggler_steps: int = 3       # at or over straggler_ratio for straggler_steps steps
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2
     maxvio_threshold: float = 1.0
+    maxvio_steps: int = 3
     media_scale_min: float = 0.1
+    residual_ratio_min: float = 2.0 ** -8
     rearm_steps: int = 50
     run_idle_s: float = 120.0
     retention_every_k: int = 100
@@ -154,12 +158,15 @@ class StreamSettings:
         _check(self.detector_window >= 3, "stream.detector_window", "must be >= 3")
         for name in ("loss_z_threshold", "grad_z_threshold", "signal_z_threshold",
                      "clip_threshold", "memory_growth", "maxvio_threshold", "media_scale_min",
-                     "run_idle_s"):
+                     "residual_ratio_min", "run_idle_s"):
             _check(getattr(self, name) > 0, f"stream.{name}", "must be > 0")
         _check(1 <= self.fetch_max_wait_ms <= 5000, "stream.fetch_max_wait_ms",
                "must lie in [1, 5000]")
         _check(0 < self.batch_within_s <= 10, "stream.batch_within_s", "must lie in (0, 10]")
-        for name in ("clip_window", "retention_every_k", "rearm_steps"):
+        _check(self.straggler_ratio > 1, "stream.straggler_ratio",
+               "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
+        for name in ("clip_window", "retention_every_k", "rearm_steps", "maxvio_steps",
+                     "straggler_steps"):
             _check(getattr(self, name) >= 1, f"stream.{name}", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):
             _check(getattr(self, name) >= 0, f"stream.{name}", "must be >= 0")

@@ -187,7 +187,9 @@ _NODE = "sampled on the emitter thread when the step's P1 probes run"
 _SYSTEM = (
     _m("step_time_s", P0, 1, MAX, "s", point="wall time of the whole step on this rank: data "
        "loading, forward, backward, optimizer and synchronisation",
-       doc="τ_r. The step's wall time is τ = max_r τ_r; the straggler score uses the median.",
+       doc="τ_r. The step's wall time is τ = max_r τ_r. The straggler is the rank with the "
+           "largest own time τ_r - τ_wait,r (comm.wait_s summed over ops), scored against "
+           "the other ranks' median own time.",
        seed="001 §5 (step time, straggler score)"),
     _m("flops.step", P0, 1, SUM, "FLOP", rep=_TP_PP, point=_STEP_POINT + "; token positions "
        "given to the model (padding included: the hardware computes them)",
@@ -219,12 +221,18 @@ _SYSTEM = (
     _m("memory.reserved_bytes", P1, 1, MAX, "By", point="CUDA allocator at step exit",
        doc="bytes held by the allocator, cached blocks included. Reduction: max.",
        seed="001 §5 (allocated and reserved)"),
-    _m("comm.wait_s", P1, 10, MAX, "s", labels=("op",), point="around every torch.distributed "
-       "collective the loop issues while attached (sync calls; Work.wait of async ones); CUDA "
-       "events on the current stream, read later by the emitter thread",
-       doc="τ_wait: exposed collective wait summed over the step's calls of op. Reduction: "
-           "max over ranks; W_comm = τ_wait/τ. DDP's bucketed all-reduce is internal and not "
-           "included.", seed="001 §5 (exposed collective wait)"),
+    _m("comm.wait_s", P1, 1, MAX, "s", labels=("op",), point="around every torch.distributed "
+       "collective the loop issues while attached (sync calls; Work.wait of async ones; CUDA "
+       "events on the current stream, read later by the emitter thread), on P1 steps; and "
+       "the wait the loop measures itself and reports with StepContext.comm_wait(op, s) "
+       "(DDP's bucketed all-reduce through a comm hook, op ddp_allreduce), on every step it "
+       "is reported",
+       doc="τ_wait: exposed collective wait summed over the step's calls of op (a reported "
+           "wait adds to the wrappers' for the same op). Reduction: max over ranks; W_comm = "
+           "τ_wait/τ. Per rank, the stream takes the sum over ops off τ_r: the rank's own "
+           "time τ_r - τ_wait,r names the straggler (the ranks waiting for it carry its "
+           "delay in τ_r, not in their own time). DDP's bucketed all-reduce is internal: "
+           "included only when the loop reports it.", seed="001 §5 (exposed collective wait)"),
     _m("comm.calls", P1, 10, SUM, "calls", labels=("op",), point="as comm.wait_s",
        doc="number of calls of collective op in the step (a change in the count is a change "
            "in the loop, not the network). Reduction: sum.", seed="001 §5"),

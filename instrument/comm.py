@@ -13,14 +13,16 @@ the *exposed* wait (001 §5):
 
 Only calls made through ``torch.distributed.<name>`` after attach are seen: code that
 imported the function object earlier, and collectives issued inside C++ (DDP's bucketed
-gradient all-reduce, FSDP's internal gathers), are not wrapped.
+gradient all-reduce, FSDP's internal gathers), are not wrapped: the loop times those
+itself (a DDP comm hook) and reports them with ``StepContext.comm_wait(op, seconds)``,
+sent every step it is called.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -137,10 +139,15 @@ class CommTimer:
         else:
             self._totals.setdefault(op, [0.0, 0.0, 0.0])[0] += time.perf_counter() - start
 
-    def take(self) -> Callable[[], list[Point]]:
-        """Hand this step's totals to a late sampler (run on the emitter thread); reset."""
+    def take(self, reported: Mapping[str, float] | None = None) -> Callable[[], list[Point]]:
+        """Hand this step's totals to a late sampler (run on the emitter thread); reset.
+
+        ``reported``: op -> wait the loop measured itself (``StepContext.comm_wait``); it
+        adds to the wait of the same op, and an op the wrappers did not see gets only its
+        ``comm.wait_s`` (no calls or bytes were counted for it)."""
         totals, events = self._totals, self._events
         self._totals, self._events = {}, []
+        reported = dict(reported or {})
 
         def points() -> list[Point]:
             for op, start, end in events:  # CUDA: read the events off the training thread
@@ -149,8 +156,10 @@ class CommTimer:
             out: list[Point] = []
             for op, (wait, calls, nbytes) in sorted(totals.items()):
                 labels = (("op", op),)
-                out += [Point("comm.wait_s", wait, labels), Point("comm.calls", calls, labels),
-                        Point("comm.bytes", nbytes, labels)]
+                out += [Point("comm.wait_s", wait + reported.get(op, 0.0), labels),
+                        Point("comm.calls", calls, labels), Point("comm.bytes", nbytes, labels)]
+            out += [Point("comm.wait_s", wait, (("op", op),))
+                    for op, wait in sorted(reported.items()) if op not in totals]
             return out
 
         return points

@@ -21,8 +21,8 @@ kurtosis moments      P2        tensor.sum3, tensor.sum4 on every scan of that s
 optimizer chain       P2        tensor.* for kind=opt_grad, opt_normalized, opt_direction
 ====================  ========  ===================================================
 
-A probe of priority p runs on step t when ``cadence[p] > 0 and t % cadence[p] == 0``, or
-while a control message has densified the monitor. The defaults (P0 every step, P1 every
+A probe of priority p runs on step t when ``cadence[p] > 0 and t % cadence[p] == 0``, or,
+for P0 and P1, while a control message has densified the monitor. The defaults (P0 every step, P1 every
 100 steps, P2 off) follow the seeds' cadence rule: cheap alerting metrics every step,
 tensor scans every 100 steps, forensics on demand (001 §2, §12).
 

@@ -3,7 +3,7 @@
 ``ControlListener`` runs one background thread per rank that consumes the topic
 ``probewire.control`` (published by the stream when a detector fires, or by a person)::
 
-    {"run_id": "...", "action": "densify", "steps": M}   # every probe every step, M steps
+    {"run_id": "...", "action": "densify", "steps": M}   # P0+P1 probes every step, M steps
     {"run_id": "...", "action": "dump"}                   # re-send the ring buffer
 
 A message without ``run_id`` addresses every run; one for another run is ignored. Each

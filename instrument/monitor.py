@@ -24,6 +24,9 @@ listener) and returns a ``Monitor``. The loop marks each optimizer step with a c
 A loop that clips by itself calls ``s.gradients(scaler=...)`` after the last backward
 (accumulated, unscaled, not yet clipped) and may pass the norm it clipped with to
 ``s.clipped(norm)``. A pipeline stage without the loss simply makes no ``loss`` call.
+A loop that times a collective the monitor cannot wrap (DDP's gradient all-reduce, through
+a comm hook) reports this rank's exposed wait with ``s.comm_wait("ddp_allreduce", seconds)``;
+the stream takes it off the rank's step time to name a straggler.
 
 At the end of the step the monitor gathers the step's device vectors, starts one copy to
 the host and enqueues the record; the emitter thread waits for the copy and exports. No
@@ -103,6 +106,7 @@ class Monitor:
         self._pending_bwd: dict[str, int] = {}
         self._deferred: list[Entry] = []
         self._guard = [0, 0, 0]          # skipped, replayed, replay_mismatch since last emit
+        self._comm_reported: dict[str, float] = {}  # op -> wait the loop reported (comm_wait)
         self._dense_until = -1
         self._commands: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.last_step_time_s = 0.0      # the step time of the last closed step context
@@ -147,7 +151,11 @@ class Monitor:
 
     # ------------------------------------------------------------------ control (any thread)
     def densify(self, steps: int) -> None:
-        """Run every probe on every step for the next ``steps`` steps (thread-safe)."""
+        """Run the P0 and P1 probes on every step for the next ``steps`` steps (thread-safe).
+
+        P2 forensics stay on demand (their cadence): on the demo MoE, densified P2 views
+        raised the rank's peak RSS by ~115 MiB and paged peak_memory on the monitor's own
+        allocations; P1 alone adds ~10-25 MiB of transients."""
         self._commands.put(int(steps))
 
     def dump(self) -> None:
@@ -239,7 +247,7 @@ class Monitor:
         k0, k1, k2 = self._every
         self._p0_on = dense or (k0 > 0 and step % k0 == 0)
         self._p1_on = dense or (k1 > 0 and step % k1 == 0)
-        self._p2_on = dense or (k2 > 0 and step % k2 == 0)
+        self._p2_on = k2 > 0 and step % k2 == 0  # forensics stay on demand: not densified
         self._tensors_on = self._p1_on
         if self._p1_on and not self.config.persistent_hooks:
             self._armed = [m.register_forward_hook(h) for m, h in self._tensor_hooks]
@@ -277,6 +285,7 @@ class Monitor:
         self._mask = self._mask_total = self._source = self._modality = None
         self._positions = 0
         self._grads = self._grad_scans = self._clip = None
+        self._comm_reported = {}  # a new dict: a late sampler may still hold the last one
         self._pending_bwd.clear()
         self._deferred = []
         self._collector.clear()
@@ -309,10 +318,14 @@ class Monitor:
             rows, present = self._grad_scans
             width = rows.shape[0] // (len(GRAD_GROUPS) + 1)
             collector.add("grad.detail", rows, decode_grad_detail, (present, width))
+        reported = self._comm_reported  # the loop's own waits (comm_wait): every emitted step
+        if not self._p1_on:
+            points += [Point("comm.wait_s", wait, (("op", op),))
+                       for op, wait in sorted(reported.items())]
         if self._p1_on:
             if threshold is not None:
                 points.append(Point("grad.clip_threshold", threshold))
-            late.append(self._comm.take())
+            late.append(self._comm.take(reported))  # merged with the wrappers' waits
             if self._host is not None:
                 late.append(self._host.sample)
             if self._device is not None and self._device.available:

@@ -7,6 +7,7 @@ Decoders run on the emitter thread after the one device-to-host copy. They imple
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -95,6 +96,20 @@ class StepContext:
         if self._m._p0_on:
             self._m._clip = total_norm
 
+    def comm_wait(self, op: str, seconds: float) -> None:
+        """This rank's exposed wait on collective ``op`` in this step, measured by the loop
+        itself (a host float, seconds >= 0): for collectives the monitor's wrappers cannot
+        see, such as DDP's bucketed gradient all-reduce timed by a comm hook (report it
+        under an op name of its own, e.g. ``"ddp_allreduce"``). Sent as ``comm.wait_s{op}``
+        with every step record this step emits (not only on P1 steps); calls for one op in
+        one step add up, and add to what the wrappers timed for the same op name. The
+        stream subtracts a rank's waits from its step time to tell a straggler from the
+        ranks that wait for it."""
+        seconds = _check_wait(op, seconds)
+        m = self._m
+        if m._p0_on or m._p1_on or m._p2_on:
+            m._comm_reported[op] = m._comm_reported.get(op, 0.0) + seconds
+
     def skipped(self) -> None:
         """The spike guard skipped this step's update."""
         self._m._guard[0] += 1
@@ -141,11 +156,27 @@ class NullStepContext:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
                                               error_if_nonfinite)
 
+    def comm_wait(self, op: str, seconds: float) -> None:
+        _check_wait(op, seconds)
+
     def skipped(self) -> None:
         return None
 
     def replayed(self, *, reproduced: bool) -> None:
         return None
+
+
+def _check_wait(op: Any, seconds: Any) -> float:
+    """``comm_wait``'s arguments: a label-safe op name and a finite wait >= 0 (seconds)."""
+    if not isinstance(op, str) or not op or op != op.strip() or any(c in op for c in "|="):
+        raise ValueError(f"comm_wait: op must be a non-empty name without spaces at its ends, "
+                         f"'|' or '=', got {op!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise ValueError(f"comm_wait({op!r}): seconds must be a host float, got {seconds!r}")
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"comm_wait({op!r}): seconds must be finite and >= 0, got {value!r}")
+    return value
 
 
 # ------------------------------------------------------------------------------ decoders

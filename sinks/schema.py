@@ -115,6 +115,16 @@ RUNS = Table("runs", "one row per training run, replaced as the run progresses",
     Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
 ), key=("run_id",), version="updated_at")
 
+# step_metrics columns added by migration 2 (structure P0 signals at their probe cadence)
+_STEP_METRICS_V2 = (
+    _f("media_scale", "gamma = RMS of the media tokens / RMS of the text embeddings"),
+    _f("residual_ratio_min", "R_b of the weakest residual branch (token mean)"),
+    Column("residual_ratio_branch", "Nullable(String)", "NULL",
+           "the weakest branch: layer L attn|mlp"),
+    _f("residual_stream_norm", "N_s at the weakest branch (token mean)"),
+    _f("residual_branch_norm", "N_b of the weakest branch (token mean)"),
+)
+
 STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
     _RUN, _STEP,
     Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
@@ -136,14 +146,17 @@ STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 ser
     _f("step_time_s", "tau = max over ranks of the local step time"),
     _f("tokens_per_s", "N_tok / tau"),
     _f("compute_rate", "Phi: estimated FLOP/s per device"),
-    _f("straggler_score", "S = tau / median local step time"),
-    Column("straggler_rank", "Nullable(UInt32)", "NULL", "the slowest rank"),
+    _f("straggler_score", "S = own time of straggler_rank / median own time of the other "
+                          "ranks (own time = local step time - its collective wait)"),
+    Column("straggler_rank", "Nullable(UInt32)", "NULL",
+           "the slowest rank: the largest own time"),
     _f("peak_memory_bytes", "peak device memory, max over ranks"),
     Column("peak_memory_rank", "Nullable(UInt32)", "NULL", "the rank with the peak"),
     _f("moe_maxvio", "expert MaxVio = I - 1, worst layer"),
     _f("moe_shard_imbalance", "expert-parallel shard imbalance, worst layer"),
     _f("moe_h_norm", "normalized routing entropy, lowest layer"),
     _f("output_absmax", "absolute maximum of the model output"),
+    *_STEP_METRICS_V2,
     Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
     Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
     Column("replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"),
@@ -320,6 +333,9 @@ MIGRATIONS: tuple[Migration, ...] = (
                  "look-back buffers), anomalies, alerts, evaluations, dead letters, "
                  "stream state",
               tuple(t.ddl("{db}") for t in TABLES)),
+    Migration(2, "step_metrics: media scale and the weakest residual branch",
+              tuple(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+                    "AFTER output_absmax" for c in reversed(_STEP_METRICS_V2))),
 )
 
 

@@ -49,10 +49,12 @@ def stage2_config(settings: Settings) -> Stage2Config:
     return Stage2Config(
         detectors=DetectorConfig(
             window=s.detector_window, loss_z=s.loss_z_threshold, grad_z=s.grad_z_threshold,
-            signal_z=s.signal_z_threshold, clip_threshold=s.clip_threshold,
+            signal_z=s.signal_z_threshold, straggler_ratio=s.straggler_ratio,
+            straggler_steps=s.straggler_steps, clip_threshold=s.clip_threshold,
             clip_window=s.clip_window, memory_growth=s.memory_growth,
-            maxvio_threshold=s.maxvio_threshold, media_scale_min=s.media_scale_min,
-            rearm_steps=s.rearm_steps),
+            maxvio_threshold=s.maxvio_threshold, maxvio_steps=s.maxvio_steps,
+            media_scale_min=s.media_scale_min,
+            residual_ratio_min=s.residual_ratio_min, rearm_steps=s.rearm_steps),
         retention_every_k=s.retention_every_k, retention_halo=s.retention_halo,
         warmup_steps=s.warmup_steps, final_steps=s.final_steps,
         max_wait_s=s.deadline_s + 10.0, run_idle_s=s.run_idle_s)

@@ -2,7 +2,9 @@
 
 Every rule reads one value of the step's P0 view and runs one detector on it:
 a robust spike detector on log(x + ε) (seeds 001 §4), a threshold, or a drift test
-against the run's own post-warm-up baseline. Findings carry their escalation category
+against the run's own post-warm-up baseline. Step time has two rules under one signal:
+the spike rule, and a straggler rule (the same rank's own-time ratio, straggler_score,
+at or over a threshold for a few consecutive steps). Findings carry their escalation category
 (job state → loss → gradient norm and spikes → step time → memory → expert balance, then
 layer views; seeds 001 §1), so an alert says what to open next. An alert for a signal
 is raised once per episode: it re-arms after ``rearm_steps`` quiet steps.
@@ -54,7 +56,7 @@ class Finding:
     """One anomaly at one step; ``page`` marks the P0 conditions that become alerts."""
 
     signal: str
-    kind: str                 # spike | cospike | nonfinite | threshold | drift
+    kind: str                 # spike | cospike | nonfinite | threshold | drift | straggler
     value: float
     baseline: float | None
     z: float | None
@@ -72,11 +74,15 @@ class DetectorConfig:
     loss_z: float = 6.0
     grad_z: float = 6.0
     signal_z: float = 8.0            # single-signal pages (worst rank, source, step time...)
+    straggler_ratio: float = 5.0     # one rank's own time over the others' median own time...
+    straggler_steps: int = 3         # ...this many consecutive steps, the same rank: a page
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2       # page when peak memory exceeds its baseline by 20%
     maxvio_threshold: float = 1.0    # busiest expert carries 2x the mean load
+    maxvio_steps: int = 3            # ... on this many consecutive steps after warm-up
     media_scale_min: float = 0.1     # γ below this: media the backbone can ignore
+    residual_ratio_min: float = 2.0 ** -8  # R_b below bf16's relative precision: swallowed
     rearm_steps: int = 50
 
 
@@ -109,7 +115,10 @@ class SignalDetectors:
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
         self.memory_baseline: float | None = None
         self.memory_seen: list[float] = []
+        self.maxvio_run = 0  # consecutive measured steps with MaxVio above its threshold
+        self.missing_run: dict[int, int] = {}  # rank -> consecutive steps it was missing
         self.last_page: dict[str, int] = {}
+        self.straggler_run: list[int | None] = [None, 0, None]  # rank, consecutive steps, last
 
     # -- one step ---------------------------------------------------------------------------
     def observe(self, step: int, view: dict[str, Any], sources: dict[str, float]) -> tuple[
@@ -154,16 +163,27 @@ class SignalDetectors:
             derived.update(clip_rate=None, clipped=0)
         found += self._job(view)
         found += self._single_signals(view, sources)
+        found += self._straggler(step, view)
         found += self._memory(step, view)
-        found += self._experts(view)
+        found += self._experts(view, warm=not derived["warmup"])
+        found += self._residual(view)
         return derived, [f for f in found if f is not None and self._gate(step, f)]
 
     def _job(self, view: dict[str, Any]) -> list[Finding]:
+        """A missing rank pages when its step waited out the deadline, or when the rank is
+        missing on two steps in a row. One step closed early by a later step ("later_step")
+        without a rank is only an anomaly: its data may still arrive (it is then stored as
+        late); measured once in ~2,000 healthy demo steps on Tansu. A dead rank misses
+        every step and pages on the second."""
         found = []
-        if view["ranks_missing"]:
+        missing = view["ranks_missing"]
+        self.missing_run = {r: self.missing_run.get(r, 0) + 1 for r in missing}
+        if missing:
+            page = view.get("complete_reason") == "deadline" or any(
+                self.missing_run[r] >= 2 for r in missing)
             found.append(Finding(signal="ranks_missing", kind="threshold",
                                  value=float(len(view["ranks_missing"])), baseline=0.0, z=None,
-                                 category=Category.JOB, page=True,
+                                 category=Category.JOB, page=page,
                                  culprit="ranks " + ",".join(map(str, view["ranks_missing"])),
                                  ranks=list(view["ranks_missing"])))
         if view.get("replay_mismatch"):
@@ -200,6 +220,25 @@ class SignalDetectors:
                                  category=Category.LAYERS, page=True, culprit="media projector"))
         return found
 
+    def _straggler(self, step: int, view: dict[str, Any]) -> list[Finding]:
+        """`step_time` pages when the same rank's own time (step time minus its exposed
+        collective wait) is ``straggler_ratio`` x the other ranks' median for
+        ``straggler_steps`` consecutive steps: a ratio of the ranks to each other, so noise
+        the whole host shares cancels, where the spike rule on step time drowns in it."""
+        rank, score = view.get("straggler_rank"), view.get("straggler_score")
+        last_rank, run, last_step = self.straggler_run
+        if rank is None or score is None or not score >= self.config.straggler_ratio:
+            self.straggler_run = [None, 0, step]
+            return []
+        run = run + 1 if (rank == last_rank and last_step is not None
+                          and step == last_step + 1) else 1
+        self.straggler_run = [rank, run, step]
+        if run < self.config.straggler_steps:
+            return []
+        return [Finding(signal="step_time", kind="straggler", value=score,
+                        baseline=self.config.straggler_ratio, z=None, category=Category.TIME,
+                        page=True, culprit=f"rank {rank}", ranks=[rank])]
+
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:
         peak = view.get("peak_memory_bytes")
         if peak is None:
@@ -220,14 +259,32 @@ class SignalDetectors:
                         page=True, culprit=f"rank {rank}" if rank is not None else "",
                         ranks=[rank] if rank is not None else [])]
 
-    def _experts(self, view: dict[str, Any]) -> list[Finding]:
+    def _experts(self, view: dict[str, Any], warm: bool) -> list[Finding]:
+        """MaxVio above its threshold on ``maxvio_steps`` consecutive measured steps, after
+        the detectors' warm-up: one batch's routing noise, or a router still settling
+        from its initialisation, is not a collapse (the tiny demo MoE measured MaxVio
+        0.4-1.8 on single healthy steps, and up to 3 while its router settles)."""
         maxvio = view.get("moe_maxvio")
-        if maxvio is None or maxvio <= self.config.maxvio_threshold:
+        if maxvio is None:
+            return []
+        self.maxvio_run = self.maxvio_run + 1 if maxvio > self.config.maxvio_threshold else 0
+        if self.maxvio_run < self.config.maxvio_steps or not warm:
             return []
         return [Finding(signal="moe_maxvio", kind="threshold", value=maxvio,
                         baseline=self.config.maxvio_threshold, z=None,
                         category=Category.EXPERTS, page=True,
                         culprit=view.get("moe_maxvio_layer") or "")]
+
+    def _residual(self, view: dict[str, Any]) -> list[Finding]:
+        """R_b of the weakest branch below bfloat16's relative precision: a bf16 residual
+        add s + b rounds most of that branch's update away (seeds 001 §8)."""
+        ratio = view.get("residual_ratio_min")
+        if ratio is None or ratio >= self.config.residual_ratio_min:
+            return []
+        return [Finding(signal="residual_scale", kind="threshold", value=ratio,
+                        baseline=self.config.residual_ratio_min, z=None,
+                        category=Category.LAYERS, page=True,
+                        culprit=view.get("residual_ratio_branch") or "")]
 
     def _gate(self, step: int, finding: Finding) -> bool:
         """Pages once per episode of a signal; anomalies that don't page always pass."""
@@ -246,7 +303,10 @@ class SignalDetectors:
                 "sources": {k: d.to_state() for k, d in self.sources.items()},
                 "cospikes": self.cospikes.to_state(), "clip": self.clip.to_state(),
                 "memory_baseline": self.memory_baseline, "memory_seen": self.memory_seen,
-                "last_page": self.last_page}
+                "maxvio_run": self.maxvio_run,
+                "missing_run": {str(r): n for r, n in self.missing_run.items()},
+                "last_page": self.last_page,
+                "straggler_run": list(self.straggler_run)}
 
     @classmethod
     def from_state(cls, config: DetectorConfig, state: dict[str, Any]) -> "SignalDetectors":
@@ -257,7 +317,10 @@ class SignalDetectors:
         det.clip = ClipRateWindow.from_state(state["clip"])
         det.memory_baseline = state["memory_baseline"]
         det.memory_seen = list(state["memory_seen"])
+        det.maxvio_run = int(state.get("maxvio_run", 0))  # absent in states saved before it
+        det.missing_run = {int(r): int(n) for r, n in state.get("missing_run", {}).items()}
         det.last_page = dict(state["last_page"])
+        det.straggler_run = list(state.get("straggler_run", [None, 0, None]))  # older states
         return det
 
 

@@ -39,6 +39,34 @@ def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
     return {r: v[(name, ())] for r, v in item.per_rank.items() if (name, ()) in v}
 
 
+def _own_times(item: ReducedStep) -> dict[int, float]:
+    """Per rank, its own time: step time minus the exposed collective wait it reported
+    (``comm.wait_s``, summed over ops; the step time itself when it reported none).
+
+    Under synchronous data parallelism every rank's step time carries the slowest rank's
+    delay (the others wait for it in the gradient all-reduce); their own time does not."""
+    own: dict[int, float] = {}
+    for rank, values in item.per_rank.items():
+        tau = values.get(("step_time_s", ()))
+        if tau is None:
+            continue
+        waits = [v for (name, _), v in values.items() if name == "comm.wait_s"
+                 and math.isfinite(v)]
+        own[rank] = max(tau - math.fsum(waits), 0.0) if waits else tau
+    return own
+
+
+def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
+    """The rank with the largest own time, and S = its own time / the median own time of
+    the other ranks (leave-one-out; None with a single rank)."""
+    own = _own_times(item)
+    if not own:
+        return None, None
+    rank = max(sorted(own), key=own.__getitem__)  # ties: the lowest rank
+    others = [v for r, v in own.items() if r != rank]
+    return rank, own[rank] / (statistics.median(others) + 1e-12) if others else None
+
+
 def _moe(item: ReducedStep) -> dict[str, Any]:
     """MaxVio / shard imbalance / H_norm from per-expert valid-token counts c_i (seeds §7)."""
     layers: dict[str, dict[int, float]] = defaultdict(dict)
@@ -66,6 +94,29 @@ def _moe(item: ReducedStep) -> dict[str, Any]:
     return out
 
 
+def _residual(item: ReducedStep) -> dict[str, Any]:
+    """The weakest residual branch: the smallest token-mean R_b = Σ ratio_sum / Σ tokens over
+    (layer, branch), with its mean stream norm N_s and branch norm N_b (seeds 001 §8)."""
+    red = item.reduced
+    weakest: tuple[float, tuple, float | None, float | None] | None = None
+    for labels, n in _labelled(red, "residual.tokens").items():
+        ratio = red.get(("residual.ratio_sum", labels))
+        if not n > 0 or ratio is None or not math.isfinite(ratio):
+            continue
+        mean = ratio / n
+        if weakest is None or mean < weakest[0]:
+            norms = [red.get((f"residual.{stem}_sum", labels)) for stem in ("stream_norm",
+                                                                             "branch_norm")]
+            weakest = (mean, labels, *(None if v is None else v / n for v in norms))
+    if weakest is None:
+        return {"residual_ratio_min": None, "residual_ratio_branch": None,
+                "residual_stream_norm": None, "residual_branch_norm": None}
+    lab = dict(weakest[1])
+    return {"residual_ratio_min": weakest[0],
+            "residual_ratio_branch": f"layer {lab.get('layer', '?')} {lab.get('branch', '?')}",
+            "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
+
+
 def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
     """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
     red = item.reduced
@@ -74,8 +125,8 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
     ranks = sorted(set(sums) & set(counts))
     worst = worst_rank_loss([sums[r] for r in ranks], [counts[r] for r in ranks])
     grad_sq = _get(red, "grad.norm_sq")
-    taus = _per_rank(item, "step_time_s")
     tau = _get(red, "step_time_s")
+    straggler_rank, straggler_score = _straggler(item)
     flops = _get(red, "flops.step")
     memory = _per_rank(item, "memory.peak_allocated_bytes") or _per_rank(
         item, "memory.peak_rss_bytes")
@@ -93,9 +144,8 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "tokens_per_s": tokens / tau if tau else None,
         "flops_step": flops,
         "compute_rate": flops / (item.world_size * tau) if flops is not None and tau else None,
-        "straggler_score": tau / (statistics.median(taus.values()) + 1e-12)
-        if tau and taus else None,
-        "straggler_rank": max(taus, key=taus.__getitem__) if taus else None,
+        "straggler_score": straggler_score,
+        "straggler_rank": straggler_rank,
         "peak_memory_bytes": max(memory.values()) if memory else None,
         "peak_memory_rank": max(memory, key=memory.__getitem__) if memory else None,
         "output_absmax": _get(red, "output.logits_abs_max"),
@@ -108,6 +158,7 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "ranks_missing": list(item.ranks_missing),
         "complete_reason": item.complete_reason,
         **_moe(item),
+        **_residual(item),
     }
     sources = {}
     source_sums = _labelled(red, "loss.sum")
@@ -239,7 +290,6 @@ class RunPipeline:
         ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
                   if view["loss"] and math.isfinite(view["loss"])}
         derived, findings = self.detectors.observe(item.step, view, ratios)
-        view.pop("media_scale")
         view.pop("moe_maxvio_layer")
         view["clipped"] = derived.pop("clipped")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,

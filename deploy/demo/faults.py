@@ -12,15 +12,15 @@ pages, at which step, which other P0 signals the same fault raises, and what
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
 
 from .data import SOURCES, Batch
-from .model import IGNORE
+from .model import IGNORE, PRESETS, TinyConfig
 
-__all__ = ["FAULTS", "Fault", "FaultError", "parse_fault"]
+__all__ = ["FAULTS", "Fault", "FaultError", "demo_train_args", "parse_fault"]
 
 
 class FaultError(ValueError):
@@ -43,7 +43,16 @@ class Fault:
     explain_moves: ClassVar[bool] = True
     explain_gap: ClassVar[str] = ""  # why explain does not (yet) name the culprit
     demo_args: ClassVar[tuple[str, ...]] = ()   # train.py flags the signature needs
+    presets: ClassVar[tuple[str, ...]] = ()     # model presets it applies to (): any; the
+    #                                             first is the one `probewire demo` picks
     step: int = 100
+
+    def check_preset(self, preset: str) -> None:
+        """A FaultError when the fault needs a model structure ``preset`` lacks."""
+        if self.presets and preset not in self.presets:
+            raise FaultError(f"{self.name} needs a model with "
+                             f"{' or '.join(self.presets)} structure: run it with "
+                             f"--preset {self.presets[0]} (got --preset {preset})")
 
     def expected_culprit(self) -> str:
         """What the paging alert names (signals with a single culprit); "" when the step
@@ -76,7 +85,7 @@ def _scramble(batch: Batch, rows: torch.Tensor, generator: torch.Generator) -> B
     keep = targets == IGNORE
     new_targets = torch.where(keep | ~rows[:, None], targets, noise)
     tokens[:, 1:] = torch.where(rows[:, None], new_targets[:, :-1].clamp(min=0), tokens[:, 1:])
-    return Batch(tokens, new_targets, batch.source)
+    return replace(batch, tokens=tokens, targets=new_targets)
 
 
 @dataclass(kw_only=True)
@@ -171,16 +180,14 @@ class LayerExplosion(Fault):
     ``blocks.{layer}.mlp`` jumps x37 and nothing before it moves; backward |g|max jumps
     from ``blocks.{layer}`` inward. explain's layer walk names ``layer {layer}`` (it places
     the positional embedding ``pos`` with the embeddings, as the rank-side localisation
-    does), but dates the move to an earlier natural gradient-norm blip (step 112 with
-    seed 0) instead of ``step``."""
+    does) with onset ``step``: the onset is where the walk starts naming that layer on
+    every step up to the explained one, so a natural |g|max blip 8 steps earlier (seed 0;
+    it once dated the move there) is another episode."""
 
     name: ClassVar[str] = "layer-explosion"
     signal: ClassVar[str] = "cospike"
     culprit: ClassVar[str] = "layer"
     explain_stage: ClassVar[str] = "layers"
-    explain_gap: ClassVar[str] = (
-        "explain names layer 1 (blocks.1.mlp.up) but dates its move to a natural gradient "
-        "blip 8 steps before the fault, so 'moved since the fault' is not met")
     demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
     layer: int = 1
     scale: float = 30.0
@@ -200,29 +207,31 @@ class Straggler(Fault):
     """One rank sleeps ``delay_s`` per step for ``duration`` steps from ``step`` on
     (``duration`` 0: to the end of the run).
 
-    Signature (measured, window 50, fault at 120): `step_time` should page at ``step``,
-    but only does when the delay is large against the step time's own noise: the rule
-    scores log step time against its rolling MAD (z > 8). A 0.3 s delay (the old default)
-    never paged. With 3 s: on a quieter stretch (steps 45-94 of a run: step 0.060 s,
-    log-MAD 0.24) the delay would reach z 11.0 (0.3 s: z 5.0); on the shared 2-core host of the measurement (step 0.24 s, log-MAD 0.52, the
-    stream worker and another run competing) it reaches z 3.4 and nothing pages (step time
-    0.35 -> 3.3 s); the gallery test computes the reachable z from the run's own pre-fault
-    step times and xfails with that reason when it is under the threshold.
-    The culprit is NOT named by stage 2 today: under synchronous DDP the fast rank waits
-    for the slow one inside the gradient all-reduce, so both ranks' step times carry the
-    delay and `straggler_rank` (argmax step time) is a coin toss. train.py's comm hook
-    measures each rank's all-reduce wait (trace ``comm_wait_s``); step time minus that
-    wait names ``rank {rank}`` on every slow step."""
+    Signature (measured, window 50, fault at 120): `step_time` pages by ``step`` + 2,
+    culprit ``rank {rank}``; nothing else pages. Under synchronous DDP the fast rank
+    waits for the slow one inside the gradient all-reduce, so both ranks' step times carry
+    the delay (argmax step time is a coin toss). train.py's comm hook times each rank's
+    all-reduce wait and reports it every step (``s.comm_wait``, comm.wait_s{op=
+    ddp_allreduce}; trace ``comm_wait_s``); stage 2 names the rank with the largest own
+    time, step time minus that wait, as ``straggler_rank``, with ``straggler_score`` S =
+    its own time / the other ranks' median. Measured on the shared 2-core host (two
+    runs): S 10-56 on the slow steps (3.05-3.15 s steps, the waiting rank's own time
+    0.06-0.31 s), ``rank {rank}`` on every one of them. The straggler rule (S >= stream.straggler_ratio,
+    5, for stream.straggler_steps, 3, consecutive steps of the same rank) pages at
+    ``step`` + 2; healthy 2000-step run: S up to 10.3 on single steps, never above 3.1
+    for 3 steps of one rank. The spike rule (z > 8 on log step time against its rolling
+    MAD) would page at ``step`` only on a quiet host: in the measured run (pre-fault steps
+    ~0.2 s, the worker competing) it stayed silent, as before (log-MAD 0.52: z 3.4; it
+    names the same straggler_rank when it fires). explain's step-time
+    stage names ``rank {rank}`` (straggler_rank) with straggler_score moved since
+    ``step`` (x23 its baseline at step 122) and notes the rank's own time."""
 
     name: ClassVar[str] = "straggler"
     signal: ClassVar[str] = "step_time"
     culprit: ClassVar[str] = "rank"
+    within: ClassVar[int] = 2  # stream.straggler_steps - 1: the third slow step pages
     explain_stage: ClassVar[str] = "step time"
-    explain_signal: ClassVar[str | None] = "step_time_s"
-    explain_gap: ClassVar[str] = (
-        "stage 2's straggler_rank is argmax step_time_s, which under synchronous DDP carries "
-        "the delay on every rank (the fast rank waits in the gradient all-reduce); needs "
-        "comm.wait_s{op=ddp_allreduce} every step and argmax(step_time_s - wait)")
+    explain_signal: ClassVar[str | None] = "straggler_score"
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10
@@ -243,10 +252,10 @@ class MemoryCreep(Fault):
     Signature (measured, window 50, fault at 120): `peak_memory` pages once the peak
     RSS exceeds its post-warm-up baseline (median of the first ``window`` steps, ~354 MiB)
     by ``stream.memory_growth`` (20%): at step 126, culprit ``rank {rank}``; with the
-    default 8 MiB/step the page comes within 10 steps of ``step``. Nothing else pages.
-    explain's memory stage names ``rank {rank}`` (peak_memory_rank, "+21% over the
-    scanned steps") but does not score it as moved: it scores the peak against its own
-    Theil-Sen trend, which follows a steady creep."""
+    default 8 MiB/step the page comes within 10 steps of ``step`` (129 in the last
+    measurement, baseline 350 MiB). Nothing else pages. explain's memory stage names
+    ``rank {rank}`` (peak_memory_rank) and scores the peak as moved (x1.12 over its
+    Theil-Sen trend, onset 122)."""
 
     name: ClassVar[str] = "memory-creep"
     signal: ClassVar[str] = "peak_memory"
@@ -254,7 +263,6 @@ class MemoryCreep(Fault):
     within: ClassVar[int] = 10
     explain_stage: ClassVar[str] = "memory"
     explain_signal: ClassVar[str | None] = "peak_memory_bytes"
-    explain_moves: ClassVar[bool] = False
     rank: int = 1
     mib_per_step: float = 8.0
     _held: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -297,9 +305,131 @@ class FlakyReplay(Fault):
         return step == self.step
 
 
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # the TinyLM inside DDP
+
+
+@dataclass(kw_only=True)
+class RoutingCollapse(Fault):
+    """From ``step`` on, one MoE layer's router is pushed onto its first ``experts``
+    experts: their selection bias is set to ``bias`` every step (the router's logits, and
+    so its mixing weights and the load-balancing loss, are untouched; only which experts are
+    chosen changes, as a runaway bias-balancing update would do).
+
+    Signature (measured, --preset moe, window 50, fault at 120): with top-2 of 8 experts
+    every token picks the pushed experts and MaxVio = max load / mean load - 1 goes from
+    0.35-1.2 on healthy steps to exactly 3.0 at ``step``; `moe_maxvio` pages two steps
+    later (122), for ``layer {layer}``: the rule wants MaxVio > 1 on 3 consecutive steps,
+    because single healthy steps of the tiny MoE reach 1.2-1.8. Nothing else pages.
+    explain's expert-balance stage names expert 0 of ``layer {layer}`` (moe_maxvio moved,
+    onset ``step``)."""
+
+    name: ClassVar[str] = "routing-collapse"
+    signal: ClassVar[str] = "moe_maxvio"
+    culprit: ClassVar[str] = "layer"
+    explain_stage: ClassVar[str] = "expert balance"
+    explain_signal: ClassVar[str | None] = "moe_maxvio"
+    within: ClassVar[int] = 2
+    presets: ClassVar[tuple[str, ...]] = ("moe", "full")
+    layer: int = 1
+    experts: int = 2
+    bias: float = 10.0
+
+    def expected_culprit(self) -> str:
+        return f"layer {self.layer}"
+
+    def explain_culprit(self) -> str:
+        return f"of layer {self.layer}"
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        if step >= self.step:
+            _core(model).blocks[self.layer].mlp.router.expert_bias[:self.experts] = self.bias
+
+    def check_preset(self, preset: str) -> None:
+        super().check_preset(preset)
+        cfg = TinyConfig.preset(preset)
+        if not 0 <= self.layer < cfg.n_layer or not 1 <= self.experts < cfg.n_experts:
+            raise FaultError(f"routing-collapse: layer must be in 0..{cfg.n_layer - 1} and "
+                             f"experts in 1..{cfg.n_experts - 1} for --preset {preset}")
+
+
+@dataclass(kw_only=True)
+class IgnoredMedia(Fault):
+    """At ``step`` the media projector's weights and bias are multiplied by ``scale``: the
+    media tokens enter the backbone ~1/scale times smaller than the text embeddings, so
+    attention can no longer tell an image from the noise floor.
+
+    Signature (measured, --preset media, --p1-every 10, window 50, fault at 120):
+    `media_scale` (γ = RMS of the media tokens / RMS of the text embeddings, P0 at the
+    structure probes' cadence) pages at the first probe step at or after ``step`` (120:
+    γ 9.9 -> 0.01, threshold 0.1; the trained projector runs ~10x the text scale, so the
+    old default scale 0.01 only reached 0.098) with culprit ``media projector``. Nothing
+    else pages.
+    explain's layers stage reports media_scale moved (scored as 1/γ), naming the media
+    projector."""
+
+    name: ClassVar[str] = "ignored-media"
+    signal: ClassVar[str] = "media_scale"
+    culprit: ClassVar[str] = "media projector"
+    explain_stage: ClassVar[str] = "layers"
+    explain_signal: ClassVar[str | None] = "media_scale"
+    demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
+    presets: ClassVar[tuple[str, ...]] = ("media", "full")
+    scale: float = 0.001
+
+    def expected_culprit(self) -> str:
+        return "media projector"
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        if step == self.step:
+            proj = _core(model).projector.proj
+            with torch.no_grad():
+                proj.weight.mul_(self.scale)
+                proj.bias.mul_(self.scale)
+
+
+@dataclass(kw_only=True)
+class Bf16Swallow(Fault):
+    """At ``step`` the token and position embeddings are multiplied by ``scale``: the
+    residual stream grows ~scale times while every branch (behind its LayerNorm) keeps its
+    size, so a bfloat16 residual add s + b rounds most of each branch's update away.
+
+    Signature (measured, window 50, --p1-every 10, fault at 120): `residual_scale` pages
+    at the first residual-probe step at or after ``step`` (120): the smallest token-mean
+    relative branch scale R_b = ‖b‖ / ‖s‖ falls from 0.12 (layer 1 mlp) to 6e-4 (layer 0
+    attn), under bfloat16's relative precision 2^-8 (the threshold). The culprit is the
+    weakest branch (``layer L attn|mlp``). The blocks' share of the output collapses with
+    it: L 2.74 -> 3.93 and G2 x2, which did not reach the co-spike rule in the measured run
+    but may (`cospike` at ``step`` is part of the signature). explain's layers stage
+    names the cause: the residual stream grew (N_s 12.9 -> 550 at the weakest branch)
+    while the branch did not shrink."""
+
+    name: ClassVar[str] = "bf16-swallow"
+    signal: ClassVar[str] = "residual_scale"
+    culprit: ClassVar[str] = "residual stream"
+    also_pages: ClassVar[tuple[str, ...]] = ("cospike",)
+    explain_stage: ClassVar[str] = "layers"
+    explain_signal: ClassVar[str | None] = "residual_ratio_min"
+    demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
+    scale: float = 1000.0
+
+    def expected_culprit(self) -> str:
+        return "layer "
+
+    def explain_culprit(self) -> str:
+        return "stream grew"
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        if step == self.step:
+            core = _core(model)
+            with torch.no_grad():
+                core.embed.weight.mul_(self.scale)
+                core.pos.weight.mul_(self.scale)
+
+
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     BadRank, SourceRegression, PoisonedBatch, LayerExplosion, Straggler, MemoryCreep,
-    FlakyReplay)}
+    RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay)}
 
 
 def parse_fault(text: str) -> Fault:
@@ -327,3 +457,26 @@ def parse_fault(text: str) -> Fault:
         except ValueError:
             raise FaultError(f"{name}: {key} must be {kind.__name__}, got {value!r}") from None
     return cls(**kwargs)
+
+
+def demo_train_args(specs: list[str], preset: str | None = None) -> list[str]:
+    """The train.py flags for a demo with the faults ``specs`` (``--fault`` texts): the
+    model preset (``preset``, or the first one every fault applies to), each fault's own
+    flags (once each), then the faults. A FaultError for a bad spec or when the preset does
+    not suit a fault."""
+    faults = [parse_fault(text) for text in specs]
+    if preset is not None and preset not in PRESETS:
+        raise FaultError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    if preset is None:
+        preset = next((p for f in faults for p in f.presets
+                       if all(not g.presets or p in g.presets for g in faults)), "tiny")
+    for fault in faults:
+        fault.check_preset(preset)
+    args = ["--preset", preset]
+    for fault in faults:
+        for flag, value in zip(fault.demo_args[::2], fault.demo_args[1::2]):
+            if flag not in args:
+                args += [flag, value]
+    for text in specs:
+        args += ["--fault", text]
+    return args

@@ -103,9 +103,10 @@ class TinyConfig:
         row; full: all of them plus gated branches, gated attention and one MTP head."""
         presets: dict[str, dict[str, object]] = {
             "tiny": {},
-            "moe": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01},
+            "moe": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01, "balance_rate": 0.05},
             "media": {"media_tiles": 2},
-            "full": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01, "media_tiles": 2,
+            "full": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01, "balance_rate": 0.05,
+                     "media_tiles": 2,
                      "gated_branches": True, "attn_gate": True, "mtp_depth": 1},
         }
         if name not in presets:

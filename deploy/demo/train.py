@@ -16,6 +16,8 @@ the pipeline independently; its ``comm_wait_s`` is this rank's wait on DDP's gra
 all-reduce (a comm hook times each bucket from launch to completion), so a straggler can
 be told from the ranks that wait for it: under synchronous DDP every rank's step time
 includes the slowest rank's delay, and step time minus this wait is the rank's own work.
+The same wait goes to the stream every step as ``comm.wait_s{op=ddp_allreduce}``
+(``s.comm_wait``), where stage 2 names the straggler by that own time.
 ``--save-every`` saves a checkpoint on rank 0 and announces
 it on ``probewire.checkpoints``.
 """
@@ -41,7 +43,7 @@ from probewire.instrument import (ControlListener, KafkaTransport, ProbeConfig, 
 
 from .data import SOURCES, load_corpus
 from .faults import FaultError, parse_fault
-from .model import IGNORE, TinyConfig, TinyLM, save_checkpoint
+from .model import IGNORE, PRESETS, TinyConfig, TinyLM, save_checkpoint
 
 __all__ = ["main"]
 
@@ -88,6 +90,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-topic", default="probewire.checkpoints")
     p.add_argument("--trace", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=PRESETS, default="tiny",
+                   help="demo model structure (moe: experts; media: images; full: all)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -102,6 +106,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.faults = [parse_fault(text) for text in args.fault]
+        for fault in args.faults:
+            fault.check_preset(args.preset)
     except FaultError as exc:
         p.error(str(exc))
     if args.save_every and args.ckpt_dir is None:
@@ -115,8 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}",
                             rank=args.rank, world_size=args.world_size)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    cfg = TinyConfig()
-    model = DistributedDataParallel(TinyLM(cfg))
+    cfg = TinyConfig.preset(args.preset)
+    # experts a step does not route to, and the MTP heads the loop does not train, get no
+    # gradient: DDP must look for unused parameters on every preset but the dense one
+    model = DistributedDataParallel(TinyLM(cfg), find_unused_parameters=args.preset != "tiny")
     comm_wait = AllReduceWaitHook()
     model.register_comm_hook(None, comm_wait.hook)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -146,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
                 for fault in args.faults:
                     fault.on_step_start(step, args.rank, model, opt)
                 # data: a few rows per micro-batch; random valid lengths pad some rows
-                batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8)
+                batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8,
+                                        media_tiles=cfg.media_tiles,
+                                        image_size=cfg.image_size)
                            for _ in range(args.micro_batches)]
                 for fault in args.faults:
                     batches = [fault.on_batch(step, args.rank, b) for b in batches]
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                     s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE,
                                   source=batch.source)
                     with nullcontext() if last else model.no_sync():
-                        logits = model(batch.tokens).float()
+                        logits = model(batch.tokens, batch.media, batch.media_mask).float()
                         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  batch.targets.reshape(-1), ignore_index=IGNORE,
                                                  reduction="none").view_as(batch.targets)
@@ -176,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
                                <= 1e-6 * abs(loss_sum.item()))
                 running_loss = mean_loss if running_loss is None else \
                     0.95 * running_loss + 0.05 * mean_loss
+                # this rank's wait on DDP's gradient all-reduce (complete once backward has
+                # returned), sent every step: the stream takes it off the rank's step time
+                wait_s = comm_wait.take()
+                s.comm_wait("ddp_allreduce", wait_s)
                 # clip: the monitor measures G2 (accumulated, unscaled, not yet clipped) and
                 # the same norm clips, as torch.nn.utils.clip_grad_norm_ would
                 total_norm = s.clip_grad_norm_(model.parameters(), args.clip)
@@ -183,7 +197,6 @@ def main(argv: list[str] | None = None) -> None:
                 opt.zero_grad(set_to_none=True)
                 # note: host sync point; the step's scalars are read once, here
                 loss_value, norm_value = loss_sum.item(), float(total_norm.item())
-            wait_s = comm_wait.take()
             for fault in args.faults:
                 fault.on_step_end(step, args.rank)
             local_tokens += n_valid
@@ -221,8 +234,9 @@ def _replay_loss(model: torch.nn.Module, batches: list, perturb: bool) -> float:
         if perturb:
             bits = weight.data[32, 0].view(torch.int32)
             bits ^= 1 << 23
-        total = sum(float(F.cross_entropy(model(b.tokens).float().transpose(1, 2), b.targets,
-                                          ignore_index=IGNORE, reduction="sum"))
+        total = sum(float(F.cross_entropy(model(b.tokens, b.media, b.media_mask).float()
+                                          .transpose(1, 2), b.targets, ignore_index=IGNORE,
+                                          reduction="sum"))
                     for b in batches)
         weight.data[32, 0] = saved
     return total

@@ -13,16 +13,14 @@ fresh processes (chdb opens one data directory per process): ``read_store`` for 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from probewire.deploy.demo.faults import FAULTS, Straggler, parse_fault
+from probewire.deploy.demo.faults import FAULTS, Straggler, demo_train_args, parse_fault
 from probewire.deploy.demo.run import run_demo
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 
@@ -55,11 +53,11 @@ def _traces(trace: Path) -> dict[int, dict[int, dict]]:
         json.loads, (trace / f"rank{rank}.jsonl").read_text().splitlines())} for rank in (0, 1)}
 
 
-def _run(base: Path, read_store, spec: str, steps: int, extra: tuple[str, ...] = ()):
+def _run(base: Path, read_store, spec: str, steps: int):
     store = base / "store"
     result = run_demo(_settings(store), ranks=2, steps=steps, work_dir=base / "run",
                       trace=base / "trace",
-                      extra_train_args=(["--fault", spec] if spec else []) + list(extra),
+                      extra_train_args=demo_train_args([spec] if spec else []),
                       show_progress=False, bootstrap=os.environ.get("KAFKA_BOOTSTRAP"))
     assert result.steps_written == steps
     alerts = read_store(store, f"SELECT step, signal, culprit, value, baseline, z FROM "
@@ -107,8 +105,7 @@ def fault_run(tmp_path_factory: pytest.TempPathFactory, read_store):
             fault = parse_fault(f"{name}@{FAULT_STEP}")
             base = tmp_path_factory.mktemp(name.replace("-", "_"))
             steps = FAULT_STEP + fault.duration if isinstance(fault, Straggler) else STEPS
-            result, store, alerts = _run(base, read_store, f"{name}@{FAULT_STEP}", steps,
-                                         fault.demo_args)
+            result, store, alerts = _run(base, read_store, f"{name}@{FAULT_STEP}", steps)
             _RUNS[name] = (fault, result.run_id, store, alerts, _traces(base / "trace"))
         return _RUNS[name]
 
@@ -128,29 +125,16 @@ def test_fault_pages_its_signal_at_its_step(name: str, fault_run):
     _check_pages(name, fault, alerts)
 
 
-def test_straggler_pages_step_time(fault_run, read_store):
-    """`step_time` pages at the fault step, when the host lets it: the rule scores log step
-    time against its rolling MAD (z > 8), so on a busy shared host (log-MAD ~0.8) even a 10x
-    slowdown stays under the threshold. The test computes the z the delay can reach from
-    the run's own pre-fault step times and asserts the page whenever it can fire."""
-    fault, run_id, store, alerts, _ = fault_run(Straggler.name)
-    rows = read_store(store, f"SELECT step, step_time_s FROM {DB}.step_metrics FINAL WHERE "
-                             f"run_id = '{run_id}' AND step >= {FAULT_STEP - WINDOW} AND "
-                             f"step < {FAULT_STEP} ORDER BY step")
-    u = np.log([r["step_time_s"] for r in rows])
-    q = float(np.median(u))
-    mad = float(np.median(np.abs(u - q)))
-    reachable = 0.6745 * (math.log(math.exp(q) + fault.delay_s) - q) / (mad + 1e-8)
-    threshold = StreamSettings().signal_z_threshold
-    if reachable < 1.25 * threshold:  # margin: the step's own compute time varies too
-        pytest.xfail(f"host too noisy for the step_time rule: pre-fault step time "
-                     f"{math.exp(q):.3f}s with log-MAD {mad:.2f}; a {fault.delay_s}s delay "
-                     f"reaches z~{reachable:.1f} < {threshold}; alerts: {alerts}")
-    # the straggler's culprit on the alert: test_straggler_step_time_alert_names_the_slow_rank
-    _check_pages(fault.name, fault, alerts, check_culprit=False)
+def test_straggler_pages_step_time(fault_run):
+    """`step_time` pages within the fault's ``within`` steps naming the slow rank, on any
+    host: the straggler rule (the same rank's own-time ratio over ``straggler_ratio`` for
+    ``straggler_steps`` consecutive steps) does not depend on the step time's own noise,
+    which keeps the spike rule (z > 8 on log step time) silent on a busy shared host."""
+    fault, _, _, alerts, _ = fault_run(Straggler.name)
+    _check_pages(fault.name, fault, alerts)
 
 
-@pytest.mark.parametrize("name", [_gap(n) for n in FAULTS if n != Straggler.name])
+@pytest.mark.parametrize("name", [_gap(n) for n in FAULTS])
 def test_explain_names_the_culprit(name: str, fault_run):
     fault, run_id, store, alerts, _ = fault_run(name)
     pages = [a["step"] for a in alerts if a["signal"] == fault.signal]
@@ -179,7 +163,6 @@ def test_straggler_comm_wait_names_the_slow_rank(fault_run):
         assert traces[1 - fault.rank][step]["comm_wait_s"] > 0.5 * fault.delay_s, step
 
 
-@pytest.mark.xfail(strict=True, reason=Straggler.explain_gap)
 def test_straggler_step_time_alert_names_the_slow_rank(fault_run, read_store):
     """The alert's culprit and explain's step-time culprit are both ``straggler_rank``;
     it must name the slow rank on every slow step (a coin toss passes 10 steps 1 in 1024)."""
@@ -196,17 +179,4 @@ def test_fault_free_run_raises_no_p0_alert(tmp_path_factory: pytest.TempPathFact
                                            read_store):
     base = tmp_path_factory.mktemp("healthy")
     result, store, alerts = _run(base, read_store, "", HEALTHY_STEPS)
-    # known stream issue: a rank's step that arrives after its next step is closed as
-    # "later_step" without that rank and pages ranks_missing, although the data arrives
-    # (stored late). Seen once in 2000 healthy steps (step 627, rank 0). Every other alert
-    # fails the test; this one is reported as an xfail with the evidence.
-    late = {(r["step"], r["rank"]) for r in read_store(
-        store, f"SELECT DISTINCT step, rank FROM {DB}.rank_metrics WHERE run_id = "
-               f"'{result.run_id}' AND late = 1")}
-    reordered = [a for a in alerts if a["signal"] == "ranks_missing" and all(
-        (a["step"], int(r)) in late for r in a["culprit"].removeprefix("ranks ").split(","))]
-    others = [a for a in alerts if a not in reordered]
-    assert others == [], [(a["step"], a["signal"], a["culprit"]) for a in alerts]
-    if reordered:
-        pytest.xfail("stream: ranks_missing paged for data that arrived late, out of order "
-                     f"(step, culprit): {[(a['step'], a['culprit']) for a in reordered]}")
+    assert alerts == [], [(a["step"], a["signal"], a["culprit"]) for a in alerts]

@@ -23,6 +23,8 @@ def test_env_overrides_file_and_values_are_coerced(tmp_path):
     ({"PROBEWIRE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL"}, "kafka.sasl_mechanism"),
     ({"PROBEWIRE_EVALUATOR__EVERY_FRACTION": "0.1"}, "evaluator.every_fraction"),
     ({"PROBEWIRE_STREAM__NOPE": "1"}, "stream.nope"),
+    ({"PROBEWIRE_STREAM__STRAGGLER_RATIO": "1.0"}, "stream.straggler_ratio"),
+    ({"PROBEWIRE_STREAM__STRAGGLER_STEPS": "0"}, "stream.straggler_steps"),
 ])
 def test_bad_values_name_the_field(env, field):
     with pytest.raises(SettingsError, match=field.replace(".", r"\.")):

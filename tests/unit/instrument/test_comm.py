@@ -47,3 +47,58 @@ def test_collectives_issued_by_the_loop_are_counted_and_timed(gloo_world):
     assert got[("comm.bytes", (("op", "broadcast"),))] == 12
     assert got[("comm.wait_s", (("op", "all_reduce"),))] > 0
     assert not any(name.startswith("comm.") for name, _ in records[1])  # P1 not sampled
+
+
+def _records(transport):
+    return {r.step: r.values for r in (decode_rank_step(k, v) for k, v in transport.messages)}
+
+
+def test_a_wait_the_loop_reports_is_sent_every_step_and_adds_to_the_timed_op(gloo_world):
+    """``s.comm_wait``: DDP's all-reduce (timed by the loop's comm hook) on every emitted
+    step, P1 or not; calls for one op add up; on a P1 step it adds to the wrappers' wait of
+    the same op, and an op the wrappers did not see gets no calls or bytes."""
+    transport = MemoryTransport()
+    monitor = attach(torch.nn.Linear(2, 2), None, transport=transport,
+                     identity=RankIdentity(run_id="c", rank=0, world_size=1),
+                     config=ProbeConfig(cadence={"P0": 1, "P1": 2}, telemetry=False))
+    for step in range(3):
+        with monitor.step(step) as s:
+            dist.all_reduce(torch.ones(4))
+            s.comm_wait("ddp_allreduce", 0.25)
+            s.comm_wait("ddp_allreduce", 0.5 + step)
+            s.comm_wait("all_reduce", 100.0)
+    monitor.close()
+    records = _records(transport)
+    ddp, ar = (("op", "ddp_allreduce"),), (("op", "all_reduce"),)
+    assert [records[t][("comm.wait_s", ddp)] for t in range(3)] == [0.75, 1.75, 2.75]
+    assert ("comm.calls", ddp) not in records[0] and ("comm.bytes", ddp) not in records[0]
+    assert 100.0 < records[0][("comm.wait_s", ar)] < 101.0  # + the wrapper's timed wait
+    assert records[0][("comm.calls", ar)] == 1
+    assert records[1][("comm.wait_s", ar)] == 100.0 and ("comm.calls", ar) not in records[1]
+
+
+def test_a_reported_wait_is_checked_and_never_leaks_into_another_step():
+    from probewire.instrument import NullStepContext
+
+    transport = MemoryTransport()
+    monitor = attach(torch.nn.Linear(2, 2), None, transport=transport,
+                     identity=RankIdentity(run_id="c", rank=0, world_size=1),
+                     config=ProbeConfig(cadence={"P0": 2, "P1": 0}, telemetry=False,
+                                        comm=False))
+    for step in range(3):
+        with monitor.step(step) as s:  # step 1 is not sampled: no record at all
+            s.comm_wait("ddp_allreduce", 1.0 + step)
+    with monitor.step(3) as s:
+        for ctx in (s, NullStepContext()):
+            for op, seconds in (("ddp_allreduce", -0.1), ("ddp_allreduce", float("nan")),
+                                ("ddp_allreduce", float("inf")), ("ddp_allreduce", True),
+                                ("ddp_allreduce", torch.tensor(1.0)), ("", 1.0),
+                                ("op=x", 1.0), ("a|b", 1.0), (3, 1.0)):
+                with pytest.raises(ValueError, match="comm_wait"):
+                    ctx.comm_wait(op, seconds)
+        NullStepContext().comm_wait("ddp_allreduce", 0.5)
+    monitor.close()
+    records = _records(transport)
+    ddp = ("comm.wait_s", (("op", "ddp_allreduce"),))
+    assert sorted(records) == [0, 2]
+    assert (records[0][ddp], records[2][ddp]) == (1.0, 3.0)

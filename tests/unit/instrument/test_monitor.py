@@ -245,6 +245,8 @@ def test_guard_counters_and_densify():
     assert value(recs[1], "guard.skipped") == 0
     has_tensors = {s: any(n == "tensor.n" for n, _ in r.values) for s, r in recs.items()}
     assert has_tensors == {0: False, 1: True, 2: True, 3: False}
+    # P2 forensics (kurtosis moments) stay on demand: densify does not switch them on
+    assert not any(n == "tensor.sum3" for r in recs.values() for n, _ in r.values)
 
 
 def test_disabled_monitor_is_a_null_object_with_the_same_api():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
 import numpy as np
 import pytest
 
@@ -37,8 +39,37 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 1
-    assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations") == [(1,)]
+    assert sink.migrate() == 2
+    assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations "
+                            "ORDER BY version") == [(1,), (2,)]
+
+
+def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
+                                                                    ch_database) -> None:
+    """A store migrated before version 2 (step_metrics without the structure columns) gets
+    them, in the declared order, and keeps its rows."""
+    db = ch_database + "_v1"
+    table = next(t for t in TABLES if t.name == "step_metrics")
+    v2 = {"media_scale", "residual_ratio_min", "residual_ratio_branch",
+          "residual_stream_norm", "residual_branch_norm"}
+    old = dataclasses.replace(table, columns=tuple(c for c in table.columns
+                                                   if c.name not in v2))
+    ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+    ch_client.command(f"CREATE TABLE {db}.schema_migrations (version UInt32, description "
+                      "String, applied_at DateTime64(3) DEFAULT now64(3)) "
+                      "ENGINE = ReplacingMergeTree ORDER BY version")
+    ch_client.command(f"INSERT INTO {db}.schema_migrations (version, description) "
+                      "VALUES (1, 'v1')")
+    for t in TABLES:
+        ch_client.command((old if t is table else t).ddl(db))
+    ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) "
+                      "VALUES ('r', 7, 10, 2.5)")
+    assert ClickHouseSink(ch_client, db).migrate() == 2
+    got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
+                           "AND table = 'step_metrics' ORDER BY position")
+    assert got == [(c.name, c.type) for c in table.columns]
+    assert _rows(ch_client, f"SELECT step, loss, media_scale FROM {db}.step_metrics") == [
+        (7, 2.5, None)]
 
 
 def test_sensitive_artifacts_exist_only_when_opted_in_with_their_ttl(ch_client, sink) -> None:
