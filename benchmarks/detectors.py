@@ -38,7 +38,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from probewire.deploy.demo.faults import FAULTS
+from probewire.deploy.demo.faults import FAULTS, demo_train_args
 from probewire.deploy.demo.run import run_demo
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.stream.detect import CoSpikeTracker, RobustSpikeDetector
@@ -180,8 +180,10 @@ def evaluate(faulty: list[Series], healthy: list[Series], window: int):
     healthy_steps = sum(len(s.steps) for s in healthy)
     fa = {name: sum(len(det(s, window)) for s in healthy) for name, det in DETECTORS.items()}
     rows.append(["**missed faults**"] + [f"{missed[d]}/{len(faulty)}" for d in DETECTORS])
+    paged = sorted({f"{sig} ({s.label})" for s in healthy for _, sig in s.alerts})
     rows.append([f"**false alarms, fault-free** ({len(healthy)} runs, {healthy_steps} steps)"]
-                + [str(fa[d]) for d in DETECTORS])
+                + [str(fa[d]) + (f": {', '.join(paged)}" if DETECTORS[d] is probewire_stream
+                                 and paged else "") for d in DETECTORS])
     rows.append(["**false alarms before the fault** (fault runs)"]
                 + [str(alarms[d]) for d in DETECTORS])
     return header, rows
@@ -213,28 +215,37 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="probewire detector window")
     p.add_argument("--fault-step", type=int)
     p.add_argument("--after", type=int, default=30, help="steps recorded after the fault")
-    p.add_argument("--healthy-runs", type=int, default=2)
+    p.add_argument("--healthy-runs", type=int, help="fault-free runs per preset "
+                   "(default 2, --quick 1)")
+    p.add_argument("--healthy-presets", default="tiny,moe,media",
+                   help="model presets of the fault-free runs (the faults pick their own)")
     p.add_argument("--healthy-steps", type=int)
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault names")
     args = p.parse_args()
     fault_step = args.fault_step or (130 if args.quick else 200)
     healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
+    healthy_runs = args.healthy_runs or (1 if args.quick else 2)
+    presets = [p for p in args.healthy_presets.split(",") if p]
     console = Console()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     meta = (f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
-            f"{args.healthy_runs} fault-free runs of {healthy_steps} steps (seeds 1..), "
-            f"2 gloo ranks on CPU.")
+            f"{healthy_runs} fault-free run(s) of {healthy_steps} steps per preset "
+            f"({', '.join(presets)}; seeds 1..), 2 gloo ranks on CPU; each fault runs on "
+            f"the preset it needs (tiny unless it needs experts or media).")
     console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
     faulty, healthy = [], []
     for name in filter(None, args.faults.split(",")):
         store, run_id = record(args.work_dir, name, fault_step + args.after, args.window,
-                               ["--fault", f"{name}@{fault_step}"], args.reuse, console)
+                               demo_train_args([f"{name}@{fault_step}"]), args.reuse,
+                               console)
         faulty.append(load(store, run_id, name, fault_step))
-    for seed in range(1, args.healthy_runs + 1):
-        label = f"healthy-seed{seed}"
-        store, run_id = record(args.work_dir, label, healthy_steps, args.window,
-                               ["--seed", str(seed)], args.reuse, console)
-        healthy.append(load(store, run_id, label, None))
+    for preset in presets:
+        for seed in range(1, healthy_runs + 1):
+            label = f"healthy-{preset}-seed{seed}"
+            store, run_id = record(args.work_dir, label, healthy_steps, args.window,
+                                   ["--preset", preset, "--seed", str(seed)], args.reuse,
+                                   console)
+            healthy.append(load(store, run_id, label, None))
     header, rows = evaluate(faulty, healthy, args.window)
     table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
     for h in header:
