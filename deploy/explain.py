@@ -339,6 +339,8 @@ def explain(client: Any, database: str, run_id: str, step: int, *, window: int =
            note=_rank_note(client, db, run_id, step, "step_time_s"))
     scored("step time", "straggler_score", *col("straggler_score"), change=0.05,
            culprit=who)
+    scored("step time", "straggler_own_ratio", *col("straggler_own_ratio"), change=0.05,
+           culprit=who, note="own time (step time - collective wait) over the other ranks'")
     peak = data.series("peak_memory_bytes")
     peak_rank = data.at("peak_memory_rank", step)
     growth = ""

@@ -115,7 +115,8 @@ RUNS = Table("runs", "one row per training run, replaced as the run progresses",
     Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
 ), key=("run_id",), version="updated_at")
 
-# step_metrics columns added by migration 2 (structure P0 signals at their probe cadence)
+# step_metrics columns added by migration 2 (structure P0 signals at their probe cadence,
+# and the straggler's own-time ratio)
 _STEP_METRICS_V2 = (
     _f("media_scale", "gamma = RMS of the media tokens / RMS of the text embeddings"),
     _f("residual_ratio_min", "R_b of the weakest residual branch (token mean)"),
@@ -123,6 +124,8 @@ _STEP_METRICS_V2 = (
            "the weakest branch: layer L attn|mlp"),
     _f("residual_stream_norm", "N_s at the weakest branch (token mean)"),
     _f("residual_branch_norm", "N_b of the weakest branch (token mean)"),
+    _f("straggler_own_ratio", "own time of straggler_rank / median own time of the other "
+                              "ranks (own time = local step time - its collective wait)"),
 )
 
 STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
@@ -146,8 +149,7 @@ STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 ser
     _f("step_time_s", "tau = max over ranks of the local step time"),
     _f("tokens_per_s", "N_tok / tau"),
     _f("compute_rate", "Phi: estimated FLOP/s per device"),
-    _f("straggler_score", "S = own time of straggler_rank / median own time of the other "
-                          "ranks (own time = local step time - its collective wait)"),
+    _f("straggler_score", "S = tau / median local step time"),
     Column("straggler_rank", "Nullable(UInt32)", "NULL",
            "the slowest rank: the largest own time"),
     _f("peak_memory_bytes", "peak device memory, max over ranks"),
@@ -333,7 +335,8 @@ MIGRATIONS: tuple[Migration, ...] = (
                  "look-back buffers), anomalies, alerts, evaluations, dead letters, "
                  "stream state",
               tuple(t.ddl("{db}") for t in TABLES)),
-    Migration(2, "step_metrics: media scale and the weakest residual branch",
+    Migration(2, "step_metrics: media scale, the weakest residual branch, the straggler's "
+                 "own-time ratio",
               tuple(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
                     "AFTER output_absmax" for c in reversed(_STEP_METRICS_V2))),
 )

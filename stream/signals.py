@@ -3,8 +3,8 @@
 Every rule reads one value of the step's P0 view and runs one detector on it:
 a robust spike detector on log(x + ε) (seeds 001 §4), a threshold, or a drift test
 against the run's own post-warm-up baseline. Step time has two rules under one signal:
-the spike rule, and a straggler rule (the same rank's own-time ratio, straggler_score,
-at or over a threshold for a few consecutive steps). Findings carry their escalation category
+the spike rule, and a straggler rule (the same rank's own-time ratio,
+straggler_own_ratio, at or over a threshold for a few consecutive steps). Findings carry their escalation category
 (job state → loss → gradient norm and spikes → step time → memory → expert balance, then
 layer views; seeds 001 §1), so an alert says what to open next. An alert for a signal
 is raised once per episode: it re-arms after ``rearm_steps`` quiet steps.
@@ -39,7 +39,8 @@ _WHAT_TO_OPEN = {
     Category.LOSS: "loss: loss_worst_rank and its rank, loss_by_source against each source's "
                    "own history",
     Category.GRAD: "gradient norm and spikes: grad_norm, loss_z/grad_z, clip_rate, co-spikes",
-    Category.TIME: "step time: step_time_s per rank, straggler_score, exposed collective wait",
+    Category.TIME: "step time: step_time_s per rank, straggler_score and straggler_own_ratio, "
+                   "exposed collective wait",
     Category.MEMORY: "memory: peak_memory_bytes per rank and its growth",
     Category.EXPERTS: "expert balance: moe_maxvio, H_norm and per-expert load in expert_stats",
     Category.LAYERS: "layer views: tensor_view backward abs max walking inward from the output",
@@ -225,7 +226,7 @@ class SignalDetectors:
         collective wait) is ``straggler_ratio`` x the other ranks' median for
         ``straggler_steps`` consecutive steps: a ratio of the ranks to each other, so noise
         the whole host shares cancels, where the spike rule on step time drowns in it."""
-        rank, score = view.get("straggler_rank"), view.get("straggler_score")
+        rank, score = view.get("straggler_rank"), view.get("straggler_own_ratio")
         last_rank, run, last_step = self.straggler_run
         if rank is None or score is None or not score >= self.config.straggler_ratio:
             self.straggler_run = [None, 0, step]

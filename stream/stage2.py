@@ -16,7 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .derive import expert_balance, global_mean_loss, shard_imbalance, worst_rank_loss
+from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
+                     worst_rank_loss)
 from .order import StepOrderer
 from .records import ReducedStep, SeriesKey
 from .retention import RetentionPolicy
@@ -126,7 +127,8 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
     worst = worst_rank_loss([sums[r] for r in ranks], [counts[r] for r in ranks])
     grad_sq = _get(red, "grad.norm_sq")
     tau = _get(red, "step_time_s")
-    straggler_rank, straggler_score = _straggler(item)
+    straggler_rank, own_ratio = _straggler(item)
+    taus = _per_rank(item, "step_time_s")
     flops = _get(red, "flops.step")
     memory = _per_rank(item, "memory.peak_allocated_bytes") or _per_rank(
         item, "memory.peak_rss_bytes")
@@ -144,8 +146,9 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "tokens_per_s": tokens / tau if tau else None,
         "flops_step": flops,
         "compute_rate": flops / (item.world_size * tau) if flops is not None and tau else None,
-        "straggler_score": straggler_score,
+        "straggler_score": straggler_score(list(taus.values())) if taus else None,
         "straggler_rank": straggler_rank,
+        "straggler_own_ratio": own_ratio,
         "peak_memory_bytes": max(memory.values()) if memory else None,
         "peak_memory_rank": max(memory, key=memory.__getitem__) if memory else None,
         "output_absmax": _get(red, "output.logits_abs_max"),

@@ -213,17 +213,17 @@ class Straggler(Fault):
     the delay (argmax step time is a coin toss). train.py's comm hook times each rank's
     all-reduce wait and reports it every step (``s.comm_wait``, comm.wait_s{op=
     ddp_allreduce}; trace ``comm_wait_s``); stage 2 names the rank with the largest own
-    time, step time minus that wait, as ``straggler_rank``, with ``straggler_score`` S =
-    its own time / the other ranks' median. Measured on the shared 2-core host (two
-    runs): S 10-56 on the slow steps (3.05-3.15 s steps, the waiting rank's own time
-    0.06-0.31 s), ``rank {rank}`` on every one of them. The straggler rule (S >= stream.straggler_ratio,
-    5, for stream.straggler_steps, 3, consecutive steps of the same rank) pages at
-    ``step`` + 2; healthy 2000-step run: S up to 10.3 on single steps, never above 3.1
-    for 3 steps of one rank. The spike rule (z > 8 on log step time against its rolling
+    time, step time minus that wait, as ``straggler_rank``, with ``straggler_own_ratio`` =
+    its own time / the other ranks' median (the seeds' S = τ / median τ_r stays ~1 here).
+    Measured on the shared 2-core host (two runs): own ratio 10-56 on the slow steps (3.05-3.15 s steps, the waiting rank's own time
+    0.06-0.31 s), ``rank {rank}`` on every one of them. The straggler rule (own ratio >=
+    stream.straggler_ratio, 5, for stream.straggler_steps, 3, consecutive steps of the
+    same rank) pages at ``step`` + 2; healthy 2000-step run: own ratio up to 10.3 on
+    single steps, never above 3.1 for 3 steps of one rank. The spike rule (z > 8 on log step time against its rolling
     MAD) would page at ``step`` only on a quiet host: in the measured run (pre-fault steps
     ~0.2 s, the worker competing) it stayed silent, as before (log-MAD 0.52: z 3.4; it
     names the same straggler_rank when it fires). explain's step-time
-    stage names ``rank {rank}`` (straggler_rank) with straggler_score moved since
+    stage names ``rank {rank}`` (straggler_rank) with straggler_own_ratio moved since
     ``step`` (x23 its baseline at step 122) and notes the rank's own time."""
 
     name: ClassVar[str] = "straggler"
@@ -231,7 +231,7 @@ class Straggler(Fault):
     culprit: ClassVar[str] = "rank"
     within: ClassVar[int] = 2  # stream.straggler_steps - 1: the third slow step pages
     explain_stage: ClassVar[str] = "step time"
-    explain_signal: ClassVar[str | None] = "straggler_score"
+    explain_signal: ClassVar[str | None] = "straggler_own_ratio"
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10

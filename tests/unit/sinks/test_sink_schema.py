@@ -51,7 +51,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
     db = ch_database + "_v1"
     table = next(t for t in TABLES if t.name == "step_metrics")
     v2 = {"media_scale", "residual_ratio_min", "residual_ratio_branch",
-          "residual_stream_norm", "residual_branch_norm"}
+          "residual_stream_norm", "residual_branch_norm", "straggler_own_ratio"}
     old = dataclasses.replace(table, columns=tuple(c for c in table.columns
                                                    if c.name not in v2))
     ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")

@@ -55,8 +55,9 @@ def test_p0_view_matches_numpy_reference():
     assert view["loss_worst_rank"] == pytest.approx(4.0) and view["loss_worst_rank_id"] == 1
     assert view["grad_norm"] == pytest.approx(3.0)
     assert view["step_time_s"] == 0.4 and view["straggler_rank"] == 1
-    # no rank reported a collective wait: own time = step time; S against the others' median
-    assert view["straggler_score"] == pytest.approx(0.4 / float(np.median([0.1, 0.2])))
+    assert view["straggler_score"] == pytest.approx(0.4 / float(np.median([0.1, 0.4, 0.2])))
+    # no rank reported a collective wait: own time = step time, against the others' median
+    assert view["straggler_own_ratio"] == pytest.approx(0.4 / float(np.median([0.1, 0.2])))
     assert view["tokens_per_s"] == pytest.approx(12 / 0.4)
     assert view["compute_rate"] == pytest.approx(3e9 / (3 * 0.4))
     assert view["peak_memory_bytes"] == 300.0 and view["peak_memory_rank"] == 1

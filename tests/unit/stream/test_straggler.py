@@ -46,8 +46,10 @@ def test_the_straggler_is_the_largest_own_time_not_the_largest_step_time():
     rank, score = reference(taus, waits)
     assert int(np.argmax(taus)) == 0 and rank == 2
     assert view["straggler_rank"] == 2
-    assert view["straggler_score"] == pytest.approx(score, rel=1e-12)
+    assert view["straggler_own_ratio"] == pytest.approx(score, rel=1e-12)
     assert view["step_time_s"] == 3.31  # tau = max over ranks, as before
+    # the seeds' S = tau / median tau_r: ~1 when the others wait for the straggler
+    assert view["straggler_score"] == pytest.approx(3.31 / np.median(taus), rel=1e-7)
 
 
 @pytest.mark.parametrize("taus, waits", [
@@ -60,21 +62,22 @@ def test_straggler_rank_and_score_match_a_float64_reference(taus, waits):
     view, _ = p0_view(item(3, taus, waits))
     rank, score = reference(taus, waits)
     assert view["straggler_rank"] == rank
-    assert view["straggler_score"] == pytest.approx(score, rel=1e-12)
+    assert view["straggler_own_ratio"] == pytest.approx(score, rel=1e-12)
+    assert view["straggler_score"] == pytest.approx(max(taus) / np.median(taus), rel=1e-7)
     if len(taus) == 2:
         own = np.asarray(taus) - [sum(w.values()) for w in waits]
-        assert view["straggler_score"] == pytest.approx(own.max() / own.min(), rel=1e-10)
+        assert view["straggler_own_ratio"] == pytest.approx(own.max() / own.min(), rel=1e-10)
 
 
 def test_a_single_rank_is_its_own_straggler_with_no_score():
     view, _ = p0_view(item(0, [0.4], [{"ddp_allreduce": 0.1}]))
-    assert view["straggler_rank"] == 0 and view["straggler_score"] is None
+    assert view["straggler_rank"] == 0 and view["straggler_own_ratio"] is None
 
 
 def view(rank: int | None, score: float | None) -> dict:
     """The P0 view fields the straggler rule reads (no loss, no step-time spike rule)."""
     return {"loss": None, "grad_norm": None, "ranks_missing": [], "loss_worst_rank": None,
-            "step_time_s": None, "straggler_rank": rank, "straggler_score": score}
+            "step_time_s": None, "straggler_rank": rank, "straggler_own_ratio": score}
 
 
 def straggler_pages(det: SignalDetectors, steps: list[tuple[int, int | None, float | None]]):
@@ -154,7 +157,7 @@ def small(**kw) -> Stage2Config:
 def test_a_ddp_straggler_pages_step_time_naming_the_slow_rank():
     rows = run_steps(small(), 40, 30, 6)
     assert [r["straggler_rank"] for r in rows["step_metrics"][30:36]] == [1] * 6
-    assert all(r["straggler_score"] > 10 for r in rows["step_metrics"][30:36])
+    assert all(r["straggler_own_ratio"] > 10 for r in rows["step_metrics"][30:36])
     assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]] == \
         [(30, "step_time", "rank 1")]  # the spike rule on a quiet host, on the first step
     # the spike rule out of reach (a noisy host): the straggler rule pages on the 3rd step
