@@ -138,7 +138,7 @@ class StreamSettings:
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2
-    maxvio_threshold: float = 1.0
+    maxvio_threshold: float = 2.0
     maxvio_steps: int = 3
     media_scale_min: float = 0.1
     residual_ratio_min: float = 2.0 ** -8

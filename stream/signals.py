@@ -80,7 +80,7 @@ class DetectorConfig:
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2       # page when peak memory exceeds its baseline by 20%
-    maxvio_threshold: float = 1.0    # busiest expert carries 2x the mean load
+    maxvio_threshold: float = 2.0    # busiest expert carries 3x the mean load
     maxvio_steps: int = 3            # ... on this many consecutive steps after warm-up
     media_scale_min: float = 0.1     # γ below this: media the backbone can ignore
     residual_ratio_min: float = 2.0 ** -8  # R_b below bf16's relative precision: swallowed
@@ -263,8 +263,10 @@ class SignalDetectors:
     def _experts(self, view: dict[str, Any], warm: bool) -> list[Finding]:
         """MaxVio above its threshold on ``maxvio_steps`` consecutive measured steps, after
         the detectors' warm-up: one batch's routing noise, or a router still settling
-        from its initialisation, is not a collapse (the tiny demo MoE measured MaxVio
-        0.4-1.8 on single healthy steps, and up to 3 while its router settles)."""
+        from its initialisation, is not a collapse. The tiny demo MoE, healthy, 1,000
+        steps after warm-up: MaxVio p50 0.80, p90 1.05, p99 1.29, max 1.6, and 3.0 while
+        its router settles; held > 1.0 for 3 steps 11 times, > 1.5 never. A collapse onto
+        2 of 8 experts (top-2) is 3.0."""
         maxvio = view.get("moe_maxvio")
         if maxvio is None:
             return []

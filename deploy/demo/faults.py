@@ -318,9 +318,10 @@ class RoutingCollapse(Fault):
 
     Signature (measured, --preset moe, window 50, fault at 120): with top-2 of 8 experts
     every token picks the pushed experts and MaxVio = max load / mean load - 1 goes from
-    0.35-1.2 on healthy steps to exactly 3.0 at ``step``; `moe_maxvio` pages two steps
-    later (122), for ``layer {layer}``: the rule wants MaxVio > 1 on 3 consecutive steps,
-    because single healthy steps of the tiny MoE reach 1.2-1.8. Nothing else pages.
+    0.35-1.6 on healthy steps (p99 1.29) to exactly 3.0 at ``step``; `moe_maxvio` pages
+    two steps later (122), for ``layer {layer}``: the rule wants MaxVio > 2 on 3
+    consecutive steps (with > 1 a healthy 1,000-step moe run paged 4 times). Nothing else
+    pages.
     explain's expert-balance stage names expert 0 of ``layer {layer}`` (moe_maxvio moved,
     onset ``step``)."""
 
