@@ -196,8 +196,9 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
              "(`+0` = on the fault step); `missed` = no firing before the run ends; "
              "`(k early)` = k firings before the fault. Only probewire's P0 stream sees "
              "signals other than L and G2 (worst rank, source ratio, step time, memory, "
-             "replay), so the L/G2-only rules cannot be expected to see a straggler, a "
-             "memory creep or a flaky replay; they are listed to show that.", "",
+             "replay, MaxVio, media scale, residual branch scale), so the L/G2-only rules "
+             "cannot be expected to see a straggler, a memory creep, a routing collapse or "
+             "a flaky replay; they are listed to show that.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
