@@ -171,17 +171,18 @@ class SignalDetectors:
         return derived, [f for f in found if f is not None and self._gate(step, f)]
 
     def _job(self, view: dict[str, Any]) -> list[Finding]:
-        """A missing rank pages when its step waited out the deadline, or when the rank is
-        missing on two steps in a row. One step closed early by a later step ("later_step")
-        without a rank is only an anomaly: its data may still arrive (it is then stored as
-        late); measured once in ~2,000 healthy demo steps on Tansu. A dead rank misses
-        every step and pages on the second."""
+        """A missing rank pages when it is missing on two steps in a row; one step without
+        it is an anomaly that does not page. A step closed early by a later step without a
+        rank ("later_step") may still get its data (stored as late): measured once in
+        ~2,000 healthy demo steps on Tansu. A single lost message is data loss to record,
+        not a page; a dead rank misses every step and pages on the second. (Whether the
+        step closed at the deadline or early is not used: it depends on which partition
+        the step's key hashes to.)"""
         found = []
         missing = view["ranks_missing"]
         self.missing_run = {r: self.missing_run.get(r, 0) + 1 for r in missing}
         if missing:
-            page = view.get("complete_reason") == "deadline" or any(
-                self.missing_run[r] >= 2 for r in missing)
+            page = any(self.missing_run[r] >= 2 for r in missing)
             found.append(Finding(signal="ranks_missing", kind="threshold",
                                  value=float(len(view["ranks_missing"])), baseline=0.0, z=None,
                                  category=Category.JOB, page=page,

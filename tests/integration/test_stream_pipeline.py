@@ -138,7 +138,11 @@ def test_exactly_one_cospike_at_the_injected_step(uninterrupted):
 def test_retained_steps_are_exactly_what_the_policy_names(uninterrupted):
     _, got = uninterrupted
     anomaly_steps = {a["step"] for a in got["anomalies"]}
-    assert anomaly_steps == {30, COSPIKE}  # the missing rank (job state) and the co-spike
+    # the missing rank (job state: an anomaly at 30, the page on its second missing step,
+    # 31) and the co-spike
+    assert anomaly_steps == {30, 31, COSPIKE}
+    assert [(a["step"], a["ranks"]) for a in got["alerts"] if a["signal"] == "ranks_missing"
+            ] == [(31, [7])]
     assert got["retained"] == sorted(retained_steps(STEPS, anomaly_steps, **RETENTION))
 
 
