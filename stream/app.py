@@ -158,6 +158,9 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                 event.ack()
                 continue
             if result.late is not None:
+                log.warning("late data: run %s step %d rank %d (partition %d offset %d) "
+                            "arrived after its step was reduced", record.run_id, record.step,
+                            record.rank, event.message.partition, event.message.offset)
                 late = ReducedStep(run_id=record.run_id, step=record.step,
                                    world_size=record.world_size, ranks_reporting=[record.rank],
                                    ranks_missing=[], reduced={},
@@ -168,6 +171,12 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                 continue
             waiting[(record.run_id, record.step)].append(event)
             for reduced in result.completed:
+                if reduced.ranks_missing:
+                    log.warning("run %s step %d reduced (%s) without ranks %s; closed at "
+                                "partition %d offset %d by step %d rank %d", reduced.run_id,
+                                reduced.step, reduced.complete_reason, reduced.ranks_missing,
+                                event.message.partition, event.message.offset, record.step,
+                                record.rank)
                 await publish(reduced)
 
     async def run_for(run_id: str) -> RunPipeline:
