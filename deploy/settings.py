@@ -64,13 +64,21 @@ class KafkaSettings:
             _check(self.sasl_mechanism in mechanisms, "kafka.sasl_mechanism",
                    f"must be one of {sorted(mechanisms)} with SASL, got {self.sasl_mechanism!r}")
 
+    def sasl_password(self) -> str:
+        """The SASL password, from the environment variable ``sasl_password_env``; a
+        SettingsError naming the variable when it is unset or empty."""
+        password = os.environ.get(self.sasl_password_env, "")
+        _check(bool(password), "kafka.sasl_password_env",
+               f"SASL needs the password in the environment variable {self.sasl_password_env}")
+        return password
+
     def client_config(self) -> dict[str, str]:
         """librdkafka (confluent-kafka) settings; the SASL password is read from its env var."""
         config = {"bootstrap.servers": self.bootstrap, "security.protocol": self.security_protocol}
         if self.security_protocol.startswith("SASL"):
             config["sasl.mechanism"] = self.sasl_mechanism
             config["sasl.username"] = self.sasl_username
-            config["sasl.password"] = os.environ.get(self.sasl_password_env, "")
+            config["sasl.password"] = self.sasl_password()
         if self.ssl_ca_location:
             config["ssl.ca.location"] = self.ssl_ca_location
         return config

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import faust
+from aiokafka.helpers import create_ssl_context
 
 from probewire.deploy.health import Heartbeat
-from probewire.deploy.settings import Settings
+from probewire.deploy.settings import KafkaSettings, Settings
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.sinks.retained import load_state, promote, save_state
 
@@ -39,9 +40,23 @@ from .records import ReducedStep
 from .signals import DetectorConfig
 from .stage2 import RunPipeline, Stage2Config, Stage2Output
 
-__all__ = ["create_app", "stage2_config"]
+__all__ = ["broker_credentials", "create_app", "stage2_config"]
 
 log = logging.getLogger(__name__)
+
+
+def broker_credentials(kafka: KafkaSettings) -> faust.types.auth.CredentialsT | None:
+    """Faust's (aiokafka's) credentials for the cluster the confluent clients reach with
+    ``kafka.client_config()``: TLS with the CA of ``ssl_ca_location`` (system CAs when
+    empty), SASL PLAIN / SCRAM with the password from its environment variable."""
+    ssl_context = None
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        ssl_context = create_ssl_context(cafile=kafka.ssl_ca_location or None)
+    if kafka.security_protocol.startswith("SASL"):
+        return faust.SASLCredentials(username=kafka.sasl_username,
+                                     password=kafka.sasl_password(),
+                                     mechanism=kafka.sasl_mechanism, ssl_context=ssl_context)
+    return faust.SSLCredentials(ssl_context) if ssl_context is not None else None
 
 
 def stage2_config(settings: Settings) -> Stage2Config:
@@ -85,6 +100,7 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
     app = faust.App(
         settings.stream.app_id,
         broker=f"kafka://{settings.kafka.bootstrap}",
+        broker_credentials=broker_credentials(settings.kafka),
         broker_session_timeout=6.0,
         broker_heartbeat_interval=1.0,
         key_serializer="raw",
