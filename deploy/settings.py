@@ -20,6 +20,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from probewire.evaluators.records import DEFAULT_SUITES  # torch-free
+
 __all__ = [
     "ClickHouseSettings",
     "EvaluatorSettings",
@@ -188,8 +190,28 @@ class EvaluatorSettings:
     model_factory: str = "probewire.deploy.demo.model:load_checkpoint"
     data_dir: str = ""
     every_fraction: float = 0.01
+    suites: str = ",".join(DEFAULT_SUITES)
+    """Comma-separated suites to run on each checkpoint (``probewire evaluator --help``)."""
+    reference_stream: str = "auto"
+    """Weights stream marked reference=1: auto (EMA when present), raw or ema."""
+    group_id: str = ""
+    """Consumer group of the evaluators; empty: ``<stream.app_id>.evaluator``."""
+    tokenizer: str = "probewire.evaluators.lm:ByteTokenizer"
+    """``module:callable`` returning the model's tokenizer."""
+    context_len: int = 0
+    """Model context in tokens; 0 reads it from the model."""
+    batch_size: int = 16
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        _check(self.reference_stream in ("auto", "raw", "ema"), "evaluator.reference_stream",
+               f"must be auto, raw or ema, got {self.reference_stream!r}")
+        _check(bool([s for s in self.suites.split(",") if s.strip()]), "evaluator.suites",
+               "must name at least one suite")
+        _check(":" in self.tokenizer, "evaluator.tokenizer",
+               f"must look like 'module:callable', got {self.tokenizer!r}")
+        _check(self.context_len >= 0, "evaluator.context_len", "must be >= 0 (0: from the model)")
+        _check(self.batch_size >= 1, "evaluator.batch_size", "must be >= 1")
         _check(0.005 <= self.every_fraction <= 0.02, "evaluator.every_fraction",
                f"must lie in [0.005, 0.02] (0.5-2% of planned tokens), got {self.every_fraction}")
         _check(":" in self.model_factory, "evaluator.model_factory",

@@ -28,19 +28,22 @@ def add_evaluator_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("evaluator", help="score checkpoints announced on Kafka")
     p.add_argument("--once", action="store_true",
                    help="process the checkpoints already queued, then exit")
+    # every option but --once/--progress/--loglevel defaults to its evaluator.* setting
     p.add_argument("--data-dir", help="evaluation sets (default: evaluator.data_dir, else "
                                       "./probewire-evals); missing demo sets are generated")
-    p.add_argument("--suites", default=",".join(DEFAULT_SUITES),
-                   help=f"comma-separated, from {', '.join(SUITE_NAMES)} "
-                        f"(default {','.join(DEFAULT_SUITES)})")
-    p.add_argument("--reference-stream", choices=["auto", "raw", "ema"], default="auto",
-                   help="weights stream marked reference=1 (auto: EMA when present)")
-    p.add_argument("--group-id", help="consumer group (default <stream.app_id>.evaluator)")
-    p.add_argument("--tokenizer", default="probewire.evaluators.lm:ByteTokenizer",
-                   help="module:callable returning the tokenizer")
-    p.add_argument("--context-len", type=int, help="model context (default: read from model)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="cpu", help="torch device for the models")
+    p.add_argument("--suites", help=f"comma-separated, from {', '.join(SUITE_NAMES)} "
+                                    f"(default: evaluator.suites, {','.join(DEFAULT_SUITES)})")
+    p.add_argument("--reference-stream", choices=["auto", "raw", "ema"],
+                   help="weights stream marked reference=1 (default: evaluator."
+                        "reference_stream, auto: EMA when present)")
+    p.add_argument("--group-id", help="consumer group (default: evaluator.group_id, else "
+                                      "<stream.app_id>.evaluator)")
+    p.add_argument("--tokenizer", help="module:callable returning the tokenizer (default: "
+                                       "evaluator.tokenizer)")
+    p.add_argument("--context-len", type=int,
+                   help="model context (default: evaluator.context_len, 0 reads the model)")
+    p.add_argument("--batch-size", type=int, help="default: evaluator.batch_size")
+    p.add_argument("--device", help="torch device for the models (default: evaluator.device)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: when stderr is a terminal)")
     p.add_argument("--loglevel", default="info")
@@ -60,11 +63,20 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
             print("probewire evaluator: disabled (evaluator.enabled=false); nothing to do",
                   file=sys.stderr)
             return 0
+        ev = settings.evaluator
+
+        def pick(flag: Any, setting: Any) -> Any:
+            return setting if flag is None else flag
+
+        context_len = pick(args.context_len, ev.context_len)
         options = EvaluatorOptions(
-            suites=tuple(s.strip() for s in args.suites.split(",") if s.strip()),
-            data_dir=args.data_dir, group_id=args.group_id,
-            reference_stream=args.reference_stream, tokenizer=args.tokenizer,
-            context_len=args.context_len, batch_size=args.batch_size, device=args.device,
+            suites=tuple(s.strip() for s in pick(args.suites, ev.suites).split(",")
+                         if s.strip()),
+            data_dir=args.data_dir, group_id=pick(args.group_id, ev.group_id or None),
+            reference_stream=pick(args.reference_stream, ev.reference_stream),
+            tokenizer=pick(args.tokenizer, ev.tokenizer),
+            context_len=context_len or None, batch_size=pick(args.batch_size, ev.batch_size),
+            device=pick(args.device, ev.device),
             show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
         service = EvaluatorService(settings, options)
     except (EvaluationError, SettingsError) as exc:

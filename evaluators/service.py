@@ -60,7 +60,7 @@ class ServiceError(RuntimeError):
 
 @dataclass(kw_only=True, slots=True)
 class EvaluatorOptions:
-    """Evaluator options that are not (yet) fields of ``EvaluatorSettings``.
+    """The evaluator's run options: ``settings.evaluator``, overridden by the CLI flags.
 
     ``data_dir`` None means ``settings.evaluator.data_dir``, or ``./probewire-evals``
     when that is empty. ``group_id`` None means ``<settings.stream.app_id>.evaluator``.

@@ -30,6 +30,13 @@ def test_parser_registers_the_evaluator_command() -> None:
     ({"PROBEWIRE_EVALUATOR__MODEL_FACTORY": "no-colon"}, [],
      "probewire: error: evaluator.model_factory: must look like 'module:function'"),
     ({}, ["--suites", "heldout,bleu"], "probewire: error: unknown suite(s) ['bleu']"),
+    # the evaluator.* settings are the defaults of the flags (a Helm deployment has no flags)
+    ({"PROBEWIRE_EVALUATOR__SUITES": "heldout,bleu"}, [],
+     "probewire: error: unknown suite(s) ['bleu']"),
+    ({"PROBEWIRE_EVALUATOR__REFERENCE_STREAM": "best"}, [],
+     "probewire: error: evaluator.reference_stream: must be auto, raw or ema, got 'best'"),
+    ({"PROBEWIRE_EVALUATOR__TOKENIZER": "probewire.nowhere:Tok"}, ["--suites", "heldout"],
+     "probewire: error: tokenizer 'probewire.nowhere:Tok'"),
 ])
 def test_start_up_mistakes_exit_2_with_one_line(env: dict[str, str], args: list[str],
                                                  message: str, tmp_path: Path,
@@ -43,8 +50,10 @@ def test_start_up_mistakes_exit_2_with_one_line(env: dict[str, str], args: list[
     assert err.startswith(message) and err.count("\n") == 1
 
 
-def test_empty_dataset_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_empty_dataset_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "heldout.jsonl").write_text("")
+    monkeypatch.setenv("PROBEWIRE_EVALUATOR__SUITES", "heldout,bleu")  # the flag wins
     assert main(["evaluator", "--data-dir", str(tmp_path), "--suites", "heldout"]) == 2
     assert capsys.readouterr().err == (f"probewire: error: heldout data: "
                                        f"{tmp_path / 'heldout.jsonl'}: empty data set: "
