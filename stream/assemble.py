@@ -11,12 +11,13 @@ representatives. Means and ratios are formed later from the reduced components.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from probewire.instrument.catalog import CATALOG, Group, MetricSpec, Reduction
+from probewire.instrument.catalog import CATALOG, Group, Reduction
 
 from .records import RankStep, ReducedStep, SeriesKey
 
@@ -25,10 +26,15 @@ __all__ = ["AddResult", "StepAssembler", "reduce_step"]
 _GROUP_ORDER = tuple(g.value for g in Group)
 
 
-def _replica_class(record: RankStep, spec: MetricSpec) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=None)
+def _distinguishing(replicated_over: frozenset[Group]) -> tuple[str, ...]:
+    """The parallel groups whose coordinates tell two non-replica ranks apart."""
+    return tuple(g for g in _GROUP_ORDER if Group(g) not in replicated_over)
+
+
+def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]:
     coords = record.coords or {"dp": record.rank}
-    return tuple(coords.get(g, 0) for g in _GROUP_ORDER
-                 if Group(g) not in spec.replicated_over)
+    return tuple(coords.get(g, 0) for g in groups)
 
 
 def _apply(reduction: Reduction, values: list[float]) -> float:
@@ -51,14 +57,19 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
     records = sorted(records, key=lambda r: r.rank)
     keys: set[SeriesKey] = set().union(*(r.values.keys() for r in records)) if records else set()
     reduced: dict[SeriesKey, float] = {}
+    classes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # groups -> class per record
     for key in sorted(keys):
         spec = CATALOG[key[0]]
         if spec.reduction is Reduction.PER_RANK:
             continue
+        groups = _distinguishing(spec.replicated_over)
+        if groups not in classes:
+            classes[groups] = [_replica_class(r, groups) for r in records]
         representatives: dict[tuple[int, ...], float] = {}
-        for record in records:  # lowest rank of each replica class that reported this series
+        for record, cls in zip(records, classes[groups]):
+            # the lowest rank of each replica class that reported this series
             if key in record.values:
-                representatives.setdefault(_replica_class(record, spec), record.values[key])
+                representatives.setdefault(cls, record.values[key])
         reduced[key] = _apply(spec.reduction, list(representatives.values()))
     reporting = [r.rank for r in records]
     return ReducedStep(

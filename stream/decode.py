@@ -69,16 +69,18 @@ def decode_rank_step(key: bytes | None, payload: bytes) -> RankStep:
             allowed = spec.labels
             for point in metric.gauge.data_points:
                 point_step, nonfinite, labels = None, None, []
-                for attr in point.attributes:
-                    name = attr.key
+                for attr in point.attributes:  # the hot loop: each field read once
+                    name, value = attr.key, attr.value
                     if name == "step":
-                        if attr.value.WhichOneof("value") != "int_value":
+                        if value.WhichOneof("value") != "int_value":
                             raise DecodeError(f"point of {metric.name!r} has no integer step")
-                        point_step = attr.value.int_value
+                        point_step = value.int_value
+                    elif name in allowed:  # labels are strings but for the odd producer
+                        labels.append((name, value.string_value
+                                       if value.WhichOneof("value") == "string_value"
+                                       else str(_any_value(value))))
                     elif name == _NONFINITE_ATTR:
-                        nonfinite = attr.value.string_value
-                    elif name in allowed:
-                        labels.append((name, str(_any_value(attr.value))))
+                        nonfinite = value.string_value
                     else:
                         raise DecodeError(f"{metric.name!r} has label {name!r} outside its "
                                           "catalog label set")

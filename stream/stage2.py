@@ -175,8 +175,14 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
 
 def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
     base = {"run_id": item.run_id, "step": item.step}
-    ranks = [{**base, "rank": r, "metric": name, "labels": "|".join(f"{k}={v}" for k, v in lab),
-              "value": value, "late": int(item.complete_reason == "late")}
+    run_id, step, late = item.run_id, item.step, int(item.complete_reason == "late")
+    texts: dict[tuple, str] = {}  # every rank sends the same label sets: join each once
+    for vals in item.per_rank.values():
+        for _, lab in vals:
+            if lab not in texts:
+                texts[lab] = "|".join(f"{k}={v}" for k, v in lab)
+    ranks = [{"run_id": run_id, "step": step, "rank": r, "metric": name, "labels": texts[lab],
+              "value": value, "late": late}
              for r, vals in item.per_rank.items() for (name, lab), value in vals.items()]
     tensors: dict[tuple, dict[str, Any]] = {}
     experts = []
