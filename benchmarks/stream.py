@@ -1,6 +1,6 @@
 """Stream worker throughput and alert latency, on the local broker and embedded store.
 
-    python benchmarks/stream.py [--ranks 8] [--steps 600] [--alerts 20]
+    python benchmarks/stream.py [--ranks 8] [--steps 600] [--alerts 20] [--stages]
 
 1. Throughput: 8 simulated ranks x N steps, ~50 points per message (loss, gradient and
    per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
@@ -8,6 +8,10 @@
 2. Alert latency: a live run paced at ~40 steps/s with a co-spike every 25 steps; the
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
+3. ``--stages`` (instead of 1 and 2): the worker's stages in this process, without Kafka,
+   on the same messages: stage 1 (decode + reduce), then stage 2 + store writes + promotion
+   + saved state with the stage-2 batch at 40 and at 200 steps, side by side; each line
+   prints points/s, so the cost of small store batches shows as a ratio.
 The configuration is printed first so a result can be reproduced.
 """
 
@@ -27,6 +31,13 @@ from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettin
 from probewire.deploy.stack import LocalStack
 from probewire.instrument.export import Point, RankIdentity, StepEmitter
 from probewire.instrument.testing import MemoryTransport
+from probewire.sinks.clickhouse import ClickHouseSink, connect
+from probewire.sinks.retained import promote, save_state
+from probewire.stream.app import stage2_config
+from probewire.stream.assemble import StepAssembler
+from probewire.stream.decode import decode_rank_step
+from probewire.stream.records import ReducedStep
+from probewire.stream.stage2 import RunPipeline, Stage2Output
 from probewire.stream.testing import SimRun
 
 TENSORS = [f"block{i}.{part}" for i in range(3) for part in ("attn", "mlp")]
@@ -73,6 +84,41 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
     print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
           f"{elapsed:.2f}s after the first stored batch")
     return points * (steps - 1) / steps / max(elapsed, 1e-9)
+
+
+def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 200)) -> None:
+    """Per-stage rates of the worker's work, in this process (see the module docstring)."""
+    run = SimRun(run_id="stages", world_size=ranks, steps=steps)
+    messages, points = encode_run(run, range(steps))
+    started = time.perf_counter()
+    assembler, reduced = StepAssembler(30.0), []
+    for step_messages in messages:
+        for key, value in step_messages:
+            reduced += assembler.add(decode_rank_step(key, value), time.monotonic()).completed
+    payloads = [r.to_bytes() for r in reduced]
+    print(f"  stage 1 (decode, reduce, serialise): {points / (time.perf_counter() - started):.0f} "
+          "points/s")
+    client = connect("chdb:///" + str(store).lstrip("/"))
+    for batch in batches:
+        sink = ClickHouseSink(client, f"stages_{batch}", 30.0)
+        sink.migrate()
+        pipeline = RunPipeline(run.run_id, stage2_config(Settings()))
+        times = {"stage 2": 0.0, "store": 0.0}
+        for i in range(0, len(payloads), batch):
+            t0 = time.perf_counter()
+            out = Stage2Output()
+            for payload in payloads[i:i + batch]:
+                out.extend(pipeline.accept(ReducedStep.from_bytes(payload), time.monotonic()))
+            t1 = time.perf_counter()
+            for table, rows in out.rows.items():
+                sink.write(table, rows)
+            promote(sink, run.run_id, sorted(set(out.promote)))
+            save_state(sink, run.run_id, "stage2", pipeline.last_step, pipeline.to_state())
+            times["stage 2"] += t1 - t0
+            times["store"] += time.perf_counter() - t1
+        total = sum(times.values())
+        print(f"  stage 2 + store, {batch}-step batches: {points / total:.0f} points/s "
+              f"(stage 2 {points / times['stage 2']:.0f}, store {points / times['store']:.0f})")
 
 
 def latency(stack: LocalStack, ranks: int, n_alerts: int) -> list[float]:
@@ -127,7 +173,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--alerts", type=int, default=20)
+    parser.add_argument("--stages", action="store_true",
+                        help="per-stage rates in this process instead of the worker runs")
     args = parser.parse_args()
+    if args.stages:
+        print(f"config: ranks={args.ranks} steps={args.steps} stages in one process, chdb")
+        with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
+            stages(args.ranks, args.steps, Path(tmp, "store"))
+        return
     with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
         settings = Settings(
             clickhouse=ClickHouseSettings(url="chdb:///" + str(Path(tmp, "store")).lstrip("/")),
