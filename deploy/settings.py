@@ -161,7 +161,8 @@ class StreamSettings:
     alert_webhook_url: str = ""
     web_bind: str = "127.0.0.1"
     fetch_max_wait_ms: int = 50   # Tansu answers a waiting fetch only at its deadline
-    batch_within_s: float = 0.1   # stage 2 batches at most this long before writing
+    batch_within_s: float = 0.25  # stage 2 writes the store at most this long after a step
+    batch_steps: int = 500        # ... or once this many steps wait (alerts never wait)
 
     def __post_init__(self) -> None:
         _check(self.deadline_s > 0, "stream.deadline_s", "must be > 0")
@@ -176,7 +177,7 @@ class StreamSettings:
         _check(self.straggler_ratio > 1, "stream.straggler_ratio",
                "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
         for name in ("clip_window", "retention_every_k", "rearm_steps", "maxvio_steps",
-                     "straggler_steps"):
+                     "batch_steps", "straggler_steps"):
             _check(getattr(self, name) >= 1, f"stream.{name}", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):
             _check(getattr(self, name) >= 0, f"stream.{name}", "must be >= 0")

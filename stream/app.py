@@ -203,48 +203,82 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
                 RunPipeline.from_state(run_id, config, state, time.monotonic())
         return runs[run_id]
 
-    async def commit(outputs: dict[str, Stage2Output]) -> None:
-        """Alerts out first (latency), then rows, promotion of retained detail and state,
-        in that order, in one thread. A crash in between can only repeat an alert (it is
-        re-derived from re-delivered steps), never lose one."""
-        for run_id, out in outputs.items():
-            for alert in out.rows.get("alerts", []):
-                await alerts_topic.send(key=run_id.encode(), value=json.dumps(alert).encode())
-            for control in out.controls:
-                await control_topic.send(key=run_id.encode(), value=json.dumps(control).encode())
-            if out.rows.get("alerts"):
-                asyncio.get_running_loop().run_in_executor(None, webhook.post,
-                                                           out.rows["alerts"])
+    # Stage 2 output waiting for the store: alerts leave at once, rows are written in
+    # batches (one insert per table costs ~5 ms however small), and the step messages behind
+    # them are acknowledged only once written, so a crash re-delivers what was not stored.
+    unwritten: dict[str, Stage2Output] = defaultdict(Stage2Output)
+    unacked: list[Any] = []
+    oldest: list[float] = []  # when the oldest unwritten output arrived
+    write_lock = asyncio.Lock()
 
-        def write() -> None:
-            store = sink[0]
+    async def send_alerts(run_id: str, out: Stage2Output) -> None:
+        for alert in out.rows.get("alerts", []):
+            await alerts_topic.send(key=run_id.encode(), value=json.dumps(alert).encode())
+        for control in out.controls:
+            await control_topic.send(key=run_id.encode(), value=json.dumps(control).encode())
+        if out.rows.get("alerts"):
+            asyncio.get_running_loop().run_in_executor(None, webhook.post, out.rows["alerts"])
+
+    async def stage(run_id: str, out: Stage2Output, event: Any = None) -> None:
+        """Alerts out now; rows join the next store batch (written when it is full or old)."""
+        await send_alerts(run_id, out)
+        if out.rows or out.promote:
+            unwritten[run_id].extend(out)
+        if event is not None:
+            unacked.append(event)
+        if not oldest:
+            oldest.append(time.monotonic())
+        if len(unacked) >= settings.stream.batch_steps or \
+                time.monotonic() - oldest[0] >= settings.stream.batch_within_s:
+            await write_batch()
+
+    async def write_batch() -> None:
+        """Rows, promotion of retained detail and state, in that order, in one thread; then
+        acknowledge the steps behind them. A crash in between can only repeat an alert (it
+        is re-derived from re-delivered steps), never lose one."""
+        async with write_lock:
+            if not unwritten and not unacked:
+                oldest.clear()
+                return
+            outputs, events = dict(unwritten), list(unacked)
+            unwritten.clear()
+            unacked.clear()
+            oldest.clear()
+            states = {run_id: (runs[run_id].last_step, runs[run_id].to_state())
+                      for run_id in outputs}
+
+            def write() -> None:
+                store = sink[0]
+                for run_id, out in outputs.items():
+                    for table, rows in out.rows.items():
+                        store.write(table, rows)
+                    promote(store, run_id, sorted(set(out.promote)))
+                    save_state(store, run_id, "stage2", *states[run_id])
+            await in_writer(write)
+            for event in events:
+                event.ack()
             for run_id, out in outputs.items():
-                for table, rows in out.rows.items():
-                    store.write(table, rows)
-                promote(store, run_id, sorted(set(out.promote)))
-                save_state(store, run_id, "stage2", runs[run_id].last_step,
-                           runs[run_id].to_state())
-        await in_writer(write)
-        for run_id, out in outputs.items():
-            progress = heartbeat.runs.setdefault(run_id, {"steps_written": 0})
-            progress["steps_written"] += len(out.rows.get("step_metrics", []))
-            progress["last_step"] = runs[run_id].last_step
-            progress["finished"] = runs[run_id].finished
-            progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
-        heartbeat.beat()
+                progress = heartbeat.runs.setdefault(run_id, {"steps_written": 0})
+                progress["steps_written"] += len(out.rows.get("step_metrics", []))
+                progress["last_step"] = runs[run_id].last_step
+                progress["finished"] = runs[run_id].finished
+                progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
+            heartbeat.beat()
 
     @app.agent(steps_topic)
     async def per_run(stream):
-        async for batch in stream.take(2000, within=settings.stream.batch_within_s):
+        async for event in stream.noack().events():
             while not sink:
                 await asyncio.sleep(0.1)
-            outputs: dict[str, Stage2Output] = defaultdict(Stage2Output)
-            now = time.monotonic()
-            for payload in batch:
-                reduced = ReducedStep.from_bytes(payload)
-                run = await run_for(reduced.run_id)
-                outputs[reduced.run_id].extend(run.accept(reduced, now))
-            await commit(outputs)
+            reduced = ReducedStep.from_bytes(event.value)
+            run = await run_for(reduced.run_id)
+            await stage(reduced.run_id, run.accept(reduced, time.monotonic()), event)
+
+    @app.timer(interval=0.05)
+    async def flush_old() -> None:
+        """Write a batch that has waited ``stream.batch_within_s`` with no step after it."""
+        if oldest and time.monotonic() - oldest[0] >= settings.stream.batch_within_s:
+            await write_batch()
 
     @app.timer(interval=1.0)
     async def deadlines() -> None:
@@ -252,8 +286,10 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
         for reduced in assembler.expire(now):
             await publish(reduced)
         if sink:
-            outputs = {run_id: run.expire(now) for run_id, run in runs.items()}
-            await commit({k: v for k, v in outputs.items() if v.rows or v.promote})
+            for run_id, run in runs.items():
+                out = run.expire(now)
+                if out.rows or out.promote or out.controls:
+                    await stage(run_id, out)
         heartbeat.beat()
 
     @app.agent(deadletter_topic)
