@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
@@ -34,10 +36,14 @@ def test_cpu_memory_points_report_the_process_peak_only():
 
 def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked():
     host = HostTelemetry(read_network=True)
-    blob = [bytearray(1 << 20) for _ in range(8)]  # touch memory: minor page faults
+    # fresh anonymous pages, each written once: one minor page fault per page (a calloc'd
+    # bytearray may be mapped and never touched, or reuse pages already faulted in)
+    blob = mmap.mmap(-1, 8 << 20)
+    for offset in range(0, len(blob), mmap.PAGESIZE):
+        blob[offset] = 1
     first = {p.name: p.value for p in host.sample()}
     second = {p.name: p.value for p in host.sample()}
-    del blob
+    blob.close()
     assert first["host.page_faults_minor"] > 0 and first["host.rss_bytes"] > 1e6
     assert {"net.rx_bytes", "net.tx_bytes", "host.interval_s"} <= set(second)
     assert second["host.interval_s"] >= 0 and second["net.rx_bytes"] >= 0
