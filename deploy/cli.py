@@ -217,10 +217,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from probewire.stream.calibration import CALIBRATED, calibrate_run
+    from probewire.stream.calibration import COLUMNS, calibrate_run
 
     settings = _settings(args)
-    columns = ", ".join(sorted(set(CALIBRATED.values())))
+    columns = ", ".join(COLUMNS)
     names, rows = _query(settings, f"SELECT {columns} FROM {settings.clickhouse.database}"
                                    f".step_metrics FINAL WHERE run_id = '{args.run}' ORDER BY step")
     if not rows:
@@ -228,11 +228,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     series = {name: [row[i] for row in rows] for i, name in enumerate(names)}
     window = args.window or settings.stream.detector_window
     try:
-        results = calibrate_run(series, window, args.quantile, args.margin)
+        results = calibrate_run(series, window, args.quantile, args.margin, held_steps={
+            "maxvio_steps": settings.stream.maxvio_steps,
+            "straggler_steps": settings.stream.straggler_steps})
     except ValueError as exc:
         raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
-    _print_table(f"thresholds from run {args.run} (window {window}, "
-                 f"{args.margin} x quantile {args.quantile} of its robust z)",
+    _print_table(f"thresholds from run {args.run} (window {window}, {args.margin} x "
+                 f"quantile {args.quantile} of its robust z, or of the level held for "
+                 "maxvio_steps / straggler_steps steps)",
                  ["setting", "series", "threshold", "steps"],
                  [(c.setting, c.column, c.threshold, c.n_steps) for c in results])
     print("stream:\n" + "".join(f"  {c.setting}: {c.threshold:.3f}\n" for c in results), end="")

@@ -2,6 +2,11 @@
 
 Calibrate on healthy runs, never on one failure: each z threshold is the margin times a
 high quantile of the robust z-scores the detector itself produced on the stable series.
+The held-level rules (MaxVio, the straggler's own-time ratio: a value above a threshold
+on k consecutive steps) get the margin times a high quantile of the level the stable run
+held for k steps in a row (the rolling minimum over k consecutive measured steps, after
+the detector window's warm-up). A series the run does not have (no experts, one rank)
+gives no threshold.
 """
 
 from __future__ import annotations
@@ -10,13 +15,19 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from .detect import calibrate
 
-__all__ = ["Calibration", "calibrate_run"]
+__all__ = ["COLUMNS", "Calibration", "calibrate_run", "held_level"]
 
 # stream setting -> step_metrics column it is calibrated on
 CALIBRATED = {"loss_z_threshold": "loss", "grad_z_threshold": "grad_norm",
               "signal_z_threshold": "step_time_s"}
+# held-level setting -> (step_metrics column, the stream setting naming k)
+HELD = {"maxvio_threshold": ("moe_maxvio", "maxvio_steps"),
+        "straggler_ratio": ("straggler_own_ratio", "straggler_steps")}
+COLUMNS = tuple(sorted({*CALIBRATED.values(), *(c for c, _ in HELD.values())}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +38,37 @@ class Calibration:
     n_steps: int
 
 
+def held_level(values: Sequence[float | None], steps: int, skip: int, quantile: float,
+               margin: float) -> float | None:
+    """margin x quantile of the rolling minimum over ``steps`` consecutive measured values
+    (a missing value breaks the run), ignoring the first ``skip`` values; None when no
+    run of ``steps`` values exists."""
+    held, run = [], []
+    for v in list(values)[skip:]:
+        run = [] if v is None or not math.isfinite(v) else (run + [v])[-steps:]
+        if len(run) == steps:
+            held.append(min(run))
+    if not held:
+        return None
+    return margin * float(np.quantile(np.asarray(held, dtype=np.float64), quantile))
+
+
 def calibrate_run(series: Mapping[str, Sequence[float | None]], window: int,
-                  quantile: float = 0.999, margin: float = 1.5) -> list[Calibration]:
-    """One threshold per calibrated setting; missing values (None) are dropped first."""
+                  quantile: float = 0.999, margin: float = 1.5,
+                  held_steps: Mapping[str, int] | None = None) -> list[Calibration]:
+    """One threshold per calibrated setting; missing values (None) are dropped first.
+    ``held_steps`` maps each HELD setting's k setting (``maxvio_steps``, ...) to its value
+    (default 3); a held-level series that is absent gives no row."""
     out = []
     for setting, column in CALIBRATED.items():
         values = [v for v in series.get(column, []) if v is not None and math.isfinite(v)]
         out.append(Calibration(setting, column, calibrate(values, window, quantile, margin),
                                len(values)))
+    for setting, (column, k_setting) in HELD.items():
+        values = list(series.get(column, []))
+        k = (held_steps or {}).get(k_setting, 3)
+        level = held_level(values, k, window, quantile, margin)
+        if level is not None:
+            n = sum(v is not None for v in values[window:])
+            out.append(Calibration(setting, column, level, n))
     return out
