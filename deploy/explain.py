@@ -186,15 +186,20 @@ class _Data:
     steps: np.ndarray
     cols: dict[str, list[Any]]
 
+    def column(self, name: str) -> list[Any]:
+        """A step_metrics column; one a store of an older schema lacks reads as not measured
+        (explain reads, it never migrates)."""
+        return self.cols.get(name) or [None] * self.steps.size
+
     def series(self, name: str) -> np.ndarray:
         """Values as floats; absent (not measured) is NaN, see ``present``."""
-        return np.array([np.nan if v is None else float(v) for v in self.cols[name]])
+        return np.array([np.nan if v is None else float(v) for v in self.column(name)])
 
     def present(self, name: str) -> np.ndarray:
-        return np.array([v is not None for v in self.cols[name]], dtype=bool)
+        return np.array([v is not None for v in self.column(name)], dtype=bool)
 
     def at(self, name: str, step: int) -> Any:
-        return self.cols[name][int(np.flatnonzero(self.steps == step)[0])]
+        return self.column(name)[int(np.flatnonzero(self.steps == step)[0])]
 
 
 def _load(client: Any, sql: str, params: dict[str, Any]) -> tuple[list[str], list[tuple]]:
@@ -373,7 +378,8 @@ def explain(client: Any, database: str, run_id: str, step: int, *, window: int =
                       history=3)
     if residual is not None and residual.moved:
         findings[findings.index(residual)] = replace(
-            residual, culprit=_residual_cause(data, hist & has_ratio, step, jump_ratio))
+            residual, culprit=_residual_cause(data, hist & has_ratio,
+                                              int(data.steps[has_ratio][-1]), jump_ratio))
     if layer is not None:
         findings.append(layer)
     tokens = data.at("tokens", step)
@@ -410,17 +416,22 @@ def _sources(client: Any, db: str, p: dict[str, Any], data: _Data, hist: np.ndar
 
 def _residual_cause(data: _Data, hist: np.ndarray, step: int, jump_ratio: float) -> str:
     """Tell a growing residual stream from a shrinking branch (seeds 001 §8): the weakest
-    branch's stream norm N_s and branch norm N_b at ``step`` against their history medians."""
+    branch's stream norm N_s and branch norm N_b at ``step`` (its latest measurement)
+    against their history medians."""
     branch = data.at("residual_ratio_branch", step) or "the weakest branch"
-    i = int(np.flatnonzero(data.steps == step)[0])
-    for name, verb in (("residual_stream_norm", "residual stream grew"),
-                       ("residual_branch_norm", "branch shrank")):
+
+    def change(name: str) -> float:
+        """value at ``step`` / history median; NaN when either is missing."""
         series = data.series(name)
         past = series[hist & np.isfinite(series)]
-        if past.size and math.isfinite(series[i]) and np.median(past) > 0:
-            change = series[i] / float(np.median(past))
-            if (change if verb.endswith("grew") else 1.0 / max(change, _EPS)) >= jump_ratio:
-                return f"{branch}: {verb} {change:.3g}×"
+        base = float(np.median(past)) if past.size else math.nan
+        return float(series[data.steps == step][0]) / base if base > 0 else math.nan
+
+    grew, kept = change("residual_stream_norm"), change("residual_branch_norm")
+    if grew >= jump_ratio:
+        return f"{branch}: residual stream grew {grew:.3g}×"
+    if kept <= 1.0 / jump_ratio:
+        return f"{branch}: branch shrank {kept:.3g}×"
     return branch
 
 

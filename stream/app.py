@@ -208,7 +208,7 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
     # them are acknowledged only once written, so a crash re-delivers what was not stored.
     unwritten: dict[str, Stage2Output] = defaultdict(Stage2Output)
     unacked: list[Any] = []
-    oldest: list[float] = []  # when the oldest unwritten output arrived
+    oldest_at: float | None = None  # when the oldest unwritten output arrived
     write_lock = asyncio.Lock()
 
     async def send_alerts(run_id: str, out: Stage2Output) -> None:
@@ -221,29 +221,31 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
 
     async def stage(run_id: str, out: Stage2Output, event: Any = None) -> None:
         """Alerts out now; rows join the next store batch (written when it is full or old)."""
+        nonlocal oldest_at
         await send_alerts(run_id, out)
         if out.rows or out.promote:
             unwritten[run_id].extend(out)
         if event is not None:
             unacked.append(event)
-        if not oldest:
-            oldest.append(time.monotonic())
+        if oldest_at is None:
+            oldest_at = time.monotonic()
         if len(unacked) >= settings.stream.batch_steps or \
-                time.monotonic() - oldest[0] >= settings.stream.batch_within_s:
+                time.monotonic() - oldest_at >= settings.stream.batch_within_s:
             await write_batch()
 
     async def write_batch() -> None:
         """Rows, promotion of retained detail and state, in that order, in one thread; then
         acknowledge the steps behind them. A crash in between can only repeat an alert (it
         is re-derived from re-delivered steps), never lose one."""
+        nonlocal oldest_at
         async with write_lock:
             if not unwritten and not unacked:
-                oldest.clear()
+                oldest_at = None
                 return
             outputs, events = dict(unwritten), list(unacked)
             unwritten.clear()
             unacked.clear()
-            oldest.clear()
+            oldest_at = None
             states = {run_id: (runs[run_id].last_step, runs[run_id].to_state())
                       for run_id in outputs}
 
@@ -277,7 +279,8 @@ def create_app(settings: Settings, heartbeat_path: Path) -> faust.App:
     @app.timer(interval=0.05)
     async def flush_old() -> None:
         """Write a batch that has waited ``stream.batch_within_s`` with no step after it."""
-        if oldest and time.monotonic() - oldest[0] >= settings.stream.batch_within_s:
+        if oldest_at is not None and \
+                time.monotonic() - oldest_at >= settings.stream.batch_within_s:
             await write_batch()
 
     @app.timer(interval=1.0)

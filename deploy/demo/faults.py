@@ -88,6 +88,10 @@ def _scramble(batch: Batch, rows: torch.Tensor, generator: torch.Generator) -> B
     return replace(batch, tokens=tokens, targets=new_targets)
 
 
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # the TinyLM inside DDP
+
+
 @dataclass(kw_only=True)
 class BadRank(Fault):
     """One rank's batches are corrupted from ``step`` on (random bytes).
@@ -197,7 +201,7 @@ class LayerExplosion(Fault):
 
     def on_step_start(self, step, rank, model, optimizer) -> None:
         if step == self.step:
-            core = getattr(model, "module", model)
+            core = _core(model)
             with torch.no_grad():
                 core.blocks[self.layer].mlp.down.weight.mul_(self.scale)
 
@@ -303,10 +307,6 @@ class FlakyReplay(Fault):
 
     def replay_differs(self, step: int) -> bool:
         return step == self.step
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # the TinyLM inside DDP
 
 
 @dataclass(kw_only=True)

@@ -105,3 +105,24 @@ def test_an_unknown_step_or_run_says_what_exists(store) -> None:
         explain(*store, "clean", 500)
     with pytest.raises(StepNotFound, match="no such run"):
         explain(*store, "nope", 5)
+
+
+def test_a_store_of_the_version_1_schema_is_explained_without_the_newer_columns(store) -> None:
+    """explain reads and never migrates: a store written before migration 2 lacks the
+    structure and own-time columns; those signals read as not measured."""
+    client, db = store
+    old = f"{db}_v1"
+    client.command(f"CREATE DATABASE IF NOT EXISTS {old}")
+    client.command(f"CREATE TABLE {old}.step_metrics ENGINE = ReplacingMergeTree(inserted_at) "
+                   f"ORDER BY (run_id, step) AS SELECT * EXCEPT (media_scale, "
+                   "residual_ratio_min, residual_ratio_branch, residual_stream_norm, "
+                   f"residual_branch_norm, straggler_own_ratio) FROM {db}.step_metrics")
+    for table in ("source_metrics", "rank_metrics", "tensor_stats", "expert_balance"):
+        client.command(f"CREATE VIEW {old}.{table} AS SELECT * FROM {db}.{table}")
+    try:
+        result = explain(client, old, "bad-rank", 133)
+        assert result.first.signal == "loss" and result.first.culprit == "rank 3"
+        assert {f.signal for f in result.findings}.isdisjoint(
+            {"media_scale", "residual_ratio_min", "straggler_own_ratio"})
+    finally:
+        client.command(f"DROP DATABASE IF EXISTS {old}")
