@@ -108,8 +108,8 @@ def main() -> None:
     batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)]
                for _ in range(50)]
     common = dict(clip_threshold=1.0, sources=SOURCES)
-    p0_config = ProbeConfig(cadence={"P0": 1, "P1": 0, "P2": 0}, **common)
-    p1_config = ProbeConfig(cadence={"P0": 1, "P1": 100, "P2": 0}, **common)
+    p0_config = ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
+    p1_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, **common)
     off, _, _ = _variant("off", None, batches)
     p0, p0_monitor, p0_transport = _variant("p0", p0_config, batches)
     p1, p1_monitor, _ = _variant("p1", p1_config, batches)

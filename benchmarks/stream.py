@@ -29,13 +29,13 @@ from confluent_kafka import Consumer, Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
-from probewire.instrument.export import Point, RankIdentity, StepEmitter
+from probewire.instrument.export import StepEmitter
+from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.instrument.testing import MemoryTransport
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.sinks.retained import promote, save_state
 from probewire.stream.app import stage2_config
 from probewire.stream.assemble import StepAssembler
-from probewire.stream.decode import decode_rank_step
 from probewire.stream.records import ReducedStep
 from probewire.stream.stage2 import RunPipeline, Stage2Output
 from probewire.stream.testing import SimRun

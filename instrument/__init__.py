@@ -30,6 +30,7 @@ __all__ = [
     "StepContext",
     "StepEmitter",
     "StructureConfig",
+    "Tier",
     "Transport",
     "attach",
     "checkpoint_event",
@@ -42,17 +43,16 @@ __all__ = [
 
 _HOME = {
     "CATALOG": "catalog", "Group": "catalog", "MetricSpec": "catalog", "Priority": "catalog",
-    "Reduction": "catalog", "describe": "catalog", "spec": "catalog",
+    "Reduction": "catalog", "Tier": "catalog", "describe": "catalog", "spec": "catalog",
     "ProbeConfig": "config",
     "StructureConfig": "structure_config", "discover": "discover",
     "ExplosionLocator": "localize", "locate_explosion": "localize",
     "ControlListener": "control", "checkpoint_event": "control",
-    "KafkaTransport": "export", "RankIdentity": "export", "StepEmitter": "export",
-    "Transport": "export",
+    "KafkaTransport": "export", "StepEmitter": "export", "Transport": "export",
     "Monitor": "monitor", "NullMonitor": "monitor", "attach": "monitor",
-    "Point": "otlp",
-    "NullStepContext": "steps", "StepContext": "steps",
-    "transformer_flops_per_token": "system",
+    "Point": "wire", "RankIdentity": "wire",
+    "NullStepContext": "step", "StepContext": "step",
+    "transformer_flops_per_token": "probes.system",
     "MemoryTransport": "testing", "NullTransport": "testing",
 }
 
@@ -71,15 +71,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports
-    from .catalog import CATALOG, Group, MetricSpec, Priority, Reduction, describe, spec
+    from .catalog import CATALOG, Group, MetricSpec, Priority, Reduction, Tier, describe, spec
     from .config import ProbeConfig
     from .discover import discover
     from .localize import ExplosionLocator, locate_explosion
     from .structure_config import StructureConfig
     from .control import ControlListener, checkpoint_event
-    from .export import KafkaTransport, RankIdentity, StepEmitter, Transport
+    from .export import KafkaTransport, StepEmitter, Transport
     from .monitor import Monitor, NullMonitor, attach
-    from .otlp import Point
-    from .steps import NullStepContext, StepContext
-    from .system import transformer_flops_per_token
+    from .probes.system import transformer_flops_per_token
+    from .step import NullStepContext, StepContext
+    from .wire import Point, RankIdentity
     from .testing import MemoryTransport, NullTransport

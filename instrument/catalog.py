@@ -38,7 +38,7 @@ from typing import Mapping
 __all__ = ["CATALOG", "GRAD_GROUPS", "NAMESPACES", "TENSOR_FIELDS", "Attn", "Comm", "Device",
            "Export", "Grad", "Group", "Guard", "Host", "Label", "Loss", "Memory", "MetricSpec",
            "Modality", "Module", "Moe", "Net", "Output", "Priority", "Reduction", "Residual",
-           "System", "Tensor", "Tier", "describe", "spec"]
+           "System", "Tensor", "Tier", "describe", "spec", "tier_of"]
 
 
 class Priority(StrEnum):
@@ -818,6 +818,15 @@ def spec(name: str) -> MetricSpec:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"unknown metric {name!r}; the catalog has {sorted(CATALOG)}") from None
+
+
+def tier_of(*names: str) -> Tier:
+    """The one tier of ``names`` (a probe's metrics): what gates the probe that measures
+    them. A ValueError when they differ: one probe cannot serve two cadences."""
+    tiers = {spec(name).tier for name in names}
+    if len(tiers) != 1:
+        raise ValueError(f"metrics {names} span tiers {sorted(tiers)}; split the probe")
+    return tiers.pop()
 
 
 def describe(name: str) -> str:

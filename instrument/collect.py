@@ -1,9 +1,9 @@
 """One step's measurements: device vectors gathered into one transfer, decoded off-thread.
 
-During a step, probes add small float64 device vectors under a key (``add``); a key may
-get one part per micro-batch, and its decoder sees all parts, so combining micro-batches
-happens on the host instead of in extra kernels. Tensor scans go through ``add_scan``
-and are combined per (tensor, kind) with one segment reduction at the end.
+During a step, probes add small device vectors under a key (``add``); a key may get one
+part per micro-batch, and its decoder sees all parts, so combining micro-batches happens
+on the host instead of in extra kernels. Each probe's home (``probes``) holds the device
+function that makes its parts, their layout, and the decoder that reads them back.
 
 ``seal`` runs on the training thread at the end of the step. On an accelerator: one
 ``cat`` on the device and one non-blocking copy into a pinned host buffer followed by an
@@ -22,11 +22,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .otlp import Point
-from .probes import host_values, to_device
-from .scan import ScanFields
+from .wire import Point
 
-__all__ = ["Decoder", "SealedStep", "StepCollector", "scan_points"]
+__all__ = ["Decoder", "Late", "SealedStep", "StepCollector", "host_values", "to_device"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +33,25 @@ log = logging.getLogger(__name__)
 Decoder = Callable[[list[tuple[np.ndarray, Any]]], list[Point]]
 Late = Callable[[], list[Point]]
 
-_SCAN_NAMES = ("tensor.n", "tensor.sum", "tensor.sum_sq", "tensor.abs_sum", "tensor.abs_max",
-               "tensor.zeros", "tensor.nonfinite", "tensor.sum3", "tensor.sum4")
+
+def host_values(values: Sequence[float] | Sequence[int], device: torch.device,
+                dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host-built tensor on ``device`` without a host synchronisation: on CUDA it
+    is staged in pinned memory and copied asynchronously (a copy from pageable memory
+    would wait for the stream)."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
-def scan_points(values: Sequence[float], labels: tuple[tuple[str, str], ...]) -> list[Point]:
-    """tensor.* points of one (reduced) scan vector; nothing for an empty tensor."""
-    if not values[ScanFields.N]:
-        return []
-    return [Point(name, v, labels) for name, v in zip(_SCAN_NAMES, values)]
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to CUDA through pinned memory, asynchronously."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass(slots=True)
@@ -85,14 +93,10 @@ class SealedStep:
 class StepCollector:
     """Accumulates one step's device vectors; reused step after step by one monitor."""
 
-    __slots__ = ("_slots", "_scan_keys", "_scan_blocks", "_scan_index", "_scan_labels")
+    __slots__ = ("_slots",)
 
     def __init__(self) -> None:
         self._slots: dict[str, tuple[Decoder, list[tuple[torch.Tensor, ...]], list[Any]]] = {}
-        self._scan_keys: dict[tuple[str, str], int] = {}
-        self._scan_labels: list[tuple[tuple[str, str], ...]] = []
-        self._scan_blocks: list[torch.Tensor] = []   # [k, fields] rows
-        self._scan_index: list[int] = []              # key slot of every row, in order
 
     def add(self, key: str, tensors: torch.Tensor | Sequence[torch.Tensor], decode: Decoder,
             meta: Any = None) -> None:
@@ -107,38 +111,8 @@ class StepCollector:
             slot[1].append(parts)
             slot[2].append(meta)
 
-    def add_scan(self, tensor: str, kind: str, vec: torch.Tensor) -> None:
-        """A scan vector of one observation; vectors of the same (tensor, kind) combine."""
-        self.add_scan_rows([(tensor, kind)], vec.unsqueeze(0))
-
-    def add_scan_rows(self, keys: Sequence[tuple[str, str]], rows: torch.Tensor) -> None:
-        """Scan rows [k, fields] of k observations named by (tensor, kind) ``keys``."""
-        for key in keys:
-            slot = self._scan_keys.get(key)
-            if slot is None:
-                slot = self._scan_keys[key] = len(self._scan_labels)
-                self._scan_labels.append((("tensor", key[0]), ("kind", key[1])))
-            self._scan_index.append(slot)
-        self._scan_blocks.append(rows)
-
     def clear(self) -> None:
         self._slots = {}
-        self._scan_keys, self._scan_labels = {}, []
-        self._scan_blocks, self._scan_index = [], []
-
-    def _combined_scans(self) -> torch.Tensor:
-        blocks = self._scan_blocks
-        stacked = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        keys = len(self._scan_labels)
-        if keys == stacked.shape[0]:  # one observation per key, already in order
-            return stacked.reshape(-1)
-        index = host_values(self._scan_index, stacked.device)
-        out = torch.zeros(keys, stacked.shape[1], dtype=stacked.dtype, device=stacked.device)
-        out.index_add_(0, index, stacked)
-        out[:, ScanFields.ABS_MAX] = torch.zeros(
-            keys, dtype=stacked.dtype, device=stacked.device).scatter_reduce_(
-            0, index, stacked[:, ScanFields.ABS_MAX], "amax", include_self=True)
-        return out.reshape(-1)
 
     def seal(self, step: int, points: list[Point], late: list[Late]) -> SealedStep:
         """Concatenate on the device, start the one device-to-host copy, hand over."""
@@ -150,20 +124,6 @@ class StepCollector:
                 vectors += tensors
                 widths.append((sum(t.numel() for t in tensors), meta))
             layout.append((decode, widths))
-        if self._scan_blocks:
-            width = self._scan_blocks[0].shape[1]
-            labels = self._scan_labels
-            scans = self._combined_scans()
-            vectors.append(scans)
-
-            def decode_scans(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
-                values = parts[0][0].tolist()
-                out: list[Point] = []
-                for i, lab in enumerate(labels):
-                    out += scan_points(values[i * width:(i + 1) * width], lab)
-                return out
-
-            layout.append((decode_scans, [(scans.shape[0], None)]))
         host: torch.Tensor | list[torch.Tensor] | None = None
         event = None
         if vectors:

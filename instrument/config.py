@@ -1,30 +1,25 @@
 """``ProbeConfig``: what a rank measures, how often, and where (validated at construction).
 
-Cadence is set per *probe priority*. A probe is one unit of work; its priority says how
-often it runs, and every metric it produces rides along:
+When a metric is measured is its catalog cadence, a ``Tier``; the config sets each tier's
+interval in steps, and every probe runs on the steps where its metrics' tier is due:
 
-====================  ========  ===================================================
-probe                 priority  metrics
-====================  ========  ===================================================
-step bookkeeping      P0        step_time_s, flops.step, tokens.positions, memory.peak_*,
-                                guard.* (host values, no tensor work)
-loss                  P0        loss.sum, loss.tokens (per source/modality too)
-gradient norm         P0        grad.norm_sq (all parameters), grad.clipped
-output layer          P0        output.logits_abs_max, output.logits_sum_sq, output.logits_n
-output top-2          P1        output.positions, output.top2_gap_sum, output.top2_equal
-gradient detail       P1        grad.norm_sq per group, grad.abs_sum/abs_max/zeros/elements/
-                                nonfinite (from the per-tensor scans of kind=grad)
-tensor scans          P1        tensor.* for fwd, bwd, grad, param, update
-telemetry             P1        memory.allocated/reserved, host.*, device.*, net.*, comm.*,
-                                grad.clip_threshold
-kurtosis moments      P2        tensor.sum3, tensor.sum4 on every scan of that step
-optimizer chain       P2        tensor.* for kind=opt_grad, opt_normalized, opt_direction
-====================  ========  ===================================================
+=======  =======  =======================================================================
+tier     default  probes (catalog metrics)
+=======  =======  =======================================================================
+step     1        step time, FLOPs, memory, guard counters; loss (by source); G2 and the
+                  clip indicator; per-group gradient Σ|g|, max|g|, zeros, non-finite;
+                  output logits; collective waits; host/device/network telemetry; expert
+                  token counts; modality token counts
+scan     100      tensor scans (fwd, bwd, grad, param, update); output top-2; residual
+                  paths and gates; media scale; S_enc; MTP agreement; BOS value gradient
+demand   0        kurtosis moments on the scans; the AdamW chain; router bias and top-k
+                  margins; per-module views (0: only when asked for)
+=======  =======  =======================================================================
 
-A probe of priority p runs on step t when ``cadence[p] > 0 and t % cadence[p] == 0``, or,
-for P0 and P1, while a control message has densified the monitor. The defaults (P0 every step, P1 every
-100 steps, P2 off) follow the seeds' cadence rule: cheap alerting metrics every step,
-tensor scans every 100 steps, forensics on demand (001 §2, §12).
+A tier runs on step t when ``cadence[tier] > 0 and t % cadence[tier] == 0``; the step and
+scan tiers also run on every step while a control message has densified the monitor. The
+defaults follow the seeds' cadence rule: cheap alerting metrics every step, tensor scans
+every 100 steps, forensics on demand (001 §0, §12).
 
 Name patterns are regular expressions matched in full (``re.fullmatch``) against qualified
 names with wrapper prefixes removed (``module.`` of DDP, ``_orig_mod.`` of torch.compile).
@@ -37,13 +32,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-from .catalog import Priority
+from .catalog import Tier
 from .structure_config import StructureConfig
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_MODULE_NAMES", "DEFAULT_MODULE_TYPES", "ProbeConfig"]
 
-DEFAULT_CADENCE: Mapping[Priority, int] = MappingProxyType(
-    {Priority.P0: 1, Priority.P1: 100, Priority.P2: 0})
+DEFAULT_CADENCE: Mapping[Tier, int] = MappingProxyType(
+    {Tier.STEP: 1, Tier.SCAN: 100, Tier.DEMAND: 0})
 
 DEFAULT_MODULE_NAMES: tuple[str, ...] = (
     r"(.*\.)?(embed|embed_tokens|wte|wpe|tok_embeddings|word_embeddings|pos)",  # embeddings
@@ -75,8 +70,9 @@ class ProbeConfig:
 
     enabled: bool = True
     """False: ``attach`` returns the null monitor (same API, no hooks, no thread)."""
-    cadence: Mapping[Priority, int] = field(default_factory=lambda: dict(DEFAULT_CADENCE))
-    """Steps between runs of the probes of each priority; 0 = off until densified."""
+    cadence: Mapping[Tier, int] = field(default_factory=lambda: dict(DEFAULT_CADENCE))
+    """Steps between runs of each tier ("step", "scan", "demand"); 0 = off until densified
+    (the demand tier is never densified)."""
     clip_threshold: float | None = None
     """The loop's global-norm clip threshold c (grad.clipped); None: not reported."""
     ring_steps: int = 16
@@ -105,13 +101,13 @@ class ProbeConfig:
     """Registered modalities, the same label namespace as ``sources``."""
     mask_activations: bool = True
     update_ratio: bool = True
-    """Snapshot parameters before the optimizer step on P1 steps (one copy of the rank's
+    """Snapshot parameters before the optimizer step on scan steps (one copy of the rank's
     reported parameters) to scan Δw exactly."""
     flops_per_token: float | None = None
     """The fixed FLOP estimator f; None: ``model.flops_per_token()`` if present, else 6·N."""
     persistent_hooks: bool = False
     """False: the tensor-probe module hooks (built at attach) are installed only for steps
-    whose P1 probes run, so other steps pay nothing, not even a hook call. True keeps them
+    where the scan tier is due, so other steps pay nothing, not even a hook call. True keeps them
     installed (their first line returns on unsampled steps), e.g. for torch.compile, whose
     guards would recompile when hooks come and go."""
     telemetry: bool = True
@@ -119,22 +115,21 @@ class ProbeConfig:
     scan_chunk_elems: int | None = None
     """Elements per scan chunk; None: the scan's own default per device (``scan.CPU_CHUNK_ELEMS``
     keeps a chunk's working copy in L2 on CPU, ``DEVICE_CHUNK_ELEMS`` elsewhere)."""
-    encoder: str = "wire"
-    """OTLP encoder on the emitter thread: "wire" (fast), "proto" or "sdk" (OpenTelemetry SDK)."""
     structure: StructureConfig = field(default_factory=StructureConfig)
     """Model-structure probes (experts, residual paths, modality, MTP, BOS value gradient,
     per-module views): discovered by module patterns at attach (``structure_config``)."""
 
     def __post_init__(self) -> None:
-        cadence: dict[Priority, int] = dict(DEFAULT_CADENCE)
+        cadence: dict[Tier, int] = dict(DEFAULT_CADENCE)
         for key, every in dict(self.cadence).items():
             try:
-                priority = Priority(key)
+                tier = Tier(key)
             except ValueError:
-                raise ValueError(f"ProbeConfig.cadence: unknown priority {key!r}") from None
+                raise ValueError(f"ProbeConfig.cadence: unknown tier {key!r}; tiers: "
+                                 f"{[t.value for t in Tier]}") from None
             if not isinstance(every, int) or isinstance(every, bool) or every < 0:
                 raise ValueError(f"ProbeConfig.cadence[{key}]: must be an int >= 0, got {every!r}")
-            cadence[priority] = every
+            cadence[tier] = every
         object.__setattr__(self, "cadence", MappingProxyType(cadence))
         object.__setattr__(self, "fused_splits", MappingProxyType(dict(self.fused_splits)))
         if self.clip_threshold is not None and not self.clip_threshold > 0:
@@ -148,9 +143,6 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.scan_chunk_elems: must be >= 1")
         if self.flops_per_token is not None and not self.flops_per_token >= 0:
             raise ValueError("ProbeConfig.flops_per_token: must be >= 0")
-        if self.encoder not in ("wire", "proto", "sdk"):
-            raise ValueError(f"ProbeConfig.encoder: 'wire', 'proto' or 'sdk', "
-                             f"got {self.encoder!r}")
         for name in ("module_names", "module_types", "embedding_params", "expert_params",
                      "tp_replicated"):
             value = getattr(self, name)
@@ -169,6 +161,6 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.sources/modalities: names must be distinct non-empty "
                              "strings (they share the label 'source')")
 
-    def every(self, priority: Priority | str) -> int:
-        """Steps between runs of probes of ``priority`` (0 = off)."""
-        return self.cadence[Priority(priority)]
+    def every(self, tier: Tier | str) -> int:
+        """Steps between runs of the probes of ``tier`` (0 = off)."""
+        return self.cadence[Tier(tier)]

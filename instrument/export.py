@@ -4,7 +4,7 @@ The training thread only enqueues a step record (a bounded queue; what it cannot
 counted, never blocks). One background thread per rank owns everything else: it resolves
 the record (waits for the device-to-host copy of the step's statistics, turns them into
 points), keeps the last ``ring_steps`` records in a ring buffer, encodes OTLP (see
-``otlp``) and hands the bytes to a transport (Kafka, key ``<run_id>:<step>``).
+``wire``) and hands the bytes to a transport (Kafka, key ``<run_id>:<step>``).
 Nothing here keeps state per step beyond the bounded queue and ring.
 """
 
@@ -12,68 +12,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
-from .otlp import ENCODERS, NONFINITE_ATTR, STEP_ATTR, Encoder, Point
+from .catalog import Export
+from .wire import Point, RankIdentity, WireEncoder, message_key
 
-__all__ = [
-    "NONFINITE_ATTR",
-    "STEP_ATTR",
-    "KafkaTransport",
-    "NullEmitter",
-    "Point",
-    "RankIdentity",
-    "StepEmitter",
-    "StepRecord",
-    "Transport",
-]
+__all__ = ["KafkaTransport", "StepEmitter", "StepRecord", "Transport"]
 
 log = logging.getLogger(__name__)
-
-EXPORT_DROPPED = "export.dropped_total"
-_DUMP = object()  # queue marker: re-send the ring buffer
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankIdentity:
-    """Who is speaking: the OTLP resource attributes of every message from this rank."""
-
-    run_id: str
-    rank: int
-    world_size: int
-    host: str = field(default_factory=socket.gethostname)
-    local_rank: int = 0
-    coords: Mapping[str, int] = field(default_factory=dict)  # group name (dp/tp/...) -> index
-
-    def __post_init__(self) -> None:
-        if not self.run_id or ":" in self.run_id:
-            raise ValueError(f"run_id must be non-empty and contain no ':', got {self.run_id!r}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-
-    def coord(self, group: str) -> int:
-        """This rank's index in ``group`` ("dp", "tp", ...); 0 for a group the layout lacks."""
-        coords = dict(self.coords) or {"dp": self.rank}
-        return int(coords.get(group, 0))
-
-    def resource_attributes(self) -> dict[str, str | int]:
-        attrs: dict[str, str | int] = {
-            "service.name": "probewire-rank",
-            "host.name": self.host,
-            "probewire.run_id": self.run_id,
-            "probewire.rank": self.rank,
-            "probewire.world_size": self.world_size,
-            "probewire.local_rank": self.local_rank,
-        }
-        coords = dict(self.coords) or {"dp": self.rank}
-        for group, index in coords.items():
-            attrs[f"probewire.{group}"] = int(index)
-        return attrs
-
 
 class Transport(Protocol):
     """Where encoded messages go. ``send`` never raises; it returns False on failure."""
@@ -155,7 +104,7 @@ class StepEmitter:
     """
 
     def __init__(self, identity: RankIdentity, transport: Transport, *, queue_size: int = 256,
-                 ring_steps: int = 0, encoder: str = "wire", idle_s: float = 0.05) -> None:
+                 ring_steps: int = 0, idle_s: float = 0.05) -> None:
         if queue_size < 1 or ring_steps < 0:
             raise ValueError("queue_size must be >= 1 and ring_steps >= 0")
         self.identity = identity
@@ -173,9 +122,7 @@ class StepEmitter:
         self.ring: collections.deque[tuple[int, list[Point]]] = collections.deque(
             maxlen=max(ring_steps, 1))
         self._keep_ring = ring_steps > 0
-        if encoder not in ENCODERS:
-            raise ValueError(f"encoder must be one of {sorted(ENCODERS)}, got {encoder!r}")
-        self._encoder: Encoder = ENCODERS[encoder](identity.resource_attributes())
+        self._encoder = WireEncoder(identity.resource_attributes())
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="probewire-emitter", daemon=True)
         self._thread.start()
@@ -225,7 +172,6 @@ class StepEmitter:
         self._thread.join(timeout_s)
         self._transport.flush(timeout_s)
         self._transport.close()
-        self._encoder.shutdown()
 
     # ------------------------------------------------------------------ emitter thread
     _busy = False
@@ -233,12 +179,12 @@ class StepEmitter:
     def _send(self, step: int, points: Sequence[Point], replay: bool = False) -> None:
         try:
             payload = self._encoder.encode(
-                step, [*points, Point(EXPORT_DROPPED, float(self.dropped))], replay=replay)
+                step, [*points, Point(Export.DROPPED, float(self.dropped))], replay=replay)
         except Exception:  # contained: a broken batch must never reach the training loop
             self.errors += 1
             log.exception("probewire: could not encode step %d", step)
             return
-        key = f"{self.identity.run_id}:{step}".encode()
+        key = message_key(self.identity.run_id, step)
         if self._transport.send(key, payload):
             self.sent += 1
         else:
@@ -274,30 +220,3 @@ class StepEmitter:
             if self._stop:
                 self._drain()
                 return
-
-
-class NullEmitter:
-    """The disabled emitter: same methods, no work, so call sites never branch."""
-
-    dropped = 0
-    sent = 0
-    errors = 0
-    replayed = 0
-
-    def emit(self, step: int, points: Iterable[Point]) -> None:
-        return None
-
-    def submit(self, record: StepRecord) -> None:
-        return None
-
-    def kick(self) -> None:
-        return None
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        return True
-
-    def dump(self) -> None:
-        return None
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        return None

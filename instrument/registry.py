@@ -29,12 +29,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from .config import ProbeConfig
-from .export import RankIdentity
+from .wire import RankIdentity
 
-__all__ = ["GRAD_GROUPS", "ObservedModule", "ParamInfo", "Registry", "build_registry",
-           "label_name"]
+__all__ = ["ObservedModule", "ParamInfo", "Registry", "build_registry", "label_name"]
 
-GRAD_GROUPS: tuple[str, ...] = ("embedding", "expert", "other")
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
@@ -64,7 +62,7 @@ class ObservedModule:
 class ParamInfo:
     name: str
     param: nn.Parameter
-    group: int                    # index into GRAD_GROUPS
+    group: int                    # index into catalog.GRAD_GROUPS
     in_grad: bool                 # enters this rank's grad.* sums
     report: bool                  # this rank reports its tensor.* statistics
     parts: tuple[str, ...]        # fused-split part names along dim 0, () = whole

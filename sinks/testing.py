@@ -121,7 +121,7 @@ def recorded_run(run_id: str = "synthetic", *, steps: int = 120, world_size: int
                  seed: int = 0) -> RecordedRun:
     """Simulate ``steps`` steps of a ``world_size``-rank job with ``faults`` injected."""
     from probewire.stream.assemble import reduce_step
-    from probewire.stream.records import RankStep, series_key
+    from probewire.instrument.wire import RankStep, series_key
     from probewire.stream.signals import DetectorConfig
     from probewire.stream.stage2 import RunPipeline, Stage2Config
 

@@ -29,13 +29,13 @@ import faust
 from aiokafka.helpers import create_ssl_context
 
 from probewire.deploy.health import Heartbeat
+from probewire.instrument.wire import DecodeError, decode_rank_step
 from probewire.deploy.settings import KafkaSettings, Settings
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.sinks.retained import load_state, promote, save_state
 
 from .alerting import AlertmanagerWebhook
 from .assemble import StepAssembler
-from .decode import DecodeError, decode_rank_step
 from .records import ReducedStep
 from .signals import DetectorConfig
 from .stage2 import RunPipeline, Stage2Config, Stage2Output

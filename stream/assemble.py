@@ -18,8 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from probewire.instrument.catalog import CATALOG, Group, Reduction
+from probewire.instrument.wire import RankStep, SeriesKey
 
-from .records import RankStep, ReducedStep, SeriesKey
+from .records import ReducedStep
 
 __all__ = ["AddResult", "StepAssembler", "reduce_step"]
 

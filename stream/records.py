@@ -5,19 +5,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Labels", "RankStep", "ReducedStep", "SeriesKey", "series_key"]
+from probewire.instrument.wire import SeriesKey
 
-Labels = tuple[tuple[str, str], ...]
-SeriesKey = tuple[str, Labels]  # (metric name, sorted labels)
-
-
-def series_key(name: str, labels: Mapping[str, str] | Labels = ()) -> SeriesKey:
-    items = labels.items() if isinstance(labels, Mapping) else labels
-    return name, tuple(sorted((str(k), str(v)) for k, v in items))
+__all__ = ["ReducedStep"]
 
 
 def _encode_key(key: SeriesKey) -> str:
@@ -28,19 +21,6 @@ def _encode_key(key: SeriesKey) -> str:
 def _decode_key(text: str) -> SeriesKey:
     name, *pairs = text.split("|")
     return name, tuple(tuple(p.split("=", 1)) for p in pairs)  # type: ignore[misc]
-
-
-@dataclass(slots=True, kw_only=True)
-class RankStep:
-    """Everything one rank reported for one step (one Kafka message)."""
-
-    run_id: str
-    step: int
-    rank: int
-    world_size: int
-    host: str
-    coords: dict[str, int]
-    values: dict[SeriesKey, float]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -19,7 +19,9 @@ from typing import Any
 from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
                      worst_rank_loss)
 from .order import StepOrderer
-from .records import ReducedStep, SeriesKey
+from probewire.instrument.wire import SeriesKey
+
+from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 

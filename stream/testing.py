@@ -14,7 +14,8 @@ from typing import Iterable
 
 import numpy as np
 
-from probewire.instrument.export import KafkaTransport, Point, RankIdentity, StepEmitter
+from probewire.instrument.export import KafkaTransport, StepEmitter
+from probewire.instrument.wire import Point, RankIdentity
 
 __all__ = ["SimRun", "send"]
 

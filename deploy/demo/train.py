@@ -96,7 +96,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--p1-every", type=int, default=100, help="steps between tensor probes")
+    p.add_argument("--p1-every", type=int, default=100,
+                   help="steps between tensor scans (the probes' scan tier)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     p.add_argument("--ckpt-dir", type=Path, help="where --save-every writes checkpoints")
     p.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         identity=RankIdentity(run_id=args.run_id, rank=args.rank, world_size=args.world_size,
                               local_rank=args.rank, coords={"dp": args.rank}),
         config=ProbeConfig(clip_threshold=args.clip, sources=SOURCES,
-                           cadence={"P0": 1, "P1": args.p1_every, "P2": 0}),
+                           cadence={"step": 1, "scan": args.p1_every, "demand": 0}),
         transport=KafkaTransport(kafka, args.topic),
         control=ControlListener(kafka, run_id=args.run_id, rank=args.rank,
                                 topic=args.control_topic),

@@ -91,7 +91,7 @@ def test_unknown_metric_is_a_clear_error():
 def test_the_catalog_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; "
             "from probewire.instrument.catalog import CATALOG; "
-            "from probewire.stream.decode import decode_rank_step; print(len(CATALOG))")
+            "from probewire.instrument.wire import decode_rank_step; print(len(CATALOG))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == len(CATALOG)

@@ -14,7 +14,7 @@ from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.evaluators.records import CheckpointEvent
 from probewire.instrument import (ControlListener, KafkaTransport, MemoryTransport, ProbeConfig,
                                   RankIdentity, attach, checkpoint_event)
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 
 def listener(calls: list) -> ControlListener:
@@ -114,7 +114,7 @@ def test_densify_and_dump_over_the_real_control_topic(kafka_bootstrap):
     control = ControlListener({"bootstrap.servers": kafka_bootstrap}, run_id=run_id, rank=0)
     monitor = attach(model, opt, transport=transport, control=control,
                      identity=RankIdentity(run_id=run_id, rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"P1": 0}, ring_steps=2, telemetry=False,
+                     config=ProbeConfig(cadence={"scan": 0}, ring_steps=2, telemetry=False,
                                         comm=False))
     assert control.ready.wait(20), "listener never got its partitions"
     tiny_step(monitor, model, opt, 0)

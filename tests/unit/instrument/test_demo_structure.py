@@ -12,7 +12,7 @@ from probewire.deploy.demo.data import load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.stream.assemble import reduce_step
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 from probewire.stream.derive import expert_balance
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import p0_view
@@ -53,7 +53,7 @@ def test_forcing_the_router_moves_h_norm_before_the_imbalance_threshold():
             moe.router.expert_bias[0] += 0.003
 
     recs = forward_only(model, 95, lambda s: corpus.batch(rng, 32, cfg.seq_len, 8), before,
-                        ProbeConfig(cadence={"P1": 0}, telemetry=False, comm=False))
+                        ProbeConfig(cadence={"scan": 0}, telemetry=False, comm=False))
     series = []
     for rec in recs:
         view, _ = p0_view(reduce_step("d", rec.step, 1, [rec], "complete"))
@@ -85,7 +85,7 @@ def test_scaling_the_projector_down_drives_gamma_toward_zero_and_pages():
             model.projector.proj.bias.mul_(0.5)
 
     recs = forward_only(model, 10, lambda s: fixed, before,
-                        ProbeConfig(cadence={"P1": 1}, telemetry=False, comm=False))
+                        ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False))
     gammas = [p0_view(reduce_step("d", r.step, 1, [r], "complete"))[0]["media_scale"]
               for r in recs]
     assert gammas[0] == pytest.approx(gammas[1]) and gammas[0] > 0.1

@@ -18,7 +18,7 @@ from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import CATALOG, MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.discover import discover
 from probewire.instrument.structure_config import StructureConfig
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,7 +72,7 @@ def train(model, steps: int = 3, grads: dict | None = None):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     transport = MemoryTransport()
-    config = ProbeConfig(cadence={"P0": 1, "P1": 1, "P2": 1}, telemetry=False, comm=False)
+    config = ProbeConfig(cadence={"step": 1, "scan": 1, "demand": 1}, telemetry=False, comm=False)
     monitor = attach(model, opt, identity=RankIdentity(run_id="hf", rank=0, world_size=1),
                      config=config, transport=transport)
     hooks = []
@@ -171,7 +171,7 @@ def test_structure_probes_can_be_switched_off():
                      transport=MemoryTransport(),
                      config=ProbeConfig(structure=StructureConfig(enabled=False),
                                         telemetry=False, comm=False))
-    assert monitor._structure is None
+    assert monitor.structure is None
     monitor.close()
 
 

@@ -19,9 +19,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, Point, ProbeConfig, RankIdentity, attach
 from probewire.instrument.export import StepEmitter
-from probewire.instrument.otlp import ProtoEncoder, SdkEncoder, WireEncoder
+from probewire.instrument.testing import ProtoEncoder, SdkEncoder
+from probewire.instrument.wire import WireEncoder
 from probewire.stream.assemble import reduce_step
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1",
                         coords={"dp": 1, "tp": 0})
@@ -171,11 +172,25 @@ def test_memory_stays_flat_over_100k_emits():
     assert decode_rank_step(*transport.last).step == 99_999
 
 
+class SdkEmitting:
+    """The SDK reference encoder in the emitter's place (encode, send; nothing queued)."""
+
+    dropped = 0
+
+    def __init__(self, transport: Counting) -> None:
+        self._encoder, self._transport = SdkEncoder(IDENTITY.resource_attributes()), transport
+
+    def emit(self, step, points) -> None:
+        self._transport.send(b"k", self._encoder.encode(step, points))
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+
 def test_the_sdk_encoder_keeps_no_per_step_state():
     transport = Counting()
-    emitter = StepEmitter(IDENTITY, transport, queue_size=1024, encoder="sdk")
+    emitter = SdkEmitting(transport)
     blocks, traced = growth(emitter, transport, 2_000, 2_000, 12_000)
-    emitter.close()
     assert blocks < 2_000, f"{blocks} more allocated blocks after 10k more emits"
     assert traced < 64 * 1024, f"grew {traced} bytes over 2k traced emits"
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.stream.assemble import reduce_step
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 D, H, V, T = 8, 12, 10, 6
 
@@ -84,7 +84,7 @@ def test_reduced_loss_and_gradient_norm_equal_the_single_process_values():
     expected_loss, expected_g2, _ = reference()
     torch.manual_seed(0)
     full = Full()
-    config = ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"P1": 1}, telemetry=False,
+    config = ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"scan": 1}, telemetry=False,
                          comm=False, clip_threshold=1.0)
     shards, monitors, transports = {}, {}, {}
     for dp in (0, 1):
@@ -154,7 +154,7 @@ def test_a_replicated_parameter_is_reported_by_tensor_parallel_rank_0_only():
         monitor = attach(shard, None, transport=transport,
                          identity=RankIdentity(run_id="L", rank=tp, world_size=2,
                                                coords={"dp": 0, "tp": tp}),
-                         config=ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"P1": 1},
+                         config=ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"scan": 1},
                                             module_names=("ln", "up"), telemetry=False,
                                             comm=False))
         x, targets = data(0)

@@ -16,7 +16,7 @@ from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.localize import (ExplosionLocator, layer_of_tensor, layer_views,
                                            locate_explosion, walk_order)
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 
 @pytest.mark.parametrize("tensor, depth, key", [
@@ -69,7 +69,7 @@ def test_nothing_is_named_without_a_jump_and_a_nonfinite_value_is_named_at_once(
 def train_records(model, opt, corpus, rng, steps, start=0):
     transport = MemoryTransport()
     monitor = attach(model, opt, identity=RankIdentity(run_id="l", rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"P1": 1}, telemetry=False, comm=False),
+                     config=ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False),
                      transport=transport)
     for step in range(start, start + steps):
         b = corpus.batch(rng, 4, model.cfg.seq_len, 8)

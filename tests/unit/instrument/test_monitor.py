@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import (MemoryTransport, NullMonitor, ProbeConfig, RankIdentity,
                                   attach)
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 
 SOURCES = ("web", "code")
 CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
@@ -120,7 +120,7 @@ def test_p1_gradient_detail_and_update_ratio_components():
     batches = make_batches(3)
     torch.manual_seed(0)
     before = {n: p.detach().clone() for n, p in TinyLM(CFG).named_parameters()}
-    recs, model = run(ProbeConfig(cadence={"P1": 1}, **QUIET), batches=batches)
+    recs, model = run(ProbeConfig(cadence={"scan": 1}, **QUIET), batches=batches)
     rec = recs[0]
     after = dict(model.named_parameters())
     for name in ("blocks.0.mlp.up.weight", "embed.weight"):
@@ -140,7 +140,7 @@ def test_p1_gradient_detail_and_update_ratio_components():
 
 
 def test_p2_adds_kurtosis_moments_and_the_adamw_chain():
-    [rec], _ = run(ProbeConfig(cadence={"P1": 1, "P2": 1}, **QUIET))
+    [rec], _ = run(ProbeConfig(cadence={"scan": 1, "demand": 1}, **QUIET))
     kinds = {dict(labels)["kind"] for (name, labels) in rec.values if name == "tensor.sum4"}
     assert {"opt_grad", "opt_normalized", "opt_direction", "fwd"} <= kinds
 
@@ -169,7 +169,7 @@ def count_step_ops(monitor, step):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_an_unsampled_step_runs_no_probe_tensor_op(persistent):
-    config = ProbeConfig(cadence={"P0": 2, "P1": 4}, clip_threshold=1.0, sources=SOURCES,
+    config = ProbeConfig(cadence={"step": 2, "scan": 4}, clip_threshold=1.0, sources=SOURCES,
                          persistent_hooks=persistent, **QUIET)
 
     def attached(model, opt):
@@ -201,7 +201,7 @@ def tensor_stats(recs):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_does_not_count_a_probe_twice(reentrant):
-    config = ProbeConfig(cadence={"P1": 1}, **QUIET)
+    config = ProbeConfig(cadence={"scan": 1}, **QUIET)
     torch.manual_seed(0)
     plain = Checkpointed(CFG)
     plain_recs, _ = run(config, model=plain, batches=make_batches(5))
@@ -230,7 +230,7 @@ def test_guard_counters_and_densify():
     opt = torch.optim.AdamW(model.parameters())
     transport = MemoryTransport()
     monitor = attach(model, opt, identity=identity(), transport=transport,
-                     config=ProbeConfig(cadence={"P1": 0}, **QUIET))
+                     config=ProbeConfig(cadence={"scan": 0}, **QUIET))
     with monitor.step(0) as s:
         s.skipped()
         s.replayed(reproduced=True)
@@ -310,7 +310,7 @@ def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
     model = TinyLM(CFG)
     transport = MemoryTransport()
     monitor = attach(model, None, identity=identity(), transport=transport,
-                     config=ProbeConfig(cadence={"P1": 1}, clip_threshold=0.5, **QUIET))
+                     config=ProbeConfig(cadence={"scan": 1}, clip_threshold=0.5, **QUIET))
     with monitor.step(0) as s:
         for tokens, targets, source in batches:
             s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
@@ -355,10 +355,10 @@ def test_an_extension_shares_the_step_and_is_told_its_boundaries():
     calls = []
 
     class Extension:
-        def on_gradients(self, inv_scale):
+        def on_gradients(self, state, inv_scale):
             calls.append(("on_gradients", inv_scale))
 
-        def finish(self):
+        def finish(self, state):
             calls.append(("finish",))
 
         def remove(self):
@@ -368,7 +368,7 @@ def test_an_extension_shares_the_step_and_is_told_its_boundaries():
     model = TinyLM(CFG)
     opt = torch.optim.AdamW(model.parameters())
     monitor = attach(model, opt, identity=identity(), transport=MemoryTransport(),
-                     config=ProbeConfig(cadence={"P0": 2}, **QUIET))
+                     config=ProbeConfig(cadence={"step": 2}, **QUIET))
     monitor.add_extension(Extension())
     for step in (0, 1):
         train_step(monitor, model, opt, step, make_batches(step))

@@ -7,8 +7,9 @@ from torch import nn
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument.config import ProbeConfig
-from probewire.instrument.export import RankIdentity
-from probewire.instrument.registry import GRAD_GROUPS, build_registry, label_name
+from probewire.instrument.wire import RankIdentity
+from probewire.instrument.catalog import GRAD_GROUPS
+from probewire.instrument.registry import build_registry, label_name
 
 
 class MoE(nn.Module):

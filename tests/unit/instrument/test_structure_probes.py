@@ -15,16 +15,17 @@ import torch.nn.functional as F
 from probewire.deploy.demo.model import BOS, IGNORE, TinyConfig, TinyLM, mtp_targets
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.structure_config import StructureConfig
-from probewire.instrument.structure_probes import RESIDUAL_STATS, quantile_bound
+from probewire.instrument.catalog import Residual
+from probewire.instrument.probes.tokens import quantile_bound
 from probewire.stream.assemble import reduce_step
-from probewire.stream.decode import decode_rank_step
+from probewire.instrument.wire import decode_rank_step
 from probewire.stream.stage2 import p0_view
 
 CFG = TinyConfig(seq_len=12, d_model=16, n_layer=2, n_head=2, n_experts=4, top_k=2,
                  gated_branches=True, attn_gate=True, media_tiles=2, encoder_dim=8,
                  mtp_depth=1)
 QUIET = dict(telemetry=False, comm=False)
-ALL_ON = ProbeConfig(cadence={"P0": 1, "P1": 1, "P2": 1}, **QUIET)
+ALL_ON = ProbeConfig(cadence={"step": 1, "scan": 1, "demand": 1}, **QUIET)
 P = CFG.media_tokens_per_image
 
 
@@ -183,7 +184,7 @@ def test_residual_statistics_per_valid_token_match_numpy(measured, layer, branch
                                                   measured["valid"])])
     assert value(rec, "residual.tokens", layer=layer, branch=branch) == per_token.shape[0]
     tol = dict(stream_norm=1e-5, branch_norm=1e-5, ratio=1e-5, importance=1e-3, angle=1e-4)
-    for i, stem in enumerate(RESIDUAL_STATS):
+    for i, stem in enumerate(Residual.STATS):
         col = per_token[:, i]
         want = {"sum": col.sum(), "p90": np.quantile(col, 0.9, method="higher"),
                 "p99": np.quantile(col, 0.99, method="higher"), "max": col.max()}
@@ -432,7 +433,8 @@ def test_attention_core_and_gate_score_rms_components(measured):
 
 # ------------------------------------------------------------------------- token outliers
 def test_a_token_outlier_that_flattening_hides_shows_in_the_per_token_quantiles():
-    from probewire.instrument.structure import ResidualStat, TokenField, residual_stats
+    from probewire.instrument.probes.residual import ResidualStat, residual_token_values
+    from probewire.instrument.probes.tokens import TokenField, token_quantiles
 
     g = torch.Generator().manual_seed(0)
     t, d = 1000, 64
@@ -441,7 +443,8 @@ def test_a_token_outlier_that_flattening_hides_shows_in_the_per_token_quantiles(
     s[::50] *= 0.01  # 2% of tokens: a collapsed stream, their branch overwrites it
     valid = torch.ones(t, dtype=torch.bool)
     flattened = float(b.norm() / s.norm())  # tokens × features flattened together
-    block = residual_stats(s, b, valid, eps=1e-12)[ResidualStat.BRANCH_RATIO]
+    block = token_quantiles(residual_token_values(s, b, eps=1e-12),
+                            valid.reshape(-1))[ResidualStat.BRANCH_RATIO]
     per_token = (b.norm(dim=-1) / s.norm(dim=-1)).numpy()
     assert flattened < 0.11                                     # looks healthy
     assert block[TokenField.P99] == pytest.approx(np.quantile(per_token, 0.99), rel=1e-5)
@@ -451,7 +454,7 @@ def test_a_token_outlier_that_flattening_hides_shows_in_the_per_token_quantiles(
 
 # ------------------------------------------------------------- quantiles across ranks
 def test_the_stream_bound_of_per_rank_quantiles_is_an_upper_bound():
-    from probewire.instrument.structure import token_quantiles
+    from probewire.instrument.probes.tokens import token_quantiles
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -508,7 +511,7 @@ def test_an_unsampled_step_runs_no_structure_tensor_op():
     def ops(structure: StructureConfig) -> list[str]:
         torch.manual_seed(0)
         model = TinyLM(CFG)
-        config = ProbeConfig(cadence={"P0": 2, "P1": 4, "P2": 8}, structure=structure, **QUIET)
+        config = ProbeConfig(cadence={"step": 2, "scan": 4, "demand": 8}, structure=structure, **QUIET)
         monitor = attach(model, None, identity=RankIdentity(run_id="s", rank=0, world_size=1),
                          config=config, transport=MemoryTransport())
         tokens, targets, media, present = make_batch(9)

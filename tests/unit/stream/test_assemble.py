@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from probewire.stream.assemble import StepAssembler, reduce_step
-from probewire.stream.records import RankStep, ReducedStep, series_key
+from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.records import ReducedStep
 
 LOSS, TOK, G2, TAU = (series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq",
                                                 "step_time_s"))

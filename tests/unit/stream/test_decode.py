@@ -9,10 +9,11 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from probewire.instrument.export import Point, RankIdentity, StepEmitter
+from probewire.instrument.export import StepEmitter
+from probewire.instrument.wire import Point, RankIdentity
 from probewire.instrument.testing import MemoryTransport
-from probewire.stream.decode import DecodeError, decode_rank_step
-from probewire.stream.records import series_key
+from probewire.instrument.wire import DecodeError, decode_rank_step
+from probewire.instrument.wire import series_key
 
 
 def emitted(points, step: int = 7) -> tuple[bytes, bytes]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from probewire.stream.assemble import reduce_step
 from probewire.stream.order import StepOrderer
-from probewire.stream.records import RankStep, series_key
+from probewire.instrument.wire import RankStep, series_key
 
 
 def item(step: int):

@@ -1,9 +1,9 @@
 """Exposed collective wait: timing of the torch.distributed collectives the loop issues.
 
 While a monitor is attached, the functions below are replaced in ``torch.distributed`` by
-thin wrappers (restored by ``restore``). A wrapper costs one flag check on a step whose
-P1 probes are off. On a sampled step it counts the call and its input bytes and times
-the *exposed* wait (001 §5):
+thin wrappers (restored by ``restore``). A wrapper costs one flag check on a step where
+the comm metrics are not due. On a step where they are, it counts the call and its input
+bytes and times the *exposed* wait (001 §5):
 
 * CPU tensors (gloo): wall time of a synchronous call, or of ``Work.wait()`` for
   ``async_op=True`` (the returned work object is proxied; everything else passes through).
@@ -15,7 +15,7 @@ Only calls made through ``torch.distributed.<name>`` after attach are seen: code
 imported the function object earlier, and collectives issued inside C++ (DDP's bucketed
 gradient all-reduce, FSDP's internal gathers), are not wrapped: the loop times those
 itself (a DDP comm hook) and reports them with ``StepContext.comm_wait(op, seconds)``,
-sent every step it is called.
+which adds to the wrappers' wait of the same op name.
 """
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .otlp import Point
+from ..catalog import Comm, Label, tier_of
+from ..collect import Late
+from ..state import StepState
+from ..wire import Point
 
 __all__ = ["COLLECTIVES", "CommTimer"]
+
+TIER = tier_of(Comm.WAIT, Comm.CALLS, Comm.BYTES)
 
 COLLECTIVES: tuple[str, ...] = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -74,7 +79,7 @@ class CommTimer:
     """Wraps ``torch.distributed`` collectives and keeps one step's per-op totals."""
 
     def __init__(self) -> None:
-        self.active = False           # set by the monitor on steps whose P1 probes run
+        self.active = False           # set on steps where the comm metrics are due
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[str, Callable] = {}
         self._totals: dict[str, list[float]] = {}   # op -> [wait_s, calls, bytes]
@@ -139,15 +144,18 @@ class CommTimer:
         else:
             self._totals.setdefault(op, [0.0, 0.0, 0.0])[0] += time.perf_counter() - start
 
-    def take(self, reported: Mapping[str, float] | None = None) -> Callable[[], list[Point]]:
-        """Hand this step's totals to a late sampler (run on the emitter thread); reset.
+    def open(self, state: StepState) -> None:
+        self.active = state.due[TIER]
 
-        ``reported``: op -> wait the loop measured itself (``StepContext.comm_wait``); it
-        adds to the wait of the same op, and an op the wrappers did not see gets only its
-        ``comm.wait_s`` (no calls or bytes were counted for it)."""
+    def close(self, state: StepState, late: list[Late]) -> None:
+        """Hand this step's totals and the loop's own waits (``state.comm_waits``) to a
+        late sampler that runs on the emitter thread (it reads CUDA events there); reset."""
+        self.active = False
+        if not state.due[TIER]:
+            return
         totals, events = self._totals, self._events
         self._totals, self._events = {}, []
-        reported = dict(reported or {})
+        reported = state.comm_waits
 
         def points() -> list[Point]:
             for op, start, end in events:  # CUDA: read the events off the training thread
@@ -155,11 +163,11 @@ class CommTimer:
                 totals.setdefault(op, [0.0, 0.0, 0.0])[0] += start.elapsed_time(end) / 1000.0
             out: list[Point] = []
             for op, (wait, calls, nbytes) in sorted(totals.items()):
-                labels = (("op", op),)
-                out += [Point("comm.wait_s", wait + reported.get(op, 0.0), labels),
-                        Point("comm.calls", calls, labels), Point("comm.bytes", nbytes, labels)]
-            out += [Point("comm.wait_s", wait, (("op", op),))
+                labels = ((Label.OP, op),)
+                out += [Point(Comm.WAIT, wait + reported.get(op, 0.0), labels),
+                        Point(Comm.CALLS, calls, labels), Point(Comm.BYTES, nbytes, labels)]
+            out += [Point(Comm.WAIT, wait, ((Label.OP, op),))
                     for op, wait in sorted(reported.items()) if op not in totals]
             return out
 
-        return points
+        late.append(points)

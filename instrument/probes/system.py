@@ -1,9 +1,10 @@
-"""System probes: the FLOP estimator, memory peaks, host/device/network telemetry (seeds §5).
+"""System probes (seeds 001 §5): step time, FLOPs and positions, memory peaks, the spike
+guard's counters, and host/device/network telemetry.
 
 Memory peaks are read on the training thread at step exit (allocator statistics and
 ``getrusage`` are host-side calls: no device synchronisation). Telemetry (psutil, PSI,
-NVML, network counters) is sampled on the emitter thread when a step's P1 probes ran,
-so its system calls never sit on the training path.
+NVML, network counters) is sampled on the emitter thread, so its system calls never sit
+on the training path.
 
 Reset boundary (001 §5, "reset peak counters only at documented boundaries"): the CUDA
 peak counters of the current device are reset when the monitor's step context opens, so
@@ -23,10 +24,20 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .otlp import Point
+from ..catalog import Device, Grad, Guard, Host, Memory, Net, System, tier_of
+from ..collect import Late
+from ..state import StepState
+from ..wire import Point
 
-__all__ = ["DeviceTelemetry", "HostTelemetry", "default_flops_per_token", "peak_memory_points",
-           "reset_peaks", "transformer_flops_per_token"]
+__all__ = ["DeviceTelemetry", "HostTelemetry", "SystemProbe", "default_flops_per_token",
+           "peak_memory_points", "reset_peaks", "transformer_flops_per_token"]
+
+TIER = tier_of(System.STEP_TIME, System.FLOPS, System.POSITIONS, Memory.PEAK_RSS,
+               Memory.PEAK_ALLOCATED, Memory.PEAK_RESERVED, Memory.ALLOCATED, Memory.RESERVED,
+               Guard.SKIPPED, Guard.REPLAYED, Guard.REPLAY_MISMATCH, Grad.CLIP_THRESHOLD)
+TELEMETRY_TIER = tier_of(Host.RSS, Host.CPU_PERCENT, Host.FAULTS_MINOR, Host.FAULTS_MAJOR,
+                         Host.INTERVAL, Host.CPU_PRESSURE, Net.RX, Net.TX, Device.UTILIZATION,
+                         Device.POWER, Device.TEMPERATURE, Device.CLOCK, Device.MEMORY_USED)
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +69,16 @@ def reset_peaks(device: torch.device | None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_points(device: torch.device | None, detail: bool) -> list[Point]:
-    """memory.peak_* (and with ``detail`` the current allocated/reserved bytes)."""
-    points = [Point("memory.peak_rss_bytes",
+def peak_memory_points(device: torch.device | None) -> list[Point]:
+    """memory.peak_* of the step, and the allocator's current allocated/reserved bytes."""
+    points = [Point(Memory.PEAK_RSS,
                     float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT))]
     if device is not None:
         points += [
-            Point("memory.peak_allocated_bytes", float(torch.cuda.max_memory_allocated(device))),
-            Point("memory.peak_reserved_bytes", float(torch.cuda.max_memory_reserved(device)))]
-        if detail:
-            points += [Point("memory.allocated_bytes", float(torch.cuda.memory_allocated(device))),
-                       Point("memory.reserved_bytes", float(torch.cuda.memory_reserved(device)))]
+            Point(Memory.PEAK_ALLOCATED, float(torch.cuda.max_memory_allocated(device))),
+            Point(Memory.PEAK_RESERVED, float(torch.cuda.max_memory_reserved(device))),
+            Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
+            Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device)))]
     return points
 
 
@@ -109,19 +119,19 @@ class HostTelemetry:
         now = time.monotonic()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         points = [
-            Point("host.rss_bytes", float(self._process.memory_info().rss)),
-            Point("host.cpu_percent", float(self._process.cpu_percent(None))),
-            Point("host.page_faults_minor", float(usage.ru_minflt - self._last_faults[0])),
-            Point("host.page_faults_major", float(usage.ru_majflt - self._last_faults[1])),
-            Point("host.interval_s", now - self._last_time),
+            Point(Host.RSS, float(self._process.memory_info().rss)),
+            Point(Host.CPU_PERCENT, float(self._process.cpu_percent(None))),
+            Point(Host.FAULTS_MINOR, float(usage.ru_minflt - self._last_faults[0])),
+            Point(Host.FAULTS_MAJOR, float(usage.ru_majflt - self._last_faults[1])),
+            Point(Host.INTERVAL, now - self._last_time),
         ]
         pressure = _read_psi()
         if pressure is not None:
-            points.append(Point("host.cpu_pressure_pct", pressure))
+            points.append(Point(Host.CPU_PRESSURE, pressure))
         if self._last_net is not None:
             rx, tx = self._net()
-            points += [Point("net.rx_bytes", float(rx - self._last_net[0])),
-                       Point("net.tx_bytes", float(tx - self._last_net[1]))]
+            points += [Point(Net.RX, float(rx - self._last_net[0])),
+                       Point(Net.TX, float(tx - self._last_net[1]))]
             self._last_net = (rx, tx)
         self._last_time = now
         self._last_faults = (usage.ru_minflt, usage.ru_majflt)
@@ -147,11 +157,11 @@ class DeviceTelemetry:
             return
         self.available = True
         self._queries: list[tuple[str, Callable[[], float]]] = [
-            ("device.utilization_pct", lambda: torch.cuda.utilization(device)),
-            ("device.power_w", lambda: torch.cuda.power_draw(device) / 1000.0),  # mW
-            ("device.temperature_c", lambda: torch.cuda.temperature(device)),
-            ("device.clock_mhz", lambda: torch.cuda.clock_rate(device)),
-            ("device.memory_used_bytes", lambda: torch.cuda.device_memory_used(device)),
+            (Device.UTILIZATION, lambda: torch.cuda.utilization(device)),
+            (Device.POWER, lambda: torch.cuda.power_draw(device) / 1000.0),  # mW
+            (Device.TEMPERATURE, lambda: torch.cuda.temperature(device)),
+            (Device.CLOCK, lambda: torch.cuda.clock_rate(device)),
+            (Device.MEMORY_USED, lambda: torch.cuda.device_memory_used(device)),
         ]
 
     def sample(self) -> list[Point]:
@@ -163,3 +173,42 @@ class DeviceTelemetry:
             log.warning("probewire: NVML query failed (%s); device.* telemetry off", exc)
             self.available = False
             return []
+
+
+class SystemProbe:
+    """Step bookkeeping on every step: step time, positions and FLOPs, memory peaks, the
+    guard's counters since the last emitted step and the clip threshold; telemetry
+    samplers run on the emitter thread. The CUDA peak counters are reset when the step
+    opens, so memory.peak_* covers exactly one step."""
+
+    def __init__(self, *, device: torch.device | None, flops_per_token: float,
+                 clip_threshold: float | None, telemetry: bool, read_network: bool) -> None:
+        self._device = device
+        self._flops_per_token = flops_per_token
+        self._clip_threshold = clip_threshold
+        self._host = HostTelemetry(read_network=read_network) if telemetry else None
+        self._gpu = DeviceTelemetry(device) if telemetry else None
+
+    def open(self, state: StepState) -> None:
+        if state.due[TIER]:
+            reset_peaks(self._device)
+
+    def close(self, state: StepState, elapsed_s: float, points: list[Point],
+              late: list[Late]) -> None:
+        if state.due[TIER]:
+            points.append(Point(System.STEP_TIME, elapsed_s))
+            if state.positions:
+                points += [Point(System.POSITIONS, float(state.positions)),
+                           Point(System.FLOPS, self._flops_per_token * state.positions)]
+            points += peak_memory_points(self._device)
+            skipped, replayed, mismatch = state.guard
+            points += [Point(Guard.SKIPPED, skipped), Point(Guard.REPLAYED, replayed),
+                       Point(Guard.REPLAY_MISMATCH, mismatch)]
+            state.guard = [0, 0, 0]
+            if self._clip_threshold is not None:
+                points.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
+        if state.due[TELEMETRY_TIER]:
+            if self._host is not None:
+                late.append(self._host.sample)
+            if self._gpu is not None and self._gpu.available:
+                late.append(self._gpu.sample)

@@ -1,0 +1,215 @@
+"""The gradient probe (seeds 001 §4): G2 and the clip indicator on every step, and per
+parameter group (all, embedding, expert, other) Σ|g|, max |g|, zeros, elements, non-finite
+and Σg², at the one point the seeds allow: accumulated over micro-batches, loss scale
+removed, before clipping.
+
+G2 comes from one fused multi-tensor norm per (device, dtype), combined exactly as
+``clip_grad_norm_`` combines them, so it reproduces the clipping norm; through
+``StepContext.clip_grad_norm_`` the very norm that clips is the measurement. The group
+statistics are per-tensor one-pass scans (``scan_many``, no copies: they are taken before
+the clip runs) combined by group; on scan steps the per-tensor rows are also emitted as
+tensor.*{kind=grad}. Parameters that another rank reports (a replica outside the stream's
+dedup groups) are left out of this rank's sums (``registry``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..catalog import GRAD_GROUPS, Grad, Label, tier_of
+from ..collect import host_values
+from ..registry import ParamInfo
+from ..scan import ScanFields
+from ..state import StepState
+from ..wire import Labels, Point
+from .common import F64
+from .tensors import TIER as SCAN_TIER
+from .tensors import TensorProbe
+
+__all__ = ["GradProbe", "decode_clipped", "decode_grad_detail", "decode_norms", "grad_norms",
+           "group_rows", "inverse_scale"]
+
+NORM_TIER = tier_of(Grad.NORM_SQ, Grad.CLIPPED)
+DETAIL_TIER = tier_of(Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
+_GROUP_LABELS: tuple[Labels, ...] = tuple(((Label.GROUP, g),) for g in GRAD_GROUPS)
+_DETAIL = ((Grad.ABS_SUM, ScanFields.SUM_ABS), (Grad.ABS_MAX, ScanFields.ABS_MAX),
+           (Grad.ZEROS, ScanFields.ZEROS), (Grad.ELEMENTS, ScanFields.N),
+           (Grad.NONFINITE, ScanFields.NONFINITE))
+
+
+# ------------------------------------------------------------------ device arithmetic
+def grad_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | float | None
+               ) -> torch.Tensor:
+    """``‖g‖`` over all gradient elements, loss scale removed (seeds 001 §4), shape [1].
+
+    Per-tensor norms come from one fused multi-tensor kernel per (device, dtype) and their
+    norm is taken exactly as ``clip_grad_norm_`` takes it, so the value reproduces the
+    clipping norm (three kernels in all). Non-finite elements propagate.
+    """
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.device, g.dtype), []).append(i)
+    first = grads[0].device
+    if len(by_kind) == 1:
+        norms = list(torch._foreach_norm(list(grads), 2.0))
+    else:  # clip_grad_norm_'s grouping; scatter back into parameter order
+        norms = [None] * len(grads)  # type: ignore[list-item]
+        for indices in by_kind.values():
+            for i, n in zip(indices, torch._foreach_norm([grads[i] for i in indices], 2.0)):
+                norms[i] = n.to(first, torch.float32)
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0, dim=0, keepdim=True)
+    if inv_scale is not None:
+        total = total.to(F64) * inv_scale
+    return total  # float32 is fine: the step's one ``cat`` promotes every part to float64
+
+
+def group_rows(rows: torch.Tensor, groups: Sequence[int]) -> torch.Tensor:
+    """[all, embedding, expert, other] combined gradient scan rows, flattened."""
+    index = host_values(groups, rows.device)
+    out = torch.zeros(len(GRAD_GROUPS), rows.shape[1], dtype=F64, device=rows.device)
+    out.index_add_(0, index, rows)
+    maxima = torch.zeros(len(GRAD_GROUPS), dtype=F64, device=rows.device)
+    out[:, ScanFields.ABS_MAX] = maxima.scatter_reduce_(0, index, rows[:, ScanFields.ABS_MAX],
+                                                        "amax", include_self=True)
+    total = out.sum(dim=0, keepdim=True)
+    total[0, ScanFields.ABS_MAX] = out[:, ScanFields.ABS_MAX].amax()
+    return torch.cat([total, out]).reshape(-1)
+
+
+def inverse_scale(scaler: Any, scale: Any) -> Any:
+    """1/s for gradients still multiplied by a loss scale s; None when already unscaled.
+
+    ``scale``: an explicit float or tensor. ``scaler``: a ``torch.amp.GradScaler``; its
+    scale tensor is read without a host sync, and nothing is divided once ``unscale_``
+    has run for the monitored optimizer (or when the scaler is disabled).
+    """
+    if scale is not None:
+        if isinstance(scale, torch.Tensor):
+            return scale.detach().to(F64).reciprocal()
+        return 1.0 / scale
+    if scaler is None or not scaler.is_enabled():
+        return None
+    from torch.amp.grad_scaler import OptState
+
+    for state in getattr(scaler, "_per_optimizer_states", {}).values():
+        if state.get("stage") is OptState.UNSCALED:
+            return None
+    scale_tensor = getattr(scaler, "_scale", None)
+    return None if scale_tensor is None else scale_tensor.detach().to(F64).reciprocal()
+
+
+# ------------------------------------------------------------------ host decoding
+def _indicator(value: float, threshold: float) -> float:
+    return math.nan if math.isnan(value) else float(value > threshold)
+
+
+def decode_norms(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
+    """[‖g‖] with meta = the clip threshold to derive grad.clipped from, or None."""
+    values, threshold = parts[0]
+    total = float(values[0])
+    out = [Point(Grad.NORM_SQ, total * total)]
+    if threshold is not None:  # this rank's sum is the global G2
+        out.append(Point(Grad.CLIPPED, _indicator(total, threshold)))
+    return out
+
+
+def decode_clipped(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
+    values, threshold = parts[0]
+    return [Point(Grad.CLIPPED, _indicator(float(values[0]), threshold))]
+
+
+def decode_grad_detail(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
+    """Rows [all, embedding, expert, other] of combined per-tensor gradient scans; meta
+    (groups present, scan width). Each group also gets its grad.norm_sq from the scans'
+    Σg² (finite elements; the unlabelled grad.norm_sq is the clipping norm)."""
+    values, (present, width) = parts[0]
+    v = values.tolist()
+    out = []
+    for row, labels in ((0, ()), *((1 + g, _GROUP_LABELS[g]) for g in present)):
+        base = row * width
+        out += [Point(name, v[base + f], labels) for name, f in _DETAIL]
+        if labels:
+            out.append(Point(Grad.NORM_SQ, v[base + ScanFields.SUM_SQ], labels))
+    return out
+
+
+# ------------------------------------------------------------------ the probe
+class GradProbe:
+    """The rank's gradient measurements; the probe sets in ``listeners`` (the structure
+    probes, a user's own) hear about the gradient point too (``on_gradients``)."""
+
+    def __init__(self, params: Sequence[ParamInfo], tensors: TensorProbe, listeners: list, *,
+                 clip_threshold: float | None, whole_gradient: bool) -> None:
+        self._params = [info for info in params if info.in_grad]
+        self._tensors = tensors
+        self._listeners = listeners
+        self._threshold = clip_threshold
+        self._whole = whole_gradient
+
+    def record(self, state: StepState, scaler: Any, scale: Any, *, norm: bool = True,
+               detail: bool = True, notify: bool = True) -> None:
+        """Measure now: call after the last backward, before clipping."""
+        if not state.sampled:
+            return
+        infos = [i for i in self._params if i.param.grad is not None]
+        if not infos:
+            return
+        inv = inverse_scale(scaler, scale)
+        if notify:
+            for listener in self._listeners:
+                listener.on_gradients(state, inv)
+        grads = [i.param.grad.detach() for i in infos]
+        if state.due[NORM_TIER] and norm:
+            state.grad_norm = grad_norms(grads, inv)
+        groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
+        if groups_due or tensors_due:
+            entries = []
+            for info, grad in zip(infos, grads):  # scanned now: the clip has not run yet
+                entries += self._tensors.parameter_entries(
+                    "grad", [(info.param, grad)], emit=tensors_due and info.report,
+                    group=info.group)
+            rows = self._tensors.scan_entries(state, entries, inv)
+            if groups_due:
+                groups = [e.group for e in entries]
+                state.grad_rows = (group_rows(rows, groups), tuple(sorted(set(groups))))
+
+    def clip_grad_norm_(self, state: StepState, parameters: Any, max_norm: float,
+                        norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """Measure, then clip with the same total norm (see ``StepContext.clip_grad_norm_``)."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in params if p.grad is not None]
+        self.record(state, None, None, norm=False)  # detail and structure, before clipping
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+        if state.due[NORM_TIER] and grads:
+            owned = {id(i.param) for i in self._params if i.param.grad is not None}
+            if norm_type == 2.0 and owned == {id(p) for p in params if p.grad is not None}:
+                state.grad_norm = total.detach().reshape(1)  # the clipping norm is this rank's
+            else:  # a subset, another norm, or replicas this rank does not count: measure
+                self.record(state, None, None, detail=False, notify=False)
+            state.clip = total.detach()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def clipped(self, state: StepState, total_norm: torch.Tensor | float) -> None:
+        if state.due[NORM_TIER]:
+            state.clip = total_norm
+
+    def close(self, state: StepState, points: list[Point]) -> None:
+        threshold, collector = self._threshold, state.collector
+        if state.grad_norm is not None:
+            derive = threshold if (state.clip is None and self._whole) else None
+            collector.add("grad.norms", state.grad_norm, decode_norms, derive)
+        if state.clip is not None and threshold is not None:
+            if isinstance(state.clip, torch.Tensor):
+                collector.add("grad.clipped", state.clip.detach().reshape(1), decode_clipped,
+                              threshold)
+            else:
+                points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))
+        if state.grad_rows is not None:
+            rows, present = state.grad_rows
+            width = rows.shape[0] // (len(GRAD_GROUPS) + 1)
+            collector.add("grad.detail", rows, decode_grad_detail, (present, width))

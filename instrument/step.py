@@ -1,0 +1,244 @@
+"""The step context: the loop marks each optimizer step with it and hands it what only the
+loop knows (micro-batch composition, per-token losses, the gradient point, the clipping
+norm, collective waits, spike-guard events). It records them into the rank's
+``StepState`` through the probe homes, and at the step's end seals the step's device parts
+into one transfer and hands the record to the emitter. Every method is a no-op on a step
+where its probe is not due, so the loop never branches.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .catalog import Tier
+from .collect import SealedStep
+from .probes.comm import CommTimer
+from .probes.grads import GradProbe
+from .probes.loss import LossProbe
+from .probes.system import SystemProbe
+from .probes.tensors import TensorProbe
+from .state import Schedule, StepState
+
+__all__ = ["NullStepContext", "ProbeSet", "Probes", "StepContext"]
+
+
+class ProbeSet(Protocol):
+    """A set of probes that shares the monitor's step (the structure probes, or a user's own):
+    it adds its device parts to ``state.collector`` from its own hooks, hears about the
+    gradient point (accumulated, before clipping; ``inv_scale`` removes a loss scale, None
+    when there is none), finishes its work when a sampled step ends (before the step is
+    sealed), and removes its hooks on close."""
+
+    def on_gradients(self, state: StepState, inv_scale: Any) -> None: ...
+
+    def finish(self, state: StepState) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """The probes one monitor attached, decided at attach time."""
+
+    loss: LossProbe
+    grads: GradProbe
+    tensors: TensorProbe
+    system: SystemProbe
+    comm: CommTimer
+    sets: list[ProbeSet]        # the structure probes and a user's own (``add_extension``)
+
+
+class StepContext:
+    """Marks one optimizer step (see the module docstring); reused step after step."""
+
+    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next")
+
+    def __init__(self, state: StepState, schedule: Schedule, probes: Probes,
+                 submit: Callable[[SealedStep], None]) -> None:
+        self._state, self._schedule, self._probes, self._submit = state, schedule, probes, submit
+        self._next = 0
+
+    def at(self, step: int) -> "StepContext":
+        """This context, for optimizer step ``step`` (enter it before loading the batch)."""
+        if self._state.step is not None:
+            raise RuntimeError(f"step {step} opened inside step {self._state.step}")
+        self._next = int(step)
+        return self
+
+    # ------------------------------------------------------------------ boundaries
+    def __enter__(self) -> "StepContext":
+        state, probes = self._state, self._probes
+        step = self._next
+        state.open(step, self._schedule.due(step), 0.0)
+        probes.tensors.open(state)
+        probes.comm.open(state)
+        probes.system.open(state)
+        state.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        state, probes = self._state, self._probes
+        ok, step = exc_type is None, state.step
+        try:
+            if ok and state.sampled and step is not None:
+                for probe_set in probes.sets:
+                    probe_set.finish(state)
+                probes.tensors.close(state)  # the step's scans, in one batch
+            elapsed = time.perf_counter() - state.t0
+            state.last_step_time_s = elapsed
+            if ok and state.sampled and step is not None:
+                start = time.perf_counter()
+                points: list = []
+                late: list = []
+                probes.system.close(state, elapsed, points, late)
+                probes.grads.close(state, points)
+                probes.comm.close(state, late)
+                self._submit(state.collector.seal(step, points, late))
+                state.emit_time_s += time.perf_counter() - start
+                state.emitted_steps += 1
+        finally:
+            probes.tensors.disarm()
+            probes.comm.active = False
+            state.reset()
+        return False
+
+    # ------------------------------------------------------------------ what the loop tells
+    @property
+    def step(self) -> int | None:
+        return self._state.step
+
+    def sampled(self, tier: Tier | str) -> bool:
+        """Whether the probes of ``tier`` ("step", "scan", "demand") run in this step."""
+        return self._state.due[Tier(tier)]
+
+    def micro_batch(self, *, tokens: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None, source: torch.Tensor | None = None,
+                    modality: torch.Tensor | None = None) -> None:
+        """Composition of the next forward pass: input ``tokens`` [B, T] (their count is the
+        step's positions for flops.step), the valid-target ``mask`` [B, T] (bool), and
+        ``source`` / ``modality`` ids (row [B] or token [B, T]) indexing the registered
+        ``ProbeConfig.sources`` / ``modalities``. Stores references only: do not modify
+        these tensors in place before the step's record is exported (the next step)."""
+        state = self._state
+        state.mask, state.source, state.modality = mask, source, modality
+        if tokens is not None:
+            state.positions += tokens.numel()
+        elif mask is not None:
+            state.positions += mask.numel()
+
+    def loss(self, token_losses: torch.Tensor, mask: torch.Tensor | None = None, *,
+             source: torch.Tensor | None = None, modality: torch.Tensor | None = None) -> None:
+        """Per-token NLL of one micro-batch (``reduction="none"``); mask/ids default to the
+        current ``micro_batch``'s."""
+        self._probes.loss.record(self._state, token_losses, mask, source, modality)
+
+    def loss_totals(self, loss_sum: torch.Tensor | float, valid_tokens: torch.Tensor | int) -> None:
+        """For fused losses that only return a sum: the micro-batch's Σ m·ℓ and Σ m."""
+        self._probes.loss.record_totals(self._state, loss_sum, valid_tokens)
+
+    def gradients(self, *, scaler: Any = None, scale: Any = None) -> None:
+        """Measure the gradients now: after accumulation (call it after the last backward),
+        loss scale removed (pass the ``GradScaler`` or the scale), before clipping."""
+        self._probes.grads.record(self._state, scaler, scale)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` that is also the gradient probe: the gradient
+        statistics are taken first (accumulated, unscaled — call it after
+        ``GradScaler.unscale_`` — and not yet clipped), then the same total norm clips.
+        One norm computation serves both, so grad.norm_sq is the clipping norm squared.
+        Returns the total norm, as torch's does."""
+        return self._probes.grads.clip_grad_norm_(self._state, parameters, max_norm,
+                                                  norm_type, error_if_nonfinite)
+
+    def clipped(self, total_norm: torch.Tensor | float) -> None:
+        """The global norm the loop clipped with (``clip_grad_norm_``'s return value, a
+        device tensor is fine): grad.clipped = 1[total_norm > clip_threshold]."""
+        self._probes.grads.clipped(self._state, total_norm)
+
+    def comm_wait(self, op: str, seconds: float) -> None:
+        """This rank's exposed wait on collective ``op`` in this step, measured by the loop
+        itself (a host float, seconds >= 0): for collectives the monitor's wrappers cannot
+        see, such as DDP's bucketed gradient all-reduce timed by a comm hook (report it
+        under an op name of its own, e.g. ``"ddp_allreduce"``). Sent as ``comm.wait_s{op}``;
+        calls for one op in one step add up, and add to what the wrappers timed for the same
+        op name. The stream subtracts a rank's waits from its step time to tell a straggler
+        from the ranks that wait for it."""
+        seconds = _check_wait(op, seconds)
+        state = self._state
+        if state.sampled:
+            state.comm_waits[op] = state.comm_waits.get(op, 0.0) + seconds
+
+    def skipped(self) -> None:
+        """The spike guard skipped this step's update."""
+        self._state.guard[0] += 1
+
+    def replayed(self, *, reproduced: bool) -> None:
+        """The step was replayed; ``reproduced`` False when the replay's loss differed."""
+        self._state.guard[1] += 1
+        if not reproduced:
+            self._state.guard[2] += 1
+
+
+class NullStepContext:
+    """The disabled monitor's step: every method accepts the same arguments and does nothing."""
+
+    __slots__ = ()
+    step = None
+
+    def __enter__(self) -> "NullStepContext":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+    def sampled(self, tier: Tier | str) -> bool:
+        return False
+
+    def micro_batch(self, **kwargs: Any) -> None:
+        return None
+
+    def loss(self, token_losses: Any, mask: Any = None, **kwargs: Any) -> None:
+        return None
+
+    def loss_totals(self, loss_sum: Any, valid_tokens: Any) -> None:
+        return None
+
+    def gradients(self, **kwargs: Any) -> None:
+        return None
+
+    def clipped(self, total_norm: Any) -> None:
+        return None
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
+                                              error_if_nonfinite)
+
+    def comm_wait(self, op: str, seconds: float) -> None:
+        _check_wait(op, seconds)
+
+    def skipped(self) -> None:
+        return None
+
+    def replayed(self, *, reproduced: bool) -> None:
+        return None
+
+
+def _check_wait(op: Any, seconds: Any) -> float:
+    """``comm_wait``'s arguments: a label-safe op name and a finite wait >= 0 (seconds)."""
+    if not isinstance(op, str) or not op or op != op.strip() or any(c in op for c in "|="):
+        raise ValueError(f"comm_wait: op must be a non-empty name without spaces at its ends, "
+                         f"'|' or '=', got {op!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise ValueError(f"comm_wait({op!r}): seconds must be a host float, got {seconds!r}")
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"comm_wait({op!r}): seconds must be finite and >= 0, got {value!r}")
+    return value

@@ -1,0 +1,664 @@
+"""The wire contract, torch-free: one rank's step as an OTLP ``ExportMetricsServiceRequest``.
+
+Ranks encode with ``WireEncoder``; the stream decodes with ``decode_rank_step``. Both work
+on the protobuf wire format directly (field numbers of ``opentelemetry-proto``'s
+metrics/v1 and collector/metrics/v1), so neither builds a Python object per point; the
+messages are ordinary OTLP and decode with the stock classes too (what an OpenTelemetry
+Collector's Kafka receiver with ``otlp_proto`` uses). The tests hold both against the
+stock classes on random messages.
+
+One message per rank per step: every point is a Gauge data point with the integer
+attribute ``step`` and its labels. A non-finite value is sent as 0.0 with the attribute
+``probewire.nonfinite`` naming it ("nan", "inf", "-inf"). The resource carries who is
+speaking (``RankIdentity``): run id, rank, world size, host and the rank's coordinate in
+each parallel group. The Kafka key is ``<run_id>:<step>``.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Sequence
+
+from .catalog import CATALOG, Group
+
+__all__ = ["GROUPS", "NONFINITE_ATTR", "REPLAY_ATTR", "STEP_ATTR", "DecodeError", "Labels",
+           "Point", "RankIdentity", "RankStep", "SeriesKey", "WireEncoder", "decode_rank_step",
+           "message_key", "series_key"]
+
+STEP_ATTR = "step"                      # data point attribute: the optimizer step
+NONFINITE_ATTR = "probewire.nonfinite"  # data point attribute: "nan", "inf" or "-inf"
+REPLAY_ATTR = "probewire.replay"        # resource attribute of a message re-sent on request
+SCOPE = "probewire.instrument"
+RUN_ID_ATTR = "probewire.run_id"
+RANK_ATTR = "probewire.rank"
+WORLD_SIZE_ATTR = "probewire.world_size"
+LOCAL_RANK_ATTR = "probewire.local_rank"
+HOST_ATTR = "host.name"
+SERVICE_ATTR = "service.name"
+GROUPS: tuple[str, ...] = tuple(g.value for g in Group)
+"""Parallel groups, in the order coordinates are compared (resource ``probewire.<group>``)."""
+_GROUP_ATTRS = {f"probewire.{g}": g for g in GROUPS}
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_LABEL_KEYS = {name: frozenset(spec.labels) for name, spec in CATALOG.items()}
+
+Labels = tuple[tuple[str, str], ...]
+SeriesKey = tuple[str, Labels]  # (metric name, labels sorted by key)
+
+
+class Point(NamedTuple):
+    """One measurement: a catalog metric name, its value and its (bounded) labels."""
+
+    name: str
+    value: float
+    labels: Labels = ()
+
+
+def series_key(name: str, labels: Mapping[str, str] | Labels = ()) -> SeriesKey:
+    items = labels.items() if isinstance(labels, Mapping) else labels
+    return name, tuple(sorted((str(k), str(v)) for k, v in items))
+
+
+def message_key(run_id: str, step: int) -> bytes:
+    return f"{run_id}:{step}".encode()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankIdentity:
+    """Who is speaking: the OTLP resource attributes of every message from this rank."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    host: str = field(default_factory=socket.gethostname)
+    local_rank: int = 0
+    coords: Mapping[str, int] = field(default_factory=dict)  # group name (dp/tp/...) -> index
+
+    def __post_init__(self) -> None:
+        if not self.run_id or ":" in self.run_id:
+            raise ValueError(f"run_id must be non-empty and contain no ':', got {self.run_id!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        unknown = set(self.coords) - set(GROUPS)
+        if unknown:
+            raise ValueError(f"coords: unknown group(s) {sorted(unknown)}; groups: {GROUPS}")
+
+    def coord(self, group: str) -> int:
+        """This rank's index in ``group`` ("dp", "tp", ...); 0 for a group the layout lacks."""
+        coords = dict(self.coords) or {Group.DATA.value: self.rank}
+        return int(coords.get(group, 0))
+
+    def resource_attributes(self) -> dict[str, str | int]:
+        attrs: dict[str, str | int] = {
+            SERVICE_ATTR: "probewire-rank",
+            HOST_ATTR: self.host,
+            RUN_ID_ATTR: self.run_id,
+            RANK_ATTR: self.rank,
+            WORLD_SIZE_ATTR: self.world_size,
+            LOCAL_RANK_ATTR: self.local_rank,
+        }
+        coords = dict(self.coords) or {Group.DATA.value: self.rank}
+        for group, index in coords.items():
+            attrs[f"probewire.{group}"] = int(index)
+        return attrs
+
+
+# ------------------------------------------------------------------------------ writing
+_DOUBLE = struct.Struct("<d")
+_FIXED64 = struct.Struct("<Q")
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n &= (1 << 64) - 1  # int64 as protobuf writes it: two's complement, 10 bytes
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _any_value(value: str | int | float | bool) -> bytes:
+    """AnyValue: string (1), bool (2), int (3) or double (4)."""
+    if isinstance(value, bool):
+        return bytes((2 << 3,)) + _varint(int(value))
+    if isinstance(value, int):
+        return bytes((3 << 3,)) + _varint(value)
+    if isinstance(value, float):
+        return bytes((4 << 3 | 1,)) + _DOUBLE.pack(value)
+    return _field(1, str(value).encode())
+
+
+def _key_value(key: str, value: str | int | float | bool) -> bytes:
+    return _field(1, key.encode()) + _field(2, _any_value(value))
+
+
+_POINT_ATTR = 7                      # NumberDataPoint.attributes
+_TIME_TAG = bytes((3 << 3 | 1,))     # NumberDataPoint.time_unix_nano, fixed64
+_DOUBLE_TAG = bytes((4 << 3 | 1,))   # NumberDataPoint.as_double
+
+
+class WireEncoder:
+    """Writes the request field by field from cached fragments: the resource, each metric's
+    name and unit and each label set are written once; per point it packs the step, time and
+    value. About 1 µs per point and no state per step; its caches are bounded by the catalog
+    and the bounded label sets."""
+
+    def __init__(self, resource_attributes: Mapping[str, str | int | bool]) -> None:
+        resource = b"".join(_field(1, _key_value(k, v)) for k, v in resource_attributes.items())
+        replay = resource + _field(1, _key_value(REPLAY_ATTR, True))
+        self._resource = _field(1, resource)         # ResourceMetrics.resource
+        self._replay_resource = _field(1, replay)
+        self._scope = _field(1, _field(1, SCOPE.encode()))  # ScopeMetrics.scope.name
+        self._metric_head: dict[str, bytes] = {}
+        self._labels: dict[Labels, bytes] = {}
+        self._nonfinite = {tag: _field(_POINT_ATTR, _key_value(NONFINITE_ATTR, tag))
+                           for tag in _NONFINITE}
+
+    def _head(self, name: str) -> bytes:
+        head = self._metric_head.get(name)
+        if head is None:  # Metric.name (1) and Metric.unit (3)
+            spec = CATALOG.get(name)
+            unit = spec.unit if spec is not None else "1"
+            head = self._metric_head[name] = _field(1, name.encode()) + _field(3, unit.encode())
+        return head
+
+    def _label_bytes(self, labels: Labels) -> bytes:
+        cached = self._labels.get(labels)
+        if cached is None:
+            cached = self._labels[labels] = b"".join(
+                _field(_POINT_ATTR, _key_value(k, str(v))) for k, v in labels)
+        return cached
+
+    def encode(self, step: int, points: Sequence[Point], *, replay: bool = False) -> bytes:
+        step_attr = _field(_POINT_ATTR, _key_value(STEP_ATTR, int(step)))
+        stamp = _TIME_TAG + _FIXED64.pack(time.time_ns()) + _DOUBLE_TAG
+        by_metric: dict[str, list[bytes]] = {}
+        for name, raw, labels in points:
+            number = float(raw)
+            if math.isfinite(number):
+                body = step_attr + self._label_bytes(labels) + stamp + _DOUBLE.pack(number)
+            else:
+                tag = "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
+                body = (step_attr + self._label_bytes(labels) + self._nonfinite[tag] + stamp
+                        + _DOUBLE.pack(0.0))
+            points_of = by_metric.get(name)
+            if points_of is None:
+                points_of = by_metric[name] = []
+            points_of.append(b"\x0a" + _varint(len(body)) + body)  # Gauge.data_points (1)
+        metrics = b"".join(
+            _field(2, self._head(name) + _field(5, b"".join(data)))  # ScopeMetrics.metrics,
+            for name, data in by_metric.items())                     # Metric.gauge (5)
+        resource_metrics = ((self._replay_resource if replay else self._resource)
+                            + _field(2, self._scope + metrics))      # scope_metrics (2)
+        return _field(1, resource_metrics)  # ExportMetricsServiceRequest.resource_metrics
+
+
+# ------------------------------------------------------------------------------ reading
+class DecodeError(ValueError):
+    """A message that cannot become a RankStep; ``reason`` goes to the dead-letter topic."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True, kw_only=True)
+class RankStep:
+    """Everything one rank reported for one step (one Kafka message)."""
+
+    run_id: str
+    step: int
+    rank: int
+    world_size: int
+    host: str
+    coords: dict[str, int]
+    values: dict[SeriesKey, float]
+
+
+_unpack_double = _DOUBLE.unpack_from
+_unpack_fixed64 = _FIXED64.unpack_from
+
+
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: bytes, pos: int, end: int):
+    """Yield (field number, wire type, value) of one message: the value of a varint, the
+    offset of a fixed64 (unpack it as the field's type), the value of a fixed32, and the
+    (start, end) span of a length-delimited field."""
+    while pos < end:
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _read_varint(buf, pos, end)
+        number, kind = tag >> 3, tag & 7
+        if number == 0:
+            raise DecodeError("not an OTLP ExportMetricsServiceRequest: field number 0")
+        if kind == 2:
+            size = buf[pos] if pos < end else 0x80
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _read_varint(buf, pos, end)
+            stop = pos + size
+            if stop > end:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+            yield number, 2, (pos, stop)
+            pos = stop
+        elif kind == 0:
+            value, pos = _read_varint(buf, pos, end)
+            yield number, 0, value
+        elif kind == 1:
+            if pos + 8 > end:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated fixed64")
+            yield number, 1, pos
+            pos += 8
+        elif kind == 5:
+            if pos + 4 > end:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated fixed32")
+            yield number, 5, int.from_bytes(buf[pos:pos + 4], "little")
+            pos += 4
+        else:
+            raise DecodeError(f"not an OTLP ExportMetricsServiceRequest: wire type {kind}")
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _text(buf: bytes, span: tuple[int, int]) -> str:
+    try:
+        return buf[span[0]:span[1]].decode()
+    except UnicodeDecodeError:
+        raise DecodeError("a string field is not UTF-8") from None
+
+
+def _key_value_of(buf: bytes, span: tuple[int, int]) -> tuple[str, str | int | float | bool]:
+    """KeyValue -> (key, value); the value is the AnyValue's one scalar field."""
+    key: str | None = None
+    value: str | int | float | bool | None = None
+    for number, kind, item in _fields(buf, *span):
+        if number == 1 and kind == 2:
+            key = _text(buf, item)
+        elif number == 2 and kind == 2:
+            for vnum, vkind, v in _fields(buf, *item):
+                if vnum == 1 and vkind == 2:
+                    value = _text(buf, v)
+                elif vnum == 2 and vkind == 0:
+                    value = bool(v)
+                elif vnum == 3 and vkind == 0:
+                    value = _signed(v)
+                elif vnum == 4 and vkind == 1:
+                    value = _unpack_double(buf, v)[0]
+                else:
+                    raise DecodeError(f"attribute {key!r} has no scalar value")
+    if key is None:
+        raise DecodeError("attribute without a key")
+    if value is None:
+        raise DecodeError(f"attribute {key!r} has no value")
+    return key, value
+
+
+def _resource(buf: bytes, span: tuple[int, int]) -> dict[str, str | int | float | bool]:
+    attrs = {}
+    for number, kind, item in _fields(buf, *span):
+        if number == 1 and kind == 2:
+            raw = buf[item[0]:item[1]]
+            kv = _KV_CACHE.get(raw)
+            if kv is None:
+                if len(_KV_CACHE) >= _KV_CACHE_MAX:
+                    _KV_CACHE.clear()
+                kv = _KV_CACHE[raw] = _key_value_of(buf, item)
+            attrs[kv[0]] = kv[1]
+    return attrs
+
+
+def _int_attr(resource: Mapping[str, object], key: str) -> int:
+    try:
+        value = resource[key]
+    except KeyError:
+        raise DecodeError(f"resource attribute {key} missing") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeError(f"resource attribute {key} must be an integer, got {value!r}")
+    return value
+
+
+def decode_rank_step(key: bytes | None, payload: bytes | None) -> RankStep:
+    """Decode one rank's message for one step, checking it against its key and the catalog.
+
+    Anything that is not a well-formed probewire message raises ``DecodeError`` (and only
+    that): the stream dead-letters it with the reason."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or not payload:
+        raise DecodeError("not an OTLP ExportMetricsServiceRequest: empty payload")
+    buf = bytes(payload)
+    try:
+        return _decode(key, buf)
+    except (IndexError, struct.error):
+        raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field") from None
+
+
+def _decode(key: bytes | None, buf: bytes) -> RankStep:
+    spans = [item for number, kind, item in _fields(buf, 0, len(buf))
+             if number == 1 and kind == 2]
+    if len(spans) != 1:
+        raise DecodeError(f"expected 1 resource, got {len(spans)}")
+    speaker: _Speaker | None = None
+    scopes: list[tuple[int, int]] = []
+    for number, kind, item in _fields(buf, *spans[0]):
+        if number == 1 and kind == 2:
+            raw = buf[item[0]:item[1]]
+            speaker = _SPEAKERS.get(raw)
+            if speaker is None:
+                if len(_SPEAKERS) >= _BLOCKS_MAX:
+                    _SPEAKERS.clear()
+                speaker = _SPEAKERS[raw] = _Speaker.parse(_resource(buf, item))
+        elif number == 2 and kind == 2:
+            scopes.append(item)
+    if speaker is None:
+        speaker = _Speaker.parse({})
+    run_id = speaker.run_id
+
+    points = _Points(buf)
+    for scope in scopes:
+        for number, kind, metric_span in _fields(buf, *scope):
+            if number == 2 and kind == 2:  # ScopeMetrics.metrics; skip the scope, schema_url
+                name, gauges = _metric(buf, metric_span)
+                for gauge in gauges:
+                    points.gauge(gauge, name)
+    values, steps = points.values, points.steps
+    if not steps:
+        raise DecodeError("message holds no data point")
+    if len(steps) > 1:
+        first, second = sorted(steps)[:2]
+        raise DecodeError(f"expected points of exactly one step, got {first} and {second}")
+    step = steps.pop()
+    if key is not None:
+        expected = message_key(run_id, step)
+        if key != expected:
+            raise DecodeError(f"key {key!r} does not match content {expected!r}")
+    return RankStep(run_id=run_id, step=step, rank=speaker.rank,
+                    world_size=speaker.world_size, host=speaker.host,
+                    coords=dict(speaker.coords), values=values)
+
+
+@dataclass(frozen=True, slots=True)
+class _Speaker:
+    """The resource of a message: who is speaking (parsed once per distinct resource)."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    host: str
+    coords: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def parse(cls, resource: Mapping[str, str | int | float | bool]) -> "_Speaker":
+        run_id = resource.get(RUN_ID_ATTR)
+        if not isinstance(run_id, str):
+            raise DecodeError(f"resource attribute {RUN_ID_ATTR} missing" if run_id is None
+                              else f"resource attribute {RUN_ID_ATTR} must be a string")
+        rank, world_size = _int_attr(resource, RANK_ATTR), _int_attr(resource, WORLD_SIZE_ATTR)
+        if not 0 <= rank < world_size:
+            raise DecodeError(f"rank {rank} outside world size {world_size}")
+        coords = []
+        for attr, group in _GROUP_ATTRS.items():
+            if attr in resource:
+                index = _int_attr(resource, attr)
+                if index < 0:
+                    raise DecodeError(f"resource attribute {attr} must be >= 0")
+                coords.append((group, index))
+        host = resource.get(HOST_ATTR, "")
+        return cls(run_id, rank, world_size, host if isinstance(host, str) else str(host),
+                   tuple(coords))
+
+
+_SPEAKERS: dict[bytes, _Speaker] = {}
+
+
+_NAMES: dict[bytes, str] = {name.encode(): name for name in CATALOG}
+
+
+_OTHER_DATA_TAGS = frozenset(n << 3 | 2 for n in (7, 9, 10, 11))  # sum, histograms, summary
+
+
+def _metric(buf: bytes, span: tuple[int, int]) -> tuple[str, list[tuple[int, int]]]:
+    """A Metric's catalog name and its Gauge spans; a DecodeError for anything else."""
+    name: str | None = None
+    gauges: list[tuple[int, int]] = []
+    other = False
+    pos, end = span
+    while pos < end:
+        tag = buf[pos]
+        if tag >= 0x80 or tag & 7 != 2:
+            pos = _skip(buf, pos, end)
+            continue
+        size = buf[pos + 1]
+        start = pos + 2
+        if size >= 0x80:
+            size, start = _read_varint(buf, pos + 1, end)
+        stop = start + size
+        if stop > end:
+            raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+        if tag == 0x0A:  # Metric.name
+            name = _NAMES.get(buf[start:stop])
+            if name is None:
+                raise DecodeError(f"unknown metric {buf[start:stop].decode(errors='replace')!r}")
+        elif tag == 0x2A:  # Metric.gauge
+            gauges.append((start, stop))
+        elif tag in _OTHER_DATA_TAGS:
+            other = True
+        pos = stop
+    if name is None:
+        raise DecodeError("unknown metric None")
+    if other or not gauges:
+        raise DecodeError(f"metric {name!r} is not a gauge")
+    return name, gauges
+
+
+_ATTR_TAG = _POINT_ATTR << 3 | 2          # 0x3a
+_AS_DOUBLE_TAG, _AS_INT_TAG = 4 << 3 | 1, 6 << 3 | 1
+_TIME_TAGS = (2 << 3 | 1, 3 << 3 | 1)     # start_time_unix_nano, time_unix_nano
+_DATA_POINT_TAG = 1 << 3 | 2              # Gauge.data_points
+
+
+class _Points:
+    """The data points of one message, gathered into ``values`` (its hot loop is ``gauge``).
+
+    A point's attributes (field 7) usually come first and together, as the common encoders
+    write them, so they are taken as one byte string. When that string starts with the
+    message's step attribute (as ``WireEncoder`` writes it), the rest — the labels — is
+    looked up in ``_BLOCKS``, which survives across messages: a rank sends the same label
+    sets every step, so each is parsed once. Other layouts are parsed point by point."""
+
+    __slots__ = ("buf", "values", "steps", "prefix")
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.values: dict[SeriesKey, float] = {}
+        self.steps: set[int] = set()
+        self.prefix = b"\xff"  # the message's leading step attribute, once seen
+
+    def gauge(self, span: tuple[int, int], name: str) -> None:
+        buf, values, prefix = self.buf, self.values, self.prefix
+        blocks = _BLOCKS
+        allowed = _LABEL_KEYS[name]
+        pos, end = span
+        while pos < end:
+            tag = buf[pos]
+            size = buf[pos + 1]
+            start = pos + 2
+            if size >= 0x80:
+                size, start = _read_varint(buf, pos + 1, end)
+            stop = start + size
+            if stop > end:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+            if tag != _DATA_POINT_TAG:
+                pos = _skip(buf, pos, end)
+                continue
+            first = last = -1
+            parts: list[bytes] | None = None
+            value: float | None = None
+            p = start
+            while p < stop:
+                tag = buf[p]
+                if tag == _ATTR_TAG:
+                    size = buf[p + 1]
+                    q = p + 2 + size if size < 0x80 else sum(_read_varint(buf, p + 1, stop))
+                    if last == p:
+                        last = q
+                    elif first < 0:
+                        first, last = p, q
+                    else:
+                        parts = (parts or [buf[first:last]]) + [buf[p:q]]
+                    p = q
+                elif tag == _AS_DOUBLE_TAG:
+                    value = _unpack_double(buf, p + 1)[0]
+                    p += 9
+                elif tag in _TIME_TAGS:
+                    p += 9
+                elif tag == _AS_INT_TAG:
+                    value = float(_signed(_unpack_fixed64(buf, p + 1)[0]))
+                    p += 9
+                else:  # exemplars, flags, fields added later
+                    p = _skip(buf, p, stop)
+            if p != stop:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+            raw = b"".join(parts) if parts is not None else buf[first:last] if first >= 0 \
+                else b""
+            stripped = raw.startswith(prefix)
+            if stripped:  # the message's step, then labels: look the labels up
+                raw = raw[len(prefix):]
+            block = blocks.get(raw)
+            if block is None:
+                if len(blocks) >= _BLOCKS_MAX:
+                    blocks.clear()
+                block = blocks[raw] = _Block.parse(raw)
+            if block.step is not None:
+                self.steps.add(block.step)
+                if block.step_field and not stripped:
+                    prefix = self.prefix = raw[:block.step_field]
+            elif not stripped:
+                raise DecodeError(f"point of {name!r} has no integer step")
+            if not block.keys <= allowed:
+                bad = sorted(block.keys - allowed)[0]
+                raise DecodeError(f"{name!r} has label {bad!r} outside its catalog label set")
+            if block.nonfinite is not None:
+                value = block.nonfinite
+            elif value is None:
+                raise DecodeError(f"point of {name!r} has no value")
+            values[(name, block.labels)] = value
+            pos = stop
+
+
+def _skip(buf: bytes, pos: int, end: int) -> int:
+    """The offset after the one field that starts at ``pos``."""
+    tag, pos = _read_varint(buf, pos, end)
+    kind = tag & 7
+    if kind == 0:
+        return _read_varint(buf, pos, end)[1]
+    if kind == 1:
+        return pos + 8
+    if kind == 5:
+        return pos + 4
+    if kind == 2:
+        size, pos = _read_varint(buf, pos, end)
+        return pos + size
+    raise DecodeError(f"not an OTLP ExportMetricsServiceRequest: wire type {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """One data point's attributes, parsed once per distinct byte string in a message: its
+    step, its labels (sorted), their keys and the non-finite marker's value."""
+
+    step: int | None
+    labels: Labels
+    keys: frozenset[str]
+    nonfinite: float | None
+    step_field: int  # bytes of a leading step attribute (0: none leads)
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "_Block":
+        step = nonfinite = None
+        labels = []
+        kvs = _key_values(raw)
+        for attr, value in kvs:
+            if attr == STEP_ATTR:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise DecodeError("a point's step attribute is not an integer")
+                step = value
+            elif attr == NONFINITE_ATTR:
+                if value not in _NONFINITE:
+                    raise DecodeError(f"bad {NONFINITE_ATTR} value {value!r}")
+                nonfinite = _NONFINITE[value]  # type: ignore[index]
+            else:
+                labels.append((attr, value if isinstance(value, str) else str(value)))
+        labels.sort()
+        keys = frozenset(k for k, _ in labels)
+        if len(keys) != len(labels):
+            raise DecodeError("a point repeats a label")
+        leading = kvs[0][0] == STEP_ATTR if kvs else False
+        return cls(step, tuple(labels), keys, nonfinite,
+                   _field_end(raw, 0) if leading else 0)
+
+
+_BLOCKS: dict[bytes, _Block] = {}
+_BLOCKS_MAX = 1 << 16
+"""Parsed attribute strings across messages (bounded: emptied when full)."""
+
+
+def _field_end(raw: bytes, pos: int) -> int:
+    return _skip(raw, pos, len(raw))
+
+
+_KV_CACHE: dict[bytes, tuple[str, str | int | float | bool]] = {}
+_KV_CACHE_MAX = 1 << 16
+"""Decoded KeyValues by their bytes, across messages: label sets repeat step after step.
+Bounded: emptied when full (a step attribute is new every step)."""
+
+
+def _key_values(raw: bytes) -> list[tuple[str, str | int | float | bool]]:
+    """The KeyValues of consecutive attribute fields (field 7), through ``_KV_CACHE``."""
+    out = []
+    pos, end = 0, len(raw)
+    cache = _KV_CACHE
+    while pos < end:
+        if raw[pos] != _ATTR_TAG:
+            raise DecodeError("not an OTLP ExportMetricsServiceRequest: bad attribute")
+        size = raw[pos + 1]
+        start = pos + 2
+        if size >= 0x80:
+            size, start = _read_varint(raw, pos + 1, end)
+        stop = start + size
+        item = raw[start:stop]
+        kv = cache.get(item)
+        if kv is None:
+            if len(cache) >= _KV_CACHE_MAX:
+                cache.clear()
+            kv = cache[item] = _key_value_of(raw, (start, stop))
+        out.append(kv)
+        pos = stop
+    return out
