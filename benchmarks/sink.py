@@ -27,6 +27,7 @@ from importlib.metadata import version
 
 import numpy as np
 
+from probewire.instrument.catalog import Grad, Loss, System
 from probewire.sinks import ClickHouseSink, TABLE_COLUMNS, connect
 
 
@@ -54,7 +55,7 @@ def _step_rows(run_id: str, start: int, n: int, rng: np.random.Generator) -> lis
 def _rank_rows(run_id: str, start: int, n: int, ranks: int,
                rng: np.random.Generator) -> list[dict]:
     values = rng.uniform(0, 1, n)
-    metrics = ("loss.sum", "loss.tokens", "grad.norm_sq", "step_time_s")
+    metrics = (Loss.SUM, Loss.TOKENS, Grad.NORM_SQ, System.STEP_TIME)
     return [{"run_id": run_id, "step": start + i // (ranks * len(metrics)), "rank": i % ranks,
              "metric": metrics[(i // ranks) % len(metrics)], "labels": "",
              "value": float(values[i]), "late": 0} for i in range(n)]

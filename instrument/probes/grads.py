@@ -205,7 +205,7 @@ class GradProbe:
             collector.add("grad.norms", state.grad_norm, decode_norms, derive)
         if state.clip is not None and threshold is not None:
             if isinstance(state.clip, torch.Tensor):
-                collector.add("grad.clipped", state.clip.detach().reshape(1), decode_clipped,
+                collector.add("grad.clip", state.clip.detach().reshape(1), decode_clipped,
                               threshold)
             else:
                 points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))

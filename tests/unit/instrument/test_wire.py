@@ -1,0 +1,187 @@
+"""The wire module: OTLP bytes -> RankStep, held against the stock protobuf classes, and the
+reasons malformed messages are dead-lettered with."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+
+from probewire.instrument.catalog import CATALOG
+from probewire.instrument.export import StepEmitter
+from probewire.instrument.testing import MemoryTransport, ProtoEncoder
+from probewire.instrument.wire import (DecodeError, Point, RankIdentity, WireEncoder,
+                                       decode_rank_step, series_key)
+
+IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=2, host="n1", coords={"dp": 1})
+
+
+def emitted(points, step: int = 7) -> tuple[bytes, bytes]:
+    transport = MemoryTransport()
+    emitter = StepEmitter(RankIdentity(run_id="run1", rank=1, world_size=2, host="n1",
+                                       coords={"dp": 1}), transport)
+    emitter.emit(step, points)
+    emitter.close()
+    (message,) = transport.messages
+    return message
+
+
+def test_round_trip_including_nonfinite_values():
+    key, value = emitted([Point("loss.sum", math.nan), Point("loss.tokens", 12),
+                          Point("grad.norm_sq", math.inf), Point("step_time_s", 0.25)])
+    assert key == b"run1:7"
+    step = decode_rank_step(key, value)
+    assert (step.run_id, step.step, step.rank, step.world_size, step.host) == ("run1", 7, 1, 2, "n1")
+    assert step.coords == {"dp": 1}
+    assert math.isnan(step.values[series_key("loss.sum")])
+    assert math.isinf(step.values[series_key("grad.norm_sq")])
+    assert step.values[series_key("loss.tokens")] == 12.0
+    assert step.values[series_key("step_time_s")] == 0.25
+
+
+def test_garbage_bytes_are_a_decode_error():
+    with pytest.raises(DecodeError, match="not an OTLP"):
+        decode_rank_step(b"k", b"\xff\xfe not protobuf")
+
+
+def test_key_that_does_not_match_content_is_rejected():
+    key, value = emitted([Point("loss.tokens", 1)])
+    with pytest.raises(DecodeError, match="does not match"):
+        decode_rank_step(b"run1:8", value)
+
+
+def test_unknown_metric_is_rejected():
+    key, value = emitted([Point("loss.tokens", 1)])
+    request = ExportMetricsServiceRequest.FromString(value)
+    request.resource_metrics[0].scope_metrics[0].metrics[0].name = "made.up"
+    with pytest.raises(DecodeError, match="unknown metric"):
+        decode_rank_step(key, request.SerializeToString())
+
+
+def test_missing_rank_attribute_is_rejected():
+    key, value = emitted([Point("loss.tokens", 1)])
+    request = ExportMetricsServiceRequest.FromString(value)
+    attrs = request.resource_metrics[0].resource.attributes
+    keep = [a for a in attrs if a.key != "probewire.rank"]
+    del attrs[:]
+    attrs.extend(keep)
+    with pytest.raises(DecodeError, match="probewire.rank"):
+        decode_rank_step(key, request.SerializeToString())
+
+
+# --------------------------------------------------------------- against the stock classes
+def stock_decode(payload: bytes) -> dict:
+    """What the stock opentelemetry-proto classes read from a message, as the wire decoder's
+    values: {(name, sorted labels): value} with the non-finite marker applied."""
+    request = ExportMetricsServiceRequest.FromString(payload)
+    out = {}
+    for rm in request.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.gauge.data_points:
+                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value"))
+                             for a in point.attributes}
+                    marker = attrs.pop("probewire.nonfinite", None)
+                    attrs.pop("step")
+                    value = (float(marker) if marker is not None else
+                             point.as_double if point.WhichOneof("value") == "as_double"
+                             else float(point.as_int))
+                    out[(metric.name, tuple(sorted(attrs.items())))] = value
+    return out
+
+
+def random_points(rng: random.Random) -> list[Point]:
+    """Points of random catalog metrics with labels from their label sets, random values
+    (some non-finite, some huge), at most one point per series."""
+    names = sorted(CATALOG)
+    points, seen = [], set()
+    for _ in range(rng.randint(1, 60)):
+        name = rng.choice(names)
+        labels = tuple(sorted((key, rng.choice(["0", "1", "blocks.3.attn", "é", "x" * 200]))
+                              for key in CATALOG[name].labels if rng.random() < 0.7))
+        if (name, labels) in seen:
+            continue
+        seen.add((name, labels))
+        value = rng.choice([rng.gauss(0, 1e3), 0.0, -0.0, 1e308, 5e-324, math.nan, math.inf,
+                            -math.inf, float(rng.randint(-2**53, 2**53))])
+        points.append(Point(name, value, labels))
+    return points
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("encoder", [WireEncoder, ProtoEncoder])
+def test_the_wire_decoder_reads_what_the_stock_classes_read(seed, encoder):
+    rng = random.Random(seed)
+    identity = RankIdentity(run_id=f"run-{seed}", rank=seed % 7, world_size=8, host=f"h{seed}",
+                            coords={"dp": seed % 7, "tp": seed % 2})
+    points = random_points(rng)
+    step = rng.choice([0, 1, 2**40, seed])
+    payload = encoder(identity.resource_attributes()).encode(step, points)
+    record = decode_rank_step(f"run-{seed}:{step}".encode(), payload)
+    stock = stock_decode(payload)
+    assert record.values.keys() == stock.keys()
+    assert all(same(record.values[k], stock[k]) for k in stock)
+    assert (record.run_id, record.step, record.rank, record.world_size, record.host,
+            record.coords) == (identity.run_id, step, identity.rank, 8, f"h{seed}",
+                               {"dp": seed % 7, "tp": seed % 2})
+
+
+def test_attributes_after_the_value_and_an_integer_value_decode_too():
+    """Another producer may order a point's fields differently or send as_int."""
+    request = ExportMetricsServiceRequest()
+    rm = request.resource_metrics.add()
+    for key, value in (("probewire.run_id", "r"), ("probewire.rank", 0),
+                       ("probewire.world_size", 1)):
+        kv = rm.resource.attributes.add(key=key)
+        if isinstance(value, str):
+            kv.value.string_value = value
+        else:
+            kv.value.int_value = value
+    metric = rm.scope_metrics.add().metrics.add(name="loss.tokens")
+    point = metric.gauge.data_points.add(as_int=7)
+    point.attributes.add(key="step").value.int_value = 3
+    point.attributes.add(key="source").value.string_value = "web"
+    payload = request.SerializeToString()
+    # move the attributes behind the value: same message, fields in another order
+    body = point.SerializeToString()
+    value_field = body[body.index(b"\x31"):body.index(b"\x31") + 9]
+    reordered = value_field + body.replace(value_field, b"")
+    payload = payload.replace(body, reordered)
+    record = decode_rank_step(b"r:3", payload)
+    assert record.values == {("loss.tokens", (("source", "web"),)): 7.0}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_damaged_bytes_are_a_decode_error_and_nothing_else(seed):
+    """Truncations, flipped bytes and junk: the decoder raises DecodeError or returns."""
+    rng = random.Random(seed)
+    payload = bytearray(WireEncoder(IDENTITY.resource_attributes()).encode(5, random_points(rng)))
+    for _ in range(40):
+        damaged = bytearray(payload)
+        kind = rng.randrange(3)
+        if kind == 0:
+            damaged = damaged[:rng.randrange(len(damaged))]
+        elif kind == 1:
+            for _ in range(rng.randint(1, 4)):
+                damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        else:
+            at = rng.randrange(len(damaged))
+            damaged[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        try:
+            decode_rank_step(None, bytes(damaged))
+        except DecodeError:
+            pass
+
+
+@pytest.mark.parametrize("payload", [None, b"", "text", 12, b"\x00", b"\x0a\x05abc"])
+def test_a_payload_that_is_not_bytes_or_is_empty_is_a_decode_error(payload):
+    with pytest.raises(DecodeError):
+        decode_rank_step(b"k", payload)
