@@ -303,7 +303,7 @@ class MetricSpec:
 
 
 _ALL = frozenset(Group)
-_DP_CP = frozenset({Group.DATA, Group.CONTEXT})
+_OWNED: frozenset[Group] = frozenset()  # parameter-side: each element reported by its owner
 _TP_PP = frozenset({Group.TENSOR, Group.PIPELINE})
 P0, P1, P2 = Priority.P0, Priority.P1, Priority.P2
 SUM, MAX, MIN = Reduction.SUM, Reduction.MAX, Reduction.MIN
@@ -340,11 +340,11 @@ _LOSS = (
 _GRAD_POINT = ("global gradient after accumulation over micro-batches and loss-scale removal, "
                "before clipping; one value per optimizer step")
 _GRAD_LABEL_DOC = (" Label group ∈ {embedding, expert, other} restricts it to that parameter "
-                   "group; unlabelled = all parameters. Data- and context-parallel ranks hold "
-                   "the same all-reduced gradient (one replica counts); shards of a sharded "
-                   "parameter are summed; a parameter replicated over tp/ep is counted only "
-                   "at tp=0 / ep=0.")
-_G = dict(labels=(Label.GROUP,), rep=_DP_CP, point=_GRAD_POINT)
+                   "group; unlabelled = all parameters. Each rank sums the parameters it owns "
+                   "(``parallel``): a replica — an all-reduced DDP gradient, a DTensor "
+                   "Replicate dim, a hand-declared tp/ep replica — only at coordinate 0, a "
+                   "shard on every rank holding one; so the stream sums over all ranks.")
+_G = dict(labels=(Label.GROUP,), point=_GRAD_POINT)
 _GRAD = (
     _m(Grad.NORM_SQ, P0, 1, SUM, "1", **_G,
        doc="Σ_j g_j² over the gradient elements this rank holds. Reduction: sum over shards; "
@@ -673,7 +673,7 @@ _RESIDUAL = (
          seed=seed)
       for stem, priority, text, seed in _RES_STATS for field in Residual.FIELDS),
     _m(Residual.GATE_CLOSED, P1, 100, SUM, "channels",
-       labels=(Label.LAYER, Label.BRANCH, Label.THETA), rep=_DP_CP,
+       labels=(Label.LAYER, Label.BRANCH, Label.THETA), rep=_OWNED,
        point="a gated branch's learned gate logits g (per channel), at the "
        "gate's first forward of the step",
        doc="Σ_j 1[σ(g_j/T) < θ]: channels of the branch gate β_j = σ(g_j/T) below θ (label "
@@ -681,7 +681,7 @@ _RESIDUAL = (
            "whose gates have all closed contributes nothing and rarely reopens.",
        seed="001 §8 (gate saturation fraction, θ ∈ {0.05, 0.1, 0.25})"),
     _m(Residual.GATE_CHANNELS, P1, 100, SUM, "channels", labels=(Label.LAYER, Label.BRANCH),
-       rep=_DP_CP, point="as residual.gate_closed",
+       rep=_OWNED, point="as residual.gate_closed",
        doc="d: gate channels of (layer, branch) on this rank, the F_gate denominator. Sum.",
        seed="001 §8 (gate saturation fraction)"),
 )
@@ -709,22 +709,22 @@ _MODALITY = (
           (Modality.MEDIA_N, "elements", "Media embedding elements (present media tokens × width)."),
           (Modality.TEXT_SUM_SQ, "1", "Σ e² over the valid text embeddings' elements."),
           (Modality.TEXT_N, "elements", "Text embedding elements (valid text tokens × width)."))),
-    _m(Modality.ENCODER_GRAD_SQ, P1, 100, SUM, "1", rep=_DP_CP, point=_GRAD_POINT,
+    _m(Modality.ENCODER_GRAD_SQ, P1, 100, SUM, "1", rep=_OWNED, point=_GRAD_POINT,
        doc="‖g_enc‖²: Σ of squared finite gradient elements of the media encoder's "
            "parameters. Reduction: sum over shards; S_enc = Σ encoder_grad_sq / Σ "
            "all_grad_sq, to read next to the encoder's parameter share (an encoder that "
            "stopped learning has S_enc far below it).",
        seed="001 §9 (encoder gradient share S_enc, P1)"),
-    _m(Modality.ALL_GRAD_SQ, P1, 100, SUM, "1", rep=_DP_CP, point=_GRAD_POINT,
+    _m(Modality.ALL_GRAD_SQ, P1, 100, SUM, "1", rep=_OWNED, point=_GRAD_POINT,
        doc="‖g‖²: Σ of squared finite gradient elements of every parameter (the S_enc "
            "denominator, measured at the same point as its numerator). Reduction: sum.",
        seed="001 §9 (encoder gradient share S_enc)"),
-    _m(Modality.ENCODER_PARAMS, P1, 100, SUM, "parameters", rep=_DP_CP,
+    _m(Modality.ENCODER_PARAMS, P1, 100, SUM, "parameters", rep=_OWNED,
        point="the parameters counted in modality.encoder_grad_sq",
        doc="Parameter elements of the media encoder. Reduction: sum; parameter share = Σ "
            "encoder_params / Σ all_params, the reference S_enc is read against.",
        seed="001 §9 (S_enc next to the encoder's parameter share)"),
-    _m(Modality.ALL_PARAMS, P1, 100, SUM, "parameters", rep=_DP_CP,
+    _m(Modality.ALL_PARAMS, P1, 100, SUM, "parameters", rep=_OWNED,
        point="the parameters counted in modality.all_grad_sq",
        doc="Parameter elements of the whole model (with gradients). Reduction: sum.",
        seed="001 §9 (S_enc next to the encoder's parameter share)"),
@@ -774,7 +774,7 @@ _MODULE_POINT = (_GRAD_POINT + "; per role of the parameter-name patterns of "
                  "``discover`` (a fused QKV weight split into equal Q, K, V parts along its "
                  "output features; stacked expert weights summed over the layer's experts)")
 _MODULE = (
-    _m(Module.GRAD_SUM_SQ, P2, 0, SUM, "1", labels=(Label.LAYER, Label.MODULE), rep=_DP_CP,
+    _m(Module.GRAD_SUM_SQ, P2, 0, SUM, "1", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
        point=_MODULE_POINT,
        doc="Σ g² over the weight gradient of role module in block layer (no layer label: "
            "embedding, output, norm_final). Roles: q, k, v (own or split from fused qkv), o "
@@ -784,10 +784,10 @@ _MODULE = (
            "the embedding). Reduction: sum; RMS = sqrt(Σ sum_sq / Σ grad_n).",
        seed="002 grad/W_gate_rms, grad/{name}_rms (layer norms), grad/Wq,Wk,Wv, grad/Wo, "
             "grad/mla_*"),
-    _m(Module.GRAD_N, P2, 0, SUM, "elements", labels=(Label.LAYER, Label.MODULE), rep=_DP_CP,
+    _m(Module.GRAD_N, P2, 0, SUM, "elements", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
        point=_MODULE_POINT, doc="Gradient elements behind module.grad_sum_sq. Sum.",
        seed="002 per-module gradient rows"),
-    _m(Module.GRAD_ABS_MAX, P2, 0, MAX, "1", labels=(Label.LAYER, Label.MODULE), rep=_DP_CP,
+    _m(Module.GRAD_ABS_MAX, P2, 0, MAX, "1", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
        point=_MODULE_POINT,
        doc="max |g| over the role's weight gradient; NaN propagates. Reduction: max.",
        seed="002 grad/word_embeddings_abs.max, grad/output_layer_abs.max, grad/Wq_abs.max, "

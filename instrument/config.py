@@ -88,10 +88,13 @@ class ProbeConfig:
     expert_params: tuple[str, ...] = (r"(.*\.)?experts?\..*",)
     """Parameter-name patterns in group=expert (sharded over ep, not replicated)."""
     tp_replicated: tuple[str, ...] = ()
-    """Module/parameter-name patterns identical on every tensor-parallel rank (e.g. norms,
-    the residual stream without sequence parallelism): only tp=0 reports them."""
-    dp_replicated: bool = True
-    """Parameters are whole replicas over dp (DDP). False for ZeRO-3/FSDP shards."""
+    """Module/parameter-name patterns identical on every tensor-parallel rank, for layouts
+    without DTensor (Megatron-style norms, the residual stream without sequence
+    parallelism): only tp=0 reports them. DTensor parameters follow their placements."""
+    dp_replicated: bool | None = None
+    """Plain-tensor parameters are whole replicas over dp (DDP): None (the default) or True;
+    False for shards without DTensor (ZeRO-3, FSDP1 flat parameters). DTensor parameters
+    (FSDP2, HSDP) follow their placements; True on a DTensor sharded over dp is refused."""
     fused_splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Module pattern -> part names: a fused projection (e.g. ``r".*\\.qkv": ("q","k","v")``)
     whose output (last dim) and weight (dim 0) are scanned as equal parts."""

@@ -110,7 +110,7 @@ class Monitor:
                 logits_hook(self._state)))
         if optimizer is not None:
             in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            reported = [i for i in registry.params if i.report and id(i.param) in in_optimizer]
+            reported = [i for i in registry.params if i.owned and id(i.param) in in_optimizer]
             pre, post = tensors.optimizer_hooks(reported, optimizer)
             self._handles += [optimizer.register_step_pre_hook(pre),
                               optimizer.register_step_post_hook(post)]

@@ -1,24 +1,20 @@
 """Observation points and parameter table, decided once at attach time.
 
 Each observed module gets its label name, its fused-split parts and whether this rank
-reports it; each parameter gets its gradient group (embedding / expert / other) and two
-ownership flags that implement the catalog's rank-side rule: a contribution identical
-across a group the metric does not declare as replicated is reported only by the rank at
-coordinate 0 of that group.
+reports it; each parameter gets its gradient group (embedding / expert / other) and whether
+this rank owns it (``parallel.param_layout``): every element of a parameter-side tensor —
+gradient, weight, update — is reported by exactly one rank, so the stream sums them with
+no de-duplication. A DTensor parameter's placements decide (Replicate: coordinate 0 owns;
+Shard: every shard); plain tensors follow the hand declaration (``ProbeConfig``):
 
-Replication of a parameter (``replicated_groups``):
-
-* ``dp`` when ``ProbeConfig.dp_replicated`` (DDP; ZeRO-3/FSDP shards are not replicas),
+* ``dp`` when ``dp_replicated`` (DDP; default for plain tensors: ZeRO/FSDP shards set False),
 * ``cp`` always (context parallelism shards the sequence, not the weights),
-* ``tp`` when its name or its module's name matches ``ProbeConfig.tp_replicated``
-  (a LayerNorm weight on every tensor-parallel rank): only tp=0 counts it,
-* ``ep`` for non-expert parameters when the layout has an expert-parallel coordinate
-  (dense weights are identical across expert-parallel ranks; experts are sharded).
+* ``tp`` when its name or its module's name matches ``tp_replicated`` (a LayerNorm weight
+  on every tensor-parallel rank),
+* ``ep`` for non-expert parameters when the layout has an expert-parallel coordinate.
 
-``grad.*`` declares ``{dp, cp}`` replicated (the stream dedups those), so a parameter enters
-the rank's gradient sums iff its coordinate is 0 in every *other* replicating group.
-``tensor.*`` declares nothing, so a parameter-side tensor is reported iff the coordinate is
-0 in every replicating group.
+Activations are reported by every data, context and pipeline coordinate (different data);
+an activation identical on every tensor-parallel rank (``tp_replicated`` modules) by tp=0.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .config import ProbeConfig
+from .parallel import declared_groups, param_layout
 from .wire import RankIdentity
 
 __all__ = ["ObservedModule", "ParamInfo", "Registry", "build_registry", "label_name"]
@@ -63,8 +60,7 @@ class ParamInfo:
     name: str
     param: nn.Parameter
     group: int                    # index into catalog.GRAD_GROUPS
-    in_grad: bool                 # enters this rank's grad.* sums
-    report: bool                  # this rank reports its tensor.* statistics
+    owned: bool                   # this rank reports its gradient, weight and update
     parts: tuple[str, ...]        # fused-split part names along dim 0, () = whole
 
 
@@ -73,12 +69,8 @@ class Registry:
     modules: tuple[ObservedModule, ...]
     logits: ObservedModule | None
     params: tuple[ParamInfo, ...]
-    whole_gradient: bool          # this rank's gradient sums are the global G2 (no sharding)
+    whole_gradient: bool          # this rank owns every gradient, none sharded: its G2 is global
     n_params: int
-
-
-def _owner(identity: RankIdentity, groups: set[str]) -> bool:
-    return all(identity.coord(g) == 0 for g in groups)
 
 
 def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity) -> Registry:
@@ -113,8 +105,9 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
 
     emb_re = [re.compile(p) for p in config.embedding_params]
     expert_re = [re.compile(p) for p in config.expert_params]
-    has_ep = "ep" in identity.coords
+    dp_replicated = config.dp_replicated is not False
     params: list[ParamInfo] = []
+    all_owned, any_sharded = True, False
     for qualified, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -122,19 +115,17 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
         module_name = module_of_param.get(id(p), "")
         expert = _any(expert_re, name)
         group = 1 if expert else (0 if id(p) in embedding_params or _any(emb_re, name) else 2)
-        replicated = {"cp"}
-        if config.dp_replicated:
-            replicated.add("dp")
-        if _any(tp_rep, name) or (module_name and _any(tp_rep, module_name)):
-            replicated.add("tp")
-        if has_ep and not expert:
-            replicated.add("ep")
+        tp_replicated = _any(tp_rep, name) or bool(module_name and _any(tp_rep, module_name))
+        declared = declared_groups(dp_replicated, tp_replicated, expert, identity.coords)
+        owned, sharded = param_layout(name, p, identity, declared,
+                                      dp_explicit=config.dp_replicated is True)
+        sharded |= not dp_replicated  # declared by hand: a shard over the data ranks
+        all_owned &= owned
+        any_sharded |= sharded
         parts = next((pp for rx, pp in splits if module_name and rx.fullmatch(module_name)), ())
         if parts and p.shape and p.shape[0] % len(parts):
             parts = ()  # not evenly divisible: scanned whole
-        params.append(ParamInfo(name, p, group, _owner(identity, replicated - {"dp", "cp"}),
-                                _owner(identity, replicated), parts))
-    # the rank's sums are the global G2 only without tp/pp/ep sharding of the weights
-    whole = config.dp_replicated and not set(identity.coords) & {"tp", "pp", "ep"}
+        params.append(ParamInfo(name, p, group, owned, parts))
+    whole = all_owned and not any_sharded and not set(identity.coords) & {"tp", "pp", "ep"}
     return Registry(tuple(modules), logits, tuple(params), whole,
                     sum(p.numel() for p in model.parameters()))

@@ -22,6 +22,7 @@ import torch
 
 from ..catalog import GRAD_GROUPS, Grad, Label, tier_of
 from ..collect import host_values
+from ..parallel import LayoutError, is_dtensor, local
 from ..registry import ParamInfo
 from ..scan import ScanFields
 from ..state import StepState
@@ -144,7 +145,7 @@ class GradProbe:
 
     def __init__(self, params: Sequence[ParamInfo], tensors: TensorProbe, listeners: list, *,
                  clip_threshold: float | None, whole_gradient: bool) -> None:
-        self._params = [info for info in params if info.in_grad]
+        self._params = [info for info in params if info.owned]
         self._tensors = tensors
         self._listeners = listeners
         self._threshold = clip_threshold
@@ -162,7 +163,7 @@ class GradProbe:
         if notify:
             for listener in self._listeners:
                 listener.on_gradients(state, inv)
-        grads = [i.param.grad.detach() for i in infos]
+        grads = [local(i.param.grad).detach() for i in infos]  # this rank's shard
         if state.due[NORM_TIER] and norm:
             state.grad_norm = grad_norms(grads, inv)
         groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
@@ -170,7 +171,7 @@ class GradProbe:
             entries = []
             for info, grad in zip(infos, grads):  # scanned now: the clip has not run yet
                 entries += self._tensors.parameter_entries(
-                    "grad", [(info.param, grad)], emit=tensors_due and info.report,
+                    "grad", [(info.param, grad)], emit=tensors_due,
                     group=info.group)
             rows = self._tensors.scan_entries(state, entries, inv)
             if groups_due:
@@ -184,9 +185,12 @@ class GradProbe:
         grads = [p.grad for p in params if p.grad is not None]
         self.record(state, None, None, norm=False)  # detail and structure, before clipping
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+        if is_dtensor(total):  # sharded gradients: the clip needs the global norm (as torchtitan)
+            total = total.full_tensor()
         if state.due[NORM_TIER] and grads:
             owned = {id(i.param) for i in self._params if i.param.grad is not None}
-            if norm_type == 2.0 and owned == {id(p) for p in params if p.grad is not None}:
+            plain = not any(is_dtensor(g) for g in grads)
+            if plain and norm_type == 2.0 and owned == {id(p) for p in params if p.grad is not None}:
                 state.grad_norm = total.detach().reshape(1)  # the clipping norm is this rank's
             else:  # a subset, another norm, or replicas this rank does not count: measure
                 self.record(state, None, None, detail=False, notify=False)
@@ -196,6 +200,11 @@ class GradProbe:
 
     def clipped(self, state: StepState, total_norm: torch.Tensor | float) -> None:
         if state.due[NORM_TIER]:
+            if is_dtensor(total_norm):
+                if not all(p.is_replicate() for p in total_norm.placements):
+                    raise LayoutError("clipped(total_norm): pass total_norm.full_tensor(), the "
+                                      "global norm, not a Partial DTensor")
+                total_norm = local(total_norm)
             state.clip = total_norm
 
     def close(self, state: StepState, points: list[Point]) -> None:

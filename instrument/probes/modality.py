@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..catalog import Label, Modality, tier_of
+from ..parallel import local
 from ..scan import ScanFields, scan
 from ..state import StepState
 from ..wire import Point
@@ -181,8 +182,9 @@ class EncoderShare:
     def record(self, state: StepState, inv_scale: Any) -> None:
         if not self._encoder or not state.due[ENCODER_TIER]:
             return
-        vec = encoder_grad_share_components([p.grad for p in self._encoder],
-                                            [p.grad for p in self._others])
+        vec = encoder_grad_share_components(
+            [None if p.grad is None else local(p.grad) for p in self._encoder],
+            [None if p.grad is None else local(p.grad) for p in self._others])
         if inv_scale is not None:
             vec = vec * torch.as_tensor(inv_scale, dtype=F64, device=vec.device).square()
         state.collector.add("structure.encoder_grad", vec, decode_encoder_grad, self._counts)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..catalog import Label, Module, tier_of
 from ..discover import ModuleView, ParamView
+from ..parallel import local
 from ..state import StepState
 from ..wire import Point
 from .common import F64, first_tensor, labels_of, recomputing
@@ -72,7 +73,7 @@ class ModuleGrads:
             grad = view.param.grad
             if grad is None:
                 continue
-            g = grad.detach()
+            g = local(grad).detach()
             if view.part is not None:
                 g = g.chunk(view.parts, dim=view.dim)[view.part]
             g = g.float()

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..catalog import Label, Residual, tier_of
 from ..discover import GatePoint
+from ..parallel import local
 from ..state import StepState
 from ..wire import Point
 from .common import first_tensor, labels_of, recomputing
@@ -190,7 +191,7 @@ def gate_hook(state: StepState, ctx: StructureState, gate: GatePoint,
         if not state.due[GATE_TIER] or recomputing() or id(module) in ctx.once:
             return None
         ctx.once.add(id(module))
-        block = gate_saturation(gate.logits, temperature=gate.temperature,
+        block = gate_saturation(local(gate.logits), temperature=gate.temperature,
                                 thresholds=thresholds)
         d = gate.logits.numel()
         state.collector.add("structure.gates", block[:, TokenField.SUM] * d, decode_gates,

@@ -59,10 +59,10 @@ class StructureProbes:
         self.structure = structure
         self._state = state
         self._ctx = StructureState()
-        owned = {id(i.param) for i in registry.params if i.in_grad}
+        owned = self._owned = {id(i.param) for i in registry.params if i.owned}
         encoder = [p for p in structure.encoder_params if id(p) in owned]
         encoder_ids = {id(p) for p in encoder}
-        others = [i.param for i in registry.params if i.in_grad and id(i.param) not in encoder_ids]
+        others = [i.param for i in registry.params if i.owned and id(i.param) not in encoder_ids]
         self._encoder = EncoderShare(encoder, others)
         self._modules = ModuleGrads([v for v in structure.params if id(v.param) in owned])
         self._persistent = persistent
@@ -93,7 +93,9 @@ class StructureProbes:
             if block.mlp is not None:
                 sampled.append((block.mlp.register_forward_hook,
                                 branch_hook(state, ctx, block.layer, "mlp", keep=False), {}))
-        for gate in s.gates:
+        for gate in s.gates:  # a gate is a parameter: its owner reports it
+            if id(gate.logits) not in self._owned:
+                continue
             sampled.append((gate.module.register_forward_hook,
                             gate_hook(state, ctx, gate, thresholds), {}))
         if s.bos_id is not None:

@@ -28,6 +28,7 @@ import torch
 from ..batchscan import SMALL_ELEMS, scan_many
 from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
+from ..parallel import local
 from ..registry import ObservedModule, ParamInfo, Registry
 from ..scan import ScanFields, scan
 from ..state import Entry, StepState
@@ -316,7 +317,7 @@ class TensorProbe:
             if not state.due[TIER]:
                 return None
             snapshots.clear()
-            before = [(info.param, info.param.detach().clone()) for info in params
+            before = [(info.param, local(info.param).detach().clone()) for info in params
                       if info.param.grad is not None]  # the copy serves kind=param and Δw
             state.entries += self.parameter_entries("param", before)
             if self._update_ratio:
@@ -326,7 +327,7 @@ class TensorProbe:
         def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if not state.due[TIER]:
                 return None
-            updates = [(p, p.detach() - before) for p, before in snapshots]
+            updates = [(p, local(p).detach() - before) for p, before in snapshots]
             snapshots.clear()
             state.entries += self.parameter_entries("update", updates)
             if not state.due[Tier.DEMAND]:
@@ -337,10 +338,12 @@ class TensorProbe:
                 p = info.param
                 if p.grad is None:
                     continue
-                chain[0][1].append((p, p.grad.detach().clone()))
+                grad = local(p.grad).detach()
+                chain[0][1].append((p, grad.clone()))
                 if adam:
-                    parts = adamw_chain(p, p.grad.detach(), opt.state.get(p, {}),
-                                        group_of[id(p)])
+                    moments = {k: local(v) if isinstance(v, torch.Tensor) else v
+                               for k, v in opt.state.get(p, {}).items()}
+                    parts = adamw_chain(p, grad, moments, group_of[id(p)])
                     if parts is not None:
                         chain[1][1].append((p, parts[0]))
                         chain[2][1].append((p, parts[1]))

@@ -10,15 +10,17 @@ import pytest
 
 from probewire.instrument.catalog import CATALOG, Group, Priority, Reduction, describe, spec
 
-# name -> (priority, reduction, labels, replicated_over) for the names others depend on
+# name -> (priority, reduction, labels, replicated_over) for the names others depend on;
+# gradients are de-duplicated on the rank (each element reported by its owner), so the
+# stream sums them over every rank: an FSDP shard must not be taken for a DDP replica
 CONTRACT = {
     "loss.sum": ("P0", "sum", ("source",), {"tp"}),
     "loss.tokens": ("P0", "sum", ("source",), {"tp"}),
-    "grad.norm_sq": ("P0", "sum", ("group",), {"dp", "cp"}),
-    "grad.abs_sum": ("P1", "sum", ("group",), {"dp", "cp"}),
-    "grad.abs_max": ("P1", "max", ("group",), {"dp", "cp"}),
-    "grad.zeros": ("P1", "sum", ("group",), {"dp", "cp"}),
-    "grad.elements": ("P1", "sum", ("group",), {"dp", "cp"}),
+    "grad.norm_sq": ("P0", "sum", ("group",), set()),
+    "grad.abs_sum": ("P1", "sum", ("group",), set()),
+    "grad.abs_max": ("P1", "max", ("group",), set()),
+    "grad.zeros": ("P1", "sum", ("group",), set()),
+    "grad.elements": ("P1", "sum", ("group",), set()),
     "grad.clipped": ("P0", "max", (), {"dp", "tp", "pp", "cp", "ep"}),
     "guard.skipped": ("P1", "max", (), {"dp", "tp", "pp", "cp", "ep"}),
     "guard.replayed": ("P1", "max", (), {"dp", "tp", "pp", "cp", "ep"}),

@@ -107,7 +107,8 @@ def test_nan_loss_and_inf_gradient_arrive_as_non_finite_measurements_not_gaps():
         model = TinyLM(TinyConfig(seq_len=4, d_model=8, n_layer=1, n_head=2))
         monitor = attach(model, None, transport=transport,
                          identity=RankIdentity(run_id="nf", rank=rank, world_size=2),
-                         config=ProbeConfig(telemetry=False, comm=False))
+                         config=ProbeConfig(telemetry=False, comm=False,
+                                            dp_replicated=False))  # each rank its own gradient
         tokens = torch.randint(0, 256, (2, 4))
         with monitor.step(7) as s:
             s.micro_batch(tokens=tokens)

@@ -52,16 +52,17 @@ def test_parameter_groups_fused_splits_and_ownership():
     assert GRAD_GROUPS[params["experts.0.weight"].group] == "expert"
     assert GRAD_GROUPS[params["head.weight"].group] == "other"
     assert params["head.weight"].parts == ("a", "b") and params["head.bias"].parts == ("a", "b")
-    # dp=1: a DDP replica reports no tensor.* of its own; grad.* dedups dp in the stream
-    assert not any(p.report for p in params.values())
-    assert params["experts.0.weight"].in_grad          # sharded over ep: every ep rank counts
-    assert not params["head.weight"].in_grad           # dense, replicated over ep: ep=0 only
-    assert not params["norm.weight"].in_grad           # replicated over tp: tp=0 only
+    # dp=1: a DDP replica owns nothing; each element is reported by exactly one rank
+    assert not any(p.owned for p in params.values())
+    params = {p.name: p for p in build_registry(MoE(), config, ident(dp=0, tp=1, ep=1)).params}
+    assert params["experts.0.weight"].owned          # sharded over ep: every ep rank counts
+    assert not params["head.weight"].owned           # dense, replicated over ep: ep=0 only
+    assert not params["norm.weight"].owned           # replicated over tp: tp=0 only
     owner = {p.name: p for p in build_registry(MoE(), config, ident(dp=0, tp=0, ep=0)).params}
-    assert all(p.report and p.in_grad for p in owner.values())
+    assert all(p.owned for p in owner.values())
 
 
 def test_sharded_data_parallel_parameters_are_reported_by_every_rank():
     params = build_registry(MoE(), ProbeConfig(dp_replicated=False), ident(dp=3)).params
-    assert all(p.report for p in params)
+    assert all(p.owned for p in params)
     assert not build_registry(MoE(), ProbeConfig(dp_replicated=False), ident(dp=3)).whole_gradient
