@@ -6,6 +6,17 @@ retention decision for per-rank and P1/P2 detail. Detail is written for every st
 short-lived ``*_recent`` tables (the durable look-back buffer); steps the retention policy
 keeps are promoted from there. The whole state serialises, so a restarted worker resumes
 with no gap and no double count.
+
+Nothing a run does makes this module raise or drop a step:
+
+- a run idle for ``run_idle_s`` is finished (its final steps are retained); a step after
+  that (the run paused for a checkpoint save or an evaluation) reopens it, and is stored;
+  finishing again releases the new final steps; ``finish`` is idempotent;
+- a step that arrives after the orderer skipped its gap is stored with
+  ``complete_reason = "after_gap"``. Its detail is retained, and it does not feed the
+  detectors, whose windows hold the run's steps in order: its row carries the P0 view but
+  no detector fields. It counts in the run's cumulative tokens and FLOPs from then on.
+  A re-delivered step (at or below the newest, and not skipped) is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .order import StepOrderer
+from .order import SkippedSteps, StepOrderer
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
@@ -64,7 +75,7 @@ class RunPipeline:
         self.tokens = 0
         self.flops = 0.0
         self.last_step = -1
-        self.skipped: set[int] = set()   # steps a gap skip passed over; may still arrive
+        self.skipped = SkippedSteps()   # steps a gap skip passed over; may still arrive
         self.world_size = 0
         self.first_step: int | None = None
         self.last_arrival = 0.0
@@ -72,8 +83,9 @@ class RunPipeline:
         self.last_control = -10**9
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
+        """One reduced step from stage 1 (any order, any number of times)."""
         self.last_arrival = now
-        self.finished = False
+        self.finished = False  # a step after an idle expiry reopens the run
         if item.complete_reason == "late":  # data after its step's deadline: kept as detail
             out = Stage2Output()
             out.rows["rank_metrics_recent"] += _detail_rows(item)["rank_metrics"]
@@ -89,8 +101,11 @@ class RunPipeline:
         return out
 
     def finish(self) -> Stage2Output:
-        """The run ended: release the final steps and mark the run finished."""
+        """The run ended: release the final steps and mark the run finished (once: a
+        finished run with no step since gives an empty output)."""
         out = Stage2Output()
+        if self.finished:
+            return out
         out.promote += [s for s, _ in self.retention.finish()]
         self.finished = True
         out.rows["runs"].append(self._run_row("finished"))
@@ -103,7 +118,7 @@ class RunPipeline:
                 continue  # re-delivery: already counted
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
-            self.skipped.update(range(self.last_step + 1, item.step))
+            self.skipped.add(self.last_step + 1, item.step - 1)
             out.extend(self._step(item, after_gap))
         if items:
             out.rows["runs"].append(self._run_row("running"))
@@ -121,9 +136,14 @@ class RunPipeline:
         # step where every source spikes together (a co-spike) does not page per source
         ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
                   if view["loss"] and math.isfinite(view["loss"])}
-        derived, findings = self.detectors.observe(item.step, view, ratios)
+        if after_gap:  # the detectors' windows hold the run's steps in order
+            derived, findings = {}, []
+            clipped = view["clipped"]
+            view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
+        else:
+            derived, findings = self.detectors.observe(item.step, view, ratios)
+            view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
-        view["clipped"] = derived.pop("clipped")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
                "flops": self.flops, **view, **derived}
         if after_gap:
@@ -138,7 +158,9 @@ class RunPipeline:
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
             if finding.page:
                 out.rows["alerts"].append(self._alert_row(item.step, finding))
-        out.promote += [s for s, _ in self.retention.offer(item.step, None, bool(findings))]
+        offer = self.retention.offer_late if after_gap else \
+            lambda step, payload: self.retention.offer(step, payload, bool(findings))
+        out.promote += [s for s, _ in offer(item.step, None)]
         if findings and item.step - self.last_control > self.config.retention_halo:
             self.last_control = item.step
             reason = ", ".join(sorted({f.signal for f in findings}))
@@ -172,7 +194,7 @@ class RunPipeline:
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "flops": self.flops, "last_step": self.last_step,
-                "skipped": sorted(self.skipped), "world_size": self.world_size,
+                "skipped": self.skipped.to_state(), "world_size": self.world_size,
                 "first_step": self.first_step, "finished": self.finished,
                 "last_control": self.last_control,
                 "detectors": self.detectors.to_state(), "retention": self.retention.to_state(),
@@ -183,7 +205,8 @@ class RunPipeline:
                    now: float) -> "RunPipeline":
         run = cls(run_id, config)
         run.tokens, run.flops, run.last_step = state["tokens"], state["flops"], state["last_step"]
-        run.skipped = set(state["skipped"])
+        run.skipped = SkippedSteps([(s, s) if isinstance(s, int) else tuple(s)
+                                    for s in state["skipped"]])  # ints: before version 2
         run.world_size, run.first_step = state["world_size"], state["first_step"]
         run.finished, run.last_control = state["finished"], state["last_control"]
         run.detectors = SignalDetectors.from_state(config.detectors, state["detectors"])
