@@ -9,7 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["Labels", "RankStep", "ReducedStep", "SeriesKey", "series_key"]
+__all__ = ["Labels", "RankStep", "RecordError", "ReducedStep", "SeriesKey", "series_key"]
 
 Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, Labels]  # (metric name, sorted labels)
@@ -18,6 +18,14 @@ SeriesKey = tuple[str, Labels]  # (metric name, sorted labels)
 def series_key(name: str, labels: Mapping[str, str] | Labels = ()) -> SeriesKey:
     items = labels.items() if isinstance(labels, Mapping) else labels
     return name, tuple(sorted((str(k), str(v)) for k, v in items))
+
+
+class RecordError(ValueError):
+    """Bytes that are not a ReducedStep; ``reason`` goes to the dead letter."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _encode_key(key: SeriesKey) -> str:
@@ -88,7 +96,19 @@ class ReducedStep:
                          reduced_mask.tobytes(), values.tobytes(), mask.tobytes()))
 
     @classmethod
-    def from_bytes(cls, payload: bytes) -> "ReducedStep":
+    def from_bytes(cls, payload: bytes | None) -> "ReducedStep":
+        """The step ``to_bytes`` wrote; a RecordError for anything else."""
+        try:
+            step = cls._from_bytes(payload or b"")
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RecordError(f"not a reduced step: {type(exc).__name__}: {exc}") from None
+        if not isinstance(step.run_id, str) or not isinstance(step.step, int) or \
+                not all(len(labels) == 2 for key in step.reduced for labels in key[1]):
+            raise RecordError("not a reduced step: bad run id, step or labels")
+        return step
+
+    @classmethod
+    def _from_bytes(cls, payload: bytes) -> "ReducedStep":
         (size,) = struct.unpack_from("<I", payload)
         head = json.loads(payload[4:4 + size])
         keys = [_decode_key(k) for k in head.pop("keys")]

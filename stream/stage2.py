@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import check
 from .order import SkippedSteps, StepOrderer
 from .records import ReducedStep
 from .retention import RetentionPolicy
@@ -37,13 +38,31 @@ __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
 @dataclass(kw_only=True, slots=True)
 class Stage2Config:
+    """Per-run processing (``stream.stage2``): detectors, retention, step order, idle end."""
+
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
-    retention_every_k: int = 100
-    retention_halo: int = 100
-    warmup_steps: int = 100
-    final_steps: int = 100
-    max_wait_s: float = 40.0
-    run_idle_s: float = 120.0
+    retention_every_k: int = 100   # keep every k-th step at full detail
+    retention_halo: int = 100      # steps kept on either side of an anomaly
+    warmup_steps: int = 100        # first steps kept
+    final_steps: int = 100         # last steps kept
+    max_wait_s: float = 40.0       # a gap is skipped after this (> stream.deadline_s)
+    run_idle_s: float = 120.0      # a run with no new step for this long is finished
+
+    def __post_init__(self) -> None:
+        d = self.detectors
+        check(d.window >= 3, "detectors.window", "must be >= 3")
+        for name in ("loss_z", "grad_z", "signal_z", "clip_threshold", "memory_growth",
+                     "maxvio_threshold", "media_scale_min", "residual_ratio_min"):
+            check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
+        check(d.straggler_ratio > 1, "detectors.straggler_ratio",
+              "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
+        for name in ("clip_window", "rearm_steps", "maxvio_steps", "straggler_steps"):
+            check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
+        check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
+        for name in ("retention_halo", "warmup_steps", "final_steps"):
+            check(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("max_wait_s", "run_idle_s"):
+            check(getattr(self, name) > 0, name, "must be > 0")
 
 
 @dataclass(slots=True)
@@ -86,6 +105,11 @@ class RunPipeline:
         """One reduced step from stage 1 (any order, any number of times)."""
         self.last_arrival = now
         self.finished = False  # a step after an idle expiry reopens the run
+        if item.complete_reason == "detail":  # part of a step split for the broker's limit
+            out = Stage2Output()
+            for table, rows in _detail_rows(item).items():
+                out.rows[f"{table}_recent"] += rows
+            return out  # promoted with its step (the main part comes after it)
         if item.complete_reason == "late":  # data after its step's deadline: kept as detail
             out = Stage2Output()
             out.rows["rank_metrics_recent"] += _detail_rows(item)["rank_metrics"]

@@ -11,9 +11,16 @@ from typing import Any
 
 from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
                      worst_rank_loss)
+from probewire.instrument.catalog import Comm, Loss, Memory, System
+
 from .records import ReducedStep, SeriesKey
 
-__all__ = ["p0_view"]
+__all__ = ["PER_RANK", "p0_view"]
+
+PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED,
+                      Memory.PEAK_RSS})
+"""The metrics whose per-rank values the view reads (any labels); the rest of a step's
+per-rank values are detail only."""
 
 _TENSOR_FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite", "sum3", "sum4")
 
