@@ -6,7 +6,8 @@ plausible step of its run", with bounds from settings (``Bounds``):
 - step in ``0..max_step`` and at most ``max_step_ahead`` beyond the newest step of its run;
 - ``1 <= world_size <= max_world_size``, ``0 <= rank < world_size``, parallel coordinates
   in ``0..world_size-1``; every rank of a run reports the world size its first message did;
-- counts (tokens, elements, bytes, steps, ...) finite and >= 0;
+- counts (tokens, elements, bytes, steps, ...) and times finite and >= 0;
+- a loss sum comes with its token count (same labels), and is 0 where that count is 0;
 - label values at most ``max_label_length`` characters without ``|`` (the label-text
   separator); expert and shard indices decimal integers that fit the store's UInt32;
 - at most ``max_label_values`` distinct values of one label key per run: points that
@@ -22,7 +23,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from probewire.instrument.catalog import CATALOG, Label
+from probewire.instrument.catalog import CATALOG, Label, Loss
 
 from .errors import check
 from .records import RankStep
@@ -30,7 +31,7 @@ from .records import RankStep
 __all__ = ["Bounds", "Checked", "StepValidator"]
 
 _COUNT_UNITS = frozenset({"tokens", "elements", "steps", "calls", "channels", "faults",
-                          "parameters", "By"})
+                          "parameters", "By", "s"})
 _COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.unit in _COUNT_UNITS)
 _INDEX_LABELS = frozenset({Label.EXPERT, Label.SHARD})
 _UINT32 = 2 ** 32
@@ -124,6 +125,11 @@ class StepValidator:
                             f"characters without '|', got {text[:40]!r}")
                 if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
                     return f"label {key} of {name} must be an index in 0..2^32-1, got {text!r}"
+            if name == Loss.SUM:
+                tokens = record.values.get((Loss.TOKENS, labels))
+                if tokens is None or (tokens == 0 and value != 0):
+                    return (f"{Loss.SUM} {dict(labels) or ''} needs its {Loss.TOKENS} (> 0 "
+                            "where the sum is not 0)")
         return None
 
     def _over_cardinality(self, record: RankStep, run: _Run) -> list[tuple[str, str]]:
