@@ -51,13 +51,13 @@ def test_a_step_far_beyond_the_run_is_refused_but_late_steps_are_not():
 
 def test_label_values_past_the_cap_are_dropped_and_the_rest_kept():
     v = StepValidator(Bounds(max_label_values=2))
-    values = {series_key(Loss.SUM, {Label.SOURCE: s}): 1.0 for s in ("a", "b", "c")}
+    values = {series_key(Loss.TOKENS, {Label.SOURCE: s}): 1.0 for s in ("a", "b", "c")}
     values[series_key(System.STEP_TIME)] = 0.1
     checked = v.check(rank_step(values=values))
     assert checked.record is not None and "1 point(s) dropped" in checked.reason
-    assert series_key(Loss.SUM, {Label.SOURCE: "c"}) not in checked.record.values
+    assert series_key(Loss.TOKENS, {Label.SOURCE: "c"}) not in checked.record.values
     assert series_key(System.STEP_TIME) in checked.record.values
-    assert v.check(rank_step(values={series_key(Loss.SUM, {Label.SOURCE: "a"}): 1.0})
+    assert v.check(rank_step(values={series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0})
                    ).reason is None  # a known value stays welcome
 
 
