@@ -41,6 +41,8 @@ from rich.table import Table
 from probewire.deploy.demo.faults import FAULTS, demo_train_args
 from probewire.deploy.demo.run import run_demo
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import Stage2Config
 from probewire.stream.detect import CoSpikeTracker, RobustSpikeDetector
 
 DB = "probewire"
@@ -77,7 +79,7 @@ def record(work: Path, label: str, steps: int, window: int, train_args: list[str
             return base / "store", meta["run_id"]
     settings = Settings(clickhouse=ClickHouseSettings(
         url="chdb:///" + str(base / "store").lstrip("/"), database=DB),
-        stream=StreamSettings(detector_window=window))
+        stream=StreamSettings(stage2=Stage2Config(detectors=DetectorConfig(window=window))))
     started = time.monotonic()
     result = run_demo(settings, ranks=2, steps=steps, work_dir=base / "run",
                       run_id=f"bench-{label}", extra_train_args=train_args, show_progress=False)

@@ -6,7 +6,7 @@
     probewire migrate                                       create / upgrade the schema
     probewire report --run ID [--out DIR]                   first screen as HTML + PNG
     probewire explain --run ID --step N                     what moved first at a step, and who
-    probewire health --component worker|evaluator          exit 0 when the heartbeat is fresh
+    probewire health --component worker|evaluator          exit 0 when fresh and progressing
 
 A user mistake prints one line on stderr and exits with code 2, never a traceback.
 """
@@ -54,7 +54,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
-def _query(settings: Settings, sql: str) -> tuple[list[str], list[tuple]]:
+def _query(settings: Settings, sql: str, parameters: dict | None = None
+           ) -> tuple[list[str], list[tuple]]:
     from probewire.sinks.clickhouse import connect
 
     ch = settings.clickhouse
@@ -65,7 +66,7 @@ def _query(settings: Settings, sql: str) -> tuple[list[str], list[tuple]]:
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
     try:
-        result = client.query(sql)
+        result = client.query(sql, parameters=parameters)
     except ClickHouseError as exc:
         raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
     return list(result.column_names), list(result.result_rows)
@@ -105,7 +106,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                round(pow(grad_norm, 2), 6) AS G2, round(step_time_s, 4) AS step_time_s,
                ranks_reporting AS ranks
         FROM {settings.clickhouse.database}.step_metrics FINAL
-        WHERE run_id = '{result.run_id}' ORDER BY step DESC LIMIT {args.show}""")
+        WHERE run_id = {{run:String}} ORDER BY step DESC LIMIT {{show:UInt32}}""",
+        {"run": result.run_id, "show": args.show})
     _print_table(f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
                  f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
                  columns, sorted(rows))
@@ -121,14 +123,31 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def open_store(settings: Settings):
+    """A migrated sink on the configured store (called in the worker process)."""
+    from probewire.deploy.faults import with_outage
+    from probewire.sinks.clickhouse import ClickHouseSink, connect
+
+    ch = settings.clickhouse
+    client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
+    sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
+                 sensitive_ttl_days=ch.sensitive_ttl_days)
+    return sink
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    import functools
+
     import faust
 
+    from probewire.deploy.faults import crash_hook
     from probewire.stream.app import create_app
 
     settings = load_settings(args.config)
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
-    app = create_app(settings, heartbeat)
+    app = create_app(settings.stream, settings.kafka, settings.topics,
+                     functools.partial(open_store, settings), heartbeat, crash_hook())
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
@@ -156,6 +175,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     age = time.time() - float(beat["ts"])
     if age > args.max_age_s:
         print(f"{args.component}: heartbeat {age:.0f}s old (> {args.max_age_s}s)", file=sys.stderr)
+        return 1
+    if beat.get("healthy") is False:  # the worker's verdict on its own progress
+        for reason in beat.get("reasons") or ["unhealthy"]:
+            print(f"{args.component}: {reason}", file=sys.stderr)
         return 1
     print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago)")
     return 0
@@ -222,15 +245,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     settings = _settings(args)
     columns = ", ".join(COLUMNS)
     names, rows = _query(settings, f"SELECT {columns} FROM {settings.clickhouse.database}"
-                                   f".step_metrics FINAL WHERE run_id = '{args.run}' ORDER BY step")
+                                   ".step_metrics FINAL WHERE run_id = {run:String} ORDER BY step",
+                         {"run": args.run})
     if not rows:
         raise UserError(f"run {args.run!r} has no steps in the store")
     series = {name: [row[i] for row in rows] for i, name in enumerate(names)}
-    window = args.window or settings.stream.detector_window
+    detectors = settings.stream.stage2.detectors
+    window = args.window or detectors.window
     try:
         results = calibrate_run(series, window, args.quantile, args.margin, held_steps={
-            "maxvio_steps": settings.stream.maxvio_steps,
-            "straggler_steps": settings.stream.straggler_steps})
+            "maxvio_steps": detectors.maxvio_steps,
+            "straggler_steps": detectors.straggler_steps})
     except ValueError as exc:
         raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
     _print_table(f"thresholds from run {args.run} (window {window}, {args.margin} x "

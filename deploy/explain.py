@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from probewire.instrument.localize import layer_of_tensor
+from probewire.stream.localize import layer_of_tensor
 
 __all__ = ["Explanation", "Finding", "StepNotFound", "STAGES", "explain", "render"]
 

@@ -1,8 +1,12 @@
 """One typed settings tree shared by the CLI, the stream worker, the evaluator and the chart.
 
-Values come from, in increasing precedence: the defaults below, a YAML/JSON file
+Each component owns its config and its defaults (``stream.config.StreamConfig`` and the
+configs it nests, ``stream.kafka.KafkaConfig`` / ``TopicConfig``); this module composes
+them into one tree and adds the sections only the composition root needs.
+Values come from, in increasing precedence: the defaults, a YAML/JSON file
 (`PROBEWIRE_CONFIG` or an explicit path), and environment variables named
-``PROBEWIRE_<SECTION>__<FIELD>`` (for example ``PROBEWIRE_STREAM__DEADLINE_S=20``).
+``PROBEWIRE_<SECTION>__<FIELD>``, nested fields joined by ``__`` (for example
+``PROBEWIRE_STREAM__DEADLINE_S=20``, ``PROBEWIRE_STREAM__STAGE2__DETECTORS__WINDOW=50``).
 Secrets are never fields: the settings name the environment variable that holds them,
 so a ConfigMap can carry the whole tree and a Secret carries only the secret.
 Every error names the offending field (``SettingsError: stream.deadline_s: ...``).
@@ -17,10 +21,14 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
 from probewire.evaluators.records import DEFAULT_SUITES  # torch-free
+from probewire.stream.config import StreamConfig
+from probewire.stream.errors import ConfigError, within
+from probewire.stream.kafka import KafkaConfig, TopicConfig
 
 __all__ = [
     "ClickHouseSettings",
@@ -31,59 +39,33 @@ __all__ = [
     "StreamSettings",
     "TopicSettings",
     "load_settings",
+    "split_credentials",
 ]
 
 ENV_PREFIX = "PROBEWIRE_"
 
+SettingsError = ConfigError  # every error names its field: "stream.deadline_s: must be > 0"
+KafkaSettings = KafkaConfig
+TopicSettings = TopicConfig
+StreamSettings = StreamConfig
 
-class SettingsError(ValueError):
-    """A configuration value is missing, of the wrong type, or out of range."""
+
+def split_credentials(url: str) -> tuple[str, str, str]:
+    """``(url without user:password@, user, password)``: a password written into a URL is
+    moved out before the URL is written anywhere (a settings file, a manifest, a log)."""
+    parsed = urlsplit(url)
+    if not parsed.password and not parsed.username:
+        return url, "", ""
+    host = parsed.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    netloc += f":{parsed.port}" if parsed.port else ""
+    return (urlunsplit(parsed._replace(netloc=netloc)), unquote(parsed.username or ""),
+            unquote(parsed.password or ""))
 
 
 def _check(cond: bool, path: str, message: str) -> None:
     if not cond:
-        raise SettingsError(f"{path}: {message}")
-
-
-@dataclass(kw_only=True, slots=True)
-class KafkaSettings:
-    """How to reach the Kafka cluster (Tansu locally, an existing cluster in production)."""
-
-    bootstrap: str = "127.0.0.1:9092"
-    security_protocol: str = "PLAINTEXT"
-    sasl_mechanism: str = ""
-    sasl_username: str = ""
-    sasl_password_env: str = "PROBEWIRE_KAFKA_SASL_PASSWORD"
-    ssl_ca_location: str = ""
-
-    def __post_init__(self) -> None:
-        _check(bool(self.bootstrap.strip()), "kafka.bootstrap", "must not be empty")
-        protocols = {"PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"}
-        _check(self.security_protocol in protocols, "kafka.security_protocol",
-               f"must be one of {sorted(protocols)}, got {self.security_protocol!r}")
-        if self.security_protocol.startswith("SASL"):
-            mechanisms = {"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
-            _check(self.sasl_mechanism in mechanisms, "kafka.sasl_mechanism",
-                   f"must be one of {sorted(mechanisms)} with SASL, got {self.sasl_mechanism!r}")
-
-    def sasl_password(self) -> str:
-        """The SASL password, from the environment variable ``sasl_password_env``; a
-        SettingsError naming the variable when it is unset or empty."""
-        password = os.environ.get(self.sasl_password_env, "")
-        _check(bool(password), "kafka.sasl_password_env",
-               f"SASL needs the password in the environment variable {self.sasl_password_env}")
-        return password
-
-    def client_config(self) -> dict[str, str]:
-        """librdkafka (confluent-kafka) settings; the SASL password is read from its env var."""
-        config = {"bootstrap.servers": self.bootstrap, "security.protocol": self.security_protocol}
-        if self.security_protocol.startswith("SASL"):
-            config["sasl.mechanism"] = self.sasl_mechanism
-            config["sasl.username"] = self.sasl_username
-            config["sasl.password"] = self.sasl_password()
-        if self.ssl_ca_location:
-            config["ssl.ca.location"] = self.ssl_ca_location
-        return config
+        raise SettingsError(path, message)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,87 +82,15 @@ class ClickHouseSettings:
     sensitive_ttl_days: int = 7
 
     def __post_init__(self) -> None:
-        _check(self.url.startswith(("chdb:///", "http://", "https://")), "clickhouse.url",
-               f"must start with chdb:///, http:// or https://, got {self.url!r}")
-        _check(self.database.isidentifier(), "clickhouse.database",
+        _check(self.url.startswith(("chdb:///", "http://", "https://")), "url",
+               "must start with chdb:///, http:// or https://, got "
+               f"{split_credentials(self.url)[0]!r}")
+        _check(self.database.isidentifier(), "database",
                f"must be a plain identifier, got {self.database!r}")
-        _check(self.batch_rows > 0, "clickhouse.batch_rows", "must be > 0")
-        _check(self.retry_max_s > 0, "clickhouse.retry_max_s", "must be > 0")
-        _check(1 <= self.sensitive_ttl_days <= 90, "clickhouse.sensitive_ttl_days",
+        _check(self.batch_rows > 0, "batch_rows", "must be > 0")
+        _check(self.retry_max_s > 0, "retry_max_s", "must be > 0")
+        _check(1 <= self.sensitive_ttl_days <= 90, "sensitive_ttl_days",
                "must lie in [1, 90]: sensitive artifacts are short-lived")
-
-
-@dataclass(kw_only=True, slots=True)
-class TopicSettings:
-    """Topic names and their partition counts (created explicitly before use)."""
-
-    metrics: str = "otlp_metrics"
-    steps: str = "probewire.steps"
-    control: str = "probewire.control"
-    checkpoints: str = "probewire.checkpoints"
-    evals: str = "probewire.evals"
-    alerts: str = "probewire.alerts"
-    deadletter: str = "probewire.deadletter"
-    partitions: int = 4
-
-    def __post_init__(self) -> None:
-        _check(self.partitions >= 1, "topics.partitions", "must be >= 1")
-
-    def all(self) -> dict[str, int]:
-        """Every topic with its partition count; per-run topics use one partition per run key."""
-        names = [self.metrics, self.steps, self.control, self.checkpoints, self.evals,
-                 self.alerts, self.deadletter]
-        return {name: self.partitions for name in names}
-
-
-@dataclass(kw_only=True, slots=True)
-class StreamSettings:
-    """The Faust worker: step completion, detectors, retention, alerting."""
-
-    app_id: str = "probewire"
-    deadline_s: float = 30.0
-    detector_window: int = 100
-    loss_z_threshold: float = 6.0
-    grad_z_threshold: float = 6.0
-    signal_z_threshold: float = 8.0
-    straggler_ratio: float = 5.0   # step_time pages when one rank's own-time ratio S stays
-    straggler_steps: int = 3       # at or over straggler_ratio for straggler_steps steps
-    clip_threshold: float = 1.0
-    clip_window: int = 100
-    memory_growth: float = 0.2
-    maxvio_threshold: float = 2.0
-    maxvio_steps: int = 3
-    media_scale_min: float = 0.1
-    residual_ratio_min: float = 2.0 ** -8
-    rearm_steps: int = 50
-    run_idle_s: float = 120.0
-    retention_every_k: int = 100
-    retention_halo: int = 100
-    warmup_steps: int = 100
-    final_steps: int = 100
-    alert_webhook_url: str = ""
-    web_bind: str = "127.0.0.1"
-    fetch_max_wait_ms: int = 50   # Tansu answers a waiting fetch only at its deadline
-    batch_within_s: float = 0.25  # stage 2 writes the store at most this long after a step
-    batch_steps: int = 500        # ... or once this many steps wait (alerts never wait)
-
-    def __post_init__(self) -> None:
-        _check(self.deadline_s > 0, "stream.deadline_s", "must be > 0")
-        _check(self.detector_window >= 3, "stream.detector_window", "must be >= 3")
-        for name in ("loss_z_threshold", "grad_z_threshold", "signal_z_threshold",
-                     "clip_threshold", "memory_growth", "maxvio_threshold", "media_scale_min",
-                     "residual_ratio_min", "run_idle_s"):
-            _check(getattr(self, name) > 0, f"stream.{name}", "must be > 0")
-        _check(1 <= self.fetch_max_wait_ms <= 5000, "stream.fetch_max_wait_ms",
-               "must lie in [1, 5000]")
-        _check(0 < self.batch_within_s <= 10, "stream.batch_within_s", "must lie in (0, 10]")
-        _check(self.straggler_ratio > 1, "stream.straggler_ratio",
-               "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
-        for name in ("clip_window", "retention_every_k", "rearm_steps", "maxvio_steps",
-                     "batch_steps", "straggler_steps"):
-            _check(getattr(self, name) >= 1, f"stream.{name}", "must be >= 1")
-        for name in ("retention_halo", "warmup_steps", "final_steps"):
-            _check(getattr(self, name) >= 0, f"stream.{name}", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -205,17 +115,17 @@ class EvaluatorSettings:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        _check(self.reference_stream in ("auto", "raw", "ema"), "evaluator.reference_stream",
+        _check(self.reference_stream in ("auto", "raw", "ema"), "reference_stream",
                f"must be auto, raw or ema, got {self.reference_stream!r}")
-        _check(bool([s for s in self.suites.split(",") if s.strip()]), "evaluator.suites",
+        _check(bool([s for s in self.suites.split(",") if s.strip()]), "suites",
                "must name at least one suite")
-        _check(":" in self.tokenizer, "evaluator.tokenizer",
+        _check(":" in self.tokenizer, "tokenizer",
                f"must look like 'module:callable', got {self.tokenizer!r}")
-        _check(self.context_len >= 0, "evaluator.context_len", "must be >= 0 (0: from the model)")
-        _check(self.batch_size >= 1, "evaluator.batch_size", "must be >= 1")
-        _check(0.005 <= self.every_fraction <= 0.02, "evaluator.every_fraction",
+        _check(self.context_len >= 0, "context_len", "must be >= 0 (0: from the model)")
+        _check(self.batch_size >= 1, "batch_size", "must be >= 1")
+        _check(0.005 <= self.every_fraction <= 0.02, "every_fraction",
                f"must lie in [0.005, 0.02] (0.5-2% of planned tokens), got {self.every_fraction}")
-        _check(":" in self.model_factory, "evaluator.model_factory",
+        _check(":" in self.model_factory, "model_factory",
                f"must look like 'module:function', got {self.model_factory!r}")
 
 
@@ -223,10 +133,10 @@ class EvaluatorSettings:
 class Settings:
     """The root of the tree."""
 
-    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
     clickhouse: ClickHouseSettings = field(default_factory=ClickHouseSettings)
-    topics: TopicSettings = field(default_factory=TopicSettings)
-    stream: StreamSettings = field(default_factory=StreamSettings)
+    topics: TopicConfig = field(default_factory=TopicConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     evaluator: EvaluatorSettings = field(default_factory=EvaluatorSettings)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -246,31 +156,46 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
         try:
             number = kind(value)
         except (TypeError, ValueError):
-            raise SettingsError(f"{path}: must be {kind.__name__}, got {value!r}") from None
+            raise SettingsError(path, f"must be {kind.__name__}, got {value!r}") from None
         _check(not isinstance(value, bool), path, f"must be {kind.__name__}, got {value!r}")
         return number
     return str(value)
 
 
-def _section_types(cls: type) -> dict[str, Any]:
+def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _build_config(cls: type, raw: Mapping[str, Any], path: str) -> Any:
+    """``cls`` from ``raw`` (nested mappings for nested configs); errors name the field."""
+    _check(isinstance(raw, Mapping), path, f"must be a mapping, got {raw!r}")
+    kinds = _field_types(cls)
+    extra = sorted(set(raw) - set(kinds))
+    _check(not extra, f"{path}.{extra[0]}" if extra else path,
+           f"unknown field; known: {sorted(kinds)}")
+    kwargs = {}
+    for name, value in raw.items():
+        kind = kinds[name]
+        kwargs[name] = _build_config(kind, value or {}, f"{path}.{name}") \
+            if dataclasses.is_dataclass(kind) else _coerce(value, kind, f"{path}.{name}")
+    with within(path):
+        return cls(**kwargs)
+
+
 def _build(raw: Mapping[str, Mapping[str, Any]]) -> Settings:
-    sections = _section_types(Settings)
+    sections = _field_types(Settings)
     unknown = set(raw) - set(sections)
     _check(not unknown, ",".join(sorted(unknown)), f"unknown section; known: {sorted(sections)}")
-    built: dict[str, Any] = {}
-    for section, cls in sections.items():
-        values = dict(raw.get(section) or {})
-        kinds = _section_types(cls)
-        extra = set(values) - set(kinds)
-        _check(not extra, f"{section}.{sorted(extra)[0]}" if extra else section,
-               f"unknown field; known: {sorted(kinds)}")
-        kwargs = {k: _coerce(v, kinds[k], f"{section}.{k}") for k, v in values.items()}
-        built[section] = cls(**kwargs)
-    return Settings(**built)
+    return Settings(**{section: _build_config(cls, raw.get(section) or {}, section)
+                       for section, cls in sections.items()})
+
+
+def _plain(value: Any) -> Any:
+    """Mappings as dicts, all the way down (a file may hold None for an empty section)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def load_settings(path: str | os.PathLike[str] | None = None,
@@ -287,14 +212,20 @@ def load_settings(path: str | os.PathLike[str] | None = None,
             loaded = yaml.safe_load(file.read_text()) if file.suffix in {".yaml", ".yml"} \
                 else json.loads(file.read_text())
         except (yaml.YAMLError, json.JSONDecodeError) as exc:
-            raise SettingsError(f"config: cannot parse {file}: {exc}") from None
+            raise SettingsError("config", f"cannot parse {file}: {exc}") from None
         _check(isinstance(loaded, dict), "config", f"{file} must hold a mapping of sections")
-        raw = {k: dict(v or {}) for k, v in loaded.items()}
+        raw = {k: _plain(v or {}) for k, v in loaded.items()}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
-            section, _, name = key[len(ENV_PREFIX):].lower().partition("__")
-            raw.setdefault(section, {})[name] = value
+            *parents, name = key[len(ENV_PREFIX):].lower().split("__")
+            node = raw
+            for part in parents:
+                child = node.setdefault(part, {})
+                _check(isinstance(child, dict), ".".join(parents), f"set by {key} and a file")
+                node = child
+            node[name] = value
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    raw = {k: _plain(v) for k, v in raw.items()}
     return _build(raw)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from probewire.deploy.health import read_heartbeat
-from probewire.deploy.settings import Settings
+from probewire.deploy.settings import Settings, split_credentials
 
 __all__ = ["LocalStack", "StackError", "create_topics", "free_port", "spawn", "stop_process",
            "tansu_binary"]
@@ -161,9 +161,14 @@ class LocalStack:
         config = self.work_dir / "settings.json"
         tree = self.settings.to_dict()
         tree["kafka"]["bootstrap"] = self.bootstrap
-        config.write_text(json.dumps(tree))
         env = {k: v for k, v in os.environ.items()
                if not (k.startswith("PROBEWIRE_") and "__" in k)}
+        ch = tree["clickhouse"]
+        ch["url"], user, password = split_credentials(ch["url"])
+        if user:  # a password in the URL goes to the child's environment, never to a file
+            ch["username"] = user
+            env[ch["password_env"]] = password
+        config.write_text(json.dumps(tree))
         env.update({"PROBEWIRE_CONFIG": str(config), "PROBEWIRE_HEARTBEAT_FILE": str(heartbeat)})
         return env
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probewire.deploy.health import Heartbeat, default_heartbeat_path
+from probewire.stream.health import Heartbeat, default_heartbeat_path
 from probewire.deploy.settings import Settings
 
 from .cadence import Cadence

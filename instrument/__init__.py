@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "CATALOG",
     "ControlListener",
-    "ExplosionLocator",
     "Group",
     "KafkaTransport",
     "MemoryTransport",
@@ -36,7 +35,6 @@ __all__ = [
     "checkpoint_event",
     "describe",
     "discover",
-    "locate_explosion",
     "spec",
     "transformer_flops_per_token",
 ]
@@ -46,7 +44,6 @@ _HOME = {
     "Reduction": "catalog", "Tier": "catalog", "describe": "catalog", "spec": "catalog",
     "ProbeConfig": "config",
     "StructureConfig": "structure_config", "discover": "discover",
-    "ExplosionLocator": "localize", "locate_explosion": "localize",
     "ControlListener": "control", "checkpoint_event": "control",
     "KafkaTransport": "export", "StepEmitter": "export", "Transport": "export",
     "Monitor": "monitor", "NullMonitor": "monitor", "attach": "monitor",
@@ -74,7 +71,6 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from .catalog import CATALOG, Group, MetricSpec, Priority, Reduction, Tier, describe, spec
     from .config import ProbeConfig
     from .discover import discover
-    from .localize import ExplosionLocator, locate_explosion
     from .structure_config import StructureConfig
     from .control import ControlListener, checkpoint_event
     from .export import KafkaTransport, StepEmitter, Transport

@@ -141,6 +141,26 @@ class ClickHouseSink:
             self._write_group(table, known, group[0], group)
         return len(rows)
 
+    def write_or_reject(self, table: str, rows: Sequence[Mapping[str, Any]]
+                        ) -> list[tuple[Mapping[str, Any], str]]:
+        """Store every row that can be stored; return the others with the store's reason.
+
+        A rejected write is bisected until the rows that cannot be stored (a value outside
+        its column's type, say) stand alone, so one bad row never takes its batch down.
+        Rows stored by an attempt that then failed are stored again: writes are idempotent.
+        ``StoreUnavailable`` still propagates (retry the whole write later)."""
+        if not rows:
+            return []
+        try:
+            self.write(table, rows)
+            return []
+        except RejectedRows as exc:
+            if len(rows) == 1:
+                return [(rows[0], f"{table}: {exc}")]
+        half = len(rows) // 2
+        return self.write_or_reject(table, rows[:half]) + \
+            self.write_or_reject(table, rows[half:])
+
     def write_columns(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
         """Store rows given column-wise (``{column: values}``, equal lengths); returns how many."""
         known = _known_columns(table)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import base64
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
 from .records import ReducedStep
 
-__all__ = ["StepOrderer"]
+__all__ = ["SkippedSteps", "StepOrderer"]
 
 
 @dataclass(slots=True)
@@ -60,3 +61,46 @@ class StepOrderer:
         held = [ReducedStep.from_bytes(base64.b64decode(text)) for text in state["held"]]
         return cls(max_wait_s, state["next_step"], {i.step: (now, i) for i in held})
 
+
+
+class SkippedSteps:
+    """The steps a gap skip passed over (they may still arrive), as at most ``max_ranges``
+    closed ranges: memory is bounded by the number of gaps, never by a step number.
+
+    When more gaps than ``max_ranges`` are open, the oldest range is forgotten (counted in
+    ``forgotten``): a step of it that still arrives is then taken for a re-delivery."""
+
+    def __init__(self, ranges: list[tuple[int, int]] | None = None,
+                 max_ranges: int = 10_000) -> None:
+        self.max_ranges = max_ranges
+        self._ranges: list[list[int]] = sorted([int(a), int(b)] for a, b in ranges or [])
+        self.forgotten = 0
+
+    def __contains__(self, step: int) -> bool:
+        i = bisect.bisect_right(self._ranges, [step, float("inf")]) - 1
+        return i >= 0 and self._ranges[i][0] <= step <= self._ranges[i][1]
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+    def add(self, first: int, last: int) -> None:
+        """Steps ``first..last`` (inclusive) were skipped; nothing when ``first > last``."""
+        if first > last:
+            return
+        bisect.insort(self._ranges, [first, last])
+        while len(self._ranges) > self.max_ranges:
+            self._ranges.pop(0)
+            self.forgotten += 1
+
+    def discard(self, step: int) -> None:
+        """``step`` arrived: it is no longer skipped."""
+        i = bisect.bisect_right(self._ranges, [step, float("inf")]) - 1
+        if i < 0 or not self._ranges[i][0] <= step <= self._ranges[i][1]:
+            return
+        first, last = self._ranges.pop(i)
+        for part in ([step + 1, last], [first, step - 1]):
+            if part[0] <= part[1]:
+                self._ranges.insert(i, part)
+
+    def to_state(self) -> list[list[int]]:
+        return [list(r) for r in self._ranges]

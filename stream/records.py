@@ -10,7 +10,15 @@ import numpy as np
 
 from probewire.instrument.wire import SeriesKey
 
-__all__ = ["ReducedStep"]
+__all__ = ["RecordError", "ReducedStep"]
+
+
+class RecordError(ValueError):
+    """Bytes that are not a ReducedStep; ``reason`` goes to the dead letter."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _encode_key(key: SeriesKey) -> str:
@@ -68,7 +76,19 @@ class ReducedStep:
                          reduced_mask.tobytes(), values.tobytes(), mask.tobytes()))
 
     @classmethod
-    def from_bytes(cls, payload: bytes) -> "ReducedStep":
+    def from_bytes(cls, payload: bytes | None) -> "ReducedStep":
+        """The step ``to_bytes`` wrote; a RecordError for anything else."""
+        try:
+            step = cls._from_bytes(payload or b"")
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RecordError(f"not a reduced step: {type(exc).__name__}: {exc}") from None
+        if not isinstance(step.run_id, str) or not isinstance(step.step, int) or \
+                not all(len(labels) == 2 for key in step.reduced for labels in key[1]):
+            raise RecordError("not a reduced step: bad run id, step or labels")
+        return step
+
+    @classmethod
+    def _from_bytes(cls, payload: bytes) -> "ReducedStep":
         (size,) = struct.unpack_from("<I", payload)
         head = json.loads(payload[4:4 + size])
         keys = [_decode_key(k) for k in head.pop("keys")]

@@ -12,6 +12,13 @@ kept when any of these holds:
 ``retained_steps`` states the rule in closed form; ``RetentionPolicy`` applies it
 online with a bounded look-back buffer, because a detector cannot recover detail
 from before the event that fired it.
+
+Steps that come out of order are kept, never refused: a step at or below the newest
+one (it arrived after stage 2 skipped its gap) is released at once by ``offer_late``,
+because its detail is the evidence of why it was late. A run that finished (it was idle
+for ``run_idle_s``) and then sends another step is reopened: ``finish`` released the
+final steps of the segment before the pause, and the policy goes on from there.
+``finish`` is idempotent.
 """
 
 from __future__ import annotations
@@ -95,11 +102,13 @@ class RetentionPolicy(Generic[P]):
         return max(self.halo, self.final_steps)
 
     def offer(self, step: int, payload: P, anomaly: bool) -> list[tuple[int, P]]:
-        """Take one step's detail; return the (step, payload) pairs to persist now."""
-        if self._finished:
-            raise ValueError("offer() after finish(): the run has ended")
-        if step < 0 or (self._last_step is not None and step <= self._last_step):
-            raise ValueError(f"step must be >= 0 and above {self._last_step!r}, got {step!r}")
+        """Take one step's detail; return the (step, payload) pairs to persist now.
+
+        A step at or below the newest offered one goes to ``offer_late``; a step after
+        ``finish`` reopens the run (see the module docstring). Never raises on a step."""
+        self._finished = False
+        if self._last_step is not None and step <= self._last_step:
+            return self.offer_late(step, payload)
         self._last_step = step
         released: list[tuple[int, P]] = []
         if anomaly:
@@ -124,10 +133,21 @@ class RetentionPolicy(Generic[P]):
             self._buffer.popleft()
         return released
 
+    def offer_late(self, step: int, payload: P) -> list[tuple[int, P]]:
+        """A step that arrived after newer ones: kept (released at once); the buffer, the
+        hold and the newest step are unchanged."""
+        self._finished = False
+        return [(step, payload)]
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
     def finish(self) -> list[tuple[int, P]]:
-        """Signal the run's end; release the buffered steps among the final ``final_steps``."""
+        """Signal the run's end; release the buffered steps among the final ``final_steps``.
+        A second call (no step since) releases nothing."""
         if self._finished:
-            raise ValueError("finish() called twice")
+            return []
         self._finished = True
         released: list[tuple[int, P]] = []
         if self._last_step is not None:

@@ -6,212 +6,63 @@ retention decision for per-rank and P1/P2 detail. Detail is written for every st
 short-lived ``*_recent`` tables (the durable look-back buffer); steps the retention policy
 keeps are promoted from there. The whole state serialises, so a restarted worker resumes
 with no gap and no double count.
+
+Nothing a run does makes this module raise or drop a step:
+
+- a run idle for ``run_idle_s`` is finished (its final steps are retained); a step after
+  that (the run paused for a checkpoint save or an evaluation) reopens it, and is stored;
+  finishing again releases the new final steps; ``finish`` is idempotent;
+- a step that arrives after the orderer skipped its gap is stored with
+  ``complete_reason = "after_gap"``. Its detail is retained, and it does not feed the
+  detectors, whose windows hold the run's steps in order: its row carries the P0 view but
+  no detector fields. It counts in the run's cumulative tokens and FLOPs from then on.
+  A re-delivered step (at or below the newest, and not skipped) is dropped.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
-                     worst_rank_loss)
-from .order import StepOrderer
-from probewire.instrument.wire import SeriesKey
-
+from .errors import check
+from .order import SkippedSteps, StepOrderer
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
+from .view import _detail_rows, p0_view
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
-
-_TENSOR_FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite", "sum3", "sum4")
-
-
-def _get(values: dict[SeriesKey, float], name: str, **labels: str) -> float | None:
-    return values.get((name, tuple(sorted(labels.items()))))
-
-
-def _labelled(values: dict[SeriesKey, float], name: str) -> dict[tuple, float]:
-    return {labels: v for (n, labels), v in values.items() if n == name and labels}
-
-
-def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
-    return {r: v[(name, ())] for r, v in item.per_rank.items() if (name, ()) in v}
-
-
-def _own_times(item: ReducedStep) -> dict[int, float]:
-    """Per rank, its own time: step time minus the exposed collective wait it reported
-    (``comm.wait_s``, summed over ops; the step time itself when it reported none).
-
-    Under synchronous data parallelism every rank's step time carries the slowest rank's
-    delay (the others wait for it in the gradient all-reduce); their own time does not."""
-    own: dict[int, float] = {}
-    for rank, values in item.per_rank.items():
-        tau = values.get(("step_time_s", ()))
-        if tau is None:
-            continue
-        waits = [v for (name, _), v in values.items() if name == "comm.wait_s"
-                 and math.isfinite(v)]
-        own[rank] = max(tau - math.fsum(waits), 0.0) if waits else tau
-    return own
-
-
-def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
-    """The rank with the largest own time, and S = its own time / the median own time of
-    the other ranks (leave-one-out; None with a single rank)."""
-    own = _own_times(item)
-    if not own:
-        return None, None
-    rank = max(sorted(own), key=own.__getitem__)  # ties: the lowest rank
-    others = [v for r, v in own.items() if r != rank]
-    return rank, own[rank] / (statistics.median(others) + 1e-12) if others else None
-
-
-def _moe(item: ReducedStep) -> dict[str, Any]:
-    """MaxVio / shard imbalance / H_norm from per-expert valid-token counts c_i (seeds §7)."""
-    layers: dict[str, dict[int, float]] = defaultdict(dict)
-    for labels, count in _labelled(item.reduced, "moe.expert_tokens").items():
-        lab = dict(labels)
-        layers[lab["layer"]][int(lab["expert"])] = count
-    out: dict[str, Any] = {"moe_maxvio": None, "moe_maxvio_layer": None,
-                           "moe_shard_imbalance": None, "moe_h_norm": None}
-    ep_size = len({r.get("ep", 0) for r in item.coords.values()}) if item.coords else 1
-    for layer, by_expert in sorted(layers.items()):
-        counts = [by_expert.get(i, 0.0) for i in range(max(by_expert) + 1)]
-        balance = expert_balance(counts)
-        if balance is None:  # no valid token reached the layer: no measurement
-            continue
-        if out["moe_maxvio"] is None or balance.max_violation > out["moe_maxvio"]:
-            out["moe_maxvio"], out["moe_maxvio_layer"] = balance.max_violation, f"layer {layer}"
-        if balance.entropy_norm is not None:
-            out["moe_h_norm"] = balance.entropy_norm if out["moe_h_norm"] is None \
-                else min(out["moe_h_norm"], balance.entropy_norm)
-        if ep_size > 1 and len(counts) % ep_size == 0:
-            per = len(counts) // ep_size
-            shard = shard_imbalance(counts, [i // per for i in range(len(counts))])
-            if shard is not None:
-                out["moe_shard_imbalance"] = max(out["moe_shard_imbalance"] or 0.0, shard)
-    return out
-
-
-def _residual(item: ReducedStep) -> dict[str, Any]:
-    """The weakest residual branch: the smallest token-mean R_b = Σ ratio_sum / Σ tokens over
-    (layer, branch), with its mean stream norm N_s and branch norm N_b (seeds 001 §8)."""
-    red = item.reduced
-    weakest: tuple[float, tuple, float | None, float | None] | None = None
-    for labels, n in _labelled(red, "residual.tokens").items():
-        ratio = red.get(("residual.ratio_sum", labels))
-        if not n > 0 or ratio is None or not math.isfinite(ratio):
-            continue
-        mean = ratio / n
-        if weakest is None or mean < weakest[0]:
-            norms = [red.get((f"residual.{stem}_sum", labels)) for stem in ("stream_norm",
-                                                                             "branch_norm")]
-            weakest = (mean, labels, *(None if v is None else v / n for v in norms))
-    if weakest is None:
-        return {"residual_ratio_min": None, "residual_ratio_branch": None,
-                "residual_stream_norm": None, "residual_branch_norm": None}
-    lab = dict(weakest[1])
-    return {"residual_ratio_min": weakest[0],
-            "residual_ratio_branch": f"layer {lab.get('layer', '?')} {lab.get('branch', '?')}",
-            "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
-
-
-def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
-    """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
-    red = item.reduced
-    tokens = _get(red, "loss.tokens") or 0.0
-    sums, counts = _per_rank(item, "loss.sum"), _per_rank(item, "loss.tokens")
-    ranks = sorted(set(sums) & set(counts))
-    worst = worst_rank_loss([sums[r] for r in ranks], [counts[r] for r in ranks])
-    grad_sq = _get(red, "grad.norm_sq")
-    tau = _get(red, "step_time_s")
-    straggler_rank, own_ratio = _straggler(item)
-    taus = _per_rank(item, "step_time_s")
-    flops = _get(red, "flops.step")
-    memory = _per_rank(item, "memory.peak_allocated_bytes") or _per_rank(
-        item, "memory.peak_rss_bytes")
-    media = [_get(red, f"modality.{n}") for n in ("media_sum_sq", "media_n", "text_sum_sq",
-                                                   "text_n")]
-    view: dict[str, Any] = {
-        "step_tokens": int(tokens),
-        "loss": global_mean_loss([_get(red, "loss.sum") or 0.0], [tokens]),
-        "loss_worst_rank": None if worst is None else worst[0],
-        "loss_worst_rank_id": None if worst is None else ranks[worst[1]],
-        "grad_norm": None if grad_sq is None else (math.sqrt(grad_sq) if grad_sq >= 0
-                                                   else math.nan),
-        "clipped": _get(red, "grad.clipped"),
-        "step_time_s": tau,
-        "tokens_per_s": tokens / tau if tau else None,
-        "flops_step": flops,
-        "compute_rate": flops / (item.world_size * tau) if flops is not None and tau else None,
-        "straggler_score": straggler_score(list(taus.values())) if taus else None,
-        "straggler_rank": straggler_rank,
-        "straggler_own_ratio": own_ratio,
-        "peak_memory_bytes": max(memory.values()) if memory else None,
-        "peak_memory_rank": max(memory, key=memory.__getitem__) if memory else None,
-        "output_absmax": _get(red, "output.logits_abs_max"),
-        "media_scale": math.sqrt(media[0] / media[1]) / (math.sqrt(media[2] / media[3]) + 1e-12)
-        if None not in media and media[1] and media[3] else None,
-        "skipped": int(_get(red, "guard.skipped") or 0),
-        "replayed": int(_get(red, "guard.replayed") or 0),
-        "replay_mismatch": int(_get(red, "guard.replay_mismatch") or 0),
-        "ranks_reporting": len(item.ranks_reporting),
-        "ranks_missing": list(item.ranks_missing),
-        "complete_reason": item.complete_reason,
-        **_moe(item),
-        **_residual(item),
-    }
-    sources = {}
-    source_sums = _labelled(red, "loss.sum")
-    for labels, count in _labelled(red, "loss.tokens").items():
-        lab = dict(labels)
-        if "source" in lab and count > 0 and labels in source_sums:
-            sources[lab["source"]] = (source_sums[labels] / count,
-                                      count / tokens if tokens else math.nan, count)
-    return view, sources
-
-
-def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
-    base = {"run_id": item.run_id, "step": item.step}
-    run_id, step, late = item.run_id, item.step, int(item.complete_reason == "late")
-    texts: dict[tuple, str] = {}  # every rank sends the same label sets: join each once
-    for vals in item.per_rank.values():
-        for _, lab in vals:
-            if lab not in texts:
-                texts[lab] = "|".join(f"{k}={v}" for k, v in lab)
-    ranks = [{"run_id": run_id, "step": step, "rank": r, "metric": name, "labels": texts[lab],
-              "value": value, "late": late}
-             for r, vals in item.per_rank.items() for (name, lab), value in vals.items()]
-    tensors: dict[tuple, dict[str, Any]] = {}
-    experts = []
-    for (name, labels), value in item.reduced.items():
-        if name.startswith("tensor.") and name[7:] in _TENSOR_FIELDS:
-            lab = dict(labels)
-            row = tensors.setdefault((lab.get("tensor"), lab.get("kind")), {
-                **base, "tensor": lab.get("tensor", ""), "kind": lab.get("kind", ""),
-                "sum3": None, "sum4": None})
-            row[name[7:]] = value
-        elif name == "moe.expert_tokens":
-            lab = dict(labels)
-            experts.append({**base, "layer": lab["layer"], "expert": int(lab["expert"]),
-                            "tokens": value, "shard": int(lab.get("shard", 0))})
-    return {"rank_metrics": ranks, "tensor_stats": [t for t in tensors.values() if "n" in t],
-            "expert_stats": experts}
 
 
 @dataclass(kw_only=True, slots=True)
 class Stage2Config:
+    """Per-run processing (``stream.stage2``): detectors, retention, step order, idle end."""
+
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
-    retention_every_k: int = 100
-    retention_halo: int = 100
-    warmup_steps: int = 100
-    final_steps: int = 100
-    max_wait_s: float = 40.0
-    run_idle_s: float = 120.0
+    retention_every_k: int = 100   # keep every k-th step at full detail
+    retention_halo: int = 100      # steps kept on either side of an anomaly
+    warmup_steps: int = 100        # first steps kept
+    final_steps: int = 100         # last steps kept
+    max_wait_s: float = 40.0       # a gap is skipped after this (> stream.deadline_s)
+    run_idle_s: float = 120.0      # a run with no new step for this long is finished
+
+    def __post_init__(self) -> None:
+        d = self.detectors
+        check(d.window >= 3, "detectors.window", "must be >= 3")
+        for name in ("loss_z", "grad_z", "signal_z", "clip_threshold", "memory_growth",
+                     "maxvio_threshold", "media_scale_min", "residual_ratio_min"):
+            check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
+        check(d.straggler_ratio > 1, "detectors.straggler_ratio",
+              "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
+        for name in ("clip_window", "rearm_steps", "maxvio_steps", "straggler_steps"):
+            check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
+        check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
+        for name in ("retention_halo", "warmup_steps", "final_steps"):
+            check(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("max_wait_s", "run_idle_s"):
+            check(getattr(self, name) > 0, name, "must be > 0")
 
 
 @dataclass(slots=True)
@@ -243,7 +94,7 @@ class RunPipeline:
         self.tokens = 0
         self.flops = 0.0
         self.last_step = -1
-        self.skipped: set[int] = set()   # steps a gap skip passed over; may still arrive
+        self.skipped = SkippedSteps()   # steps a gap skip passed over; may still arrive
         self.world_size = 0
         self.first_step: int | None = None
         self.last_arrival = 0.0
@@ -251,8 +102,14 @@ class RunPipeline:
         self.last_control = -10**9
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
+        """One reduced step from stage 1 (any order, any number of times)."""
         self.last_arrival = now
-        self.finished = False
+        self.finished = False  # a step after an idle expiry reopens the run
+        if item.complete_reason == "detail":  # part of a step split for the broker's limit
+            out = Stage2Output()
+            for table, rows in _detail_rows(item).items():
+                out.rows[f"{table}_recent"] += rows
+            return out  # promoted with its step (the main part comes after it)
         if item.complete_reason == "late":  # data after its step's deadline: kept as detail
             out = Stage2Output()
             out.rows["rank_metrics_recent"] += _detail_rows(item)["rank_metrics"]
@@ -268,8 +125,11 @@ class RunPipeline:
         return out
 
     def finish(self) -> Stage2Output:
-        """The run ended: release the final steps and mark the run finished."""
+        """The run ended: release the final steps and mark the run finished (once: a
+        finished run with no step since gives an empty output)."""
         out = Stage2Output()
+        if self.finished:
+            return out
         out.promote += [s for s, _ in self.retention.finish()]
         self.finished = True
         out.rows["runs"].append(self._run_row("finished"))
@@ -282,7 +142,7 @@ class RunPipeline:
                 continue  # re-delivery: already counted
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
-            self.skipped.update(range(self.last_step + 1, item.step))
+            self.skipped.add(self.last_step + 1, item.step - 1)
             out.extend(self._step(item, after_gap))
         if items:
             out.rows["runs"].append(self._run_row("running"))
@@ -300,9 +160,14 @@ class RunPipeline:
         # step where every source spikes together (a co-spike) does not page per source
         ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
                   if view["loss"] and math.isfinite(view["loss"])}
-        derived, findings = self.detectors.observe(item.step, view, ratios)
+        if after_gap:  # the detectors' windows hold the run's steps in order
+            derived, findings = {}, []
+            clipped = view["clipped"]
+            view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
+        else:
+            derived, findings = self.detectors.observe(item.step, view, ratios)
+            view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
-        view["clipped"] = derived.pop("clipped")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
                "flops": self.flops, **view, **derived}
         if after_gap:
@@ -317,7 +182,9 @@ class RunPipeline:
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
             if finding.page:
                 out.rows["alerts"].append(self._alert_row(item.step, finding))
-        out.promote += [s for s, _ in self.retention.offer(item.step, None, bool(findings))]
+        offer = self.retention.offer_late if after_gap else \
+            lambda step, payload: self.retention.offer(step, payload, bool(findings))
+        out.promote += [s for s, _ in offer(item.step, None)]
         if findings and item.step - self.last_control > self.config.retention_halo:
             self.last_control = item.step
             reason = ", ".join(sorted({f.signal for f in findings}))
@@ -351,7 +218,7 @@ class RunPipeline:
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "flops": self.flops, "last_step": self.last_step,
-                "skipped": sorted(self.skipped), "world_size": self.world_size,
+                "skipped": self.skipped.to_state(), "world_size": self.world_size,
                 "first_step": self.first_step, "finished": self.finished,
                 "last_control": self.last_control,
                 "detectors": self.detectors.to_state(), "retention": self.retention.to_state(),
@@ -362,7 +229,8 @@ class RunPipeline:
                    now: float) -> "RunPipeline":
         run = cls(run_id, config)
         run.tokens, run.flops, run.last_step = state["tokens"], state["flops"], state["last_step"]
-        run.skipped = set(state["skipped"])
+        run.skipped = SkippedSteps([(s, s) if isinstance(s, int) else tuple(s)
+                                    for s in state["skipped"]])  # ints: before version 2
         run.world_size, run.first_step = state["world_size"], state["first_step"]
         run.finished, run.last_control = state["finished"], state["last_control"]
         run.detectors = SignalDetectors.from_state(config.detectors, state["detectors"])

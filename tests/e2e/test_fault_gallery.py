@@ -23,6 +23,8 @@ import pytest
 from probewire.deploy.demo.faults import FAULTS, Straggler, demo_train_args, parse_fault
 from probewire.deploy.demo.run import run_demo
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import Stage2Config
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +38,7 @@ DB = "probewire"
 def _settings(store: Path) -> Settings:
     return Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/"),
                                                   database=DB),
-                    stream=StreamSettings(detector_window=WINDOW))
+                    stream=StreamSettings(stage2=Stage2Config(detectors=DetectorConfig(window=WINDOW))))
 
 
 def _explain(store: Path, run_id: str, step: int) -> dict:

@@ -19,6 +19,8 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack, stop_process
 from probewire.stream.retention import retained_steps
 from probewire.stream.testing import SimRun, send
@@ -38,10 +40,13 @@ def settings_for(store: Path) -> Settings:
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")),
         stream=StreamSettings(app_id=f"pw-test-{uuid.uuid4().hex[:8]}", deadline_s=3.0,
-                              detector_window=20, retention_every_k=RETENTION["k"],
-                              retention_halo=RETENTION["halo"],
-                              warmup_steps=RETENTION["warmup_steps"],
-                              final_steps=RETENTION["final_steps"], run_idle_s=3.0))
+                              stage2=Stage2Config(
+                                  detectors=DetectorConfig(window=20),
+                                  retention_every_k=RETENTION["k"],
+                                  retention_halo=RETENTION["halo"],
+                                  warmup_steps=RETENTION["warmup_steps"],
+                                  final_steps=RETENTION["final_steps"], max_wait_s=13.0,
+                                  run_idle_s=3.0)))
 
 
 def wait_finished(stack: LocalStack, run_id: str, timeout_s: float = 90.0) -> None:

@@ -67,6 +67,9 @@ Refuse configurations that would deploy but not work, with a message that names 
 {{- if and .Values.evaluator.enabled (gt (int .Values.evaluator.replicas) $partitions) }}
 {{- fail (printf "evaluator.replicas (%d) exceeds settings.topics.partitions (%d): an evaluator beyond the partition count of the checkpoints topic idles; lower evaluator.replicas or raise settings.topics.partitions" (int .Values.evaluator.replicas) $partitions) }}
 {{- end }}
+{{- if regexMatch "^[A-Za-z+]+://[^/]*@" $s.clickhouse.url }}
+{{- fail "settings.clickhouse.url carries credentials (user:password@host): they would be rendered into the ConfigMap; set settings.clickhouse.username and put the password in the Secret named by secrets.clickhouse" }}
+{{- end }}
 {{- if hasPrefix "chdb:" $s.clickhouse.url }}
 {{- fail "settings.clickhouse.url: the embedded chdb:/// engine is one process per local directory and cannot serve a Deployment; point it at a ClickHouse server (http:// or https://)" }}
 {{- end }}

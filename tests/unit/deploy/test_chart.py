@@ -277,28 +277,57 @@ def test_every_container_reads_the_mounted_config(rendered: Rendered) -> None:
         assert mount["mountPath"] == "/etc/probewire/config.yaml"
 
 
+def _settings_fields(cls: type) -> dict[str, Any]:
+    """A settings class as {field: JSON type or nested dict}, all the way down."""
+    json_type = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    hints = typing.get_type_hints(cls)
+    return {f.name: _settings_fields(hints[f.name]) if dataclasses.is_dataclass(hints[f.name])
+            else json_type[hints[f.name]] for f in dataclasses.fields(cls)}
+
+
+def _schema_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    assert spec["additionalProperties"] is False
+    return {name: _schema_fields(sub) if sub["type"] == "object" else sub["type"]
+            for name, sub in spec["properties"].items()}
+
+
 def test_schema_mirrors_the_settings_tree() -> None:
-    """values.schema.json knows exactly the fields of deploy/settings.py, with their types."""
+    """values.schema.json knows exactly the fields of the settings tree (nested component
+    configs included), with their types."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     sections = schema["properties"]["settings"]["properties"]
-    json_type = {str: "string", int: "integer", float: "number", bool: "boolean"}
     root = typing.get_type_hints(settings_module.Settings)
     assert set(sections) == set(root)
     for section, cls in root.items():
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: json_type[hints[f.name]] for f in dataclasses.fields(cls)}
-        declared = {name: spec["type"] for name, spec in sections[section]["properties"].items()}
-        assert declared == fields, section
-        assert sections[section]["additionalProperties"] is False
+        assert _schema_fields(sections[section]) == _settings_fields(cls), section
+
+
+def _listed(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: _listed(v) if isinstance(v, dict) else type(v).__name__ for k, v in values.items()}
 
 
 def test_values_yaml_lists_every_settings_field(chart: helm.Chart) -> None:
-    """Every field of deploy/settings.py appears, documented, under `settings` in values.yaml."""
+    """Every field of the settings tree appears, documented, under `settings` in values.yaml."""
     listed = chart.values["settings"]
     derived = {("evaluator", "enabled")}  # set by the chart from evaluator.enabled
+
+    def names(tree: dict[str, Any]) -> dict[str, Any]:
+        return {k: names(v) if isinstance(v, dict) else None for k, v in tree.items()}
     for section, cls in typing.get_type_hints(settings_module.Settings).items():
-        fields = {f.name for f in dataclasses.fields(cls)} - {n for s, n in derived if s == section}
-        assert set(listed[section]) == fields, section
+        fields = names(_settings_fields(cls))
+        for s, n in derived:
+            if s == section:
+                fields.pop(n)
+        assert names(_listed(listed[section])) == fields, section
+
+
+def test_a_password_in_the_clickhouse_url_is_refused_without_being_echoed(
+        chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError) as caught:
+        _render(chart, {"settings": {"clickhouse": {
+            "url": "http://writer:SENTINEL-g7@clickhouse:8123"}}})
+    assert "settings.clickhouse.url carries credentials" in str(caught.value)
+    assert SENTINEL not in str(caught.value)
 
 
 def test_values_yaml_has_a_comment_above_every_field() -> None:

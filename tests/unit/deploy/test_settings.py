@@ -9,22 +9,43 @@ from probewire.deploy.settings import SettingsError, load_settings
 
 def test_env_overrides_file_and_values_are_coerced(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("stream:\n  deadline_s: 12\n  detector_window: 50\nevaluator:\n  enabled: true\n")
+    config.write_text("stream:\n  deadline_s: 12\n  stage2:\n    detectors:\n      window: 50\n"
+                      "evaluator:\n  enabled: true\n")
     s = load_settings(config, env={"PROBEWIRE_STREAM__DEADLINE_S": "7.5",
-                                   "PROBEWIRE_EVALUATOR__ENABLED": "false"})
-    assert s.stream.deadline_s == 7.5 and s.stream.detector_window == 50
+                                   "PROBEWIRE_EVALUATOR__ENABLED": "false",
+                                   "PROBEWIRE_STREAM__STAGE2__RUN_IDLE_S": "300"})
+    assert s.stream.deadline_s == 7.5 and s.stream.stage2.detectors.window == 50
+    assert s.stream.stage2.run_idle_s == 300.0 and s.stream.stage2.retention_every_k == 100
     assert s.evaluator.enabled is False
+
+
+def test_each_default_is_written_once_in_its_component():
+    """The settings tree is built from the components' own configs: their defaults are the
+    tree's defaults (no second copy in deploy)."""
+    from probewire.stream.config import StreamConfig
+    from probewire.stream.signals import DetectorConfig
+
+    s = load_settings(env={})
+    assert s.stream == StreamConfig() and s.stream.stage2.detectors == DetectorConfig()
 
 
 @pytest.mark.parametrize("env, field", [
     ({"PROBEWIRE_STREAM__DEADLINE_S": "-1"}, "stream.deadline_s"),
-    ({"PROBEWIRE_STREAM__DETECTOR_WINDOW": "ten"}, "stream.detector_window"),
+    ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__WINDOW": "ten"}, "stream.stage2.detectors.window"),
+    ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__WINDOW": "2"}, "stream.stage2.detectors.window"),
+    ({"PROBEWIRE_STREAM__STAGE2__MAX_WAIT_S": "5"}, "stream.stage2.max_wait_s"),
+    ({"PROBEWIRE_STREAM__BATCH__STEPS": "0"}, "stream.batch.steps"),
+    ({"PROBEWIRE_STREAM__BOUNDS__MAX_WORLD_SIZE": "0"}, "stream.bounds.max_world_size"),
+    ({"PROBEWIRE_STREAM__MAX_MESSAGE_BYTES": "10"}, "stream.max_message_bytes"),
+    ({"PROBEWIRE_CLICKHOUSE__DATABASE": "a-b"}, "clickhouse.database"),
     ({"PROBEWIRE_CLICKHOUSE__URL": "mysql://x"}, "clickhouse.url"),
     ({"PROBEWIRE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL"}, "kafka.sasl_mechanism"),
     ({"PROBEWIRE_EVALUATOR__EVERY_FRACTION": "0.1"}, "evaluator.every_fraction"),
     ({"PROBEWIRE_STREAM__NOPE": "1"}, "stream.nope"),
-    ({"PROBEWIRE_STREAM__STRAGGLER_RATIO": "1.0"}, "stream.straggler_ratio"),
-    ({"PROBEWIRE_STREAM__STRAGGLER_STEPS": "0"}, "stream.straggler_steps"),
+    ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_RATIO": "1.0"},
+     "stream.stage2.detectors.straggler_ratio"),
+    ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "0"},
+     "stream.stage2.detectors.straggler_steps"),
 ])
 def test_bad_values_name_the_field(env, field):
     with pytest.raises(SettingsError, match=field.replace(".", r"\.")):

@@ -8,7 +8,8 @@ import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from probewire.deploy.settings import KafkaSettings, Settings, SettingsError
-from probewire.stream.app import broker_credentials, create_app
+from probewire.stream.app import create_app
+from probewire.stream.kafka import broker_credentials
 
 ENV = "PROBEWIRE_TEST_SASL_PASSWORD"
 
@@ -53,7 +54,8 @@ def test_the_worker_app_carries_the_credentials(monkeypatch, tmp_path):
     settings = Settings(kafka=KafkaSettings(security_protocol="SASL_PLAINTEXT",
                                             sasl_mechanism="PLAIN", sasl_username="probe",
                                             sasl_password_env=ENV))
-    app = create_app(settings, tmp_path / "worker.heartbeat")
+    app = create_app(settings.stream, settings.kafka, settings.topics, lambda: None,
+                     tmp_path / "worker.heartbeat")
     auth = credentials_to_aiokafka_auth(app.conf.broker_credentials)
     assert (auth["security_protocol"], auth["sasl_plain_username"]) == ("SASL_PLAINTEXT",
                                                                         "probe")

@@ -18,15 +18,17 @@ LOSS, TOK, G2, TAU = (series_key(n) for n in ("loss.sum", "loss.tokens", "grad.n
 def rec(rank: int, step: int = 0, world: int = 4, coords: dict | None = None, **values) -> RankStep:
     keys = {"loss": LOSS, "tok": TOK, "g2": G2, "tau": TAU}
     return RankStep(run_id="r", step=step, rank=rank, world_size=world, host="h",
-                    coords=coords or {"dp": rank}, values={keys[k]: v for k, v in values.items()})
+                    coords=coords or {"dp": rank},
+                    values={keys[k]: v for k, v in values.items() if v is not None})
 
 
 def test_sums_are_summed_maxima_maxed_and_dp_replicas_counted_once():
     rng = np.random.default_rng(0)
     sums, toks, taus = rng.random(4) * 100, rng.integers(1, 50, 4), rng.random(4)
-    g2 = 2.5  # all-reduced gradient: identical on every data-parallel rank
-    records = [rec(r, loss=float(sums[r]), tok=float(toks[r]), g2=g2, tau=float(taus[r]))
-               for r in range(4)]
+    g2 = 2.5  # all-reduced gradient: identical on every data-parallel rank, so only its
+    # owner (dp=0) reports it (``instrument.parallel``); the stream sums what ranks send
+    records = [rec(r, loss=float(sums[r]), tok=float(toks[r]), g2=g2 if r == 0 else None,
+                   tau=float(taus[r])) for r in range(4)]
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert out.reduced[LOSS] == pytest.approx(float(np.sum(sums, dtype=np.float64)), rel=1e-12)
     assert out.reduced[TOK] == float(np.sum(toks))
@@ -36,11 +38,13 @@ def test_sums_are_summed_maxima_maxed_and_dp_replicas_counted_once():
 
 def test_tensor_parallel_layout_counts_loss_once_and_sums_sharded_gradient():
     """2 dp x 2 tp: the loss is replicated over tp, the gradient sharded over tp, replicated
-    over dp. Reduced values equal the single-process ones."""
+    over dp (each tp shard reported by its dp=0 owner). Reduced values equal the
+    single-process ones."""
     shard_sq = {0: 1.25, 1: 0.75}        # squared norm of each tp shard
     loss = {0: (10.0, 4.0), 1: (30.0, 6.0)}  # (sum, count) per dp replica
     records = [rec(rank=2 * dp + tp, coords={"dp": dp, "tp": tp}, loss=loss[dp][0],
-                   tok=loss[dp][1], g2=shard_sq[tp], tau=0.1) for dp in (0, 1) for tp in (0, 1)]
+                   tok=loss[dp][1], g2=shard_sq[tp] if dp == 0 else None, tau=0.1)
+               for dp in (0, 1) for tp in (0, 1)]
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert out.reduced[LOSS] / out.reduced[TOK] == pytest.approx(40.0 / 10.0)
     assert math.sqrt(out.reduced[G2]) == pytest.approx(math.sqrt(2.0))

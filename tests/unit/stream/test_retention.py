@@ -128,16 +128,28 @@ def test_gaps_in_steps_follow_step_numbers():
         check_release(run_policy(policy, offered, anomalies), expected)
 
 
-def test_misuse_raises():
-    policy = RetentionPolicy(k=5)
-    policy.offer(3, None, anomaly=False)
-    with pytest.raises(ValueError, match="step"):
-        policy.offer(3, None, anomaly=False)
-    assert policy.finish() == []
-    with pytest.raises(ValueError, match="finish"):
-        policy.offer(4, None, anomaly=False)
-    with pytest.raises(ValueError, match="finish"):
-        policy.finish()
+def test_a_step_at_or_below_the_newest_is_kept_at_once_and_changes_nothing_else():
+    """After-gap and late steps are released as they come (the documented rule), never
+    refused; the look-back buffer and the newest step stay as they were."""
+    policy = RetentionPolicy(k=10, halo=2, final_steps=3)
+    for step in (11, 12, 13):
+        policy.offer(step, step, anomaly=False)
+    before = policy.to_state()
+    assert policy.offer(12, "again", anomaly=False) == [(12, "again")]
+    assert policy.offer_late(5, "gap") == [(5, "gap")]
+    assert policy.to_state() == before
+    assert policy.finish() == [(11, 11), (12, 12), (13, 13)]
+
+
+def test_finish_is_idempotent_and_a_later_step_reopens_the_run():
+    policy = RetentionPolicy(k=5, final_steps=2)
+    for step in (1, 2, 3):
+        policy.offer(step, None, anomaly=False)
+    assert [s for s, _ in policy.finish()] == [2, 3]
+    assert policy.finish() == [] and policy.finished
+    assert [s for s, _ in policy.offer(4, None, anomaly=False)] == []  # reopened: buffered
+    assert not policy.finished
+    assert [s for s, _ in policy.finish()] == [4]
 
 
 @pytest.mark.parametrize(

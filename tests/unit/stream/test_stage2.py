@@ -26,9 +26,10 @@ def records(step, per_rank, *, g2=1.0, tau=None, sources=None, memory=None):
     out = []
     for r, (loss_sum, n) in enumerate(per_rank):
         values = {series_key("loss.sum"): loss_sum, series_key("loss.tokens"): n,
-                  series_key("grad.norm_sq"): g2,
                   series_key("step_time_s"): (tau or [0.1] * len(per_rank))[r],
                   series_key("flops.step"): 1e9}
+        if r == 0:  # the all-reduced gradient: reported by its owner, dp=0
+            values[series_key("grad.norm_sq")] = g2
         for src, (s, c) in (sources or {}).get(r, {}).items():
             values[series_key("loss.sum", {"source": src})] = s
             values[series_key("loss.tokens", {"source": src})] = c
@@ -176,3 +177,47 @@ def test_worst_rank_and_source_regression_name_their_culprits():
     culprits = {(a["step"], a["signal"], a["message"].split("carried by ")[-1]) for a in found}
     assert (30, "loss_worst_rank", "rank 2") in culprits
     assert (30, "loss_by_source", "source rare") in culprits
+
+
+def test_a_step_after_an_idle_expiry_reopens_the_run_and_is_stored():
+    run = RunPipeline("run", small_config())
+    for step in range(10):
+        run.accept(records(step, [(30.0, 10.0)]), now=step)
+    first = run.expire(now=100.0)  # idle past run_idle_s: finished, final steps released
+    assert run.finished and [r["status"] for r in first.rows["runs"]] == ["finished"]
+    assert run.expire(now=200.0).rows == {} and run.finish().rows == {}  # idempotent
+    out = run.accept(records(10, [(30.0, 10.0)]), now=300.0)
+    assert [r["step"] for r in out.rows["step_metrics"]] == [10] and not run.finished
+    assert [r["status"] for r in out.rows["runs"]] == ["running"]
+    run.accept(records(11, [(30.0, 10.0)]), now=301.0)
+    again = run.expire(now=400.0)
+    assert [r["status"] for r in again.rows["runs"]] == ["finished"]
+    assert again.promote == [11]  # the final steps of the segment after the pause
+
+
+def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_kept():
+    run = RunPipeline("run", small_config())
+    for step in [*range(10), *range(11, 30)]:
+        run.accept(records(step, [(30.0, 10.0)]), now=0.0)
+    run.expire(now=10.0)  # step 10 never came: the gap is skipped after max_wait_s
+    assert run.last_step == 29
+    detectors = json.dumps(run.detectors.to_state())
+    out = run.accept(records(10, [(33.0, 10.0)]), now=11.0)
+    (row,) = out.rows["step_metrics"]
+    assert row["step"] == 10 and row["complete_reason"] == "after_gap"
+    assert row["loss"] == pytest.approx(3.3) and "loss_z" not in row
+    assert out.promote == [10]  # after-gap detail is retained
+    assert json.dumps(run.detectors.to_state()) == detectors  # detectors not fed
+    assert run.accept(records(10, [(33.0, 10.0)]), now=12.0).rows.get("step_metrics") is None
+
+
+def test_a_huge_step_jump_allocates_nothing_proportional_to_it():
+    run = RunPipeline("run", small_config())
+    run.accept(records(0, [(30.0, 10.0)]), now=0.0)
+    run.accept(records(2 ** 62, [(30.0, 10.0)]), now=0.0)
+    run.expire(now=10.0)
+    assert run.last_step == 2 ** 62 and len(run.skipped) == 1
+    assert 2 ** 61 in run.skipped
+    state = json.loads(json.dumps(run.to_state()))
+    assert RunPipeline.from_state("run", small_config(), state, now=0.0).skipped.to_state() \
+        == [[1, 2 ** 62 - 1]]

@@ -169,12 +169,12 @@ def test_a_ddp_straggler_pages_step_time_naming_the_slow_rank():
 
 
 def test_the_thresholds_come_from_the_settings_tree():
-    from probewire.deploy.settings import Settings, StreamSettings
-    from probewire.stream.app import stage2_config
+    from probewire.deploy.settings import load_settings
 
-    defaults = stage2_config(Settings()).detectors
+    defaults = load_settings(env={}).stream.stage2.detectors
     assert (defaults.straggler_ratio, defaults.straggler_steps) == \
         (DetectorConfig().straggler_ratio, DetectorConfig().straggler_steps)
-    tuned = stage2_config(Settings(stream=StreamSettings(straggler_ratio=2.5,
-                                                         straggler_steps=5))).detectors
+    tuned = load_settings(env={"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_RATIO": "2.5",
+                               "PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "5"}
+                          ).stream.stage2.detectors
     assert (tuned.straggler_ratio, tuned.straggler_steps) == (2.5, 5)

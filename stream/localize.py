@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from probewire.stream.detect import RobustSpikeDetector
+from .detect import RobustSpikeDetector
 
 __all__ = ["ExplosionLocator", "Localisation", "layer_of_tensor", "layer_views",
            "locate_explosion", "walk_order"]

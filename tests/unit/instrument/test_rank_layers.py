@@ -13,7 +13,7 @@ INSTRUMENT = Path(__file__).resolve().parents[3] / "instrument"
 # layer of each module: a module may import only modules of a strictly lower layer
 # (probe homes may import the shared helpers in probes/ and each other, without a cycle)
 LAYERS = {
-    "catalog": 0, "scan": 0, "localize": 0, "control": 0, "structure_config": 0,
+    "catalog": 0, "scan": 0, "control": 0, "structure_config": 0,
     "wire": 1, "config": 1, "batchscan": 1,
     "collect": 2, "parallel": 2, "export": 2, "testing": 2,
     "state": 3, "registry": 3,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from probewire.deploy.demo.data import load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.instrument.localize import (ExplosionLocator, layer_of_tensor, layer_views,
+from probewire.stream.localize import (ExplosionLocator, layer_of_tensor, layer_views,
                                            locate_explosion, walk_order)
 from probewire.instrument.wire import decode_rank_step
 

@@ -1,0 +1,46 @@
+"""The stream worker's configuration: one config per component, each default written once
+in the component's own module, composed here (``probewire.deploy.settings`` puts this
+under ``stream`` in the settings tree; ``PROBEWIRE_STREAM__STAGE2__RUN_IDLE_S=300``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .batching import BatchConfig
+from .errors import check, within
+from .health import HealthConfig
+from .stage2 import Stage2Config
+from .validate import Bounds
+
+__all__ = ["BatchConfig", "Bounds", "HealthConfig", "Stage2Config", "StreamConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamConfig:
+    """The Faust worker: step completion, per-run processing, store batches, bounds, health."""
+
+    app_id: str = "probewire"
+    deadline_s: float = 30.0          # stage 1 reduces what arrived after this long
+    max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
+    alert_webhook_url: str = ""
+    web_bind: str = "127.0.0.1"
+    fetch_max_wait_ms: int = 50       # Tansu answers a waiting fetch only at its deadline
+    stage2: Stage2Config = field(default_factory=Stage2Config)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    bounds: Bounds = field(default_factory=Bounds)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    def __post_init__(self) -> None:
+        check(bool(self.app_id.strip()), "app_id", "must not be empty")
+        check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")
+        check(10_000 <= self.max_message_bytes <= 100_000_000, "max_message_bytes",
+              "must lie in [10000, 100000000] (the broker's message.max.bytes)")
+        with within("stage2"):
+            check(self.stage2.max_wait_s > self.deadline_s, "max_wait_s",
+                  f"must be > stream.deadline_s ({self.deadline_s}): a step completed by "
+                  "its deadline would find its gap skipped")
+        with within("health"):
+            check(self.health.stall_s > self.stage2.max_wait_s, "stall_s",
+                  f"must be > stream.stage2.max_wait_s ({self.stage2.max_wait_s}): steps "
+                  "wait that long for a gap by design")

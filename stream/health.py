@@ -1,0 +1,151 @@
+"""Health means progress: what the worker's agents did, written to a heartbeat file.
+
+A worker is healthy when every agent runs, its input does not wait without output, and
+dead letters do not spike. ``Progress`` is told by the agents what they take in and put
+out; the heartbeat file carries its verdict and the reasons, and ``probewire health``
+exits non-zero on a stale file or an unhealthy verdict. A timer writes the file, but it
+writes what the agents did, not that the timer ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import check
+
+__all__ = ["HealthConfig", "Heartbeat", "Progress", "default_heartbeat_path", "read_heartbeat"]
+
+
+def default_heartbeat_path(component: str) -> Path:
+    base = os.environ.get("PROBEWIRE_HEARTBEAT_DIR", os.path.join(tempfile.gettempdir(),
+                                                                  "probewire"))
+    return Path(base) / f"{component}.heartbeat"
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Writes ``{"component", "ts", "status", "runs": {run_id: {...}}, ...}`` atomically;
+    ``extra`` (the worker's health verdict and reasons) is merged in."""
+
+    path: Path
+    component: str
+    status: str = "starting"
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def beat(self, status: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        if status is not None:
+            self.status = status
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"component": self.component, "ts": time.time(), "status": self.status,
+                "pid": os.getpid(), "runs": self.runs, **(extra or {})}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, default=str))
+        os.replace(tmp, self.path)
+
+
+def read_heartbeat(path: Path) -> dict[str, Any] | None:
+    """The last heartbeat, or None when there is none (yet)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class HealthConfig:
+    """When the worker stops being healthy (``stream.health``)."""
+
+    stall_s: float = 120.0        # input waiting this long with no output
+    deadletter_spike: int = 1000  # dead letters within window_s
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("stall_s", "window_s"):
+            check(getattr(self, name) > 0, name, "must be > 0")
+        check(self.deadletter_spike >= 1, "deadletter_spike", "must be >= 1")
+
+
+@dataclass(slots=True)
+class _Stage:
+    waiting: int = 0
+    waiting_since: float | None = None   # arrival of the oldest input without output
+    last_output: float | None = None
+    outputs: int = 0
+    error: str = ""                      # the last failure (a store or broker error)
+
+
+class Progress:
+    """The agents' progress and the verdict on it. Call from the event loop only."""
+
+    def __init__(self, config: HealthConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.agents: dict[str, str] = {}    # name -> "running" | "crashed: ..." | "stopped"
+        self.stages: dict[str, _Stage] = {}
+        self._dead_letters: deque[float] = deque()
+        self.dead_letters = 0
+
+    # -- what the agents report -------------------------------------------------------------
+    def agent_started(self, name: str) -> None:
+        self.agents[name] = "running"
+
+    def agent_crashed(self, name: str, error: BaseException) -> None:
+        self.agents[name] = f"crashed: {type(error).__name__}: {error}"
+
+    def agent_stopped(self, name: str) -> None:
+        self.agents[name] = "stopped"
+
+    def waiting(self, stage: str, count: int, since: float | None) -> None:
+        """``count`` inputs of ``stage`` wait for their output, the oldest since ``since``."""
+        s = self.stages.setdefault(stage, _Stage())
+        s.waiting, s.waiting_since = count, since if count else None
+
+    def output(self, stage: str, n: int = 1) -> None:
+        s = self.stages.setdefault(stage, _Stage())
+        s.last_output, s.outputs, s.error = self.clock(), s.outputs + n, ""
+
+    def failed(self, stage: str, error: str) -> None:
+        self.stages.setdefault(stage, _Stage()).error = error
+
+    def dead_letter(self, n: int = 1) -> None:
+        now = self.clock()
+        self.dead_letters += n
+        self._dead_letters.extend([now] * n)
+
+    # -- the verdict --------------------------------------------------------------------------
+    def reasons(self) -> list[str]:
+        now, cfg = self.clock(), self.config
+        out = [f"agent {name} {state}" for name, state in sorted(self.agents.items())
+               if state.startswith("crashed")]
+        for name, s in sorted(self.stages.items()):
+            if not s.waiting or s.waiting_since is None:
+                continue
+            progress = max(s.waiting_since, s.last_output or s.waiting_since)
+            if now - progress >= cfg.stall_s:
+                error = f" (last error: {s.error})" if s.error else ""
+                out.append(f"{name}: {s.waiting} input(s) waiting, no output for "
+                           f"{now - progress:.0f}s{error}")
+        while self._dead_letters and now - self._dead_letters[0] > cfg.window_s:
+            self._dead_letters.popleft()
+        if len(self._dead_letters) >= cfg.deadletter_spike:
+            out.append(f"{len(self._dead_letters)} dead letters in the last "
+                       f"{cfg.window_s:.0f}s (spike threshold {cfg.deadletter_spike})")
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """The heartbeat's health fields: verdict, reasons, agents, stages."""
+        reasons = self.reasons()
+        now = self.clock()
+        return {"healthy": not reasons, "reasons": reasons, "agents": dict(self.agents),
+                "dead_letters": self.dead_letters,
+                "stages": {name: {"waiting": s.waiting, "outputs": s.outputs,
+                                  "output_age_s": None if s.last_output is None
+                                  else round(now - s.last_output, 1), "error": s.error}
+                           for name, s in self.stages.items()}}

@@ -1,0 +1,105 @@
+"""Publishing from the worker with a delivery report for every message.
+
+The worker's outputs (reduced steps, alerts, control messages, dead letters) go through a
+confluent-kafka producer, not Faust's: aiokafka reports success for a topic that vanished
+with a restarted broker, librdkafka does not. ``send`` returns once the broker has the
+message, retries a retriable failure (broker down, topic missing, timeout) until it
+succeeds, and raises ``PublishError`` only for a failure that retrying cannot fix (a
+message over the broker's size limit, say). The caller acknowledges its input only after
+``send`` returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Callable
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+__all__ = ["PublishError", "Publisher"]
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """A message the broker will never take; ``reason`` goes to the dead letter."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Publisher:
+    """One producer with a polling thread; ``send`` is awaited from the event loop."""
+
+    def __init__(self, client_config: dict[str, str], max_message_bytes: int, *,
+                 timeout_s: float = 20.0, retry_max_s: float = 5.0,
+                 on_retry: Callable[[str], None] | None = None) -> None:
+        self._producer = Producer({
+            **client_config, "message.max.bytes": max_message_bytes + 65_536,
+            "linger.ms": 5, "acks": "all", "message.timeout.ms": int(timeout_s * 1000),
+            "socket.timeout.ms": 5000})
+        self.max_message_bytes = max_message_bytes
+        self.retry_max_s = retry_max_s
+        self.on_retry = on_retry or (lambda reason: None)
+        self.retries = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="probewire-publish", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._closed.is_set():
+            self._producer.poll(0.05)
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> None:
+        """Publish and wait for the broker's acknowledgement (see the module docstring)."""
+        if len(value) > self.max_message_bytes:
+            raise PublishError(f"message of {len(value)} bytes over the limit of "
+                               f"{self.max_message_bytes} (stream.max_message_bytes)")
+        delay = 0.1
+        while True:
+            error = await self._attempt(topic, key, value)
+            if error is None:
+                return
+            if not _retriable(error):
+                raise PublishError(f"publish to {topic} failed: {error.str()}")
+            self.retries += 1
+            reason = f"publish to {topic} failed ({error.str()}); retrying in {delay:.1f}s"
+            log.warning("probewire: %s", reason)
+            self.on_retry(reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.retry_max_s)
+
+    async def _attempt(self, topic: str, key: bytes | None, value: bytes) -> KafkaError | None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def report(err: KafkaError | None, _msg: Any) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(err))
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, on_delivery=report)
+                break
+            except BufferError:  # the local queue is full: let the poller drain it
+                await asyncio.sleep(0.05)
+            except KafkaException as exc:
+                return exc.args[0]
+        return await done
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Flush what is queued; returns how many messages are still undelivered."""
+        left = self._producer.flush(timeout_s)
+        self._closed.set()
+        self._thread.join(2.0)
+        return left
+
+
+_PERMANENT = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
+                        KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.RECORD_LIST_TOO_LARGE,
+                        KafkaError.INVALID_RECORD})
+
+
+def _retriable(error: KafkaError) -> bool:
+    return error.code() not in _PERMANENT and not error.fatal()

@@ -1,0 +1,147 @@
+"""Semantic checks of one rank's step, right after decode and before anything is sized by it.
+
+The decoder answers "is this a well-formed rank message"; this module answers "is it a
+plausible step of its run", with bounds from settings (``Bounds``):
+
+- step in ``0..max_step`` and at most ``max_step_ahead`` beyond the newest step of its run;
+- ``1 <= world_size <= max_world_size``, ``0 <= rank < world_size``, parallel coordinates
+  in ``0..world_size-1``; every rank of a run reports the world size its first message did;
+- counts (tokens, elements, bytes, steps, ...) and times finite and >= 0;
+- a loss sum comes with its token count (same labels), and is 0 where that count is 0;
+- label values at most ``max_label_length`` characters without ``|`` (the label-text
+  separator); expert and shard indices decimal integers that fit the store's UInt32;
+- at most ``max_label_values`` distinct values of one label key per run: points that
+  would add more are dropped and reported (the rest of the message is kept).
+
+A message that breaks any rule but the last is refused whole (a dead letter with the
+reason). Memory is bounded: ``max_runs`` runs are remembered, least recently seen first out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from probewire.instrument.catalog import CATALOG, Label, Loss
+from probewire.instrument.wire import RankStep
+
+from .errors import check
+
+__all__ = ["Bounds", "Checked", "StepValidator"]
+
+_COUNT_UNITS = frozenset({"tokens", "elements", "steps", "calls", "channels", "faults",
+                          "parameters", "By", "s"})
+_COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.unit in _COUNT_UNITS)
+_INDEX_LABELS = frozenset({Label.EXPERT, Label.SHARD})
+_UINT32 = 2 ** 32
+
+
+@dataclass(kw_only=True, slots=True)
+class Bounds:
+    """Limits on what one rank message may claim (``stream.bounds``)."""
+
+    max_world_size: int = 65_536
+    max_step: int = 2 ** 53          # steps are exact in a float64 (the store's Float columns)
+    max_step_ahead: int = 1_000_000  # beyond the run's newest step: a corrupt step number
+    max_label_values: int = 10_000   # distinct values of one label key in one run
+    max_label_length: int = 256
+    max_runs: int = 10_000           # runs remembered for the per-run checks
+
+    def __post_init__(self) -> None:
+        for name in ("max_world_size", "max_step", "max_step_ahead", "max_label_values",
+                     "max_label_length", "max_runs"):
+            check(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass(slots=True)
+class Checked:
+    """The verdict on one message: ``record`` None means refuse it whole; a ``reason`` with
+    a record means points were dropped (dead-letter a copy, go on with the record)."""
+
+    record: RankStep | None
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Run:
+    world_size: int
+    newest_step: int
+    labels: dict[str, set[str]] = field(default_factory=dict)
+
+
+class StepValidator:
+    """Per-run checks over the messages of each run this worker sees."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self._runs: OrderedDict[str, _Run] = OrderedDict()
+
+    def check(self, record: RankStep) -> Checked:
+        reason = self._refusal(record)
+        if reason is not None:
+            return Checked(None, reason)
+        run = self._runs.get(record.run_id)
+        if run is None:
+            run = self._runs[record.run_id] = _Run(record.world_size, record.step)
+            while len(self._runs) > self.bounds.max_runs:
+                self._runs.popitem(last=False)
+        else:
+            self._runs.move_to_end(record.run_id)
+            if record.world_size != run.world_size:
+                return Checked(None, f"world size {record.world_size} of rank {record.rank} "
+                                     f"disagrees with run {record.run_id!r}'s world size "
+                                     f"{run.world_size}")
+            if record.step > run.newest_step + self.bounds.max_step_ahead:
+                return Checked(None, f"step {record.step} is more than max_step_ahead="
+                                     f"{self.bounds.max_step_ahead} beyond the run's newest "
+                                     f"step {run.newest_step}")
+        dropped = self._over_cardinality(record, run)
+        run.newest_step = max(run.newest_step, record.step)
+        if not dropped:
+            return Checked(record)
+        keys = ", ".join(sorted({k for k, _ in dropped}))
+        return Checked(record, f"{len(dropped)} point(s) dropped: label {keys} of run "
+                               f"{record.run_id!r} over max_label_values="
+                               f"{self.bounds.max_label_values}")
+
+    def _refusal(self, record: RankStep) -> str | None:
+        b = self.bounds
+        if not 0 <= record.step <= b.max_step:
+            return f"step {record.step} outside 0..{b.max_step}"
+        if not 1 <= record.world_size <= b.max_world_size:
+            return f"world size {record.world_size} outside 1..{b.max_world_size}"
+        if not 0 <= record.rank < record.world_size:
+            return f"rank {record.rank} outside world size {record.world_size}"
+        for group, coord in record.coords.items():
+            if not 0 <= coord < record.world_size:
+                return f"coordinate {group}={coord} outside world size {record.world_size}"
+        for (name, labels), value in record.values.items():
+            if name in _COUNTS and not (math.isfinite(value) and value >= 0):
+                return f"count {name} must be finite and >= 0, got {value!r}"
+            for key, text in labels:
+                if len(text) > b.max_label_length or "|" in text:
+                    return (f"label {key} of {name} must be at most {b.max_label_length} "
+                            f"characters without '|', got {text[:40]!r}")
+                if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
+                    return f"label {key} of {name} must be an index in 0..2^32-1, got {text!r}"
+            if name == Loss.SUM:
+                tokens = record.values.get((Loss.TOKENS, labels))
+                if tokens is None or (tokens == 0 and value != 0):
+                    return (f"{Loss.SUM} {dict(labels) or ''} needs its {Loss.TOKENS} (> 0 "
+                            "where the sum is not 0)")
+        return None
+
+    def _over_cardinality(self, record: RankStep, run: _Run) -> list[tuple[str, str]]:
+        """Drop (in place) the points whose labels would pass ``max_label_values``."""
+        limit, dropped = self.bounds.max_label_values, []
+        for series in list(record.values):
+            for key, text in series[1]:
+                seen = run.labels.setdefault(key, set())
+                if text not in seen:
+                    if len(seen) >= limit:
+                        del record.values[series]
+                        dropped.append((key, text))
+                        break
+                    seen.add(text)
+        return dropped

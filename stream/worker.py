@@ -1,0 +1,338 @@
+"""What the worker does with each message, apart from Faust: the agents in ``app`` are
+short loops that call these methods, so the order of decode, validation, reduction,
+publishing, processing, storing and acknowledging reads here, top-down.
+
+Events are Faust events (``key``, ``value``, ``message.topic/partition/offset``,
+``ack()``). A bad message becomes a dead letter with a reason; a failed publish or store
+write is retried and its input stays unacknowledged; nothing raises out of a method the
+timers call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from probewire.instrument.wire import DecodeError, decode_rank_step
+from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
+from probewire.sinks.retained import load_state
+
+from .alerting import AlertmanagerWebhook
+from .assemble import StepAssembler
+from .batching import StoreBatch
+from .config import StreamConfig
+from .health import Heartbeat, Progress
+from .kafka import TopicConfig
+from .publish import PublishError, Publisher
+from .records import RecordError, ReducedStep
+from .split import OversizeStep, split_step
+from .stage2 import RunPipeline, Stage2Output
+from .store import STATE_KEY, write_batch
+from .validate import StepValidator
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Stage 1, stage 2, dead letters and evaluations of one worker process."""
+
+    def __init__(self, config: StreamConfig, topics: TopicConfig,
+                 make_publisher: Callable[[], Publisher], open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
+                 before_event: Callable[[str], None] = lambda agent: None) -> None:
+        self.config = config
+        self.topics = topics
+        self.make_publisher = make_publisher
+        self.publisher: Publisher | None = None  # made in the worker process, on start
+        self.publishing = asyncio.Event()
+        self.open_store = open_store
+        self.before_event = before_event  # a test hook (fault injection), a no-op otherwise
+        self.assembler = StepAssembler(config.deadline_s)
+        self.validator = StepValidator(config.bounds)
+        self.waiting: dict[tuple[str, int], list[Any]] = {}  # unacked rank messages per step
+        self.waiting_since: dict[tuple[str, int], float] = {}
+        self.runs: dict[str, RunPipeline] = {}
+        self.batch = StoreBatch(config.batch)
+        self.progress = Progress(config.health)
+        self.heartbeat = Heartbeat(heartbeat_path, "worker")
+        self.webhook = AlertmanagerWebhook(config.alert_webhook_url)
+        self.sink: ClickHouseSink | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
+        self._write_lock = asyncio.Lock()
+
+    async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
+
+    # -- start, agents, heartbeat -----------------------------------------------------------
+    async def open(self) -> None:
+        """Start the publisher; open the store (``open_store`` migrates it; retried while
+        unavailable); then ready."""
+        self.publisher = self.make_publisher()
+        self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
+        self.publishing.set()
+        while self.sink is None:
+            try:
+                self.sink = await self._in_writer(self.open_store)
+            except (StoreUnavailable, RejectedRows) as exc:
+                self.progress.failed("store", str(exc))
+                log.error("probewire: cannot open the store: %s; retrying", exc)
+                await asyncio.sleep(2.0)
+        self.write_heartbeat("ready")
+
+    @contextlib.asynccontextmanager
+    async def agent(self, name: str) -> AsyncIterator[None]:
+        """Around an agent's loop: a crash is recorded (and the heartbeat says so)."""
+        self.progress.agent_started(name)
+        try:
+            yield
+        except asyncio.CancelledError:
+            self.progress.agent_stopped(name)
+            raise
+        except Exception as exc:  # recorded for health, then Faust's own handling
+            self.progress.agent_crashed(name, exc)
+            log.exception("probewire: agent %s crashed", name)
+            self.write_heartbeat()
+            raise
+        self.progress.agent_stopped(name)
+
+    def write_heartbeat(self, status: str | None = None) -> None:
+        self.progress.waiting("stage1", sum(map(len, self.waiting.values())),
+                              min(self.waiting_since.values(), default=None))
+        self.progress.waiting("stage2", self.batch.waiting, self.batch.oldest_at)
+        try:
+            self.heartbeat.beat(status, self.progress.report())
+        except OSError as exc:
+            log.error("probewire: cannot write the heartbeat %s: %s", self.heartbeat.path, exc)
+
+    async def tick(self) -> None:
+        """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
+        if self.publisher is None:
+            return
+        now = time.monotonic()
+        for reduced in self.assembler.expire(now):
+            await self.publish_step(reduced)
+        if self.sink is not None:
+            for run_id, run in list(self.runs.items()):
+                out = run.expire(now)
+                if out.rows or out.promote or out.controls:
+                    self.batch.add(run_id, out)
+                    await self.send_alerts(run_id, out)
+        await self.flush_if_due()
+        self.write_heartbeat()
+
+    # -- stage 1 ------------------------------------------------------------------------------
+    async def on_rank_message(self, event: Any) -> None:
+        """Decode, validate, gather; publish each step its message completes."""
+        self.before_event("assemble")
+        await self.publishing.wait()
+        try:
+            record = decode_rank_step(event.key, event.value)
+        except DecodeError as exc:
+            await self.dead_letter(event, exc.reason)
+            event.ack()
+            return
+        checked = self.validator.check(record)
+        if checked.reason is not None:
+            await self.dead_letter(event, checked.reason)
+        if checked.record is None:
+            event.ack()
+            return
+        now = time.monotonic()
+        result = self.assembler.add(record, now, event.message.partition)
+        if result.duplicate:
+            event.ack()
+            return
+        if result.late is not None:
+            log.warning("late data: run %s step %d rank %d (partition %d offset %d) arrived "
+                        "after its step was reduced", record.run_id, record.step, record.rank,
+                        event.message.partition, event.message.offset)
+            late = ReducedStep(run_id=record.run_id, step=record.step,
+                               world_size=record.world_size, ranks_reporting=[record.rank],
+                               ranks_missing=[], reduced={}, per_rank={record.rank: record.values},
+                               hosts={record.rank: record.host}, complete_reason="late")
+            self.waiting.setdefault((record.run_id, record.step, "late"), []).append(event)
+            await self.publish_step(late, key=(record.run_id, record.step, "late"))
+            return
+        key = (record.run_id, record.step)
+        self.waiting.setdefault(key, []).append(event)
+        self.waiting_since.setdefault(key, now)
+        for reduced in result.completed:
+            if reduced.ranks_missing:
+                log.warning("run %s step %d reduced (%s) without ranks %s; closed at partition "
+                            "%d offset %d by step %d rank %d", reduced.run_id, reduced.step,
+                            reduced.complete_reason, reduced.ranks_missing[:20],
+                            event.message.partition, event.message.offset, record.step,
+                            record.rank)
+            await self.publish_step(reduced)
+
+    async def publish_step(self, reduced: ReducedStep, key: Any = None) -> None:
+        """Publish a reduced step (split to fit the message limit), then acknowledge the
+        rank messages behind it; a step that can never be published is dead-lettered."""
+        key = key or (reduced.run_id, reduced.step)
+        try:
+            for part, data in split_step(reduced, self.config.max_message_bytes):
+                await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
+        except (OversizeStep, PublishError) as exc:
+            reason = str(exc)
+            log.error("probewire: step %d of run %s not published: %s", reduced.step,
+                      reduced.run_id, reason)
+            for event in self.waiting.get(key, []):
+                await self.dead_letter(event, f"reduced step not published: {reason}")
+        for event in self.waiting.pop(key, []):
+            event.ack()
+        self.waiting_since.pop(key, None)
+        self.progress.output("stage1")
+
+    # -- stage 2 ------------------------------------------------------------------------------
+    async def on_reduced_step(self, event: Any) -> None:
+        """Process a reduced step for its run; its message is acknowledged once stored."""
+        self.before_event("per_run")
+        await self.publishing.wait()
+        while self.sink is None or self.batch.full:
+            await asyncio.sleep(0.05)
+            await self.flush_if_due()
+        try:
+            reduced = ReducedStep.from_bytes(event.value)
+        except RecordError as exc:
+            await self.dead_letter(event, exc.reason)
+            event.ack()
+            return
+        run = await self.run_for(reduced.run_id)
+        out = run.accept(reduced, time.monotonic())
+        self.batch.add(reduced.run_id, out, event)  # same loop step as accept: state == batch
+        await self.send_alerts(reduced.run_id, out)
+        await self.flush_if_due()
+
+    async def run_for(self, run_id: str) -> RunPipeline:
+        """The run's pipeline, resumed from its saved state (the store retried until up)."""
+        while run_id not in self.runs:
+            try:
+                state = await self._in_writer(load_state, self.sink, run_id, STATE_KEY)
+            except (StoreUnavailable, RejectedRows) as exc:
+                self.progress.failed("stage2", f"loading state of run {run_id}: {exc}")
+                await asyncio.sleep(1.0)
+                continue
+            if run_id not in self.runs:
+                self.runs[run_id] = RunPipeline(run_id, self.config.stage2) if state is None \
+                    else RunPipeline.from_state(run_id, self.config.stage2, state,
+                                                time.monotonic())
+        return self.runs[run_id]
+
+    async def send_alerts(self, run_id: str, out: Stage2Output) -> None:
+        """Alerts and control messages leave at once (a restart may repeat one, never lose)."""
+        alerts = out.rows.get("alerts", [])
+        try:
+            for alert in alerts:
+                await self.publisher.send(self.topics.alerts, run_id.encode(),
+                                          json.dumps(alert).encode())
+            for control in out.controls:
+                await self.publisher.send(self.topics.control, run_id.encode(),
+                                          json.dumps(control).encode())
+        except PublishError as exc:  # the alert row is still stored with the batch
+            log.error("probewire: alert of run %s not published: %s", run_id, exc.reason)
+        if alerts:
+            asyncio.get_running_loop().run_in_executor(None, self.webhook.post, alerts)
+
+    async def flush_if_due(self) -> None:
+        if self.batch.due():
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write the batch: rows, promotions, states; dead-letter rows the store refuses;
+        then acknowledge. A failed write is retried later, its messages unacknowledged."""
+        async with self._write_lock:
+            if self.sink is None:
+                return
+            batch = self.batch.take(lambda r: (self.runs[r].last_step, self.runs[r].to_state()))
+            if batch is None:
+                return
+            try:
+                rejected = await self._in_writer(write_batch, self.sink, batch)
+            except (StoreUnavailable, RejectedRows) as exc:
+                delay = self.batch.failed(batch, str(exc))
+                self.progress.failed("stage2", str(exc))
+                log.error("probewire: store write of %d step(s) failed (%s); retrying in %.1fs",
+                          len(batch.acks), exc, delay)
+                return
+            for run_id, row, reason in rejected:
+                await self.dead_letter_row(run_id, row, reason)
+            for ack in self.batch.written(batch):
+                ack.ack()
+            self.progress.output("stage2", len(batch.acks))
+            for run_id, out in batch.outputs.items():
+                run = self.runs[run_id]
+                progress = self.heartbeat.runs.setdefault(run_id, {"steps_written": 0})
+                progress["steps_written"] += len(out.rows.get("step_metrics", []))
+                progress["last_step"] = run.last_step
+                progress["finished"] = run.finished
+                progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
+        self.write_heartbeat()
+
+    # -- dead letters and evaluations ------------------------------------------------------
+    async def dead_letter(self, event: Any, reason: str) -> None:
+        payload = event.value if isinstance(event.value, bytes) else b""
+        limit = self.config.max_message_bytes // 2  # base64 and the envelope must fit
+        body = {"reason": reason, "topic": event.message.topic,
+                "partition": event.message.partition, "offset": event.message.offset,
+                "payload_b64": base64.b64encode(payload[:limit]).decode(),
+                "truncated": len(payload) > limit}
+        await self._send_dead_letter(event.key, body)
+
+    async def dead_letter_row(self, run_id: str, row: Any, reason: str) -> None:
+        text = json.dumps(row, default=str).encode()
+        await self._send_dead_letter(run_id.encode(), {
+            "reason": f"store refused a row: {reason}", "topic": "store", "partition": 0,
+            "offset": 0, "payload_b64": base64.b64encode(text).decode()})
+
+    async def _send_dead_letter(self, key: bytes | None, body: dict[str, Any]) -> None:
+        self.progress.dead_letter()
+        try:
+            await self.publisher.send(self.topics.deadletter, key, json.dumps(body).encode())
+        except PublishError as exc:
+            log.error("probewire: dead letter not published (%s): %s", exc.reason,
+                      body["reason"])
+
+    async def store_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Rows of the dead-letter or evaluation agents, retried while the store is down."""
+        while self.sink is None:
+            await asyncio.sleep(0.1)
+        while True:
+            try:
+                refused = await self._in_writer(self.sink.write_or_reject, table, rows)
+                break
+            except StoreUnavailable as exc:
+                self.progress.failed(table, str(exc))
+                await asyncio.sleep(1.0)
+        for row, reason in refused:
+            log.error("probewire: %s row refused by the store (%s): %s", table, reason, row)
+        self.progress.output(table, len(rows))
+
+    def close(self) -> None:
+        left = self.publisher.close() if self.publisher is not None else 0
+        if left:
+            log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)
+        self._writer.shutdown(wait=True)
+
+
+def dead_letter_row(payload: bytes) -> dict[str, Any]:
+    """A dead-letter message as a ``dead_letters`` row (unreadable ones kept as they are)."""
+    try:
+        body = json.loads(payload)
+        if not isinstance(body, dict):
+            raise TypeError("not an object")
+        return {"topic": str(body.get("topic", "")), "partition": int(body.get("partition", 0)),
+                "offset": int(body.get("offset", 0)), "key": "",
+                "reason": str(body.get("reason", "")),
+                "payload_b64": str(body.get("payload_b64", ""))}
+    except (ValueError, TypeError) as exc:
+        return {"topic": "", "partition": 0, "offset": 0, "key": "",
+                "reason": f"unreadable dead letter: {exc}",
+                "payload_b64": base64.b64encode(payload or b"").decode()}
