@@ -115,6 +115,9 @@ class ProbeConfig:
     guards would recompile when hooks come and go."""
     telemetry: bool = True
     comm: bool = True
+    verify_layout: bool = True
+    """At attach, check across the data-parallel ranks that parameters declared DDP replicas
+    (plain tensors, ``dp_replicated`` not False) are identical there: one all_gather."""
     scan_chunk_elems: int | None = None
     """Elements per scan chunk; None: the scan's own default per device (``scan.CPU_CHUNK_ELEMS``
     keeps a chunk's working copy in L2 on CPU, ``DEVICE_CHUNK_ELEMS`` elsewhere)."""

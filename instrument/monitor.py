@@ -38,6 +38,7 @@ still clips).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -54,6 +55,7 @@ from .probes.loss import LossProbe
 from .probes.structure import attach_structure
 from .probes.system import SystemProbe, default_flops_per_token
 from .probes.tensors import TensorProbe
+from .parallel import coords_from_mesh, data_group, verify_replicas
 from .registry import build_registry
 from .state import Schedule, StepState
 from .step import NullStepContext, Probes, ProbeSet, StepContext
@@ -69,7 +71,8 @@ class Monitor:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  identity: RankIdentity, config: ProbeConfig, transport: Transport,
-                 control: ControlListener | None = None, events: Transport | None = None) -> None:
+                 control: ControlListener | None = None, events: Transport | None = None,
+                 mesh: Any = None) -> None:
         self.config, self.identity = config, identity
         self._state = StepState()
         self._schedule = Schedule(config.cadence)
@@ -77,6 +80,10 @@ class Monitor:
                                     ring_steps=config.ring_steps)
         self._events = events
         registry = build_registry(model, config, identity)
+        if config.verify_layout:  # a hand-declared DDP replica must be one (one collective)
+            group = data_group(mesh, identity)
+            if group is not None:
+                verify_replicas(registry.dp_replicas, group, "the data-parallel ranks")
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
         tensors = TensorProbe(self._state, registry, chunk_elems=config.scan_chunk_elems,
@@ -240,15 +247,21 @@ class NullMonitor:
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
            identity: RankIdentity, config: ProbeConfig | None = None,
            transport: Transport, control: ControlListener | None = None,
-           events: Transport | None = None) -> Monitor | NullMonitor:
+           events: Transport | None = None, mesh: Any = None) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
     ``transport`` receives the OTLP step messages; ``events`` (optional) the checkpoint
     announcements; ``control`` (optional) is started and fed to ``densify``/``dump``.
+    ``mesh`` (a ``DeviceMesh`` with named dims: dp / dp_replicate / dp_shard, tp, pp, cp,
+    ep) gives this rank's coordinates; DTensor parameters carry their own layout. On a
+    multi-rank job ``attach`` is collective when parameters are declared DDP replicas by
+    hand (one all_gather checks they are): call it on every rank.
     With ``config.enabled`` False the null monitor comes back and nothing is registered.
     """
     config = config or ProbeConfig()
     if not config.enabled:
         return NullMonitor()
+    if mesh is not None:
+        identity = dataclasses.replace(identity, coords=coords_from_mesh(mesh))
     return Monitor(model, optimizer, identity=identity, config=config, transport=transport,
-                   control=control, events=events)
+                   control=control, events=events, mesh=mesh)

@@ -158,6 +158,21 @@ def verify_replicas(params: Sequence[tuple[str, torch.Tensor]], group, what: str
                               f"set dp_replicated=False (ZeRO/FSDP) or shard it as a DTensor")
 
 
+def data_group(mesh, identity: RankIdentity):
+    """The process group of the data-parallel ranks a hand declaration is checked over: the
+    mesh's one data dim, or the whole world when the layout is data parallel alone; None
+    when it cannot be told (several data dims, other groups without a mesh)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    if mesh is not None:
+        dims = [d for d in _dim_names(mesh) if _GROUP_OF_DIM[d] == Group.DATA.value]
+        return mesh.get_group(dims[0]) if len(dims) == 1 and mesh.size() > 1 else None
+    plain_dp = set(identity.coords) <= {Group.DATA.value}
+    return dist.group.WORLD if plain_dp and identity.world_size == dist.get_world_size() else None
+
+
 def declared_groups(config_dp: bool, tp_replicated: bool, expert: bool,
                     coords: Mapping[str, int]) -> set[str]:
     """The groups a plain tensor parameter is replicated over by the hand declaration."""

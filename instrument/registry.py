@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .config import ProbeConfig
-from .parallel import declared_groups, param_layout
+from .parallel import declared_groups, is_dtensor, param_layout
 from .wire import RankIdentity
 
 __all__ = ["ObservedModule", "ParamInfo", "Registry", "build_registry", "label_name"]
@@ -71,6 +71,7 @@ class Registry:
     params: tuple[ParamInfo, ...]
     whole_gradient: bool          # this rank owns every gradient, none sharded: its G2 is global
     n_params: int
+    dp_replicas: tuple[tuple[str, nn.Parameter], ...] = ()  # plain tensors declared DDP replicas
 
 
 def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity) -> Registry:
@@ -108,6 +109,7 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
     dp_replicated = config.dp_replicated is not False
     params: list[ParamInfo] = []
     all_owned, any_sharded = True, False
+    dp_replicas: list[tuple[str, nn.Parameter]] = []
     for qualified, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -120,6 +122,8 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
         owned, sharded = param_layout(name, p, identity, declared,
                                       dp_explicit=config.dp_replicated is True)
         sharded |= not dp_replicated  # declared by hand: a shard over the data ranks
+        if dp_replicated and not is_dtensor(p):
+            dp_replicas.append((name, p))
         all_owned &= owned
         any_sharded |= sharded
         parts = next((pp for rx, pp in splits if module_name and rx.fullmatch(module_name)), ())
@@ -128,4 +132,4 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
         params.append(ParamInfo(name, p, group, owned, parts))
     whole = all_owned and not any_sharded and not set(identity.coords) & {"tp", "pp", "ep"}
     return Registry(tuple(modules), logits, tuple(params), whole,
-                    sum(p.numel() for p in model.parameters()))
+                    sum(p.numel() for p in model.parameters()), tuple(dp_replicas))
