@@ -283,7 +283,7 @@ class MetricSpec:
     priority: Priority
     cadence_steps: int          # the seeds' default: 1 every step, 100 every 100th, 0 on demand
     reduction: Reduction
-    unit: str
+    unit: str                   # UCUM: s, By, %, 1, or an annotation such as {token}
     point: str                  # where and when it is measured
     doc: str                    # formula and meaning
     seed: str                   # citation into ../shared/seeds
@@ -295,6 +295,11 @@ class MetricSpec:
             raise ValueError(f"{self.name}: cadence_steps must be 0, 1 or 100 (a Tier)")
         if not self.name or self.name != self.name.strip():
             raise ValueError(f"bad metric name {self.name!r}")
+
+    @property
+    def nonnegative(self) -> bool:
+        """A count, a size or a duration: a negative value cannot be a measurement."""
+        return self.unit.startswith("{") or self.unit in ("By", "s")
 
     @property
     def tier(self) -> "Tier":
@@ -321,14 +326,14 @@ def _m(name: str, priority: Priority, cadence: int, reduction: Reduction, unit: 
 _LOSS_POINT = ("per-token NLL of every micro-batch under the valid-target mask (padding and "
                "ignored labels excluded), accumulated in float64 over the optimizer step")
 _LOSS = (
-    _m(Loss.SUM, P0, 1, SUM, "nats", point=_LOSS_POINT, labels=(Label.SOURCE,),
+    _m(Loss.SUM, P0, 1, SUM, "{nat}", point=_LOSS_POINT, labels=(Label.SOURCE,),
        rep=frozenset({Group.TENSOR}),
        doc="Σ_t m_t·ℓ_t over this rank's valid targets; with label source=μ only targets of "
            "the registered data source or modality μ. Reduction: sum over ranks, then "
            "L = Σ loss.sum / Σ loss.tokens, L_r = loss.sum/loss.tokens, L^(μ) likewise. "
            "Not sent when the rank (or μ) has no valid target.",
        seed="001 §3 (global mean loss, local mean loss, loss by source and modality)"),
-    _m(Loss.TOKENS, P0, 1, SUM, "tokens", point=_LOSS_POINT, labels=(Label.SOURCE,),
+    _m(Loss.TOKENS, P0, 1, SUM, "{token}", point=_LOSS_POINT, labels=(Label.SOURCE,),
        rep=frozenset({Group.TENSOR}),
        doc="Σ_t m_t: valid targets on this rank (per source μ with the label). Reduction: "
            "sum over ranks; the denominator of L and L^(μ), N_tok of TPS, and the token "
@@ -359,14 +364,14 @@ _GRAD = (
     _m(Grad.ABS_MAX, P1, 1, MAX, "1", **_G,
        doc="max_j |g_j| over finite elements. Reduction: max over ranks (G_max)." + _GRAD_LABEL_DOC,
        seed="001 §4 (maximum absolute gradient)"),
-    _m(Grad.ZEROS, P1, 1, SUM, "elements", **_G,
+    _m(Grad.ZEROS, P1, 1, SUM, "{element}", **_G,
        doc="Σ_j 1[g_j = 0]. Reduction: sum; Z_g = Σ zeros / Σ elements." + _GRAD_LABEL_DOC,
        seed="001 §4 (gradient zero fraction)"),
-    _m(Grad.ELEMENTS, P1, 1, SUM, "elements", **_G,
+    _m(Grad.ELEMENTS, P1, 1, SUM, "{element}", **_G,
        doc="P: gradient elements held (parameters without a gradient are left out, as "
            "clip_grad_norm_ does). Reduction: sum." + _GRAD_LABEL_DOC,
        seed="001 §4 (P)"),
-    _m(Grad.NONFINITE, P1, 1, SUM, "elements", **_G,
+    _m(Grad.NONFINITE, P1, 1, SUM, "{element}", **_G,
        doc="Σ_j 1[g_j is NaN or ±Inf]. Reduction: sum." + _GRAD_LABEL_DOC,
        seed="001 §4, §6 (overflow)"),
     _m(Grad.CLIPPED, P0, 1, MAX, "1", rep=_ALL, point=_GRAD_POINT + "; compared with the "
@@ -381,14 +386,14 @@ _GRAD = (
 # --------------------------------------------------------------------- spike guard (§4)
 _GUARD_POINT = "the training loop's spike guard, once per optimizer step"
 _GUARD = (
-    _m(Guard.SKIPPED, P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+    _m(Guard.SKIPPED, P1, 1, MAX, "{step}", rep=_ALL, point=_GUARD_POINT,
        doc="Updates the guard skipped in this step (0 or 1). A global decision: identical on "
            "every rank, reduction max; the stream accumulates the count.",
        seed="001 §4 (skip and replay counters)"),
-    _m(Guard.REPLAYED, P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+    _m(Guard.REPLAYED, P1, 1, MAX, "{step}", rep=_ALL, point=_GUARD_POINT,
        doc="Times this step was replayed. Identical on every rank; reduction max.",
        seed="001 §4 (skip and replay counters)"),
-    _m(Guard.REPLAY_MISMATCH, P1, 1, MAX, "steps", rep=_ALL, point=_GUARD_POINT,
+    _m(Guard.REPLAY_MISMATCH, P1, 1, MAX, "{step}", rep=_ALL, point=_GUARD_POINT,
        doc="Replays of this step whose loss differed from the original on identical inputs "
            "(points at hardware, not data). Identical on every rank; reduction max.",
        seed="001 §4 (skip and replay counters)"),
@@ -404,7 +409,7 @@ _SYSTEM = (
            "largest own time τ_r - τ_wait,r (comm.wait_s summed over ops), scored against "
            "the other ranks' median own time.",
        seed="001 §5 (step time, straggler score)"),
-    _m(System.FLOPS, P0, 1, SUM, "FLOP", rep=_TP_PP, point=_STEP_POINT + "; token positions "
+    _m(System.FLOPS, P0, 1, SUM, "{FLOP}", rep=_TP_PP, point=_STEP_POINT + "; token positions "
        "given to the model (padding included: the hardware computes them)",
        doc="F = f·T_pos with the fixed estimator f = 6N + 12·L·d·S per token (PaLM, App. B; N "
            "parameters of the whole model, L layers, d width, S sequence length). Every "
@@ -412,7 +417,7 @@ _SYSTEM = (
            "and reports the same F, so one counts; data/context/expert-parallel ranks hold "
            "different positions and are summed. Φ = Σ F / (D·τ).",
        seed="001 §5 (compute rate Φ)"),
-    _m(System.POSITIONS, P1, 1, SUM, "tokens", rep=_TP_PP, point=_STEP_POINT,
+    _m(System.POSITIONS, P1, 1, SUM, "{token}", rep=_TP_PP, point=_STEP_POINT,
        doc="T_pos: input positions fed to the model this step, padding included. Reduction: "
            "sum over replicas; 1 - Σ loss.tokens / Σ tokens.positions is the padding fraction.",
        seed="001 §5, §11 (padding counted as tokens)"),
@@ -446,7 +451,7 @@ _SYSTEM = (
            "time τ_r - τ_wait,r names the straggler (the ranks waiting for it carry its "
            "delay in τ_r, not in their own time). DDP's bucketed all-reduce is internal: "
            "included only when the loop reports it.", seed="001 §5 (exposed collective wait)"),
-    _m(Comm.CALLS, P1, 1, SUM, "calls", labels=(Label.OP,), point="as comm.wait_s",
+    _m(Comm.CALLS, P1, 1, SUM, "{call}", labels=(Label.OP,), point="as comm.wait_s",
        doc="number of calls of collective op in the step (a change in the count is a change "
            "in the loop, not the network). Reduction: sum. Every step, like comm.wait_s (the "
            "seeds' default is every 10 steps; the straggler rule reads the wait every step "
@@ -462,10 +467,10 @@ _SYSTEM = (
     _m(Host.CPU_PRESSURE, P1, 1, MAX, "%", point="/proc/pressure/cpu 'some avg10', " + _NODE,
        doc="share of the last 10 s in which some task waited for a CPU (Linux PSI); absent "
            "where PSI is not available. Reduction: max.", seed="001 §5 (CPU pressure)"),
-    _m(Host.FAULTS_MINOR, P1, 1, SUM, "faults", point="getrusage, " + _NODE,
+    _m(Host.FAULTS_MINOR, P1, 1, SUM, "{fault}", point="getrusage, " + _NODE,
        doc="minor page faults of the process since the previous sample. Reduction: sum.",
        seed="001 §5 (page faults)"),
-    _m(Host.FAULTS_MAJOR, P1, 1, SUM, "faults", point="getrusage, " + _NODE,
+    _m(Host.FAULTS_MAJOR, P1, 1, SUM, "{fault}", point="getrusage, " + _NODE,
        doc="major page faults (disk reads) since the previous sample. Reduction: sum.",
        seed="001 §5 (page faults)"),
     _m(Host.INTERVAL, P1, 1, MAX, "s", point=_NODE,
@@ -507,10 +512,10 @@ _OUTPUT = (
     _m(Output.LOGITS_SUM_SQ, P0, 1, SUM, "1", point=_OUT_POINT,
        doc="Σ z² over valid positions. Reduction: sum; RMS = sqrt(Σ sum_sq / Σ logits_n).",
        seed="002 output_layer_logits_rms (P0)"),
-    _m(Output.LOGITS_N, P0, 1, SUM, "elements", point=_OUT_POINT,
+    _m(Output.LOGITS_N, P0, 1, SUM, "{element}", point=_OUT_POINT,
        doc="valid positions × vocabulary entries on this rank: the RMS denominator. Sum.",
        seed="002 output_layer_logits_rms"),
-    _m(Output.POSITIONS, P1, 100, SUM, "tokens", point=_OUT_POINT,
+    _m(Output.POSITIONS, P1, 100, SUM, "{token}", point=_OUT_POINT,
        doc="Σ m_t: valid positions behind the top-2 statistics, their denominator. "
            "Reduction: sum.",
        seed="002 top2_diff, top2_equal_ratio"),
@@ -519,7 +524,7 @@ _OUTPUT = (
        doc="Σ over valid positions of z_(1) − z_(2). Reduction: sum; mean gap = Σ / Σ "
            "positions (head confidence; a small gap alone is not a collapse).",
        seed="002 output_layer_logits_top2_diff"),
-    _m(Output.TOP2_EQUAL, P1, 100, SUM, "tokens", point=_OUT_POINT + "; full vocabulary",
+    _m(Output.TOP2_EQUAL, P1, 100, SUM, "{token}", point=_OUT_POINT + "; full vocabulary",
        doc="Σ over valid positions of 1[z_(1) = z_(2)]. Reduction: sum; ratio = Σ / Σ "
            "positions.", seed="002 output_layer_logits_top2_equal_ratio"),
 )
@@ -536,7 +541,7 @@ _T_DOC = (" Labels: tensor = registered name (model structure), kind as in the p
           "replicating groups); shards are summed.")
 _T = dict(labels=(Label.TENSOR, Label.KIND), point=_T_POINT)
 _TENSOR = (
-    _m(Tensor.N, P1, 100, SUM, "elements", **_T, doc="N, elements scanned. Sum." + _T_DOC,
+    _m(Tensor.N, P1, 100, SUM, "{element}", **_T, doc="N, elements scanned. Sum." + _T_DOC,
        seed="001 §6"),
     _m(Tensor.SUM, P1, 100, SUM, "1", **_T, doc="Σ x_j over finite elements (mean). Sum."
        + _T_DOC, seed="001 §6 (κ needs μ)"),
@@ -550,9 +555,9 @@ _TENSOR = (
     _m(Tensor.ABS_MAX, P0, 100, MAX, "1", **_T,
        doc="max |x_j| over finite elements. Reduction: max over ranks, never averaged."
        + _T_DOC, seed="001 §6 (absolute maximum)"),
-    _m(Tensor.ZEROS, P1, 100, SUM, "elements", **_T,
+    _m(Tensor.ZEROS, P1, 100, SUM, "{element}", **_T,
        doc="Σ 1[x_j = 0]; Z_x = zeros/n. Sum." + _T_DOC, seed="001 §6 (zero fraction)"),
-    _m(Tensor.NONFINITE, P1, 100, SUM, "elements", **_T,
+    _m(Tensor.NONFINITE, P1, 100, SUM, "{element}", **_T,
        doc="Σ 1[x_j is NaN or ±Inf]. Sum." + _T_DOC, seed="001 §6 (non-finite values)"),
     _m(Tensor.SUM3, P2, 0, SUM, "1", **_T, doc="Σ x_j³ over finite elements (float64). "
        "Sum; with n, sum, sum_sq, sum4 gives the excess kurtosis κ." + _T_DOC,
@@ -562,7 +567,7 @@ _TENSOR = (
 )
 
 _EXPORT = (
-    _m(Export.DROPPED, P1, 1, Reduction.PER_RANK, "steps", point="the rank's "
+    _m(Export.DROPPED, P1, 1, Reduction.PER_RANK, "{step}", point="the rank's "
        "emitter, when a step's points are enqueued",
        doc="Cumulative count of steps whose measurements this rank's bounded export queue "
            "could not hold. Non-zero means data was lost on the rank, not in the pipeline.",
@@ -585,7 +590,7 @@ _QUANTILE_DOC = (" Per-token quantiles do not combine across ranks: each rank se
                  "therefore an upper bound of the global quantile (exact with one rank). "
                  "Never averaged.")
 _EXPERTS = (
-    _m(Moe.EXPERT_TOKENS, P0, 1, SUM, "tokens", labels=(Label.LAYER, Label.EXPERT, Label.SHARD),
+    _m(Moe.EXPERT_TOKENS, P0, 1, SUM, "{token}", labels=(Label.LAYER, Label.EXPERT, Label.SHARD),
        rep=_TP,
        point=_ROUTER_POINT,
        doc="c_i = Σ_t m_t Σ_j 1[e_(t,j) = i]: valid tokens routed to expert i (a token counts "
@@ -607,7 +612,7 @@ _EXPERTS = (
        doc="Σ_i |b_i| over the layer's expert-selection bias: drift of the balancing bias. "
            "Identical on every replica; reduction max.",
        seed="002 moe/ep_bias_abs_sum"),
-    _m(Moe.MARGIN_TOKENS, P2, 0, SUM, "tokens", labels=(Label.LAYER,), rep=_TP,
+    _m(Moe.MARGIN_TOKENS, P2, 0, SUM, "{token}", labels=(Label.LAYER,), rep=_TP,
        point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
        doc="n: valid tokens behind the top-k margin statistics. Reduction: sum.",
        seed="001 §7 (top-k margin distributions, P2)"),
@@ -657,7 +662,7 @@ _RES_STATS = (
                  "throws away (watch it with N_s)", "001 §8 (bfloat16 no-op fraction, P1)"),
 )
 _RESIDUAL = (
-    _m(Residual.TOKENS, P0, 100, SUM, "tokens", labels=(Label.LAYER, Label.BRANCH), rep=_TP,
+    _m(Residual.TOKENS, P0, 100, SUM, "{token}", labels=(Label.LAYER, Label.BRANCH), rep=_TP,
        point=_RES_POINT,
        doc="n: valid tokens behind the residual statistics of (layer, branch). Reduction: "
            "sum; the denominator of every residual.*_sum mean. Not sent when 0. With "
@@ -672,7 +677,7 @@ _RESIDUAL = (
                 "p99": "99th percentile over this rank's valid tokens." + _QUANTILE_DOC}[field],
          seed=seed)
       for stem, priority, text, seed in _RES_STATS for field in Residual.FIELDS),
-    _m(Residual.GATE_CLOSED, P1, 100, SUM, "channels",
+    _m(Residual.GATE_CLOSED, P1, 100, SUM, "{channel}",
        labels=(Label.LAYER, Label.BRANCH, Label.THETA), rep=_OWNED,
        point="a gated branch's learned gate logits g (per channel), at the "
        "gate's first forward of the step",
@@ -680,7 +685,7 @@ _RESIDUAL = (
            "theta). Reduction: sum; F_gate(θ) = Σ gate_closed / Σ gate_channels. A branch "
            "whose gates have all closed contributes nothing and rarely reopens.",
        seed="001 §8 (gate saturation fraction, θ ∈ {0.05, 0.1, 0.25})"),
-    _m(Residual.GATE_CHANNELS, P1, 100, SUM, "channels", labels=(Label.LAYER, Label.BRANCH),
+    _m(Residual.GATE_CHANNELS, P1, 100, SUM, "{channel}", labels=(Label.LAYER, Label.BRANCH),
        rep=_OWNED, point="as residual.gate_closed",
        doc="d: gate channels of (layer, branch) on this rank, the F_gate denominator. Sum.",
        seed="001 §8 (gate saturation fraction)"),
@@ -690,7 +695,7 @@ _MEDIA_POINT = ("the backbone's input on every micro-batch: media = the projecto
                 "(media tokens, absent images masked), text = the token embedding's output at "
                 "valid text positions; elements = tokens × width, non-finite elements excluded")
 _MODALITY = (
-    _m(Modality.TOKENS, P0, 1, SUM, "tokens", labels=(Label.MODALITY,), rep=_TP,
+    _m(Modality.TOKENS, P0, 1, SUM, "{token}", labels=(Label.MODALITY,), rep=_TP,
        point="the token embedding (text: valid positions) and the media projector (media: "
              "present media tokens) of every micro-batch; registered only for models with a "
              "media path",
@@ -706,9 +711,9 @@ _MODALITY = (
          seed="001 §9 (media scale ratio γ, P0)")
       for name, unit, doc in (
           (Modality.MEDIA_SUM_SQ, "1", "Σ e² over the media embeddings' elements."),
-          (Modality.MEDIA_N, "elements", "Media embedding elements (present media tokens × width)."),
+          (Modality.MEDIA_N, "{element}", "Media embedding elements (present media tokens × width)."),
           (Modality.TEXT_SUM_SQ, "1", "Σ e² over the valid text embeddings' elements."),
-          (Modality.TEXT_N, "elements", "Text embedding elements (valid text tokens × width)."))),
+          (Modality.TEXT_N, "{element}", "Text embedding elements (valid text tokens × width)."))),
     _m(Modality.ENCODER_GRAD_SQ, P1, 100, SUM, "1", rep=_OWNED, point=_GRAD_POINT,
        doc="‖g_enc‖²: Σ of squared finite gradient elements of the media encoder's "
            "parameters. Reduction: sum over shards; S_enc = Σ encoder_grad_sq / Σ "
@@ -719,12 +724,12 @@ _MODALITY = (
        doc="‖g‖²: Σ of squared finite gradient elements of every parameter (the S_enc "
            "denominator, measured at the same point as its numerator). Reduction: sum.",
        seed="001 §9 (encoder gradient share S_enc)"),
-    _m(Modality.ENCODER_PARAMS, P1, 100, SUM, "parameters", rep=_OWNED,
+    _m(Modality.ENCODER_PARAMS, P1, 100, SUM, "{parameter}", rep=_OWNED,
        point="the parameters counted in modality.encoder_grad_sq",
        doc="Parameter elements of the media encoder. Reduction: sum; parameter share = Σ "
            "encoder_params / Σ all_params, the reference S_enc is read against.",
        seed="001 §9 (S_enc next to the encoder's parameter share)"),
-    _m(Modality.ALL_PARAMS, P1, 100, SUM, "parameters", rep=_OWNED,
+    _m(Modality.ALL_PARAMS, P1, 100, SUM, "{parameter}", rep=_OWNED,
        point="the parameters counted in modality.all_grad_sq",
        doc="Parameter elements of the whole model (with gradients). Reduction: sum.",
        seed="001 §9 (S_enc next to the encoder's parameter share)"),
@@ -738,11 +743,11 @@ _BOS_POINT = ("the gradient w.r.t. the attention value projection's output v (v_
               "micro-batch; loss scale and loss normalisation included as the loop applies "
               "them (the ratio to attn.value_grad_* cancels both)")
 _STRUCT_OUTPUT = (
-    _m(Output.MTP_POSITIONS, P1, 100, SUM, "tokens", labels=(Label.DEPTH,), rep=_TP,
+    _m(Output.MTP_POSITIONS, P1, 100, SUM, "{token}", labels=(Label.DEPTH,), rep=_TP,
        point=_MTP_POINT,
        doc="Aligned valid positions compared for MTP depth k. Reduction: sum; the agreement "
            "denominator.", seed="002 act/mtp_{k}_lm_head_top1_agreement"),
-    _m(Output.MTP_AGREE, P1, 100, SUM, "tokens", labels=(Label.DEPTH,), rep=_TP,
+    _m(Output.MTP_AGREE, P1, 100, SUM, "{token}", labels=(Label.DEPTH,), rep=_TP,
        point=_MTP_POINT,
        doc="Σ 1[argmax main = argmax MTP_k] over the aligned valid positions (ties resolve "
            "to the first index in both heads). Reduction: sum; top-1 agreement = Σ agree / "
@@ -756,7 +761,7 @@ _STRUCT_OUTPUT = (
            "BOS RMS = sqrt(Σ sum_sq / Σ bos_value_grad_n), compared with the RMS of "
            "attn.value_grad_*. Not sent without a valid BOS position.",
        seed="002 bos_value_grad (attention, P0 diagnostic)"),
-    _m(Attn.BOS_N, P0, 100, SUM, "elements", labels=(Label.LAYER,), point=_BOS_POINT,
+    _m(Attn.BOS_N, P0, 100, SUM, "{element}", labels=(Label.LAYER,), point=_BOS_POINT,
        doc="Elements behind attn.bos_value_grad_sum_sq: valid BOS positions × value width. "
            "Reduction: sum.", seed="002 bos_value_grad"),
     _m(Attn.BOS_ABS_MAX, P0, 100, MAX, "1", labels=(Label.LAYER,), point=_BOS_POINT,
@@ -765,7 +770,7 @@ _STRUCT_OUTPUT = (
     _m(Attn.VALUE_SUM_SQ, P1, 100, SUM, "1", labels=(Label.LAYER,), point=_BOS_POINT,
        doc="Σ ‖∂L/∂v_t‖² over the other valid positions: the reference the BOS value gradient "
            "is read against. Reduction: sum.", seed="002 bos_value_grad"),
-    _m(Attn.VALUE_N, P1, 100, SUM, "elements", labels=(Label.LAYER,), point=_BOS_POINT,
+    _m(Attn.VALUE_N, P1, 100, SUM, "{element}", labels=(Label.LAYER,), point=_BOS_POINT,
        doc="Elements behind attn.value_grad_sum_sq (valid non-BOS positions × value width). "
            "Sum.", seed="002 bos_value_grad"),
 )
@@ -784,7 +789,7 @@ _MODULE = (
            "the embedding). Reduction: sum; RMS = sqrt(Σ sum_sq / Σ grad_n).",
        seed="002 grad/W_gate_rms, grad/{name}_rms (layer norms), grad/Wq,Wk,Wv, grad/Wo, "
             "grad/mla_*"),
-    _m(Module.GRAD_N, P2, 0, SUM, "elements", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
+    _m(Module.GRAD_N, P2, 0, SUM, "{element}", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
        point=_MODULE_POINT, doc="Gradient elements behind module.grad_sum_sq. Sum.",
        seed="002 per-module gradient rows"),
     _m(Module.GRAD_ABS_MAX, P2, 0, MAX, "1", labels=(Label.LAYER, Label.MODULE), rep=_OWNED,
@@ -799,7 +804,7 @@ _MODULE = (
        doc="Σ x² over valid positions × features. Reduction: sum (tensor-parallel ranks hold "
            "different heads); RMS = sqrt(Σ act_sum_sq / Σ act_n).",
        seed="002 act/attn_out_before_proj_rms, act/gate_scores_rms"),
-    _m(Module.ACT_N, P2, 0, SUM, "elements", labels=(Label.LAYER, Label.MODULE),
+    _m(Module.ACT_N, P2, 0, SUM, "{element}", labels=(Label.LAYER, Label.MODULE),
        point="as module.act_sum_sq", doc="Elements behind module.act_sum_sq. Sum.",
        seed="002 act/attn_out_before_proj_rms, act/gate_scores_rms"),
 )

@@ -17,7 +17,7 @@ import time
 from typing import Mapping, Sequence
 
 from .catalog import CATALOG
-from .wire import NONFINITE_ATTR, REPLAY_ATTR, SCOPE, STEP_ATTR, Point
+from .wire import NONFINITE_ATTR, REPLAY_ATTR, SCOPE, STEP_ATTR, Point, scope_version
 
 __all__ = ["MemoryTransport", "NullTransport", "ProtoEncoder", "SdkEncoder"]
 
@@ -62,11 +62,11 @@ class NullTransport:
 
 
 def _value(raw: object) -> tuple[float, str | None]:
-    """A finite float, or (0.0, "nan"|"inf"|"-inf") for a non-finite one (the wire rule)."""
+    """The float and, for a non-finite one, its marker "nan"|"inf"|"-inf" (the wire rule)."""
     number = float(raw)  # type: ignore[arg-type]
     if math.isfinite(number):
         return number, None
-    return 0.0, ("nan" if math.isnan(number) else ("inf" if number > 0 else "-inf"))
+    return number, ("nan" if math.isnan(number) else ("inf" if number > 0 else "-inf"))
 
 
 class ProtoEncoder:
@@ -98,6 +98,7 @@ class ProtoEncoder:
         resource_metrics.resource.CopyFrom(self._replay_resource if replay else self._resource)
         scope = resource_metrics.scope_metrics.add()
         scope.scope.name = SCOPE
+        scope.scope.version = scope_version()
         now = time.time_ns()
         metrics: dict[str, object] = {}
         for name, raw, labels in points:
@@ -152,6 +153,8 @@ class SdkEncoder:
             return self._replay.encode(step, points)
         for point in points:
             value, nonfinite = _value(point.value)
+            if nonfinite is not None:
+                value = 0.0  # the SDK's Gauge drops NaN and ±Inf: the marker carries them
             attrs: dict[str, str | int] = {STEP_ATTR: step, **dict(point.labels)}
             if nonfinite is not None:
                 attrs[NONFINITE_ATTR] = nonfinite

@@ -8,10 +8,14 @@ Collector's Kafka receiver with ``otlp_proto`` uses). The tests hold both agains
 stock classes on random messages.
 
 One message per rank per step: every point is a Gauge data point with the integer
-attribute ``step`` and its labels. A non-finite value is sent as 0.0 with the attribute
-``probewire.nonfinite`` naming it ("nan", "inf", "-inf"). The resource carries who is
-speaking (``RankIdentity``): run id, rank, world size, host and the rank's coordinate in
-each parallel group. The Kafka key is ``<run_id>:<step>``.
+attribute ``step`` and its labels, in the catalog's UCUM unit. A non-finite value is sent as
+itself (OTLP allows NaN and ±Inf in a double gauge, so a generic consumer sees it) with the
+attribute ``probewire.nonfinite`` naming it ("nan", "inf", "-inf"), the marker probewire
+reads. The resource carries who is speaking (``RankIdentity``): ``service.name``,
+``service.instance.id`` (one per rank of a run), run id, rank, world size, host and the
+rank's coordinate in each parallel group; the scope is ``probewire.instrument`` with the
+package version. The Kafka key is ``<run_id>:<step>``; a key of another form (a Collector's,
+say) is ignored and the message is read by its content.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from .catalog import CATALOG, Group
 
 __all__ = ["GROUPS", "NONFINITE_ATTR", "REPLAY_ATTR", "STEP_ATTR", "DecodeError", "Labels",
            "Point", "RankIdentity", "RankStep", "SeriesKey", "WireEncoder", "decode_rank_step",
-           "message_key", "series_key"]
+           "message_key", "scope_version", "series_key"]
 
 STEP_ATTR = "step"                      # data point attribute: the optimizer step
 NONFINITE_ATTR = "probewire.nonfinite"  # data point attribute: "nan", "inf" or "-inf"
 REPLAY_ATTR = "probewire.replay"        # resource attribute of a message re-sent on request
 SCOPE = "probewire.instrument"
+INSTANCE_ATTR = "service.instance.id"
 RUN_ID_ATTR = "probewire.run_id"
 RANK_ATTR = "probewire.rank"
 WORLD_SIZE_ATTR = "probewire.world_size"
@@ -66,6 +71,16 @@ def message_key(run_id: str, step: int) -> bytes:
     return f"{run_id}:{step}".encode()
 
 
+def scope_version() -> str:
+    """The instrumentation scope's version: the installed probewire's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("probewire")
+    except PackageNotFoundError:
+        return "0"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankIdentity:
     """Who is speaking: the OTLP resource attributes of every message from this rank."""
@@ -94,6 +109,7 @@ class RankIdentity:
     def resource_attributes(self) -> dict[str, str | int]:
         attrs: dict[str, str | int] = {
             SERVICE_ATTR: "probewire-rank",
+            INSTANCE_ATTR: f"{self.run_id}/rank{self.rank}",
             HOST_ATTR: self.host,
             RUN_ID_ATTR: self.run_id,
             RANK_ATTR: self.rank,
@@ -160,7 +176,8 @@ class WireEncoder:
         replay = resource + _field(1, _key_value(REPLAY_ATTR, True))
         self._resource = _field(1, resource)         # ResourceMetrics.resource
         self._replay_resource = _field(1, replay)
-        self._scope = _field(1, _field(1, SCOPE.encode()))  # ScopeMetrics.scope.name
+        self._scope = _field(1, _field(1, SCOPE.encode())    # ScopeMetrics.scope: name,
+                             + _field(2, scope_version().encode()))  # version
         self._metric_head: dict[str, bytes] = {}
         self._labels: dict[Labels, bytes] = {}
         self._nonfinite = {tag: _field(_POINT_ATTR, _key_value(NONFINITE_ATTR, tag))
@@ -192,7 +209,7 @@ class WireEncoder:
             else:
                 tag = "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
                 body = (step_attr + self._label_bytes(labels) + self._nonfinite[tag] + stamp
-                        + _DOUBLE.pack(0.0))
+                        + _DOUBLE.pack(number))
             points_of = by_metric.get(name)
             if points_of is None:
                 points_of = by_metric[name] = []
@@ -395,8 +412,8 @@ def _decode(key: bytes | None, buf: bytes) -> RankStep:
         first, second = sorted(steps)[:2]
         raise DecodeError(f"expected points of exactly one step, got {first} and {second}")
     step = steps.pop()
-    if key is not None:
-        expected = message_key(run_id, step)
+    if key is not None and key.count(b":") == 1 and key.rsplit(b":", 1)[1].isdigit():
+        expected = message_key(run_id, step)  # a probewire key must name what it carries
         if key != expected:
             raise DecodeError(f"key {key!r} does not match content {expected!r}")
     return RankStep(run_id=run_id, step=step, rank=speaker.rank,

@@ -30,9 +30,7 @@ from .errors import check
 
 __all__ = ["Bounds", "Checked", "StepValidator"]
 
-_COUNT_UNITS = frozenset({"tokens", "elements", "steps", "calls", "channels", "faults",
-                          "parameters", "By", "s"})
-_COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.unit in _COUNT_UNITS)
+_COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.nonnegative)
 _INDEX_LABELS = frozenset({Label.EXPERT, Label.SHARD})
 _UINT32 = 2 ** 32
 

@@ -185,3 +185,50 @@ def test_damaged_bytes_are_a_decode_error_and_nothing_else(seed):
 def test_a_payload_that_is_not_bytes_or_is_empty_is_a_decode_error(payload):
     with pytest.raises(DecodeError):
         decode_rank_step(b"k", payload)
+
+
+# ------------------------------------------------------------------ OTLP conventions
+UCUM_BASE = {"1", "s", "By", "%", "W", "Cel", "MHz"}
+
+
+def test_a_rank_message_follows_the_opentelemetry_conventions():
+    """Read with the stock classes, as a Collector or Prometheus would: each rank is its own
+    service instance, units are UCUM, a NaN is a NaN, the scope has a name and a version."""
+    from importlib.metadata import version
+
+    messages = {}
+    for rank in (0, 1):
+        identity = RankIdentity(run_id="conv", rank=rank, world_size=2, host="h")
+        points = [Point("loss.sum", math.nan), Point("loss.tokens", 8.0),
+                  Point("step_time_s", 0.5), Point("flops.step", 1e9)]
+        messages[rank] = ExportMetricsServiceRequest.FromString(
+            WireEncoder(identity.resource_attributes()).encode(3, points))
+    instances = set()
+    for request in messages.values():
+        [rm] = request.resource_metrics
+        resource = {a.key: getattr(a.value, a.value.WhichOneof("value"))
+                    for a in rm.resource.attributes}
+        instances.add(resource["service.instance.id"])
+        assert resource["service.name"] == "probewire-rank"
+        [sm] = rm.scope_metrics
+        assert (sm.scope.name, sm.scope.version) == ("probewire.instrument", version("probewire"))
+        for metric in sm.metrics:
+            assert metric.unit in UCUM_BASE or (metric.unit.startswith("{")
+                                                and metric.unit.endswith("}")), metric.unit
+        loss = next(m for m in sm.metrics if m.name == "loss.sum").gauge.data_points[0]
+        assert math.isnan(loss.as_double)  # not 0.0: a generic consumer must not see loss 0
+    assert len(instances) == 2
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_every_catalog_unit_is_ucum(name):
+    unit = CATALOG[name].unit
+    assert unit in UCUM_BASE or (unit.startswith("{") and unit.endswith("}") and " " not in unit)
+
+
+def test_a_key_of_another_form_is_ignored_and_a_probewire_key_must_match():
+    key, value = emitted([Point("loss.tokens", 1)])
+    assert decode_rank_step(b"collector-partition-key-7f3a", value).step == 7
+    assert decode_rank_step(None, value).step == 7
+    with pytest.raises(DecodeError, match="does not match"):
+        decode_rank_step(b"run1:8", value)
