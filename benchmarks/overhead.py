@@ -19,6 +19,9 @@ Figures (stdout, one line each, machine-readable):
                 several repeats each, with the monitor's chunk size; goal <= 1.3
   emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
+  ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
+                and a monitored DDP copy in alternating blocks); goal <= 1.01
+  ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -100,6 +104,93 @@ def scan_ratio(chunk: int) -> tuple[float, dict[int, float]]:
     return max(ratios.values()), ratios
 
 
+DDP_RANKS = 4
+DDP_BLOCKS = 12
+
+
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    """One of 4 gloo DDP ranks: an unmonitored and a P0-monitored copy, alternating blocks."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=DDP_RANKS)
+    corpus = load_corpus()
+    rng = np.random.default_rng(rank)
+    cfg = TinyConfig()
+    batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)]
+               for _ in range(20)]
+    runs, monitors = {}, {}
+    for name, config in (("off", None), ("p0", ProbeConfig(
+            cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0, sources=SOURCES))):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(TinyLM(cfg))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        monitor = attach(model, opt, config=config or ProbeConfig(enabled=False),
+                         identity=RankIdentity(run_id=f"ddp-{name}", rank=rank,
+                                               world_size=DDP_RANKS), transport=NullTransport())
+        monitors[name] = monitor
+
+        def run(steps, model=model, opt=opt, monitor=monitor, state={"step": 0}):
+            times = []
+            for _ in range(steps):
+                step = state["step"]
+                micro = batches[step % len(batches)]
+                n_valid = sum(int(b.targets.ne(IGNORE).sum()) for b in micro)
+                t0 = time.perf_counter()
+                with monitor.step(step) as s:
+                    for i, b in enumerate(micro):
+                        s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
+                        losses = F.cross_entropy(model(b.tokens).transpose(1, 2), b.targets,
+                                                 ignore_index=IGNORE, reduction="none")
+                        s.loss(losses)
+                        (losses.sum() / n_valid).backward()
+                    s.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+                state["step"] += 1
+            return times
+
+        runs[name] = run
+    for run in runs.values():
+        run(20)
+    emit0 = (monitors["p0"].emit_time_s, monitors["p0"].emitted_steps)
+    times = {"off": [], "p0": []}
+    for _ in range(DDP_BLOCKS):
+        for name, run in runs.items():
+            times[name] += run(BLOCK_STEPS)
+    emit_us = ((monitors["p0"].emit_time_s - emit0[0])
+               / max(monitors["p0"].emitted_steps - emit0[1], 1) * 1e6)
+    for monitor in monitors.values():
+        monitor.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "ratio": statistics.median(times["p0"]) / statistics.median(times["off"]),
+        "emit_us": emit_us}))
+    dist.destroy_process_group()
+
+
+def ddp_figures() -> tuple[float, float]:
+    """(median over ranks of the P0 step-time ratio, worst rank's emit_us) on 4 DDP ranks."""
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_ddp_rank, args=(port, out), nprocs=DDP_RANKS, start_method="spawn")
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(DDP_RANKS)]
+    return (statistics.median(r["ratio"] for r in ranks), max(r["emit_us"] for r in ranks))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     corpus = load_corpus()
@@ -142,6 +233,10 @@ def main() -> None:
     print(f"p1 ratio {p1_ratio:.4f}")
     print(f"scan ratio {worst:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
+    sys.stdout.flush()
+    ddp_ratio, ddp_emit = ddp_figures()
+    print(f"ddp ratio {ddp_ratio:.4f}")
+    print(f"ddp emit_us {ddp_emit:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """System probes (seeds 001 §5): step time, FLOPs and positions, memory peaks, the spike
 guard's counters, and host/device/network telemetry.
 
-Memory peaks are read on the training thread at step exit (allocator statistics and
-``getrusage`` are host-side calls: no device synchronisation). Telemetry (psutil, PSI,
-NVML, network counters) is sampled on the emitter thread, so its system calls never sit
-on the training path.
+The CUDA allocator's peaks are read on the training thread at step exit (host-side reads,
+no device synchronisation) before the next step resets them; the process's RSS peak and the
+telemetry (psutil, PSI, NVML, network counters) are sampled on the emitter thread, so their
+system calls never sit on the training path.
 
 Reset boundary (001 §5, "reset peak counters only at documented boundaries"): the CUDA
 peak counters of the current device are reset when the monitor's step context opens, so
@@ -30,7 +30,7 @@ from ..state import StepState
 from ..wire import Point
 
 __all__ = ["DeviceTelemetry", "HostTelemetry", "SystemProbe", "default_flops_per_token",
-           "peak_memory_points", "reset_peaks", "transformer_flops_per_token"]
+           "peak_memory_points", "peak_rss_points", "reset_peaks", "transformer_flops_per_token"]
 
 TIER = tier_of(System.STEP_TIME, System.FLOPS, System.POSITIONS, Memory.PEAK_RSS,
                Memory.PEAK_ALLOCATED, Memory.PEAK_RESERVED, Memory.ALLOCATED, Memory.RESERVED,
@@ -70,16 +70,22 @@ def reset_peaks(device: torch.device | None) -> None:
 
 
 def peak_memory_points(device: torch.device | None) -> list[Point]:
-    """memory.peak_* of the step, and the allocator's current allocated/reserved bytes."""
-    points = [Point(Memory.PEAK_RSS,
-                    float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT))]
-    if device is not None:
-        points += [
-            Point(Memory.PEAK_ALLOCATED, float(torch.cuda.max_memory_allocated(device))),
+    """The CUDA allocator's peaks of the step and its current allocated/reserved bytes
+    (host-side reads of the allocator's counters, no device synchronisation)."""
+    if device is None:
+        return []
+    return [Point(Memory.PEAK_ALLOCATED, float(torch.cuda.max_memory_allocated(device))),
             Point(Memory.PEAK_RESERVED, float(torch.cuda.max_memory_reserved(device))),
             Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
             Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device)))]
-    return points
+
+
+def peak_rss_points() -> list[Point]:
+    """The process's resident high-water mark (``getrusage``). Read on the emitter thread: on
+    a DDP rank the call stalled the training thread 2-4 ms right after a step (it walks the
+    process's threads, gloo's included)."""
+    return [Point(Memory.PEAK_RSS,
+                  float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT))]
 
 
 def _read_psi() -> float | None:
@@ -201,6 +207,7 @@ class SystemProbe:
                 points += [Point(System.POSITIONS, float(state.positions)),
                            Point(System.FLOPS, self._flops_per_token * state.positions)]
             points += peak_memory_points(self._device)
+            late.append(peak_rss_points)
             skipped, replayed, mismatch = state.guard
             points += [Point(Guard.SKIPPED, skipped), Point(Guard.REPLAYED, replayed),
                        Point(Guard.REPLAY_MISMATCH, mismatch)]

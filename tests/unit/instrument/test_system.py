@@ -8,7 +8,8 @@ import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument.probes.system import (DeviceTelemetry, HostTelemetry, default_flops_per_token,
-                                         peak_memory_points, transformer_flops_per_token)
+                                         peak_memory_points, peak_rss_points,
+                                         transformer_flops_per_token)
 
 
 def test_flop_estimator_is_6n_plus_the_attention_term():
@@ -30,7 +31,7 @@ def test_default_estimator_uses_the_models_own_and_unwraps_wrappers():
 
 
 def test_cpu_memory_points_report_the_process_peak_only():
-    points = {p.name: p.value for p in peak_memory_points(None)}
+    points = {p.name: p.value for p in peak_memory_points(None) + peak_rss_points()}
     assert set(points) == {"memory.peak_rss_bytes"} and points["memory.peak_rss_bytes"] > 1e6
 
 
