@@ -17,6 +17,8 @@ Figures (stdout, one line each, machine-readable):
                 both from the P0 + P1 variant; goal <= 1.005
   scan ratio X  worst over 1M..64M float32 elements of scan(x) / x.abs().max(), best of
                 several repeats each, with the monitor's chunk size; goal <= 1.3
+  scan ratio compiled X  the same for the compiled one-pass scan (scan_backend="compiled",
+                the default on CUDA); the compile itself is not timed
   emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from probewire.deploy.demo.data import SOURCES, load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import NullTransport, ProbeConfig, RankIdentity, attach
-from probewire.instrument.scan import scan
+from probewire.instrument.scan import fused_scan, scan
 
 WARMUP_STEPS = 60
 BLOCK_STEPS = 20
@@ -93,12 +95,12 @@ def _best(fn, repeats: int = 5) -> float:
     return best
 
 
-def scan_ratio(chunk: int) -> tuple[float, dict[int, float]]:
+def scan_ratio(chunk: int | None, compiled: bool = False) -> tuple[float, dict[int, float]]:
     ratios = {}
     for n in SCAN_SIZES:
         x = torch.randn(n)
         reference = _best(lambda: x.abs().max())
-        ours = _best(lambda: scan(x, chunk_elems=chunk))
+        ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
         ratios[n] = ours / reference
         del x
     return max(ratios.values()), ratios
@@ -232,6 +234,10 @@ def main() -> None:
     print(f"p0 ratio {t_p0 / t_off:.4f}")
     print(f"p1 ratio {p1_ratio:.4f}")
     print(f"scan ratio {worst:.2f}")
+    compiled, per_size_compiled = scan_ratio(None, compiled=True)
+    print(f"# compiled scan per size { {n: round(r, 2) for n, r in per_size_compiled.items()} }",
+          file=sys.stderr)
+    print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
     ddp_ratio, ddp_emit = ddp_figures()

@@ -115,6 +115,11 @@ class ProbeConfig:
     guards would recompile when hooks come and go."""
     telemetry: bool = True
     comm: bool = True
+    scan_backend: str = "auto"
+    """How large activations are scanned: "compiled" (``scan.fused_scan``, one fused pass;
+    ``torch.compile`` once per process), "eager" (``scan.scan``, chunked), or "auto":
+    compiled on a CUDA device, eager on CPU (where the compile's 10-20 s would dominate a
+    short run). The choice is made once at attach (``Monitor.scan_backend``)."""
     verify_layout: bool = True
     """At attach, check across the data-parallel ranks that parameters declared DDP replicas
     (plain tensors, ``dp_replicated`` not False) are identical there: one all_gather."""
@@ -145,6 +150,9 @@ class ProbeConfig:
             raise ValueError(f"ProbeConfig.ring_steps: must be >= 0, got {self.ring_steps}")
         if self.queue_size < 1:
             raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
+        if self.scan_backend not in ("auto", "compiled", "eager"):
+            raise ValueError(f"ProbeConfig.scan_backend: 'auto', 'compiled' or 'eager', got "
+                             f"{self.scan_backend!r}")
         if self.scan_chunk_elems is not None and self.scan_chunk_elems < 1:
             raise ValueError("ProbeConfig.scan_chunk_elems: must be >= 1")
         if self.flops_per_token is not None and not self.flops_per_token >= 0:

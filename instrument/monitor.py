@@ -86,10 +86,13 @@ class Monitor:
                 verify_replicas(registry.dp_replicas, group, "the data-parallel ranks")
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
+        self.scan_backend = (config.scan_backend if config.scan_backend != "auto"
+                             else "compiled" if device is not None else "eager")
         tensors = TensorProbe(self._state, registry, chunk_elems=config.scan_chunk_elems,
                               mask_activations=config.mask_activations,
                               update_ratio=config.update_ratio,
-                              persistent_hooks=config.persistent_hooks)
+                              persistent_hooks=config.persistent_hooks,
+                              fused=self.scan_backend == "compiled")
         sets: list[ProbeSet] = []
         self.structure = attach_structure(self._state, model, registry, config.structure,
                                           logits_module=config.logits_module,

@@ -30,7 +30,7 @@ from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
 from ..parallel import local
 from ..registry import ObservedModule, ParamInfo, Registry
-from ..scan import ScanFields, scan
+from ..scan import ScanFields, fused_scan, scan
 from ..state import Entry, StepState
 from ..wire import Labels, Point
 from .common import F64, first_tensor, recomputing
@@ -50,19 +50,26 @@ SCAN_NAMES: tuple[str, ...] = tuple(_FIELDS[f] for f in sorted(ScanFields))
 
 # ------------------------------------------------------------------ device arithmetic
 def masked_scan(x: torch.Tensor, mask: torch.Tensor | None, mask_count: torch.Tensor | None,
-                *, moments: bool, chunk_elems: int | None) -> torch.Tensor:
+                *, moments: bool, chunk_elems: int | None, fused: bool = False) -> torch.Tensor:
     """Scan vector of ``x``; of its valid positions when its leading dims are the mask's.
 
     Padded positions are replaced by exact zeros before the scan, then N becomes
-    valid positions × features and the zeros they added are subtracted again.
+    valid positions × features and the zeros they added are subtracted again. ``fused``:
+    the compiled one-pass scan (``scan.fused_scan``) where no moments are asked for.
     """
     x = x.detach()
+
+    def scanned(t: torch.Tensor) -> torch.Tensor:
+        if fused and not moments:
+            return fused_scan(t)
+        return scan(t, moments=moments, chunk_elems=chunk_elems)
+
     if (mask is None or x.dim() < mask.dim() or tuple(x.shape[: mask.dim()]) != tuple(mask.shape)
             or x.numel() == 0):
-        return scan(x, moments=moments, chunk_elems=chunk_elems)
+        return scanned(x)
     features = x.numel() // mask.numel()
     shaped = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
-    vec = scan(torch.where(shaped, x, 0), moments=moments, chunk_elems=chunk_elems)
+    vec = scanned(torch.where(shaped, x, 0))
     count = mask.sum(dtype=F64) if mask_count is None else mask_count
     vec[ScanFields.N] = count * features
     vec[ScanFields.ZEROS] -= (mask.numel() - count) * features
@@ -171,9 +178,11 @@ class TensorProbe:
     and on demand the AdamW chain), and the step-end batch scan."""
 
     def __init__(self, state: StepState, registry: Registry, *, chunk_elems: int | None,
-                 mask_activations: bool, update_ratio: bool, persistent_hooks: bool) -> None:
+                 mask_activations: bool, update_ratio: bool, persistent_hooks: bool,
+                 fused: bool = False) -> None:
         self._state = state
         self._chunk = chunk_elems
+        self._fused = fused  # large activations through the compiled one-pass scan
         self._mask_activations = mask_activations
         self._update_ratio = update_ratio
         self._persistent = persistent_hooks
@@ -225,7 +234,8 @@ class TensorProbe:
             if part.numel() > SMALL_ELEMS:
                 vec = masked_scan(part, mask if fits else None,
                                   state.mask_count(mask) if fits else None,
-                                  moments=state.due[MOMENTS_TIER], chunk_elems=self._chunk)
+                                  moments=state.due[MOMENTS_TIER], chunk_elems=self._chunk,
+                                  fused=self._fused)
                 state.scan_rows.append(([(name, kind)], vec.unsqueeze(0)))
             elif fits:
                 state.entries.append(Entry(name, kind, torch.where(shaped, part, 0),
