@@ -9,6 +9,10 @@ P0 every step (P1/P2 off), and P0 every step + P1 every 100 steps. After a warm-
 of 20 steps run for each variant in turn, so drift and noise from other processes hit all
 three alike; medians keep one disturbed step from moving a figure.
 
+``--device cuda`` runs the same variants on a GPU (``benchmarks/device.sh``): step times end
+at a device synchronisation, the emitter waits on the pinned copy's event off the training
+thread, and scans run on the device (compiled by default there).
+
 Figures (stdout, one line each, machine-readable):
 
   p0 ratio X    median step time(P0) / median step time(off); goal <= 1.01
@@ -48,10 +52,18 @@ BLOCKS = 40       # 800 steps per variant: 8 sampled P1 steps
 SCAN_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 
 
+DEVICE = torch.device("cpu")  # --device cuda (benchmarks/device.sh) moves the runs to a GPU
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # step times end where the device finished the step
+
+
 def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
     torch.manual_seed(seed)
     cfg = TinyConfig()
-    model = TinyLM(cfg)
+    model = TinyLM(cfg).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     identity = RankIdentity(run_id=f"bench-{name}", rank=0, world_size=1)
     transport = NullTransport()
@@ -78,6 +90,7 @@ def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
                 s.clip_grad_norm_(model.parameters(), 1.0)  # measures, then clips
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            _sync()
             times.append(time.perf_counter() - t0)
             state["step"] += 1
         return times
@@ -87,10 +100,12 @@ def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
 
 def _best(fn, repeats: int = 5) -> float:
     fn()
+    _sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        _sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -98,12 +113,22 @@ def _best(fn, repeats: int = 5) -> float:
 def scan_ratio(chunk: int | None, compiled: bool = False) -> tuple[float, dict[int, float]]:
     ratios = {}
     for n in SCAN_SIZES:
-        x = torch.randn(n)
+        x = torch.randn(n, device=DEVICE)
         reference = _best(lambda: x.abs().max())
         ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
         ratios[n] = ours / reference
         del x
     return max(ratios.values()), ratios
+
+
+def _on_device(batch):
+    import dataclasses
+
+    if DEVICE.type == "cpu":
+        return batch
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(DEVICE)
+                                         for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 DDP_RANKS = 4
@@ -194,11 +219,14 @@ def ddp_figures() -> tuple[float, float]:
 
 
 def main() -> None:
+    global DEVICE
+    if "--device" in sys.argv:
+        DEVICE = torch.device(sys.argv[sys.argv.index("--device") + 1])
     torch.set_num_threads(1)
     corpus = load_corpus()
     rng = np.random.default_rng(0)
     cfg = TinyConfig()
-    batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)]
+    batches = [[_on_device(corpus.batch(rng, 4, cfg.seq_len, min_len=8)) for _ in range(2)]
                for _ in range(50)]
     common = dict(clip_threshold=1.0, sources=SOURCES)
     p0_config = ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
@@ -240,6 +268,8 @@ def main() -> None:
     print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
+    if DEVICE.type != "cpu":
+        return  # the DDP figures are gloo ranks on CPU cores
     ddp_ratio, ddp_emit = ddp_figures()
     print(f"ddp ratio {ddp_ratio:.4f}")
     print(f"ddp emit_us {ddp_emit:.1f}")
