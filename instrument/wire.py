@@ -472,13 +472,7 @@ def _metric(buf: bytes, span: tuple[int, int]) -> tuple[str, list[tuple[int, int
         if tag >= 0x80 or tag & 7 != 2:
             pos = _skip(buf, pos, end)
             continue
-        size = buf[pos + 1]
-        start = pos + 2
-        if size >= 0x80:
-            size, start = _read_varint(buf, pos + 1, end)
-        stop = start + size
-        if stop > end:
-            raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+        start, stop = _payload(buf, pos, end)
         if tag == 0x0A:  # Metric.name
             name = _NAMES.get(buf[start:stop])
             if name is None:
@@ -525,13 +519,7 @@ class _Points:
         pos, end = span
         while pos < end:
             tag = buf[pos]
-            size = buf[pos + 1]
-            start = pos + 2
-            if size >= 0x80:
-                size, start = _read_varint(buf, pos + 1, end)
-            stop = start + size
-            if stop > end:
-                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+            start, stop = _payload(buf, pos, end)
             if tag != _DATA_POINT_TAG:
                 pos = _skip(buf, pos, end)
                 continue
@@ -588,6 +576,18 @@ class _Points:
                 raise DecodeError(f"point of {name!r} has no value")
             values[(name, block.labels)] = value
             pos = stop
+
+
+def _payload(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    """(start, stop) of the payload of the one-byte-tag length-delimited field at ``pos``."""
+    size = buf[pos + 1]
+    start = pos + 2
+    if size >= 0x80:
+        size, start = _read_varint(buf, pos + 1, end)
+    stop = start + size
+    if stop > end:
+        raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+    return start, stop
 
 
 def _skip(buf: bytes, pos: int, end: int) -> int:
