@@ -11,17 +11,18 @@ with no gap and no double count.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
-                     worst_rank_loss)
+from probewire.instrument.catalog import Comm, Loss, System
+
+from .derive import (expert_balance, global_mean_loss, own_time_ratios, own_times,
+                     rank_means, shard_imbalance, straggler_score, worst_rank_loss)
 from .order import StepOrderer
 from .records import ReducedStep, SeriesKey
 from .retention import RetentionPolicy
-from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
+from .signals import DetectorConfig, Episode, Finding, RankSeries, SignalDetectors, next_steps
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
@@ -42,30 +43,32 @@ def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
 
 def _own_times(item: ReducedStep) -> dict[int, float]:
     """Per rank, its own time: step time minus the exposed collective wait it reported
-    (``comm.wait_s``, summed over ops; the step time itself when it reported none).
+    (``comm.wait_s``, summed over ops), the wait clamped into [0, step time] and the own
+    time floored (``derive.own_times``).
 
     Under synchronous data parallelism every rank's step time carries the slowest rank's
     delay (the others wait for it in the gradient all-reduce); their own time does not."""
-    own: dict[int, float] = {}
-    for rank, values in item.per_rank.items():
-        tau = values.get(("step_time_s", ()))
-        if tau is None:
-            continue
-        waits = [v for (name, _), v in values.items() if name == "comm.wait_s"
-                 and math.isfinite(v)]
-        own[rank] = max(tau - math.fsum(waits), 0.0) if waits else tau
-    return own
+    taus = _per_rank(item, System.STEP_TIME)
+    waits = {rank: math.fsum(v for (name, _), v in values.items()
+                             if name == Comm.WAIT and math.isfinite(v))
+             for rank, values in item.per_rank.items()}
+    return own_times(taus, waits)
 
 
 def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
-    """The rank with the largest own time, and S = its own time / the median own time of
-    the other ranks (leave-one-out; None with a single rank)."""
+    """The rank with the largest own time, and its own time / the median own time of the
+    other ranks (leave-one-out; None with a single rank)."""
     own = _own_times(item)
     if not own:
         return None, None
     rank = max(sorted(own), key=own.__getitem__)  # ties: the lowest rank
-    others = [v for r, v in own.items() if r != rank]
-    return rank, own[rank] / (statistics.median(others) + 1e-12) if others else None
+    return rank, own_time_ratios(own).get(rank)
+
+
+def _rank_series(item: ReducedStep) -> RankSeries:
+    """Each rank's local mean loss L_r and own-time ratio, for the culprit rules."""
+    return RankSeries(loss=rank_means(_per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)),
+                      own_ratio=own_time_ratios(_own_times(item)))
 
 
 def _moe(item: ReducedStep) -> dict[str, Any]:
@@ -227,6 +230,18 @@ class Stage2Output:
         self.controls += other.controls
 
 
+def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
+    """The page record of ``episode`` (same key: it replaces the stored row) with the
+    episode's event count, its latest step and what the latest event measured."""
+    record = episode.record or {}
+    first = record["message"].split(" | episode:")[0]
+    z = "" if f.z is None else f", z={f.z:.1f}"
+    who = f", {f.culprit}" if f.culprit and f.culprit != record["culprit"] else ""
+    return {**record, "ranks": sorted(set(record["ranks"]) | set(f.ranks)),
+            "message": f"{first} | episode: {episode.count} events, the latest at step "
+                       f"{step} ({f.kind} {f.value:.4g}{z}{who})"}
+
+
 class RunPipeline:
     """Everything stage 2 knows about one run."""
 
@@ -294,11 +309,9 @@ class RunPipeline:
         self.tokens += view["step_tokens"]
         self.flops += view.pop("flops_step") or 0.0
         self.last_step = max(self.last_step, item.step)
-        # a source regresses when it moves against the whole: score L_source / L, so a
-        # step where every source spikes together (a co-spike) does not page per source
-        ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
-                  if view["loss"] and math.isfinite(view["loss"])}
-        derived, findings = self.detectors.observe(item.step, view, ratios)
+        derived, findings = self.detectors.observe(
+            item.step, view, {s: loss for s, (loss, _, _) in sources.items()},
+            _rank_series(item))
         view.pop("moe_maxvio_layer")
         view["clipped"] = derived.pop("clipped")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
@@ -311,10 +324,11 @@ class RunPipeline:
              "token_share": share, "tokens": int(n)} for s, (loss, share, n) in sources.items()]
         for table, rows in _detail_rows(item).items():
             out.rows[f"{table}_recent"] += rows
-        for finding in findings:
+        for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
-            if finding.page:
-                out.rows["alerts"].append(self._alert_row(item.step, finding))
+            alert = self._page(item.step, finding) if finding.page else None
+            if alert is not None:
+                out.rows["alerts"].append(alert)
         out.promote += [s for s, _ in self.retention.offer(item.step, None, bool(findings))]
         if findings and item.step - self.last_control > self.config.retention_halo:
             self.last_control = item.step
@@ -328,6 +342,18 @@ class RunPipeline:
     def _anomaly_row(self, step: int, f: Finding) -> dict[str, Any]:
         return {"run_id": self.run_id, "step": step, "signal": f.signal, "kind": f.kind,
                 "value": f.value, "baseline": f.baseline, "z": f.z, "culprit": f.culprit}
+
+    def _page(self, step: int, f: Finding) -> dict[str, Any] | None:
+        """The page record to send: a new page, the updated record of the page whose
+        episode this finding is a new event of, or None (the same event continues)."""
+        episode = self.detectors.pages.admit(step, f)
+        if not episode.new_event:
+            return None
+        if episode.count == 1 or episode.record is None:
+            episode.record = self._alert_row(step, f)
+        else:
+            episode.record = _episode_update(episode, step, f)
+        return episode.record
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:
         baseline = "n/a" if f.baseline is None else f"{f.baseline:.4g}"

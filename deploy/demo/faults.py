@@ -239,14 +239,32 @@ class Straggler(Fault):
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10
+    factor: float = 0.0   # > 0: sleep (factor - 1) x this rank's median step time before
+    #                       ``step`` instead of delay_s (1.5: "slowed by half its step")
+    _started: float | None = field(default=None, repr=False)
+    _durations: list[float] = field(default_factory=list, repr=False)
 
     def expected_culprit(self) -> str:
         return f"rank {self.rank}"
 
+    def delay(self) -> float:
+        """The sleep per slow step: delay_s, or (factor - 1) x the median step time this
+        rank measured (step start to step end) over the last 50 steps before ``step``."""
+        if self.factor <= 0:
+            return self.delay_s
+        recent = sorted(self._durations[-50:])
+        return (self.factor - 1.0) * recent[len(recent) // 2] if recent else 0.0
+
     def on_step_start(self, step, rank, model, optimizer) -> None:
-        if rank == self.rank and step >= self.step and (
-                not self.duration or step < self.step + self.duration):
-            time.sleep(self.delay_s)
+        if rank != self.rank:
+            return
+        if step >= self.step and (not self.duration or step < self.step + self.duration):
+            time.sleep(self.delay())
+        self._started = time.perf_counter()
+
+    def on_step_end(self, step: int, rank: int) -> None:
+        if rank == self.rank and step < self.step and self._started is not None:
+            self._durations.append(time.perf_counter() - self._started)
 
 
 @dataclass(kw_only=True)
