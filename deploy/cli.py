@@ -209,6 +209,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps({"run_id": result.run_id, "step": result.step,
                           "tokens": result.tokens, "headline": result.headline(),
                           "first": None if first is None else first.signal,
+                          "pages": [dataclasses.asdict(p) for p in result.pages],
+                          "ranked": [f.signal for f in result.ranked],
                           "findings": [dataclasses.asdict(f) for f in result.findings]},
                          default=str))
     else:

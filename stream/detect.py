@@ -158,6 +158,14 @@ class RobustSpikeDetector:
             spike=direction > 0 and z > self.threshold, warmup=False, nonfinite=False,
         )
 
+    def peek(self, x: float) -> SpikeResult:
+        """Score ``x`` against the window as ``update`` would, without adding it."""
+        saved = self._history.copy()
+        try:
+            return self.update(x)
+        finally:
+            self._history = saved
+
     def push(self, x: float) -> None:
         """Add ``x`` to the window without scoring it (a value that is not examined at this
         step, but is history for later ones); non-finite values are left out."""

@@ -104,10 +104,12 @@ class DetectorConfig:
 @dataclass(slots=True)
 class RankSeries:
     """Per-rank values of one step the culprit rules score against each rank's history:
-    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``)."""
+    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
+    each source's loss over the ranks other than the worst one."""
 
     loss: Mapping[int, float] = field(default_factory=dict)
     own_ratio: Mapping[int, float] = field(default_factory=dict)
+    source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -257,8 +259,10 @@ class SignalDetectors:
         else:
             derived.update(clip_rate=None, clipped=0)
         found += self._job(view)
-        found += self._worst_rank(view, ranks.loss)
-        found += self._sources(view, sources)
+        worst = self._worst_rank(view, ranks.loss)
+        found += worst
+        found += self._sources(view, sources, ranks.source_loss_without_worst if any(
+            f is not None and f.page for f in worst) else None)
         found += self._straggler(step, ranks.own_ratio)
         found += self._single_signals(view)
         found += self._memory(step, view)
@@ -329,21 +333,32 @@ class SignalDetectors:
         return [self._culprit_move("loss_worst_rank", f"rank {rank}", [rank],
                                    view["loss_worst_rank"], gap, own)]
 
-    def _sources(self, view: dict[str, Any], sources: Mapping[str, float]) -> list[Finding]:
+    def _sources(self, view: dict[str, Any], sources: Mapping[str, float],
+                 without_worst: Mapping[str, float] | None = None) -> list[Finding]:
         """Each source's L_source / L and its own L_source, both against their histories
-        (seeds 001 §3: compare each group against its own history)."""
+        (seeds 001 §3: compare each group against its own history). When the worst rank's
+        own loss paged at this step (``without_worst``: each source's loss over the other
+        ranks), a source pages only if it moved without that rank too: a bad rank raises
+        every source it holds, most those whose loss is usually lowest, and it is the
+        culprit; a move that stays is the source's own (recorded as ``via_rank`` if not)."""
         found = []
         for source, value in sorted(sources.items()):
             own = self.source_loss.get(source)
             if own is None:
                 own = self.source_loss[source] = self._detector(self.config.signal_z)
                 self.sources[source] = self._detector(self.config.signal_z)
+            rest = None if without_worst is None or source not in without_worst \
+                else own.peek(without_worst[source])
             own_res = own.update(value)
             if not (view["loss"] and math.isfinite(view["loss"])):
                 continue
             gap = self.sources[source].update(value / view["loss"])
-            found.append(self._culprit_move("loss_by_source", f"source {source}", [], value,
-                                            gap, own_res))
+            finding = self._culprit_move("loss_by_source", f"source {source}", [], value, gap,
+                                         own_res)
+            if finding is not None and without_worst is not None and finding.kind == "spike" \
+                    and not (rest is not None and rest.spike and rest.direction > 0):
+                finding.kind, finding.page = "via_rank", False
+            found.append(finding)
         return found
 
     def _straggler(self, step: int, ratios: Mapping[int, float]) -> list[Finding]:

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from probewire.instrument.catalog import Comm, Loss, System
+from probewire.instrument.catalog import Comm, Label, Loss, System
 
 from .derive import (expert_balance, global_mean_loss, own_time_ratios, own_times,
                      rank_means, shard_imbalance, straggler_score, worst_rank_loss)
@@ -65,10 +65,23 @@ def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
     return rank, own_time_ratios(own).get(rank)
 
 
-def _rank_series(item: ReducedStep) -> RankSeries:
-    """Each rank's local mean loss L_r and own-time ratio, for the culprit rules."""
+def _rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
+    """Each rank's local mean loss L_r and own-time ratio, and each source's loss over the
+    ranks other than ``worst``, for the culprit rules."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, list[float]] = defaultdict(list)
+    for rank, values in item.per_rank.items():
+        if rank == worst:
+            continue
+        for (name, labels), value in values.items():
+            source = dict(labels).get(Label.SOURCE)
+            if source is not None and name in (Loss.SUM, Loss.TOKENS):
+                (sums if name == Loss.SUM else counts)[source].append(value)
     return RankSeries(loss=rank_means(_per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)),
-                      own_ratio=own_time_ratios(_own_times(item)))
+                      own_ratio=own_time_ratios(_own_times(item)),
+                      source_loss_without_worst={  # sum, then divide (seeds 001 §3)
+                          s: math.fsum(sums[s]) / math.fsum(counts[s]) for s in sums
+                          if math.fsum(counts.get(s, ())) > 0})
 
 
 def _moe(item: ReducedStep) -> dict[str, Any]:
@@ -311,7 +324,7 @@ class RunPipeline:
         self.last_step = max(self.last_step, item.step)
         derived, findings = self.detectors.observe(
             item.step, view, {s: loss for s, (loss, _, _) in sources.items()},
-            _rank_series(item))
+            _rank_series(item, view["loss_worst_rank_id"]))
         view.pop("moe_maxvio_layer")
         view["clipped"] = derived.pop("clipped")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,

@@ -20,7 +20,7 @@ import torch
 from .data import SOURCES, Batch
 from .model import IGNORE, PRESETS, TinyConfig
 
-__all__ = ["FAULTS", "Fault", "FaultError", "demo_train_args", "parse_fault"]
+__all__ = ["FAULTS", "SCENARIOS", "Fault", "FaultError", "demo_train_args", "parse_fault"]
 
 
 class FaultError(ValueError):
@@ -139,6 +139,7 @@ class SourceRegression(Fault):
     within: ClassVar[int] = 3
     explain_stage: ClassVar[str] = "loss"
     source: str = "code"
+    per_step: float = 0.0  # > 0: a share per_step more of the rows each step (a drift)
 
     def expected_culprit(self) -> str:
         return f"source {self.source}"
@@ -149,8 +150,12 @@ class SourceRegression(Fault):
         if self.source not in SOURCES:
             raise FaultError(f"source-regression: unknown source {self.source!r}; "
                              f"sources are {', '.join(SOURCES)}")
+        g = torch.Generator().manual_seed(10_000 + step)
         rows = batch.source == SOURCES.index(self.source)
-        return _scramble(batch, rows, torch.Generator().manual_seed(10_000 + step))
+        if self.per_step > 0:
+            share = min(1.0, self.per_step * (step - self.step + 1))
+            rows = rows & (torch.rand(len(rows), generator=g) < share)
+        return _scramble(batch, rows, g)
 
 
 @dataclass(kw_only=True)
@@ -166,12 +171,50 @@ class PoisonedBatch(Fault):
     signal: ClassVar[str] = "cospike"
     culprit: ClassVar[str] = "step"
     explain_signal: ClassVar[str | None] = "cospike_count"
+    repeat_after: int = 0  # > 0: a second poisoned batch this many steps later
 
     def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
-        if step != self.step:
+        if step != self.step and not (self.repeat_after and step == self.step + self.repeat_after):
             return batch
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(rank + 97 * (step - self.step))
         return _scramble(batch, torch.ones(len(batch.source), dtype=torch.bool), g)
+
+
+@dataclass(kw_only=True)
+class EasyBatch(Fault):
+    """For ``steps`` steps from ``step`` one rank draws an easy batch: every valid target is
+    what the model itself predicts (the argmax of its own logits), so that rank's mean loss
+    falls (to ~0.3-0.5 of the others' on the tiny model) while the other ranks are normal.
+
+    L falls and L_max / L jumps, carried by a rank whose own loss did not move: nothing may
+    page (`loss_worst_rank` pages on the worst rank's own loss against its own history, and
+    L falling is not a spike); the gap is recorded as a `loss_worst_rank` anomaly of kind
+    ``gap``. In simulated runs (``simulate``) the rank's loss is ``loss_scale`` x its own."""
+
+    name: ClassVar[str] = "easy-batch"
+    signal: ClassVar[str] = ""   # pages nothing
+    culprit: ClassVar[str] = "rank"
+    explain_stage: ClassVar[str] = "loss"
+    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    explain_moves: ClassVar[bool] = False
+    rank: int = 0
+    steps: int = 1
+    loss_scale: float = 0.33
+    _model: Any = field(default=None, repr=False)
+
+    def explain_culprit(self) -> str:
+        return ""
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        self._model = _core(model)
+
+    def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
+        if rank != self.rank or not self.step <= step < self.step + self.steps \
+                or self._model is None:
+            return batch
+        with torch.no_grad():
+            guess = self._model(batch.tokens, batch.media, batch.media_mask).argmax(-1)
+        return replace(batch, targets=torch.where(batch.targets == IGNORE, batch.targets, guess))
 
 
 @dataclass(kw_only=True)
@@ -449,15 +492,20 @@ class Bf16Swallow(Fault):
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     BadRank, SourceRegression, PoisonedBatch, LayerExplosion, Straggler, MemoryCreep,
     RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay)}
+"""The fault gallery: each fault pages its ``signal``. Scenario faults that must page
+nothing (``easy-batch``) are in ``SCENARIOS``; ``parse_fault`` knows both."""
+
+SCENARIOS: dict[str, type[Fault]] = {cls.name: cls for cls in (EasyBatch,)}
 
 
 def parse_fault(text: str) -> Fault:
     """``NAME[@STEP][:PARAM=VALUE,...]`` -> a Fault; a clear FaultError otherwise."""
     head, _, params = text.partition(":")
     name, _, step = head.partition("@")
-    cls = FAULTS.get(name.strip())
+    cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip())
     if cls is None:
-        raise FaultError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+        raise FaultError(f"unknown fault {name!r}; known: "
+                         f"{', '.join(sorted({*FAULTS, *SCENARIOS}))}")
     kwargs: dict[str, Any] = {}
     if step:
         if not step.isdigit():

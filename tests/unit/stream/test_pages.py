@@ -200,3 +200,26 @@ def test_a_source_whose_own_loss_rose_is_paged():
     assert (alert["step"], alert["culprit"]) == (40, "source rare")
     assert alert["value"] == pytest.approx(10.0, rel=0.05)
     assert alert["baseline"] == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_bad_rank_does_not_page_the_sources_it_holds_but_a_source_moving_elsewhere_does():
+    """Rank 2 goes bad (every source it holds rises): the rank pages, its sources are
+    recorded without a page. At the same step the rare source regresses on rank 0, which
+    is not the bad rank: that source still pages."""
+    rng = np.random.default_rng(8)
+    items = []
+    for step in range(60):
+        noise = rng.normal(0, 0.01, 3)
+        src = {}
+        for r in range(3):
+            bad = 3.0 if (step >= 40 and r == 2) else 1.0
+            rare = 4.0 * (1 + noise[r]) * bad * (2.5 if (step >= 40 and r == 0) else 1.0)
+            docs = 2.0 * (1 + noise[r]) * bad
+            src[r] = {"docs": (docs * 9.0, 9.0), "rare": (rare, 1.0)}
+        per_rank = [(src[r]["docs"][0] + src[r]["rare"][0], 10.0) for r in range(3)]
+        items.append(records(step, per_rank, sources=src))
+    rows = collect(RunPipeline("run", config()), items)
+    pages = {(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]}
+    assert (40, "loss_worst_rank", "rank 2") in pages
+    assert (40, "loss_by_source", "source rare") in pages
+    assert (40, "loss_by_source", "source docs") not in pages
