@@ -358,6 +358,7 @@ class RankLevels:
     window: int = 100
     recent: int = 40
     min_history: int | None = None
+    floor: float = 1.0
     _recent: dict[int, deque[tuple[int, float]]] = field(init=False, repr=False,
                                                          compare=False)
     _history: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
@@ -389,11 +390,16 @@ class RankLevels:
                     recent.popleft()[1])
 
     def baseline(self, rank: int) -> float | None:
-        """exp(b_r): the ratio the rank usually holds; None while its history is short."""
+        """exp(b_r): the ratio the rank usually holds, at least ``floor`` (parity by
+        default: a rank that is usually faster than the others is judged against parity,
+        not against its own speed, so the others' history, distorted while a third rank
+        straggled, does not make them stragglers when it recovers); None while its history
+        is short."""
         history = self._history.get(rank)
         if history is None or len(history) < self.min_history:
             return None
-        return math.exp(float(np.median(np.fromiter(history, dtype=np.float64))))
+        return max(self.floor, math.exp(float(np.median(np.fromiter(history,
+                                                                    dtype=np.float64)))))
 
     def held(self, rank: int, steps: int, quantile: float) -> float | None:
         """exp(quantile of u_r - b_r over the last ``steps`` consecutive steps); None in
@@ -423,7 +429,7 @@ class RankLevels:
 
     def to_state(self) -> dict[str, object]:
         return {"window": self.window, "recent": self.recent, "min_history": self.min_history,
-                "step": self._step,
+                "floor": self.floor, "step": self._step,
                 "ranks": {str(r): {"recent": [list(p) for p in self._recent[r]],
                                    "history": list(self._history.get(r, ()))}
                           for r in self._recent}}
@@ -431,7 +437,7 @@ class RankLevels:
     @classmethod
     def from_state(cls, state: Mapping[str, object]) -> RankLevels:
         levels = cls(window=int(state["window"]), recent=int(state["recent"]),
-                     min_history=int(state["min_history"]))
+                     min_history=int(state["min_history"]), floor=float(state.get("floor", 1.0)))
         levels._step = None if state["step"] is None else int(state["step"])
         for rank, saved in state["ranks"].items():
             recent = [(int(s), float(u)) for s, u in saved["recent"]]

@@ -22,7 +22,8 @@ from .derive import (expert_balance, global_mean_loss, own_time_ratios, own_time
 from .order import StepOrderer
 from .records import ReducedStep, SeriesKey
 from .retention import RetentionPolicy
-from .signals import DetectorConfig, Episode, Finding, RankSeries, SignalDetectors, next_steps
+from .pages import Episode
+from .signals import DetectorConfig, Finding, RankSeries, SignalDetectors, next_steps
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 

@@ -12,7 +12,8 @@ import pytest
 from probewire.stream.assemble import reduce_step
 from probewire.stream.records import RankStep, series_key
 from probewire.stream.retention import retained_steps
-from probewire.stream.signals import Category, DetectorConfig, Finding, PageGate
+from probewire.stream.pages import PageGate
+from probewire.stream.signals import Category, DetectorConfig, Finding
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 
 

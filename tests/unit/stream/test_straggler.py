@@ -109,7 +109,8 @@ def test_a_single_rank_is_its_own_straggler_with_no_score():
 def reference_held(series: dict[int, list[tuple[int, float]]], rank: int, step: int,
                    window: int, recent: int, min_history: int, steps: int, q: float):
     """From the explicit list of a rank's (step, rho): history = the up to ``window`` values
-    before its last ``recent`` ones; held = exp(quantile(log rho of the last ``steps``) - b)."""
+    before its last ``recent`` ones, b = max(0, their median) (parity at least); held =
+    exp(quantile(log rho of the last ``steps``) - b)."""
     values = series[rank]
     u = np.log(np.array([v for _, v in values], dtype=np.float64))
     history = u[:-recent][-window:] if len(u) > recent else u[:0]
@@ -118,7 +119,7 @@ def reference_held(series: dict[int, list[tuple[int, float]]], rank: int, step: 
     last = values[-steps:]
     if len(last) < steps or last[-1][0] != step or last[-1][0] - last[0][0] != steps - 1:
         return None
-    return math.exp(float(np.quantile(u[-steps:], q)) - float(np.median(history)))
+    return math.exp(float(np.quantile(u[-steps:], q)) - max(0.0, float(np.median(history))))
 
 
 def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
@@ -126,7 +127,7 @@ def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
     levels = RankLevels(window=12, recent=6, min_history=5)
     series: dict[int, list[tuple[int, float]]] = {0: [], 1: [], 2: []}
     for step in range(60):
-        ratios = {r: float(np.exp(rng.normal(0.3 * (r == 1 and step > 40), 0.2)))
+        ratios = {r: float(np.exp(rng.normal(0.3 * (r == 1 and step > 40) - 0.1 * r, 0.2)))
                   for r in range(3) if not (r == 2 and step % 9 == 0)}  # rank 2: gaps
         levels.update(step, ratios)
         for r, v in ratios.items():
@@ -295,3 +296,25 @@ def test_the_thresholds_come_from_the_settings_tree():
     tuned = stage2_config(Settings(stream=StreamSettings(straggler_ratio=2.5,
                                                          straggler_steps=5))).detectors
     assert (tuned.straggler_ratio, tuned.straggler_steps) == (2.5, 5)
+
+
+def test_the_others_are_not_stragglers_when_a_third_rank_recovers():
+    """While rank 1 straggles, ranks 0 and 2 look fast (their "others" include it) and
+    their history says so; once it recovers they are back at parity, not 2x their past."""
+    rng = np.random.default_rng(9)
+    series = steady(20, rng)
+    series += [{0: 0.5, 1: 2.0, 2: 0.5}] * 30  # rank 1 pages here (the brief rule does not)
+    series += steady(40, rng)
+    got = pages(SignalDetectors(CFG), series)
+    assert {c for _, c, _ in got} == {"rank 1"}
+
+
+def test_with_two_ranks_only_a_gross_straggler_pages():
+    """Two ranks: the other rank is the whole reference, so a moderate held ratio is not
+    told from the other rank being fast; a gross one (x straggler_ratio) still pages."""
+    rng = np.random.default_rng(10)
+    warm = steady(20, rng, ranks=2)
+    moderate = [{0: 1 / 1.6, 1: 1.6}] * 12
+    assert pages(SignalDetectors(CFG), warm + moderate) == []
+    gross = [{0: 1 / 4.0, 1: 4.0}] * 3
+    assert [c for _, c, _ in pages(SignalDetectors(CFG), warm + gross)] == ["rank 1"]
