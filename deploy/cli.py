@@ -264,7 +264,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
                       help="inject a real training fault (repeatable): bad-rank, "
                            "source-regression, poisoned-batch, layer-explosion, straggler, "
-                           "memory-creep, flaky-replay")
+                           "memory-creep, flaky-replay, routing-collapse, ignored-media, "
+                           "bf16-swallow; easy-batch (must page nothing)")
     demo.set_defaults(func=cmd_demo)
 
     sql = sub.add_parser("sql", help="run SQL on the store")

@@ -75,8 +75,9 @@ def _rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
         if rank == worst:
             continue
         for (name, labels), value in values.items():
-            source = dict(labels).get(Label.SOURCE)
-            if source is not None and name in (Loss.SUM, Loss.TOKENS):
+            source = dict(labels).get(Label.SOURCE) if name in (Loss.SUM, Loss.TOKENS) \
+                else None
+            if source is not None:
                 (sums if name == Loss.SUM else counts)[source].append(value)
     return RankSeries(loss=rank_means(_per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)),
                       own_ratio=own_time_ratios(_own_times(item)),

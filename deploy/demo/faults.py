@@ -121,12 +121,14 @@ class PoisonedBatch(Fault):
 class EasyBatch(Fault):
     """For ``steps`` steps from ``step`` one rank draws an easy batch: every valid target is
     what the model itself predicts (the argmax of its own logits), so that rank's mean loss
-    falls (to ~0.3-0.5 of the others' on the tiny model) while the other ranks are normal.
+    falls while the other ranks are normal.
 
-    L falls and L_max / L jumps, carried by a rank whose own loss did not move: nothing may
-    page (`loss_worst_rank` pages on the worst rank's own loss against its own history, and
-    L falling is not a spike); the gap is recorded as a `loss_worst_rank` anomaly of kind
-    ``gap``. In simulated runs (``simulate``) the rank's loss is ``loss_scale`` x its own."""
+    Signature (measured, 2 ranks, window 50, fault at 120): rank 0's loss 2.75 -> 1.50
+    while rank 1's stays at 2.8; L falls and L_max / L jumps (1.03 -> 1.35, z 8.4), carried
+    by a rank whose own loss did not move. Nothing pages (`loss_worst_rank` pages on the
+    worst rank's own loss against its own history, and L falling is not a spike); the gap
+    is recorded as a `loss_worst_rank` anomaly of kind ``gap`` naming rank 1. In simulated
+    runs (``simulate``) the rank's loss is ``loss_scale`` x its own."""
 
     name: ClassVar[str] = "easy-batch"
     signal: ClassVar[str] = ""   # pages nothing
@@ -136,7 +138,7 @@ class EasyBatch(Fault):
     explain_moves: ClassVar[bool] = False
     rank: int = 0
     steps: int = 1
-    loss_scale: float = 0.33
+    loss_scale: float = 0.55
     _model: Any = field(default=None, repr=False)
 
     def explain_culprit(self) -> str:
