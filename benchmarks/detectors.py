@@ -3,8 +3,11 @@
     python benchmarks/detectors.py [--quick] [--work-dir DIR] [--reuse] [--out docs/detectors.md]
 
 Runs the 2-rank demo once per fault of ``probewire.deploy.demo.faults`` (fault at
-``--fault-step``, ``--after`` steps after it) and ``--healthy-runs`` fault-free runs (other
-seeds), reads L and G2 per step back from each store, and replays them through:
+``--fault-step``, ``--after`` steps after it), once per scenario that must page nothing
+(``easy-batch``), and fault-free runs: one of ``--long-steps`` steps (tiny preset) and
+``--healthy-runs`` of ``--healthy-steps`` per other preset (other seeds). All runs go
+through one broker, worker and store (``Gallery``, one run id each) and are read back in
+one process; L and G2 per step are replayed through:
 
 * **probewire co-spike**: robust z on log(x) against the rolling median/MAD of the previous
   ``--window`` steps (``probewire.stream.detect.RobustSpikeDetector``, z > 6) on L and on
@@ -18,16 +21,15 @@ seeds), reads L and G2 per step back from each store, and replays them through:
 * **(c) mean + 6 sigma**: L or G2 above mean + 6 std of the previous 128 steps.
 
 Per fault: steps from the fault to the first firing at or after it ("missed" if none; a
-firing before the fault counts as a false alarm). Fault-free runs: the number of steps on
-which each detector fires. The table is printed and written as markdown to ``--out``.
+firing before the fault counts as a false alarm). Scenarios and fault-free runs: the
+number of steps on which each detector fires. The table is printed and written as
+markdown to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,11 +40,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from probewire.deploy.demo.faults import FAULTS, demo_train_args
-from probewire.deploy.demo.run import run_demo
-from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.stream.signals import DetectorConfig
-from probewire.stream.stage2 import Stage2Config
+from probewire.deploy.demo.faults import FAULTS, SCENARIOS, demo_train_args
+from probewire.deploy.demo.gallery import Gallery, read_gallery
 from probewire.stream.detect import CoSpikeTracker, RobustSpikeDetector
 
 DB = "probewire"
@@ -58,47 +57,50 @@ class Series:
     alerts: list[tuple[int, str]]
 
 
+@dataclass(frozen=True, slots=True)
+class Planned:
+    label: str
+    steps: int
+    args: list[str]
+    fault_step: int | None = None
+
+
 # -- recording ---------------------------------------------------------------------------------
-def _sql(store: Path, sql: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "probewire.deploy.cli", "sql", "--store",
-                          str(store), "--format", "json", sql],
-                         capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        raise SystemExit(f"probewire sql failed on {store}: {out.stderr.strip()}")
-    return json.loads(out.stdout)
-
-
-def record(work: Path, label: str, steps: int, window: int, train_args: list[str],
-           reuse: bool, console: Console) -> tuple[Path, str]:
-    """Run one demo into ``work/label`` (or reuse a finished one); return (store, run_id)."""
-    base = work / label
-    done = base / "done.json"
-    if reuse and done.exists():
-        meta = json.loads(done.read_text())
-        if meta["steps"] == steps and meta["args"] == train_args:
-            return base / "store", meta["run_id"]
-    settings = Settings(clickhouse=ClickHouseSettings(
-        url="chdb:///" + str(base / "store").lstrip("/"), database=DB),
-        stream=StreamSettings(stage2=Stage2Config(detectors=DetectorConfig(window=window))))
-    started = time.monotonic()
-    result = run_demo(settings, ranks=2, steps=steps, work_dir=base / "run",
-                      run_id=f"bench-{label}", extra_train_args=train_args, show_progress=False)
-    console.print(f"  recorded {label}: {steps} steps in {time.monotonic() - started:.0f}s")
-    done.write_text(json.dumps({"steps": steps, "args": train_args, "run_id": result.run_id}))
-    return base / "store", result.run_id
-
-
-def load(store: Path, run_id: str, label: str, fault_step: int | None) -> Series:
-    rows = _sql(store, f"SELECT step, loss, grad_norm FROM {DB}.step_metrics FINAL "
-                       f"WHERE run_id = '{run_id}' ORDER BY step")
-    alerts = _sql(store, f"SELECT step, signal FROM {DB}.alerts WHERE run_id = '{run_id}' "
-                         f"ORDER BY step")
+def record(work: Path, plan: list[Planned], window: int, reuse: bool,
+           console: Console) -> list[Series]:
+    """Train every planned run through one stack (reusing runs already in ``work``'s store
+    with the same steps and arguments when ``reuse``), then read them all back."""
+    done_file = work / "done.json"
+    done = json.loads(done_file.read_text()) if reuse and done_file.exists() else {}
+    if not reuse and (work / "store").exists():
+        raise SystemExit(f"{work / 'store'} exists: pass --reuse or another --work-dir")
+    with Gallery(work, window=window, database=DB) as gallery:
+        for run in plan:
+            if done.get(run.label) == {"steps": run.steps, "args": run.args}:
+                continue
+            started = time.monotonic()
+            gallery.run(f"bench-{run.label}", steps=run.steps, train_args=run.args,
+                        timeout_s=max(900.0, run.steps * 1.0))
+            console.print(f"  recorded {run.label}: {run.steps} steps in "
+                          f"{time.monotonic() - started:.0f}s")
+            done[run.label] = {"steps": run.steps, "args": run.args}
+            done_file.write_text(json.dumps(done))
+    read = read_gallery(gallery.store, {
+        "steps": f"SELECT run_id, step, loss, grad_norm FROM {DB}.step_metrics FINAL "
+                 "ORDER BY run_id, step",
+        "alerts": f"SELECT run_id, step, signal FROM {DB}.alerts FINAL ORDER BY run_id, step"},
+        database=DB, timeout_s=1800)
+    out = []
     nan = float("nan")
-    return Series(label, fault_step, np.array([r["step"] for r in rows]),
-                  np.array([nan if r["loss"] is None else r["loss"] for r in rows], float),
-                  np.array([nan if r["grad_norm"] is None else r["grad_norm"] for r in rows],
-                           float),
-                  [(a["step"], a["signal"]) for a in alerts])
+    for run in plan:
+        run_id = f"bench-{run.label}"
+        rows = [r for r in read["sql"]["steps"] if r["run_id"] == run_id]
+        out.append(Series(
+            run.label, run.fault_step, np.array([r["step"] for r in rows]),
+            np.array([nan if r["loss"] is None else r["loss"] for r in rows], float),
+            np.array([nan if r["grad_norm"] is None else r["grad_norm"] for r in rows], float),
+            [(a["step"], a["signal"]) for a in read["sql"]["alerts"] if a["run_id"] == run_id]))
+    return out
 
 
 # -- detectors: each returns the steps on which it fires ---------------------------------------
@@ -154,9 +156,19 @@ DETECTORS: dict[str, Callable[[Series, int], list[int]]] = {
 
 
 # -- table -------------------------------------------------------------------------------------
-def evaluate(faulty: list[Series], healthy: list[Series], window: int):
+def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series],
+             window: int):
     header = ["fault (signal)"] + list(DETECTORS)
     rows, missed, alarms = [], {d: 0 for d in DETECTORS}, {d: 0 for d in DETECTORS}
+    for s in scenarios:  # must page nothing: the cell counts firings from the scenario on
+        row = [f"{s.label} (pages nothing)"]
+        for name, det in DETECTORS.items():
+            fired = [f for f in det(s, window) if f >= s.fault_step]
+            cell = str(len(fired))
+            if fired and det is probewire_stream:
+                cell += ": " + ", ".join(sorted({sig for st, sig in s.alerts}))
+            row.append(cell)
+        rows.append(row)
     for s in faulty:
         row = [f"{s.label} ({FAULTS[s.label].signal})"]
         for name, det in DETECTORS.items():
@@ -180,10 +192,12 @@ def evaluate(faulty: list[Series], healthy: list[Series], window: int):
             row.append(cell)
         rows.append(row)
     healthy_steps = sum(len(s.steps) for s in healthy)
+    longest = max((len(s.steps) for s in healthy), default=0)
     fa = {name: sum(len(det(s, window)) for s in healthy) for name, det in DETECTORS.items()}
     rows.append(["**missed faults**"] + [f"{missed[d]}/{len(faulty)}" for d in DETECTORS])
     paged = sorted({f"{sig} ({s.label})" for s in healthy for _, sig in s.alerts})
-    rows.append([f"**false alarms, fault-free** ({len(healthy)} runs, {healthy_steps} steps)"]
+    rows.append([f"**false alarms, fault-free** ({len(healthy)} runs, {healthy_steps} steps, "
+                 f"the longest {longest})"]
                 + [str(fa[d]) + (f": {', '.join(paged)}" if DETECTORS[d] is probewire_stream
                                  and paged else "") for d in DETECTORS])
     rows.append(["**false alarms before the fault** (fault runs)"]
@@ -196,7 +210,8 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
              "Generated by `python benchmarks/detectors.py`; " + meta, "",
              "Cells: steps from the injected fault to the first firing at or after it "
              "(`+0` = on the fault step); `missed` = no firing before the run ends; "
-             "`(k early)` = k firings before the fault. Only probewire's P0 stream sees "
+             "`(k early)` = k firings before the fault; a `(pages nothing)` row counts the "
+             "firings from its scenario's step on (0 is right). Only probewire's P0 stream sees "
              "signals other than L and G2 (worst rank, source ratio, step time, memory, "
              "replay, MaxVio, media scale, residual branch scale), so the L/G2-only rules "
              "cannot be expected to see a straggler, a memory creep, a routing collapse or "
@@ -209,7 +224,7 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="shorter runs (fault at 130, 2 fault-free runs of 300 steps)")
+                   help="shorter runs (fault at 130, fault-free runs of 300 steps)")
     p.add_argument("--work-dir", type=Path,
                    default=Path(tempfile.gettempdir()) / "probewire-detectors")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs in --work-dir")
@@ -218,38 +233,43 @@ def main() -> None:
     p.add_argument("--window", type=int, default=50, help="probewire detector window")
     p.add_argument("--fault-step", type=int)
     p.add_argument("--after", type=int, default=30, help="steps recorded after the fault")
-    p.add_argument("--healthy-runs", type=int, help="fault-free runs per preset "
-                   "(default 2, --quick 1)")
-    p.add_argument("--healthy-presets", default="tiny,moe,media",
-                   help="model presets of the fault-free runs (the faults pick their own)")
-    p.add_argument("--healthy-steps", type=int)
+    p.add_argument("--long-steps", type=int, help="the long fault-free run (tiny preset, "
+                   "seed 1; default 5000, --quick 300)")
+    p.add_argument("--healthy-runs", type=int, default=1,
+                   help="fault-free runs per other preset")
+    p.add_argument("--healthy-presets", default="moe,media",
+                   help="model presets of the other fault-free runs")
+    p.add_argument("--healthy-steps", type=int, help="steps of those (default 1000)")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault names")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma-separated scenarios that must page nothing")
     args = p.parse_args()
     fault_step = args.fault_step or (130 if args.quick else 200)
+    long_steps = args.long_steps or (300 if args.quick else 5000)
     healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
-    healthy_runs = args.healthy_runs or (1 if args.quick else 2)
     presets = [p for p in args.healthy_presets.split(",") if p]
     console = Console()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     meta = (f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
-            f"{healthy_runs} fault-free run(s) of {healthy_steps} steps per preset "
-            f"({', '.join(presets)}; seeds 1..), 2 gloo ranks on CPU; each fault runs on "
-            f"the preset it needs (tiny unless it needs experts or media).")
+            f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
+            f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
+            f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
+            f"needs (tiny unless it needs experts or media).")
     console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
-    faulty, healthy = [], []
-    for name in filter(None, args.faults.split(",")):
-        store, run_id = record(args.work_dir, name, fault_step + args.after, args.window,
-                               demo_train_args([f"{name}@{fault_step}"]), args.reuse,
-                               console)
-        faulty.append(load(store, run_id, name, fault_step))
-    for preset in presets:
-        for seed in range(1, healthy_runs + 1):
-            label = f"healthy-{preset}-seed{seed}"
-            store, run_id = record(args.work_dir, label, healthy_steps, args.window,
-                                   ["--preset", preset, "--seed", str(seed)], args.reuse,
-                                   console)
-            healthy.append(load(store, run_id, label, None))
-    header, rows = evaluate(faulty, healthy, args.window)
+    plan = [Planned(n, fault_step + args.after, demo_train_args([f"{n}@{fault_step}"]),
+                    fault_step) for n in filter(None, args.faults.split(","))]
+    plan += [Planned(f"scenario-{n}", fault_step + args.after,
+                     demo_train_args([f"{n}@{fault_step}"]), fault_step)
+             for n in filter(None, args.scenarios.split(","))]
+    plan.append(Planned("healthy-tiny-seed1", long_steps, ["--preset", "tiny", "--seed", "1"]))
+    plan += [Planned(f"healthy-{preset}-seed{seed}", healthy_steps,
+                     ["--preset", preset, "--seed", str(seed)])
+             for preset in presets for seed in range(1, args.healthy_runs + 1)]
+    recorded = record(args.work_dir, plan, args.window, args.reuse, console)
+    faulty = [s for s in recorded if s.label in FAULTS]
+    scenarios = [s for s in recorded if s.label.startswith("scenario-")]
+    healthy = [s for s in recorded if s.label.startswith("healthy-")]
+    header, rows = evaluate(faulty, scenarios, healthy, args.window)
     table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
     for h in header:
         table.add_column(h.replace("**", ""))

@@ -232,6 +232,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps({"run_id": result.run_id, "step": result.step,
                           "tokens": result.tokens, "headline": result.headline(),
                           "first": None if first is None else first.signal,
+                          "pages": [dataclasses.asdict(p) for p in result.pages],
+                          "ranked": [f.signal for f in result.ranked],
                           "findings": [dataclasses.asdict(f) for f in result.findings]},
                          default=str))
     else:
@@ -287,7 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
                       help="inject a real training fault (repeatable): bad-rank, "
                            "source-regression, poisoned-batch, layer-explosion, straggler, "
-                           "memory-creep, flaky-replay")
+                           "memory-creep, flaky-replay, routing-collapse, ignored-media, "
+                           "bf16-swallow; easy-batch (must page nothing)")
     demo.set_defaults(func=cmd_demo)
 
     sql = sub.add_parser("sql", help="run SQL on the store")

@@ -24,6 +24,9 @@ __all__ = [
     "kurtosis_from_moments",
     "loss_by_group",
     "mean_from_components",
+    "own_time_ratios",
+    "own_times",
+    "rank_means",
     "rms_from_components",
     "shard_imbalance",
     "straggler_score",
@@ -157,6 +160,67 @@ def straggler_score(step_times: Sequence[float], eps: float = 1e-8) -> float | N
     if times.size == 0:
         return None
     return float(np.max(times)) / (float(np.median(times)) + _scalar("eps", eps, positive=True))
+
+
+OWN_FLOOR = 0.05
+"""The smallest own time a rank is credited with, as a fraction of its step time: a rank
+whose reported wait covers its whole step (clock or measurement skew) would otherwise
+have an own time of 0, and a ratio against it no bound (the old clamp reached 2e11)."""
+
+
+def own_times(step_times: Mapping[int, float], waits: Mapping[int, float],
+              floor: float = OWN_FLOOR) -> dict[int, float]:
+    """Per rank r its own time o_r = tau_r - min(max(w_r, 0), tau_r), at least floor * tau_r.
+
+    ``waits`` holds the exposed collective wait w_r each rank reported (summed over ops;
+    a rank that reported none has w_r = 0). The wait is clamped into [0, tau_r]: a wait
+    can never exceed the step it is part of, so a longer one is skew, not time. Under
+    synchronous data parallelism every rank's tau_r carries the slowest rank's delay; o_r
+    does not (seeds 001 §5, exposed collective wait). Ranks with a non-finite or
+    non-positive step time are left out (no measurement)."""
+    if not 0.0 < floor < 1.0:
+        raise ValueError(f"floor must be in (0, 1), got {floor!r}")
+    own: dict[int, float] = {}
+    for rank, tau in step_times.items():
+        tau = float(tau)
+        if not (math.isfinite(tau) and tau > 0.0):
+            continue
+        wait = float(waits.get(rank, 0.0))
+        wait = min(max(wait, 0.0), tau) if math.isfinite(wait) else 0.0
+        own[rank] = max(tau - wait, floor * tau)
+    return own
+
+
+def own_time_ratios(own: Mapping[int, float]) -> dict[int, float]:
+    """rho_r = o_r / median_{j != r} o_j for every rank: its own time against the other
+    ranks' (leave-one-out median), so load the whole host shares cancels. {} with fewer
+    than two ranks; own times must be > 0 (``own_times`` floors them)."""
+    if len(own) < 2:
+        return {}
+    ranks = sorted(own)
+    values = np.array([float(own[r]) for r in ranks], dtype=np.float64)
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    pos = np.empty(len(ranks), dtype=np.int64)
+    pos[order] = np.arange(len(ranks))
+    n = len(ranks) - 1  # values left after taking one out
+
+    def reduced(j: np.ndarray) -> np.ndarray:  # j-th value of the sorted rest, per rank
+        return np.where(j < pos, ordered[j], ordered[np.minimum(j + 1, len(ranks) - 1)])
+
+    m = n // 2
+    if n % 2:
+        medians = reduced(np.full(len(ranks), m))
+    else:
+        medians = 0.5 * (reduced(np.full(len(ranks), m - 1)) + reduced(np.full(len(ranks), m)))
+    return {r: float(values[i] / medians[i]) for i, r in enumerate(ranks)}
+
+
+def rank_means(loss_sums: Mapping[int, float], token_counts: Mapping[int, float]) -> dict[int, float]:
+    """L_r = S_r / N_r per rank (seeds 001 §3, local mean loss); a rank with no valid token,
+    or with only one of the two components, has no measurement and is left out."""
+    return {r: float(loss_sums[r]) / float(n) for r, n in token_counts.items()
+            if r in loss_sums and n > 0}
 
 
 @dataclass(frozen=True, slots=True)

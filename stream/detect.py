@@ -16,17 +16,48 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
+    "MIN_SPREAD",
     "ClipRateResult",
     "ClipRateWindow",
     "CoSpikeResult",
     "CoSpikeTracker",
     "RobustSpikeDetector",
     "SpikeResult",
+    "RankLevels",
     "calibrate",
+    "median_mad",
+    "robust_z",
+    "spread_floor",
 ]
 
 MAD_TO_SIGMA = 0.6745
 """Scales a median absolute deviation to a normal standard deviation (seeds 001 §4)."""
+
+MIN_SPREAD = 1e-3
+"""The smallest spread a robust score divides by, relative to the level: on log values a
+spread of 1e-3 is a 0.1% move. A window with no spread at all (a constant series, a
+peak-memory high-water mark) scores a move in these units instead of dividing by ~0 (the
+old eps of 1e-8 turned a 5% step of a constant series into z ~ 3e6)."""
+
+
+def median_mad(values: np.ndarray) -> tuple[float, float]:
+    """q = median(values) and D = median |values - q|, in float64 (seeds 001 §4)."""
+    values = np.asarray(values, dtype=np.float64)
+    q = float(np.median(values))
+    return q, float(np.median(np.abs(values - q)))
+
+
+def spread_floor(level: float, *, log: bool, min_spread: float = MIN_SPREAD) -> float:
+    """The floor under D, relative to the level: ``min_spread`` on log values (already a
+    relative scale); ``min_spread`` x |level| (at least ``min_spread``) on linear values."""
+    return min_spread if log else min_spread * max(abs(level), 1.0)
+
+
+def robust_z(deviation: float, mad: float, floor: float) -> float:
+    """z = 0.6745 (u - q) / max(D, floor): the robust spike score of seeds 001 §4 with the
+    spread floored (signed: negative below the median). The one formula the stream's
+    detectors and ``probewire explain`` share."""
+    return MAD_TO_SIGMA * deviation / max(mad, floor)
 
 
 def _positive_finite(name: str, value: float) -> None:
@@ -60,14 +91,15 @@ class RobustSpikeDetector:
     """Rolling median/MAD spike score on log-values (seeds 001 §4).
 
     u_t = log(x_t + eps); q_t = median(W_t); D_t = median_{u in W_t} |u - q_t|;
-    z_t = 0.6745 |u_t - q_t| / (D_t + eps), where W_t holds the previous
+    z_t = 0.6745 |u_t - q_t| / max(D_t, min_spread), where W_t holds the previous
     ``window`` finite u-values (u_t itself is not in its own window).
 
     A step is a spike when u_t > q_t and z_t > threshold: only upward moves page,
     because a falling loss or gradient norm is not an instability; the signed
     ``direction`` is still reported. With fewer than ``min_history`` values the
-    result is warm-up (z None, no spike). A constant window has D_t = 0, so any
-    change scores |u_t - q_t| * 0.6745 / eps (huge) and an identical value scores 0.
+    result is warm-up (z None, no spike). A constant window has D_t = 0: a change scores
+    against the floor ``min_spread`` (relative to the level, see ``MIN_SPREAD``), so a 1%
+    move of a constant series is z ~ 6.7, not millions; an identical value scores 0.
     NaN, +-inf and x <= -eps (log undefined) are reported as spikes with
     ``nonfinite=True`` and are not added to the window; finite values, spikes
     included, are.
@@ -77,6 +109,7 @@ class RobustSpikeDetector:
     min_history: int | None = None
     threshold: float = 6.0
     eps: float = 1e-8
+    min_spread: float = MIN_SPREAD
     _history: deque[float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +123,7 @@ class RobustSpikeDetector:
             )
         _positive_finite("threshold", self.threshold)
         _positive_finite("eps", self.eps)
+        _positive_finite("min_spread", self.min_spread)
         self._history = deque(maxlen=self.window)
 
     @property
@@ -115,15 +149,29 @@ class RobustSpikeDetector:
                 spike=False, warmup=True, nonfinite=False,
             )
         values = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
-        q = float(np.median(values))
-        d = float(np.median(np.abs(values - q)))
-        z = MAD_TO_SIGMA * abs(u - q) / (d + self.eps)
+        q, d = median_mad(values)
+        z = abs(robust_z(u - q, d, self.min_spread))
         direction = (u > q) - (u < q)
         self._history.append(u)
         return SpikeResult(
             x=x, u=u, median=q, mad=d, z=z, direction=direction,
             spike=direction > 0 and z > self.threshold, warmup=False, nonfinite=False,
         )
+
+    def peek(self, x: float) -> SpikeResult:
+        """Score ``x`` against the window as ``update`` would, without adding it."""
+        saved = self._history.copy()
+        try:
+            return self.update(x)
+        finally:
+            self._history = saved
+
+    def push(self, x: float) -> None:
+        """Add ``x`` to the window without scoring it (a value that is not examined at this
+        step, but is history for later ones); non-finite values are left out."""
+        x = float(x)
+        if math.isfinite(x) and x + self.eps > 0.0:
+            self._history.append(math.log(x + self.eps))
 
     def to_state(self) -> dict[str, object]:
         """Configuration and window as plain JSON types."""
@@ -132,6 +180,7 @@ class RobustSpikeDetector:
             "min_history": self.min_history,
             "threshold": self.threshold,
             "eps": self.eps,
+            "min_spread": self.min_spread,
             "history": list(self._history),
         }
 
@@ -143,6 +192,7 @@ class RobustSpikeDetector:
             min_history=int(state["min_history"]),
             threshold=float(state["threshold"]),
             eps=float(state["eps"]),
+            min_spread=float(state.get("min_spread", MIN_SPREAD)),  # absent before the floor
         )
         history = [float(u) for u in state["history"]]
         if len(history) > detector.window:
@@ -288,6 +338,116 @@ class ClipRateWindow:
         clip._flags.extend(flags)
         clip._n_clipped = sum(flags)
         return clip
+
+
+@dataclass(kw_only=True, slots=True)
+class RankLevels:
+    """Each rank's log-ratio u_r,t = log rho_r,t scored against that rank's own history.
+
+    Per rank: the last ``recent`` (step, u) values, and its history, the ``window`` values
+    before those (a value moves into the history when it leaves the recent span, so a
+    sustained move never becomes its own baseline while it is being scored). The
+    baseline b_r = median(history), defined once the history holds ``min_history`` values.
+    ``held(rank, steps, q)`` = exp(q-quantile of u_r - b_r over the rank's last ``steps``
+    values), provided they are ``steps`` consecutive steps ending at the latest one
+    (NumPy's default linear interpolation): q = 0 is the level the rank held on every one
+    of those steps, q = 0.25 the level it held on three steps in four. State: plain JSON
+    types, R x (window + recent) floats for R ranks.
+    """
+
+    window: int = 100
+    recent: int = 40
+    min_history: int | None = None
+    floor: float = 1.0
+    _recent: dict[int, deque[tuple[int, float]]] = field(init=False, repr=False,
+                                                         compare=False)
+    _history: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
+    _step: int | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 3:
+            raise ValueError(f"window must be >= 3, got {self.window!r}")
+        if self.recent < 1:
+            raise ValueError(f"recent must be >= 1, got {self.recent!r}")
+        if self.min_history is None:
+            self.min_history = self.window
+        if not 3 <= self.min_history <= self.window:
+            raise ValueError(
+                f"min_history must be in [3, window={self.window}], got {self.min_history!r}")
+        self._recent, self._history, self._step = {}, {}, None
+
+    def update(self, step: int, ratios: Mapping[int, float]) -> None:
+        """Add one step's ratios rho_r (finite, > 0; others are not measurements)."""
+        self._step = step
+        for rank, rho in ratios.items():
+            rho = float(rho)
+            if not (math.isfinite(rho) and rho > 0.0):
+                continue
+            recent = self._recent.setdefault(rank, deque())
+            recent.append((step, math.log(rho)))
+            while len(recent) > self.recent:
+                self._history.setdefault(rank, deque(maxlen=self.window)).append(
+                    recent.popleft()[1])
+
+    def baseline(self, rank: int) -> float | None:
+        """exp(b_r): the ratio the rank usually holds, at least ``floor`` (parity by
+        default: a rank that is usually faster than the others is judged against parity,
+        not against its own speed, so the others' history, distorted while a third rank
+        straggled, does not make them stragglers when it recovers); None while its history
+        is short."""
+        history = self._history.get(rank)
+        if history is None or len(history) < self.min_history:
+            return None
+        return max(self.floor, math.exp(float(np.median(np.fromiter(history,
+                                                                    dtype=np.float64)))))
+
+    def held(self, rank: int, steps: int, quantile: float) -> float | None:
+        """exp(quantile of u_r - b_r over the last ``steps`` consecutive steps); None in
+        warm-up, when the rank lacks a value on one of them, or steps > ``recent``."""
+        if not 1 <= steps <= self.recent:
+            raise ValueError(f"steps must be in [1, recent={self.recent}], got {steps!r}")
+        base = self.baseline(rank)
+        recent = self._recent.get(rank)
+        if base is None or not recent or len(recent) < steps or self._step is None:
+            return None
+        last = list(recent)[-steps:]
+        if last[-1][0] != self._step or last[-1][0] - last[0][0] != steps - 1:
+            return None
+        u = np.array([v for _, v in last], dtype=np.float64)
+        return math.exp(float(np.quantile(u, quantile)) - math.log(base))
+
+    def latest(self, rank: int) -> float | None:
+        """rho_r at the latest step, None when the rank had no value there."""
+        recent = self._recent.get(rank)
+        if not recent or recent[-1][0] != self._step:
+            return None
+        return math.exp(recent[-1][1])
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._recent)
+
+    def to_state(self) -> dict[str, object]:
+        return {"window": self.window, "recent": self.recent, "min_history": self.min_history,
+                "floor": self.floor, "step": self._step,
+                "ranks": {str(r): {"recent": [list(p) for p in self._recent[r]],
+                                   "history": list(self._history.get(r, ()))}
+                          for r in self._recent}}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, object]) -> RankLevels:
+        levels = cls(window=int(state["window"]), recent=int(state["recent"]),
+                     min_history=int(state["min_history"]), floor=float(state.get("floor", 1.0)))
+        levels._step = None if state["step"] is None else int(state["step"])
+        for rank, saved in state["ranks"].items():
+            recent = [(int(s), float(u)) for s, u in saved["recent"]]
+            if len(recent) > levels.recent or len(saved["history"]) > levels.window:
+                raise ValueError(f"rank {rank}: more values than recent/window hold")
+            levels._recent[int(rank)] = deque(recent)
+            if saved["history"]:
+                levels._history[int(rank)] = deque((float(u) for u in saved["history"]),
+                                                   maxlen=levels.window)
+        return levels
 
 
 def calibrate(

@@ -1,13 +1,18 @@
 """P0 signals: which per-step values page, how each is detected, what to open next.
 
-Every rule reads one value of the step's P0 view and runs one detector on it:
-a robust spike detector on log(x + ε) (seeds 001 §4), a threshold, or a drift test
-against the run's own post-warm-up baseline. Step time has two rules under one signal:
-the spike rule, and a straggler rule (the same rank's own-time ratio,
-straggler_own_ratio, at or over a threshold for a few consecutive steps). Findings carry their escalation category
-(job state → loss → gradient norm and spikes → step time → memory → expert balance, then
-layer views; seeds 001 §1), so an alert says what to open next. An alert for a signal
-is raised once per episode: it re-arms after ``rearm_steps`` quiet steps.
+Every rule reads the step's P0 view and runs one detector on it: a robust spike detector
+on log(x + ε) (seeds 001 §4, its spread floored relative to the level), a threshold, or a
+drift test against the run's own post-warm-up baseline. A rule that names a culprit pages
+on the culprit's own move: the worst rank's own loss L_r against that rank's history, a
+source's own loss against its history (each together with the gap to the whole, L_max / L
+or L_source / L, so a move every rank or source shares is the co-spike's, not theirs), and
+the straggler's own-time ratio against its own history (``RankLevels``). Findings carry
+their escalation category (job state → loss → gradient norm and spikes → step time →
+memory → expert balance, then layer views; seeds 001 §1), so an alert says what to open
+next.
+
+Every finding is returned, and stage 2 records every one (anomaly row, retention halo);
+``pages.PageGate`` only deduplicates pages.
 """
 
 from __future__ import annotations
@@ -15,11 +20,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Mapping
 
-from .detect import ClipRateWindow, CoSpikeTracker, RobustSpikeDetector, SpikeResult
+from .detect import (MIN_SPREAD, ClipRateWindow, CoSpikeTracker, RankLevels,
+                     RobustSpikeDetector, SpikeResult)
+from .pages import PageGate
 
-__all__ = ["Category", "DetectorConfig", "Finding", "SignalDetectors", "next_steps"]
+__all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors",
+           "next_steps"]
+
+PACE_RATIO = 1.5
+"""A step-time spike names the rank whose own-time ratio held at least this far above its
+baseline over the spike's steps (one rank 1.5x the others' pace); else the whole job."""
 
 
 class Category(IntEnum):
@@ -75,8 +87,12 @@ class DetectorConfig:
     loss_z: float = 6.0
     grad_z: float = 6.0
     signal_z: float = 8.0            # single-signal pages (worst rank, source, step time...)
-    straggler_ratio: float = 5.0     # one rank's own time over the others' median own time...
-    straggler_steps: int = 3         # ...this many consecutive steps, the same rank: a page
+    min_spread: float = MIN_SPREAD   # floor under every robust score's spread (log units)
+    straggler_ratio: float = 5.0     # one rank's own-time ratio over its own baseline...
+    straggler_steps: int = 3         # ...on every one of this many consecutive steps: a page
+    straggler_held_ratio: float = 1.05   # or (3+ ranks): above this on nine steps in ten...
+    straggler_held_steps: int = 40       # ...of this many consecutive steps
+    straggler_held_quantile: float = 0.1
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2       # page when peak memory exceeds its baseline by 20%
@@ -85,6 +101,17 @@ class DetectorConfig:
     media_scale_min: float = 0.1     # γ below this: media the backbone can ignore
     residual_ratio_min: float = 2.0 ** -8  # R_b below bf16's relative precision: swallowed
     rearm_steps: int = 50
+
+
+@dataclass(slots=True)
+class RankSeries:
+    """Per-rank values of one step the culprit rules score against each rank's history:
+    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
+    each source's loss over the ranks other than the worst one."""
+
+    loss: Mapping[int, float] = field(default_factory=dict)
+    own_ratio: Mapping[int, float] = field(default_factory=dict)
+    source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
 
 
 def _spike_finding(signal: str, res: SpikeResult, category: Category, page: bool,
@@ -104,31 +131,39 @@ class SignalDetectors:
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
-        w = config.window
         self.spikes = {
-            "loss": RobustSpikeDetector(window=w, threshold=config.loss_z),
-            "grad_norm": RobustSpikeDetector(window=w, threshold=config.grad_z),
-            **{name: RobustSpikeDetector(window=w, threshold=config.signal_z)
-               for name in self._SPIKE_SIGNALS[2:]},
+            "loss": self._detector(config.loss_z),
+            "grad_norm": self._detector(config.grad_z),
+            **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[2:]},
         }
-        self.sources: dict[str, RobustSpikeDetector] = {}
+        self.sources: dict[str, RobustSpikeDetector] = {}      # L_source / L, per source
+        self.source_loss: dict[str, RobustSpikeDetector] = {}  # L_source, per source
+        self.rank_loss: dict[int, RobustSpikeDetector] = {}    # L_r, per rank
+        self.levels = RankLevels(window=config.window, recent=max(
+            config.straggler_steps, config.straggler_held_steps))
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
         self.memory_baseline: float | None = None
         self.memory_seen: list[float] = []
         self.maxvio_run = 0  # consecutive measured steps with MaxVio above its threshold
+        self.step_time_run = 0  # consecutive steps with a step-time spike
         self.missing_run: dict[int, int] = {}  # rank -> consecutive steps it was missing
-        self.last_page: dict[str, int] = {}
-        self.straggler_run: list[int | None] = [None, 0, None]  # rank, consecutive steps, last
+        self.pages = PageGate(config.rearm_steps)
+
+    def _detector(self, threshold: float) -> RobustSpikeDetector:
+        return RobustSpikeDetector(window=self.config.window, threshold=threshold,
+                                   min_spread=self.config.min_spread)
 
     # -- one step ---------------------------------------------------------------------------
-    def observe(self, step: int, view: dict[str, Any], sources: dict[str, float]) -> tuple[
-            dict[str, Any], list[Finding]]:
-        """Update every detector with one step's P0 view; return derived fields and findings.
+    def observe(self, step: int, view: dict[str, Any], sources: Mapping[str, float],
+                ranks: RankSeries | None = None) -> tuple[dict[str, Any], list[Finding]]:
+        """Update every detector with one step's P0 view; return derived fields and every
+        finding (paging or not: the page gate is ``pages``, applied by stage 2).
 
-        ``sources`` maps each data source to its loss relative to the global loss,
-        L_source / L; the worst rank is scored the same way, as L_max / L."""
-        cfg, found = self.config, []
+        ``sources`` maps each data source to its valid-token mean loss L_source; ``ranks``
+        holds each rank's local mean loss and own-time ratio."""
+        ranks = ranks or RankSeries()
+        found: list[Finding | None] = []
         derived: dict[str, Any] = {}
         loss = self.spikes["loss"].update(view["loss"]) if view["loss"] is not None else None
         grad = self.spikes["grad_norm"].update(view["grad_norm"]) \
@@ -163,12 +198,16 @@ class SignalDetectors:
         else:
             derived.update(clip_rate=None, clipped=0)
         found += self._job(view)
-        found += self._single_signals(view, sources)
-        found += self._straggler(step, view)
+        worst = self._worst_rank(view, ranks.loss)
+        found += worst
+        found += self._sources(view, sources, ranks.source_loss_without_worst if any(
+            f is not None and f.page for f in worst) else None)
+        found += self._straggler(step, ranks.own_ratio)
+        found += self._single_signals(view)
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived["warmup"])
         found += self._residual(view)
-        return derived, [f for f in found if f is not None and self._gate(step, f)]
+        return derived, [f for f in found if f is not None]
 
     def _job(self, view: dict[str, Any]) -> list[Finding]:
         """A missing rank pages when it is missing on two steps in a row; one step without
@@ -195,23 +234,126 @@ class SignalDetectors:
                                  culprit="hardware: a replay did not reproduce its loss"))
         return found
 
-    def _single_signals(self, view: dict[str, Any], sources: dict[str, float]) -> list[Finding]:
+    def _culprit_move(self, signal: str, culprit: str, ranks: list[int], value: float,
+                      gap: SpikeResult, own: SpikeResult | None) -> Finding | None:
+        """The worst-rank and per-source rule: a page when the gap to the whole (L_max / L,
+        L_source / L) and the culprit's own loss against its own history both rose; the gap
+        alone (the rest fell: an easy batch elsewhere) is an anomaly that does not page."""
+        if gap.nonfinite:
+            return Finding(signal=signal, kind="nonfinite", value=value, baseline=None,
+                           z=None, category=Category.LOSS, page=True, culprit=culprit,
+                           ranks=ranks)
+        if not (gap.spike and gap.direction > 0):
+            return None
+        if own is not None and own.spike and own.direction > 0 and not own.nonfinite:
+            return Finding(signal=signal, kind="spike", value=value,
+                           baseline=_exp(own.median), z=own.z, category=Category.LOSS,
+                           page=True, culprit=culprit, ranks=ranks)
+        return Finding(signal=signal, kind="gap", value=gap.x, baseline=_exp(gap.median),
+                       z=gap.z, category=Category.LOSS, page=False, culprit=culprit,
+                       ranks=ranks)
+
+    def _worst_rank(self, view: dict[str, Any], losses: Mapping[int, float]) -> list[Finding]:
+        """L_max / L against its history, and the worst rank's own L_r against that rank's
+        history (every rank's L_r enters its own window every step)."""
+        rank = view.get("loss_worst_rank_id")
+        own = None
+        for r, value in sorted(losses.items()):
+            det = self.rank_loss.get(r)
+            if det is None:
+                det = self.rank_loss[r] = self._detector(self.config.signal_z)
+            if r == rank:
+                own = det.update(value)
+            else:
+                det.push(value)
+        if not (view["loss"] and view["loss_worst_rank"] is not None and view["loss"] > 0):
+            return []
+        gap = self.spikes["worst_rank_ratio"].update(view["loss_worst_rank"] / view["loss"])
+        return [self._culprit_move("loss_worst_rank", f"rank {rank}", [rank],
+                                   view["loss_worst_rank"], gap, own)]
+
+    def _sources(self, view: dict[str, Any], sources: Mapping[str, float],
+                 without_worst: Mapping[str, float] | None = None) -> list[Finding]:
+        """Each source's L_source / L and its own L_source, both against their histories
+        (seeds 001 §3: compare each group against its own history). When the worst rank's
+        own loss paged at this step (``without_worst``: each source's loss over the other
+        ranks), a source pages only if it moved without that rank too: a bad rank raises
+        every source it holds, most those whose loss is usually lowest, and it is the
+        culprit; a move that stays is the source's own (recorded as ``via_rank`` if not)."""
         found = []
-        if view["loss"] and view["loss_worst_rank"] is not None and view["loss"] > 0:
-            rank = view["loss_worst_rank_id"]
-            res = self.spikes["worst_rank_ratio"].update(view["loss_worst_rank"] / view["loss"])
-            found.append(_spike_finding("loss_worst_rank", res, Category.LOSS, True,
-                                        f"rank {rank}", [rank]))
         for source, value in sorted(sources.items()):
-            det = self.sources.setdefault(source, RobustSpikeDetector(
-                window=self.config.window, threshold=self.config.signal_z))
-            found.append(_spike_finding("loss_by_source", det.update(value), Category.LOSS,
-                                        True, f"source {source}"))
+            own = self.source_loss.get(source)
+            if own is None:
+                own = self.source_loss[source] = self._detector(self.config.signal_z)
+                self.sources[source] = self._detector(self.config.signal_z)
+            rest = None if without_worst is None or source not in without_worst \
+                else own.peek(without_worst[source])
+            own_res = own.update(value)
+            if not (view["loss"] and math.isfinite(view["loss"])):
+                continue
+            gap = self.sources[source].update(value / view["loss"])
+            finding = self._culprit_move("loss_by_source", f"source {source}", [], value, gap,
+                                         own_res)
+            if finding is not None and without_worst is not None and finding.kind == "spike" \
+                    and not (rest is not None and rest.spike and rest.direction > 0):
+                finding.kind, finding.page = "via_rank", False
+            found.append(finding)
+        return found
+
+    def _straggler(self, step: int, ratios: Mapping[int, float]) -> list[Finding]:
+        """`step_time` pages when one rank's own-time ratio rho_r (its own time, step time
+        minus its exposed collective wait, over the other ranks' median: load the whole
+        host shares cancels) stands above that rank's own baseline (its history, at least
+        parity):
+
+        * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross
+          straggler, seen in a few steps;
+        * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
+          ``straggler_held_steps`` steps by ``straggler_held_ratio``: the rank was slower
+          than the others on nine steps in ten of 40 (a sign test more than a size test).
+          A rank 1.5x slower holds rho = 1.5 on every step; a rank the scheduler of a
+          loaded host slows is slow in bursts and fast in between. With two ranks the
+          other rank is the whole reference and the rule is off.
+
+        Measured on the shared 2-core host (load average ~10): over 2,000-5,000 healthy
+        steps of 3 gloo ranks, with and without a CPU burner, the held level (q 0.1 of 40
+        steps) peaked at 0.96, while the median over 40 steps reached 2.0 and the lower
+        quartile 1.3; a rank slowed by half its step held 1.13-1.41 (2 ranks: 1.25 on a
+        healthy 5,000-step run, hence the 3-rank condition)."""
+        cfg = self.config
+        self.levels.update(step, ratios)
+        tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
+        if len(ratios) >= 3:
+            tiers.append((cfg.straggler_held_steps, cfg.straggler_held_quantile,
+                          cfg.straggler_held_ratio))
+        best: tuple[float, int, float] | None = None  # (level / threshold, rank, level)
+        for rank in sorted(ratios):
+            for steps, q, threshold in tiers:
+                level = self.levels.held(rank, steps, q)
+                if level is not None and level >= threshold and (
+                        best is None or level / threshold > best[0]):
+                    best = (level / threshold, rank, level)
+        if best is None:
+            return []
+        _, rank, level = best
+        base = self.levels.baseline(rank)
+        return [Finding(signal="step_time", kind="straggler", value=level * base,
+                        baseline=base, z=None, category=Category.TIME, page=True,
+                        culprit=f"rank {rank}", ranks=[rank])]
+
+    def _single_signals(self, view: dict[str, Any]) -> list[Finding]:
+        """Step time against its own history: a spike is an anomaly, and pages when it holds
+        for ``straggler_steps`` consecutive steps (a stall of the whole job; one slow step
+        on a busy host is not a page). Output |x|max spikes; the media scale γ."""
+        found: list[Finding | None] = []
         if view["step_time_s"] is not None:
-            rank = view.get("straggler_rank")
-            found.append(_spike_finding("step_time", self.spikes["step_time"].update(
-                view["step_time_s"]), Category.TIME, True,
-                f"rank {rank}" if rank is not None else "", [rank] if rank is not None else []))
+            res = self.spikes["step_time"].update(view["step_time_s"])
+            up = res.spike and (res.direction > 0 or res.nonfinite)
+            self.step_time_run = self.step_time_run + 1 if up else 0
+            rank = self._pace_setter()
+            found.append(_spike_finding(
+                "step_time", res, Category.TIME, self.step_time_run >= self.config.straggler_steps,
+                "" if rank is None else f"rank {rank}", None if rank is None else [rank]))
         if view.get("output_absmax") is not None:
             found.append(_spike_finding("output_absmax", self.spikes["output_absmax"].update(
                 view["output_absmax"]), Category.LAYERS, True, "output layer"))
@@ -220,26 +362,18 @@ class SignalDetectors:
             found.append(Finding(signal="media_scale", kind="threshold", value=gamma,
                                  baseline=self.config.media_scale_min, z=None,
                                  category=Category.LAYERS, page=True, culprit="media projector"))
-        return found
+        return [f for f in found if f is not None]
 
-    def _straggler(self, step: int, view: dict[str, Any]) -> list[Finding]:
-        """`step_time` pages when the same rank's own time (step time minus its exposed
-        collective wait) is ``straggler_ratio`` x the other ranks' median for
-        ``straggler_steps`` consecutive steps: a ratio of the ranks to each other, so noise
-        the whole host shares cancels, where the spike rule on step time drowns in it."""
-        rank, score = view.get("straggler_rank"), view.get("straggler_own_ratio")
-        last_rank, run, last_step = self.straggler_run
-        if rank is None or score is None or not score >= self.config.straggler_ratio:
-            self.straggler_run = [None, 0, step]
-            return []
-        run = run + 1 if (rank == last_rank and last_step is not None
-                          and step == last_step + 1) else 1
-        self.straggler_run = [rank, run, step]
-        if run < self.config.straggler_steps:
-            return []
-        return [Finding(signal="step_time", kind="straggler", value=score,
-                        baseline=self.config.straggler_ratio, z=None, category=Category.TIME,
-                        page=True, culprit=f"rank {rank}", ranks=[rank])]
+    def _pace_setter(self) -> int | None:
+        """The rank whose own-time ratio held highest above its baseline over the last
+        ``straggler_steps`` steps, when that is at least ``PACE_RATIO``: the rank a
+        step-time rise is carried by; None when the whole job slowed together."""
+        best: tuple[float, int] | None = None
+        for rank in self.levels.ranks:
+            level = self.levels.held(rank, self.config.straggler_steps, 0.0)
+            if level is not None and (best is None or level > best[0]):
+                best = (level, rank)
+        return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:
         peak = view.get("peak_memory_bytes")
@@ -290,41 +424,43 @@ class SignalDetectors:
                         category=Category.LAYERS, page=True,
                         culprit=view.get("residual_ratio_branch") or "")]
 
-    def _gate(self, step: int, finding: Finding) -> bool:
-        """Pages once per episode of a signal; anomalies that don't page always pass."""
-        if not finding.page:
-            return True
-        # one episode per signal; per-source losses are separate signals, one per source
-        key = finding.signal + (f":{finding.culprit}" if finding.signal == "loss_by_source"
-                                else "")
-        last = self.last_page.get(key)
-        self.last_page[key] = step
-        return last is None or step - last > self.config.rearm_steps
-
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {"spikes": {k: d.to_state() for k, d in self.spikes.items()},
                 "sources": {k: d.to_state() for k, d in self.sources.items()},
+                "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
+                "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
+                "levels": self.levels.to_state(),
                 "cospikes": self.cospikes.to_state(), "clip": self.clip.to_state(),
                 "memory_baseline": self.memory_baseline, "memory_seen": self.memory_seen,
-                "maxvio_run": self.maxvio_run,
+                "maxvio_run": self.maxvio_run, "step_time_run": self.step_time_run,
                 "missing_run": {str(r): n for r, n in self.missing_run.items()},
-                "last_page": self.last_page,
-                "straggler_run": list(self.straggler_run)}
+                "pages": self.pages.to_state()}
 
     @classmethod
     def from_state(cls, config: DetectorConfig, state: dict[str, Any]) -> "SignalDetectors":
+        """Rebuild from ``to_state``; keys a state saved by an older version lacks start
+        fresh (a rank's or source's own-loss window, the straggler levels)."""
         det = cls(config)
         det.spikes = {k: RobustSpikeDetector.from_state(v) for k, v in state["spikes"].items()}
         det.sources = {k: RobustSpikeDetector.from_state(v) for k, v in state["sources"].items()}
+        det.source_loss = {k: RobustSpikeDetector.from_state(v)
+                           for k, v in state.get("source_loss", {}).items()}
+        for source in det.sources.keys() - det.source_loss.keys():
+            det.source_loss[source] = det._detector(config.signal_z)
+        det.rank_loss = {int(k): RobustSpikeDetector.from_state(v)
+                         for k, v in state.get("rank_loss", {}).items()}
+        if "levels" in state:
+            det.levels = RankLevels.from_state(state["levels"])
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
         det.clip = ClipRateWindow.from_state(state["clip"])
         det.memory_baseline = state["memory_baseline"]
         det.memory_seen = list(state["memory_seen"])
         det.maxvio_run = int(state.get("maxvio_run", 0))  # absent in states saved before it
+        det.step_time_run = int(state.get("step_time_run", 0))
         det.missing_run = {int(r): int(n) for r, n in state.get("missing_run", {}).items()}
-        det.last_page = dict(state["last_page"])
-        det.straggler_run = list(state.get("straggler_run", [None, 0, None]))  # older states
+        det.pages = PageGate.from_state(config.rearm_steps,
+                                        state.get("pages", state.get("last_page", {})))
         return det
 
 

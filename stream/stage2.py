@@ -28,13 +28,13 @@ from typing import Any
 
 from .errors import check
 from .order import SkippedSteps, StepOrderer
+from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
-from .view import _detail_rows, p0_view
+from .view import _detail_rows, p0_view, rank_series
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
-
 
 @dataclass(kw_only=True, slots=True)
 class Stage2Config:
@@ -51,12 +51,17 @@ class Stage2Config:
     def __post_init__(self) -> None:
         d = self.detectors
         check(d.window >= 3, "detectors.window", "must be >= 3")
-        for name in ("loss_z", "grad_z", "signal_z", "clip_threshold", "memory_growth",
-                     "maxvio_threshold", "media_scale_min", "residual_ratio_min"):
+        for name in ("loss_z", "grad_z", "signal_z", "min_spread", "clip_threshold",
+                     "memory_growth", "maxvio_threshold", "media_scale_min",
+                     "residual_ratio_min"):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
         check(d.straggler_ratio > 1, "detectors.straggler_ratio",
               "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
-        for name in ("clip_window", "rearm_steps", "maxvio_steps", "straggler_steps"):
+        check(d.straggler_held_ratio > 1, "detectors.straggler_held_ratio", "must be > 1")
+        check(0 < d.straggler_held_quantile < 1, "detectors.straggler_held_quantile",
+              "must lie in (0, 1)")
+        for name in ("clip_window", "rearm_steps", "maxvio_steps", "straggler_steps",
+                     "straggler_held_steps"):
             check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
         check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):
@@ -78,6 +83,18 @@ class Stage2Output:
             self.rows[table].extend(rows)
         self.promote += other.promote
         self.controls += other.controls
+
+
+def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
+    """The page record of ``episode`` (same key: it replaces the stored row) with the
+    episode's event count, its latest step and what the latest event measured."""
+    record = episode.record or {}
+    first = record["message"].split(" | episode:")[0]
+    z = "" if f.z is None else f", z={f.z:.1f}"
+    who = f", {f.culprit}" if f.culprit and f.culprit != record["culprit"] else ""
+    return {**record, "ranks": sorted(set(record["ranks"]) | set(f.ranks)),
+            "message": f"{first} | episode: {episode.count} events, the latest at step "
+                       f"{step} ({f.kind} {f.value:.4g}{z}{who})"}
 
 
 class RunPipeline:
@@ -156,16 +173,14 @@ class RunPipeline:
         self.tokens += view["step_tokens"]
         self.flops += view.pop("flops_step") or 0.0
         self.last_step = max(self.last_step, item.step)
-        # a source regresses when it moves against the whole: score L_source / L, so a
-        # step where every source spikes together (a co-spike) does not page per source
-        ratios = {s: loss / view["loss"] for s, (loss, _, _) in sources.items()
-                  if view["loss"] and math.isfinite(view["loss"])}
         if after_gap:  # the detectors' windows hold the run's steps in order
             derived, findings = {}, []
             clipped = view["clipped"]
             view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
         else:
-            derived, findings = self.detectors.observe(item.step, view, ratios)
+            derived, findings = self.detectors.observe(
+                item.step, view, {s: loss for s, (loss, _, _) in sources.items()},
+                rank_series(item, view["loss_worst_rank_id"]))
             view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
@@ -178,10 +193,11 @@ class RunPipeline:
              "token_share": share, "tokens": int(n)} for s, (loss, share, n) in sources.items()]
         for table, rows in _detail_rows(item).items():
             out.rows[f"{table}_recent"] += rows
-        for finding in findings:
+        for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
-            if finding.page:
-                out.rows["alerts"].append(self._alert_row(item.step, finding))
+            alert = self._page(item.step, finding) if finding.page else None
+            if alert is not None:
+                out.rows["alerts"].append(alert)
         offer = self.retention.offer_late if after_gap else \
             lambda step, payload: self.retention.offer(step, payload, bool(findings))
         out.promote += [s for s, _ in offer(item.step, None)]
@@ -197,6 +213,18 @@ class RunPipeline:
     def _anomaly_row(self, step: int, f: Finding) -> dict[str, Any]:
         return {"run_id": self.run_id, "step": step, "signal": f.signal, "kind": f.kind,
                 "value": f.value, "baseline": f.baseline, "z": f.z, "culprit": f.culprit}
+
+    def _page(self, step: int, f: Finding) -> dict[str, Any] | None:
+        """The page record to send: a new page, the updated record of the page whose
+        episode this finding is a new event of, or None (the same event continues)."""
+        episode = self.detectors.pages.admit(step, f)
+        if not episode.new_event:
+            return None
+        if episode.count == 1 or episode.record is None:
+            episode.record = self._alert_row(step, f)
+        else:
+            episode.record = _episode_update(episode, step, f)
+        return episode.record
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:
         baseline = "n/a" if f.baseline is None else f"{f.baseline:.4g}"

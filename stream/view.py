@@ -5,18 +5,18 @@ a ``ReducedStep``, no state, no I/O. Stage 2 calls them for each step it process
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from typing import Any
 
-from probewire.instrument.catalog import Comm, Loss, Memory, System
+from probewire.instrument.catalog import Comm, Label, Loss, Memory, System
 from probewire.instrument.wire import SeriesKey
 
-from .derive import (expert_balance, global_mean_loss, shard_imbalance, straggler_score,
-                     worst_rank_loss)
+from .derive import (expert_balance, global_mean_loss, own_time_ratios, own_times,
+                     rank_means, shard_imbalance, straggler_score, worst_rank_loss)
 from .records import ReducedStep
+from .signals import RankSeries
 
-__all__ = ["PER_RANK", "p0_view"]
+__all__ = ["PER_RANK", "p0_view", "rank_series"]
 
 PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED,
                       Memory.PEAK_RSS})
@@ -40,30 +40,46 @@ def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
 
 def _own_times(item: ReducedStep) -> dict[int, float]:
     """Per rank, its own time: step time minus the exposed collective wait it reported
-    (``comm.wait_s``, summed over ops; the step time itself when it reported none).
+    (``comm.wait_s``, summed over ops), the wait clamped into [0, step time] and the own
+    time floored (``derive.own_times``).
 
     Under synchronous data parallelism every rank's step time carries the slowest rank's
     delay (the others wait for it in the gradient all-reduce); their own time does not."""
-    own: dict[int, float] = {}
-    for rank, values in item.per_rank.items():
-        tau = values.get(("step_time_s", ()))
-        if tau is None:
-            continue
-        waits = [v for (name, _), v in values.items() if name == "comm.wait_s"
-                 and math.isfinite(v)]
-        own[rank] = max(tau - math.fsum(waits), 0.0) if waits else tau
-    return own
+    taus = _per_rank(item, System.STEP_TIME)
+    waits = {rank: math.fsum(v for (name, _), v in values.items()
+                             if name == Comm.WAIT and math.isfinite(v))
+             for rank, values in item.per_rank.items()}
+    return own_times(taus, waits)
 
 
 def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
-    """The rank with the largest own time, and S = its own time / the median own time of
-    the other ranks (leave-one-out; None with a single rank)."""
+    """The rank with the largest own time, and its own time / the median own time of the
+    other ranks (leave-one-out; None with a single rank)."""
     own = _own_times(item)
     if not own:
         return None, None
     rank = max(sorted(own), key=own.__getitem__)  # ties: the lowest rank
-    others = [v for r, v in own.items() if r != rank]
-    return rank, own[rank] / (statistics.median(others) + 1e-12) if others else None
+    return rank, own_time_ratios(own).get(rank)
+
+
+def rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
+    """Each rank's local mean loss L_r and own-time ratio, and each source's loss over the
+    ranks other than ``worst``, for the detectors' culprit rules."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, list[float]] = defaultdict(list)
+    for rank, values in item.per_rank.items():
+        if rank == worst:
+            continue
+        for (name, labels), value in values.items():
+            source = dict(labels).get(Label.SOURCE) if name in (Loss.SUM, Loss.TOKENS) \
+                else None
+            if source is not None:
+                (sums if name == Loss.SUM else counts)[source].append(value)
+    return RankSeries(loss=rank_means(_per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)),
+                      own_ratio=own_time_ratios(_own_times(item)),
+                      source_loss_without_worst={  # sum, then divide (seeds 001 §3)
+                          s: math.fsum(sums[s]) / math.fsum(counts[s]) for s in sums
+                          if math.fsum(counts.get(s, ())) > 0})
 
 
 def _moe(item: ReducedStep) -> dict[str, Any]:

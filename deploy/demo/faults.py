@@ -18,78 +18,13 @@ from typing import Any, ClassVar
 import torch
 
 from .data import SOURCES, Batch
-from .model import IGNORE, PRESETS, TinyConfig
+from .fault import Fault, FaultError, _core, _scramble
+from .model import IGNORE, PRESETS
+from .structure_faults import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
-__all__ = ["FAULTS", "Fault", "FaultError", "demo_train_args", "parse_fault"]
-
-
-class FaultError(ValueError):
-    """A --fault argument that cannot be parsed; the message says what is wrong."""
-
-
-@dataclass(kw_only=True)
-class Fault:
-    """A fault starting at ``step``; subclasses override the hooks they need."""
-
-    name: ClassVar[str]
-    signal: ClassVar[str]        # the P0 signal that pages
-    culprit: ClassVar[str]       # what `explain` names
-    also_pages: ClassVar[tuple[str, ...]] = ()  # other P0 signals the same fault raises
-    within: ClassVar[int] = 0    # the page comes at most this many steps after ``step``
-    # what `probewire explain` at the paging step shows: a finding of this stage (and
-    # signal, when given) that names explain_culprit(), scored moved when explain_moves
-    explain_stage: ClassVar[str] = "gradient"
-    explain_signal: ClassVar[str | None] = None
-    explain_moves: ClassVar[bool] = True
-    explain_gap: ClassVar[str] = ""  # why explain does not (yet) name the culprit
-    demo_args: ClassVar[tuple[str, ...]] = ()   # train.py flags the signature needs
-    presets: ClassVar[tuple[str, ...]] = ()     # model presets it applies to (): any; the
-    #                                             first is the one `probewire demo` picks
-    step: int = 100
-
-    def check_preset(self, preset: str) -> None:
-        """A FaultError when the fault needs a model structure ``preset`` lacks."""
-        if self.presets and preset not in self.presets:
-            raise FaultError(f"{self.name} needs a model with "
-                             f"{' or '.join(self.presets)} structure: run it with "
-                             f"--preset {self.presets[0]} (got --preset {preset})")
-
-    def expected_culprit(self) -> str:
-        """What the paging alert names (signals with a single culprit); "" when the step
-        itself is the culprit."""
-        return ""
-
-    def explain_culprit(self) -> str:
-        """What explain's finding names; "" when only the finding's movement counts."""
-        return self.expected_culprit()
-
-    def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
-        return batch
-
-    def on_step_start(self, step: int, rank: int, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer) -> None:
-        return None
-
-    def on_step_end(self, step: int, rank: int) -> None:
-        return None
-
-    def replay_differs(self, step: int) -> bool:
-        """Whether the spike guard's replay of ``step`` fails to reproduce its loss."""
-        return False
-
-
-def _scramble(batch: Batch, rows: torch.Tensor, generator: torch.Generator) -> Batch:
-    """Replace the bytes of the selected rows with uniform random bytes (valid positions)."""
-    tokens, targets = batch.tokens.clone(), batch.targets.clone()
-    noise = torch.randint(0, 256, targets.shape, generator=generator)
-    keep = targets == IGNORE
-    new_targets = torch.where(keep | ~rows[:, None], targets, noise)
-    tokens[:, 1:] = torch.where(rows[:, None], new_targets[:, :-1].clamp(min=0), tokens[:, 1:])
-    return replace(batch, tokens=tokens, targets=new_targets)
-
-
-def _core(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # the TinyLM inside DDP
+__all__ = ["FAULTS", "SCENARIOS", "BadRank", "Bf16Swallow", "EasyBatch", "Fault", "FaultError",
+           "FlakyReplay", "IgnoredMedia", "LayerExplosion", "MemoryCreep", "PoisonedBatch",
+           "RoutingCollapse", "SourceRegression", "Straggler", "demo_train_args", "parse_fault"]
 
 
 @dataclass(kw_only=True)
@@ -97,9 +32,11 @@ class BadRank(Fault):
     """One rank's batches are corrupted from ``step`` on (random bytes).
 
     Signature (measured, 2 ranks, window 50, fault at 120): `loss_worst_rank` pages at
-    exactly ``step`` with culprit ``rank {rank}`` (L_max/L 1.03 -> 1.61, z 14). With R = 2
-    ranks L carries half of the jump (2.76 -> 5.4) and the gradient norm jumps with it,
-    so `cospike` also pages at ``step``; nothing else pages. explain's loss stage names
+    exactly ``step`` with culprit ``rank {rank}``: the rank's own loss jumps against its
+    own history (2.75 -> 8.7, z 19) and L_max / L with it. With R = 2 ranks L carries half
+    of the jump and the gradient norm jumps with it, so `cospike` also pages at ``step``
+    (its later co-spikes update that page's record); nothing else pages. explain's
+    headline at the page names loss_worst_rank and ``rank {rank}``; its loss stage names
     ``rank {rank}`` (loss_worst_rank moved, onset ``step``)."""
 
     name: ClassVar[str] = "bad-rank"
@@ -139,6 +76,7 @@ class SourceRegression(Fault):
     within: ClassVar[int] = 3
     explain_stage: ClassVar[str] = "loss"
     source: str = "code"
+    per_step: float = 0.0  # > 0: a share per_step more of the rows each step (a drift)
 
     def expected_culprit(self) -> str:
         return f"source {self.source}"
@@ -149,8 +87,12 @@ class SourceRegression(Fault):
         if self.source not in SOURCES:
             raise FaultError(f"source-regression: unknown source {self.source!r}; "
                              f"sources are {', '.join(SOURCES)}")
+        g = torch.Generator().manual_seed(10_000 + step)
         rows = batch.source == SOURCES.index(self.source)
-        return _scramble(batch, rows, torch.Generator().manual_seed(10_000 + step))
+        if self.per_step > 0:
+            share = min(1.0, self.per_step * (step - self.step + 1))
+            rows = rows & (torch.rand(len(rows), generator=g) < share)
+        return _scramble(batch, rows, g)
 
 
 @dataclass(kw_only=True)
@@ -166,12 +108,52 @@ class PoisonedBatch(Fault):
     signal: ClassVar[str] = "cospike"
     culprit: ClassVar[str] = "step"
     explain_signal: ClassVar[str | None] = "cospike_count"
+    repeat_after: int = 0  # > 0: a second poisoned batch this many steps later
 
     def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
-        if step != self.step:
+        if step != self.step and not (self.repeat_after and step == self.step + self.repeat_after):
             return batch
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(rank + 97 * (step - self.step))
         return _scramble(batch, torch.ones(len(batch.source), dtype=torch.bool), g)
+
+
+@dataclass(kw_only=True)
+class EasyBatch(Fault):
+    """For ``steps`` steps from ``step`` one rank draws an easy batch: every valid target is
+    what the model itself predicts (the argmax of its own logits), so that rank's mean loss
+    falls while the other ranks are normal.
+
+    Signature (measured, 2 ranks, window 50, fault at 120): rank 0's loss 2.75 -> 1.50
+    while rank 1's stays at 2.8; L falls and L_max / L jumps (1.03 -> 1.35, z 8.4), carried
+    by a rank whose own loss did not move. Nothing pages (`loss_worst_rank` pages on the
+    worst rank's own loss against its own history, and L falling is not a spike); the gap
+    is recorded as a `loss_worst_rank` anomaly of kind ``gap`` naming rank 1. In simulated
+    runs (``simulate``) the rank's loss is ``loss_scale`` x its own."""
+
+    name: ClassVar[str] = "easy-batch"
+    signal: ClassVar[str] = ""   # pages nothing
+    culprit: ClassVar[str] = "rank"
+    explain_stage: ClassVar[str] = "loss"
+    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    explain_moves: ClassVar[bool] = False
+    rank: int = 0
+    steps: int = 1
+    loss_scale: float = 0.55
+    _model: Any = field(default=None, repr=False)
+
+    def explain_culprit(self) -> str:
+        return ""
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        self._model = _core(model)
+
+    def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
+        if rank != self.rank or not self.step <= step < self.step + self.steps \
+                or self._model is None:
+            return batch
+        with torch.no_grad():
+            guess = self._model(batch.tokens, batch.media, batch.media_mask).argmax(-1)
+        return replace(batch, targets=torch.where(batch.targets == IGNORE, batch.targets, guess))
 
 
 @dataclass(kw_only=True)
@@ -209,7 +191,8 @@ class LayerExplosion(Fault):
 @dataclass(kw_only=True)
 class Straggler(Fault):
     """One rank sleeps ``delay_s`` per step for ``duration`` steps from ``step`` on
-    (``duration`` 0: to the end of the run).
+    (``duration`` 0: to the end of the run); with ``factor`` > 0 it sleeps (factor - 1) x
+    its median step time before ``step`` instead ("slowed by half its step": factor 1.5).
 
     Signature (measured, window 50, fault at 120): `step_time` pages by ``step`` + 2,
     culprit ``rank {rank}``; nothing else pages. Under synchronous DDP the fast rank
@@ -219,16 +202,15 @@ class Straggler(Fault):
     ddp_allreduce}; trace ``comm_wait_s``); stage 2 names the rank with the largest own
     time, step time minus that wait, as ``straggler_rank``, with ``straggler_own_ratio`` =
     its own time / the other ranks' median (the seeds' S = τ / median τ_r stays ~1 here).
-    Measured on the shared 2-core host (two runs): own ratio 10-56 on the slow steps (3.05-3.15 s steps, the waiting rank's own time
-    0.06-0.31 s), ``rank {rank}`` on every one of them. The straggler rule (own ratio >=
-    stream.straggler_ratio, 5, for stream.straggler_steps, 3, consecutive steps of the
-    same rank) pages at ``step`` + 2; healthy 2000-step run: own ratio up to 10.3 on
-    single steps, never above 3.1 for 3 steps of one rank. The spike rule (z > 8 on log step time against its rolling
-    MAD) would page at ``step`` only on a quiet host: in the measured run (pre-fault steps
-    ~0.2 s, the worker competing) it stayed silent, as before (log-MAD 0.52: z 3.4; it
-    names the same straggler_rank when it fires). explain's step-time
-    stage names ``rank {rank}`` (straggler_rank) with straggler_own_ratio moved since
-    ``step`` (x23 its baseline at step 122) and notes the rank's own time."""
+    The 3 s sleep makes the rank's own-time ratio ~10-50x its baseline: the brief rule
+    (x ``straggler_ratio`` 5 on 3 consecutive steps) pages at ``step`` + 2, and so does the
+    whole job's step time, a spike on 3 steps in a row, naming the rank whose own time
+    carries it. A rank slowed by half its step (``factor=1.5``; 3 ranks, heavier steps,
+    ``tests/e2e/test_pages.py``) holds its ratio on every slow step and the held rule
+    (x ``straggler_held_ratio`` on 9 steps in 10 of 40) pages some 30-40 steps in, while
+    a host loaded by a CPU burner, which slows ranks in bursts, pages nothing. explain's
+    step-time stage names ``rank {rank}`` (straggler_rank) with straggler_own_ratio moved
+    since ``step`` and notes the rank's own time."""
 
     name: ClassVar[str] = "straggler"
     signal: ClassVar[str] = "step_time"
@@ -239,14 +221,32 @@ class Straggler(Fault):
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10
+    factor: float = 0.0   # > 0: sleep (factor - 1) x this rank's median step time before
+    #                       ``step`` instead of delay_s (1.5: "slowed by half its step")
+    _started: float | None = field(default=None, repr=False)
+    _durations: list[float] = field(default_factory=list, repr=False)
 
     def expected_culprit(self) -> str:
         return f"rank {self.rank}"
 
+    def delay(self) -> float:
+        """The sleep per slow step: delay_s, or (factor - 1) x the median step time this
+        rank measured (step start to step end) over the last 50 steps before ``step``."""
+        if self.factor <= 0:
+            return self.delay_s
+        recent = sorted(self._durations[-50:])
+        return (self.factor - 1.0) * recent[len(recent) // 2] if recent else 0.0
+
     def on_step_start(self, step, rank, model, optimizer) -> None:
-        if rank == self.rank and step >= self.step and (
-                not self.duration or step < self.step + self.duration):
-            time.sleep(self.delay_s)
+        if rank != self.rank:
+            return
+        if step >= self.step and (not self.duration or step < self.step + self.duration):
+            time.sleep(self.delay())
+        self._started = time.perf_counter()
+
+    def on_step_end(self, step: int, rank: int) -> None:
+        if rank == self.rank and step < self.step and self._started is not None:
+            self._durations.append(time.perf_counter() - self._started)
 
 
 @dataclass(kw_only=True)
@@ -309,137 +309,23 @@ class FlakyReplay(Fault):
         return step == self.step
 
 
-@dataclass(kw_only=True)
-class RoutingCollapse(Fault):
-    """From ``step`` on, one MoE layer's router is pushed onto its first ``experts``
-    experts: their selection bias is set to ``bias`` every step (the router's logits, and
-    so its mixing weights and the load-balancing loss, are untouched; only which experts are
-    chosen changes, as a runaway bias-balancing update would do).
-
-    Signature (measured, --preset moe, window 50, fault at 120): with top-2 of 8 experts
-    every token picks the pushed experts and MaxVio = max load / mean load - 1 goes from
-    0.35-1.6 on healthy steps (p99 1.29) to exactly 3.0 at ``step``; `moe_maxvio` pages
-    two steps later (122), for ``layer {layer}``: the rule wants MaxVio > 2 on 3
-    consecutive steps (with > 1 a healthy 1,000-step moe run paged 4 times). Nothing else
-    pages.
-    explain's expert-balance stage names expert 0 of ``layer {layer}`` (moe_maxvio moved,
-    onset ``step``)."""
-
-    name: ClassVar[str] = "routing-collapse"
-    signal: ClassVar[str] = "moe_maxvio"
-    culprit: ClassVar[str] = "layer"
-    explain_stage: ClassVar[str] = "expert balance"
-    explain_signal: ClassVar[str | None] = "moe_maxvio"
-    within: ClassVar[int] = 2
-    presets: ClassVar[tuple[str, ...]] = ("moe", "full")
-    layer: int = 1
-    experts: int = 2
-    bias: float = 10.0
-
-    def expected_culprit(self) -> str:
-        return f"layer {self.layer}"
-
-    def explain_culprit(self) -> str:
-        return f"of layer {self.layer}"
-
-    def on_step_start(self, step, rank, model, optimizer) -> None:
-        if step >= self.step:
-            _core(model).blocks[self.layer].mlp.router.expert_bias[:self.experts] = self.bias
-
-    def check_preset(self, preset: str) -> None:
-        super().check_preset(preset)
-        cfg = TinyConfig.preset(preset)
-        if not 0 <= self.layer < cfg.n_layer or not 1 <= self.experts < cfg.n_experts:
-            raise FaultError(f"routing-collapse: layer must be in 0..{cfg.n_layer - 1} and "
-                             f"experts in 1..{cfg.n_experts - 1} for --preset {preset}")
-
-
-@dataclass(kw_only=True)
-class IgnoredMedia(Fault):
-    """At ``step`` the media projector's weights and bias are multiplied by ``scale``: the
-    media tokens enter the backbone ~1/scale times smaller than the text embeddings, so
-    attention can no longer tell an image from the noise floor.
-
-    Signature (measured, --preset media, --p1-every 10, window 50, fault at 120):
-    `media_scale` (γ = RMS of the media tokens / RMS of the text embeddings, P0 at the
-    structure probes' cadence) pages at the first probe step at or after ``step`` (120:
-    γ 9.9 -> 0.01, threshold 0.1; the trained projector runs ~10x the text scale, so the
-    old default scale 0.01 only reached 0.098) with culprit ``media projector``. Nothing
-    else pages.
-    explain's layers stage reports media_scale moved (scored as 1/γ), naming the media
-    projector."""
-
-    name: ClassVar[str] = "ignored-media"
-    signal: ClassVar[str] = "media_scale"
-    culprit: ClassVar[str] = "media projector"
-    explain_stage: ClassVar[str] = "layers"
-    explain_signal: ClassVar[str | None] = "media_scale"
-    demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
-    presets: ClassVar[tuple[str, ...]] = ("media", "full")
-    scale: float = 0.001
-
-    def expected_culprit(self) -> str:
-        return "media projector"
-
-    def on_step_start(self, step, rank, model, optimizer) -> None:
-        if step == self.step:
-            proj = _core(model).projector.proj
-            with torch.no_grad():
-                proj.weight.mul_(self.scale)
-                proj.bias.mul_(self.scale)
-
-
-@dataclass(kw_only=True)
-class Bf16Swallow(Fault):
-    """At ``step`` the token and position embeddings are multiplied by ``scale``: the
-    residual stream grows ~scale times while every branch (behind its LayerNorm) keeps its
-    size, so a bfloat16 residual add s + b rounds most of each branch's update away.
-
-    Signature (measured, window 50, --p1-every 10, fault at 120): `residual_scale` pages
-    at the first residual-probe step at or after ``step`` (120): the smallest token-mean
-    relative branch scale R_b = ‖b‖ / ‖s‖ falls from 0.12 (layer 1 mlp) to 6e-4 (layer 0
-    attn), under bfloat16's relative precision 2^-8 (the threshold). The culprit is the
-    weakest branch (``layer L attn|mlp``). The blocks' share of the output collapses with
-    it: L 2.74 -> 3.93 and G2 x2, which did not reach the co-spike rule in the measured run
-    but may (`cospike` at ``step`` is part of the signature). explain's layers stage
-    names the cause: the residual stream grew (N_s 12.9 -> 550 at the weakest branch)
-    while the branch did not shrink."""
-
-    name: ClassVar[str] = "bf16-swallow"
-    signal: ClassVar[str] = "residual_scale"
-    culprit: ClassVar[str] = "residual stream"
-    also_pages: ClassVar[tuple[str, ...]] = ("cospike",)
-    explain_stage: ClassVar[str] = "layers"
-    explain_signal: ClassVar[str | None] = "residual_ratio_min"
-    demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
-    scale: float = 1000.0
-
-    def expected_culprit(self) -> str:
-        return "layer "
-
-    def explain_culprit(self) -> str:
-        return "stream grew"
-
-    def on_step_start(self, step, rank, model, optimizer) -> None:
-        if step == self.step:
-            core = _core(model)
-            with torch.no_grad():
-                core.embed.weight.mul_(self.scale)
-                core.pos.weight.mul_(self.scale)
-
-
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     BadRank, SourceRegression, PoisonedBatch, LayerExplosion, Straggler, MemoryCreep,
     RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay)}
+"""The fault gallery: each fault pages its ``signal``. Scenario faults that must page
+nothing (``easy-batch``) are in ``SCENARIOS``; ``parse_fault`` knows both."""
+
+SCENARIOS: dict[str, type[Fault]] = {cls.name: cls for cls in (EasyBatch,)}
 
 
 def parse_fault(text: str) -> Fault:
     """``NAME[@STEP][:PARAM=VALUE,...]`` -> a Fault; a clear FaultError otherwise."""
     head, _, params = text.partition(":")
     name, _, step = head.partition("@")
-    cls = FAULTS.get(name.strip())
+    cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip())
     if cls is None:
-        raise FaultError(f"unknown fault {name!r}; known: {', '.join(sorted(FAULTS))}")
+        raise FaultError(f"unknown fault {name!r}; known: "
+                         f"{', '.join(sorted({*FAULTS, *SCENARIOS}))}")
     kwargs: dict[str, Any] = {}
     if step:
         if not step.isdigit():

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "run_demo", "train_run"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -66,6 +66,42 @@ def _wait_evaluations(stack: LocalStack, run_id: str, checkpoints: int,
     raise StackError(f"evaluations of {run_id} not stored in time; see evaluator.log")
 
 
+def train_run(stack: LocalStack, *, run_id: str, ranks: int, steps: int,
+              trace: Path | None = None, extra_train_args: list[str] | None = None,
+              show_progress: bool = False, timeout_s: float = 600.0) -> DemoResult:
+    """Train one run on a started stack (broker and worker up) until the worker has stored
+    all its steps; the ranks are stopped by PID whatever happens. Several runs can go
+    through one stack, one after another, each with its own run id."""
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    try:
+        procs = _start_ranks(stack, run_id, ranks, steps, trace, list(extra_train_args or []))
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not show_progress, transient=True) as bar:
+            task = bar.add_task(f"{run_id}: steps stored", total=steps)
+            deadline = time.monotonic() + timeout_s
+            while (written := stack.progress(run_id)) < steps:
+                bar.update(task, completed=written)
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if failed:
+                    raise StackError(f"a training rank exited with code "
+                                     f"{failed[0].returncode}; see {stack.work_dir}/rank*.log")
+                if time.monotonic() > deadline:
+                    raise StackError(f"only {written}/{steps} steps stored after "
+                                     f"{timeout_s:.0f}s; see {stack.work_dir}/worker.log")
+                time.sleep(0.25)
+            bar.update(task, completed=written)
+        for proc in procs:
+            proc.wait(60)
+    finally:
+        for proc in procs:
+            stop_process(proc)
+    return DemoResult(run_id=run_id, steps_written=written, wall_s=time.monotonic() - started)
+
+
 def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
              run_id: str | None = None, trace: Path | None = None,
              extra_train_args: list[str] | None = None, show_progress: bool = True,
@@ -78,47 +114,26 @@ def run_demo(settings: Settings, *, ranks: int, steps: int, work_dir: Path,
     service on them; the run returns once their evaluations are stored.
     """
     run_id = run_id or f"demo-{uuid.uuid4().hex[:8]}"
-    if trace is not None:
-        trace.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     settings = dataclasses.replace(
         settings, stream=dataclasses.replace(settings.stream,
                                              app_id=f"probewire-{uuid.uuid4().hex[:8]}"))
-    procs: list[subprocess.Popen] = []
     with LocalStack(settings, work_dir) as stack:
-        try:
-            if bootstrap:
-                stack.use_broker(bootstrap)
-            else:
-                stack.start_broker()
-            stack.start_worker()
-            extra = list(extra_train_args or [])
-            if evaluate_every:
-                stack.start_evaluator(work_dir / "evals-data")
-                extra += ["--save-every", str(evaluate_every),
-                          "--ckpt-dir", str(work_dir / "checkpoints" / run_id)]
-            procs = _start_ranks(stack, run_id, ranks, steps, trace, extra)
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                          MofNCompleteColumn(), TimeElapsedColumn(),
-                          disable=not show_progress, transient=True) as bar:
-                task = bar.add_task(f"{run_id}: steps stored", total=steps)
-                deadline = time.monotonic() + timeout_s
-                while (written := stack.progress(run_id)) < steps:
-                    bar.update(task, completed=written)
-                    failed = [p for p in procs if p.poll() not in (None, 0)]
-                    if failed:
-                        raise StackError(f"a training rank exited with code "
-                                         f"{failed[0].returncode}; see {work_dir}/rank*.log")
-                    if time.monotonic() > deadline:
-                        raise StackError(f"only {written}/{steps} steps stored after "
-                                         f"{timeout_s:.0f}s; see {work_dir}/worker.log")
-                    time.sleep(0.25)
-                bar.update(task, completed=written)
-            for proc in procs:
-                proc.wait(60)
-            if evaluate_every:
-                _wait_evaluations(stack, run_id, steps // evaluate_every, deadline)
-        finally:
-            for proc in procs:
-                stop_process(proc)
-    return DemoResult(run_id=run_id, steps_written=written, wall_s=time.monotonic() - started)
+        if bootstrap:
+            stack.use_broker(bootstrap)
+        else:
+            stack.start_broker()
+        stack.start_worker()
+        extra = list(extra_train_args or [])
+        if evaluate_every:
+            stack.start_evaluator(work_dir / "evals-data")
+            extra += ["--save-every", str(evaluate_every),
+                      "--ckpt-dir", str(work_dir / "checkpoints" / run_id)]
+        deadline = time.monotonic() + timeout_s
+        result = train_run(stack, run_id=run_id, ranks=ranks, steps=steps, trace=trace,
+                           extra_train_args=extra, show_progress=show_progress,
+                           timeout_s=timeout_s)
+        if evaluate_every:
+            _wait_evaluations(stack, run_id, steps // evaluate_every, deadline)
+    return DemoResult(run_id=run_id, steps_written=result.steps_written,
+                      wall_s=time.monotonic() - started)

@@ -1,30 +1,25 @@
 """The fault gallery: every fault of ``probewire.deploy.demo.faults`` on the real pipeline.
 
-Each test runs the 2-rank demo (gloo DDP -> OTLP -> Kafka -> Faust -> chdb) for a short
-run with one fault at step ``FAULT_STEP`` and checks the fault's documented signature:
-the P0 alert that pages and its step, what ``probewire explain`` names, and that no other
-P0 alert fires. A fault-free run of ``HEALTHY_STEPS`` steps must raise no alert at all.
-
-The stores are written by the stream worker (another process), so they are read back in
-fresh processes (chdb opens one data directory per process): ``read_store`` for SQL and
-``probewire explain --format json`` for the explanation.
+One broker, one stream worker and one store for the whole module (``Gallery``): each
+fault trains the 2-rank demo (gloo DDP -> OTLP -> Kafka -> Faust -> chdb) as its own run
+id, with the fault at step ``FAULT_STEP``; a fault-free run of ``HEALTHY_STEPS`` steps is
+one more run id. Once every run the selected tests need has trained, the worker stops and
+one fresh process reads everything back (chdb: one process per data directory): the page
+records, the straggler's rank per step, and ``probewire explain`` at each fault's page.
+Each test checks a fault's documented signature: the P0 alert that pages and its step,
+what explain names, and that no other P0 alert fires; the fault-free run must page nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from probewire.deploy.demo.faults import FAULTS, Straggler, demo_train_args, parse_fault
-from probewire.deploy.demo.run import run_demo
-from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.stream.signals import DetectorConfig
-from probewire.stream.stage2 import Stage2Config
+from probewire.deploy.demo.gallery import Explain, Gallery, read_gallery
 
 pytestmark = pytest.mark.integration
 
@@ -33,21 +28,7 @@ STEPS = 150
 HEALTHY_STEPS = 2000
 WINDOW = 50          # detector window: short runs, the detectors are warm by FAULT_STEP
 DB = "probewire"
-
-
-def _settings(store: Path) -> Settings:
-    return Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/"),
-                                                  database=DB),
-                    stream=StreamSettings(stage2=Stage2Config(detectors=DetectorConfig(window=WINDOW))))
-
-
-def _explain(store: Path, run_id: str, step: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "probewire.deploy.cli", "explain", "--run", run_id,
-         "--step", str(step), "--store", str(store), "--format", "json"],
-        capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"probewire explain failed: {out.stderr}"
-    return json.loads(out.stdout)
+HEALTHY = "healthy"
 
 
 def _traces(trace: Path) -> dict[int, dict[int, dict]]:
@@ -55,22 +36,53 @@ def _traces(trace: Path) -> dict[int, dict[int, dict]]:
         json.loads, (trace / f"rank{rank}.jsonl").read_text().splitlines())} for rank in (0, 1)}
 
 
-def _run(base: Path, read_store, spec: str, steps: int):
-    store = base / "store"
-    result = run_demo(_settings(store), ranks=2, steps=steps, work_dir=base / "run",
-                      trace=base / "trace",
-                      extra_train_args=demo_train_args([spec] if spec else []),
-                      show_progress=False, bootstrap=os.environ.get("KAFKA_BOOTSTRAP"))
-    assert result.steps_written == steps
-    alerts = read_store(store, f"SELECT step, signal, culprit, value, baseline, z FROM "
-                               f"{DB}.alerts WHERE run_id = '{result.run_id}' ORDER BY step")
-    return result, store, alerts
+def _needed(session: pytest.Session) -> list[str]:
+    """The runs the selected tests of this module read: their fault, or the healthy run."""
+    names: list[str] = []
+    for item in session.items:
+        if item.module is None or item.module.__name__ != __name__:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        name = params.get("name") or getattr(item.function, "run", None)
+        if name and name not in names:
+            names.append(name)
+    return names
 
 
-def _straggler_ranks(store: Path, run_id: str, read_store) -> dict[int, int]:
-    rows = read_store(store, f"SELECT step, straggler_rank FROM {DB}.step_metrics FINAL "
-                             f"WHERE run_id = '{run_id}' ORDER BY step")
-    return {r["step"]: r["straggler_rank"] for r in rows}
+@pytest.fixture(scope="module")
+def gallery(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """{name: (fault or None, alerts, straggler rank by step, explanation, traces)} for
+    every run the selected tests need, trained through one stack and read in one process."""
+    base = tmp_path_factory.mktemp("gallery")
+    names = _needed(request.session)
+    with Gallery(base, window=WINDOW, database=DB,
+                 bootstrap=os.environ.get("KAFKA_BOOTSTRAP")) as g:
+        for name in names:
+            if name == HEALTHY:
+                result = g.run(HEALTHY, steps=HEALTHY_STEPS, timeout_s=1800)
+                steps = HEALTHY_STEPS
+            else:
+                fault = parse_fault(f"{name}@{FAULT_STEP}")
+                steps = FAULT_STEP + fault.duration if isinstance(fault, Straggler) else STEPS
+                result = g.run(name, steps=steps, trace=base / name / "trace",
+                               train_args=demo_train_args([f"{name}@{FAULT_STEP}"]))
+            assert result.steps_written == steps, name
+    explains = [Explain(n, FAULTS[n].signal, FAULT_STEP, WINDOW) for n in names if n in FAULTS]
+    read = read_gallery(g.store, {
+        "alerts": f"SELECT run_id, step, signal, culprit, value, baseline, z, message FROM "
+                  f"{DB}.alerts FINAL ORDER BY run_id, step, signal",
+        "straggler": f"SELECT run_id, step, straggler_rank FROM {DB}.step_metrics FINAL "
+                     f"WHERE run_id = '{Straggler.name}' ORDER BY step"}, explains, DB)
+    out = {}
+    for name in names:
+        alerts = [a for a in read["sql"]["alerts"] if a["run_id"] == name]
+        straggler = {r["step"]: r["straggler_rank"] for r in read["sql"]["straggler"]
+                     if r["run_id"] == name}
+        trace = base / name / "trace"
+        out[name] = (FAULTS.get(name) and parse_fault(f"{name}@{FAULT_STEP}"), alerts,
+                     straggler, read["explain"].get(name),
+                     _traces(trace) if trace.exists() else None)
+    return out
 
 
 def _check_pages(name: str, fault, alerts: list[dict], check_culprit: bool = True) -> int:
@@ -95,26 +107,6 @@ def _check_pages(name: str, fault, alerts: list[dict], check_culprit: bool = Tru
     return first
 
 
-_RUNS: dict[str, tuple] = {}
-
-
-@pytest.fixture(scope="module")
-def fault_run(tmp_path_factory: pytest.TempPathFactory, read_store):
-    """``fault_run(name) -> (fault, run_id, store, alerts, traces)``: one demo per fault,
-    shared by the tests of that fault."""
-    def get(name: str):
-        if name not in _RUNS:
-            fault = parse_fault(f"{name}@{FAULT_STEP}")
-            base = tmp_path_factory.mktemp(name.replace("-", "_"))
-            steps = FAULT_STEP + fault.duration if isinstance(fault, Straggler) else STEPS
-            result, store, alerts = _run(base, read_store, f"{name}@{FAULT_STEP}", steps)
-            _RUNS[name] = (fault, result.run_id, store, alerts, _traces(base / "trace"))
-        return _RUNS[name]
-
-    yield get
-    _RUNS.clear()
-
-
 def _gap(name: str):
     reason = FAULTS[name].explain_gap
     return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason)) \
@@ -122,26 +114,26 @@ def _gap(name: str):
 
 
 @pytest.mark.parametrize("name", [n for n in FAULTS if n != Straggler.name])
-def test_fault_pages_its_signal_at_its_step(name: str, fault_run):
-    fault, _, _, alerts, _ = fault_run(name)
+def test_fault_pages_its_signal_at_its_step(name: str, gallery):
+    fault, alerts, _, _, _ = gallery[name]
     _check_pages(name, fault, alerts)
 
 
-def test_straggler_pages_step_time(fault_run):
+def test_straggler_pages_step_time(gallery):
     """`step_time` pages within the fault's ``within`` steps naming the slow rank, on any
-    host: the straggler rule (the same rank's own-time ratio over ``straggler_ratio`` for
-    ``straggler_steps`` consecutive steps) does not depend on the step time's own noise,
-    which keeps the spike rule (z > 8 on log step time) silent on a busy shared host."""
-    fault, _, _, alerts, _ = fault_run(Straggler.name)
+    host: the straggler rule (the rank's own-time ratio at least ``straggler_ratio`` x its
+    own baseline on ``straggler_steps`` consecutive steps) does not depend on the step
+    time's own noise."""
+    fault, alerts, _, _, _ = gallery[Straggler.name]
     _check_pages(fault.name, fault, alerts)
 
 
+test_straggler_pages_step_time.run = Straggler.name  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("name", [_gap(n) for n in FAULTS])
-def test_explain_names_the_culprit(name: str, fault_run):
-    fault, run_id, store, alerts, _ = fault_run(name)
-    pages = [a["step"] for a in alerts if a["signal"] == fault.signal]
-    step = pages[0] if pages else FAULT_STEP
-    explanation = _explain(store, run_id, step)
+def test_explain_names_the_culprit(name: str, gallery):
+    fault, _, _, explanation, _ = gallery[name]
     expected = fault.explain_culprit()
     named = [(f["signal"], f["culprit"], f["moved"], f["onset_step"])
              for f in explanation["findings"] if f["stage"] == fault.explain_stage
@@ -153,10 +145,10 @@ def test_explain_names_the_culprit(name: str, fault_run):
                f"headline: {explanation['headline']}"
 
 
-def test_straggler_comm_wait_names_the_slow_rank(fault_run):
+def test_straggler_comm_wait_names_the_slow_rank(gallery):
     """Step time minus the rank's own wait on DDP's gradient all-reduce (the comm hook of
     train.py, written to the trace) names the straggler on every slow step."""
-    fault, _, _, _, traces = fault_run(Straggler.name)
+    fault, _, _, _, traces = gallery[Straggler.name]
     for step in range(FAULT_STEP, FAULT_STEP + fault.duration):
         own = {r: traces[r][step]["step_time_s"] - traces[r][step]["comm_wait_s"]
                for r in (0, 1)}
@@ -165,20 +157,26 @@ def test_straggler_comm_wait_names_the_slow_rank(fault_run):
         assert traces[1 - fault.rank][step]["comm_wait_s"] > 0.5 * fault.delay_s, step
 
 
-def test_straggler_step_time_alert_names_the_slow_rank(fault_run, read_store):
+test_straggler_comm_wait_names_the_slow_rank.run = Straggler.name  # type: ignore
+
+
+def test_straggler_step_time_alert_names_the_slow_rank(gallery):
     """The alert's culprit and explain's step-time culprit are both ``straggler_rank``;
     it must name the slow rank on every slow step (a coin toss passes 10 steps 1 in 1024)."""
-    fault, run_id, store, alerts, _ = fault_run(Straggler.name)
+    fault, alerts, ranks, _, _ = gallery[Straggler.name]
     pages = [a for a in alerts if a["signal"] == "step_time"]
     assert pages and all(a["culprit"] == f"rank {fault.rank}" for a in pages)
-    ranks = _straggler_ranks(store, run_id, read_store)
     slow = range(FAULT_STEP, FAULT_STEP + fault.duration)
     assert [ranks[s] for s in slow] == [fault.rank] * len(slow)
 
 
+test_straggler_step_time_alert_names_the_slow_rank.run = Straggler.name  # type: ignore
+
+
 @pytest.mark.slow
-def test_fault_free_run_raises_no_p0_alert(tmp_path_factory: pytest.TempPathFactory,
-                                           read_store):
-    base = tmp_path_factory.mktemp("healthy")
-    result, store, alerts = _run(base, read_store, "", HEALTHY_STEPS)
+def test_fault_free_run_raises_no_p0_alert(gallery):
+    _, alerts, _, _, _ = gallery[HEALTHY]
     assert alerts == [], [(a["step"], a["signal"], a["culprit"]) for a in alerts]
+
+
+test_fault_free_run_raises_no_p0_alert.run = HEALTHY  # type: ignore[attr-defined]

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from probewire.sinks import ClickHouseSink, connect
-from probewire.sinks.testing import BadRank, recorded_run, write_recorded_run
+from probewire.deploy.demo.faults import BadRank
+from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 
 pytestmark = pytest.mark.integration
 
@@ -72,8 +73,8 @@ def test_the_sink_rides_out_a_store_outage_without_losing_or_duplicating_rows(
 
 
 def test_first_screen_equals_the_values_reduced_by_the_stream(ch_client, sink) -> None:
-    run = recorded_run("rec-1", steps=40, faults=(BadRank(2, 20, 1.4),))
-    write_recorded_run(sink, run)
+    run = simulated_run("rec-1", steps=40, faults=(BadRank(rank=2, step=20),))
+    write_simulated_run(sink, run)
     columns = ("step", "tokens", "loss", "loss_worst_rank", "loss_worst_rank_id", "grad_norm",
                "clip_rate", "cospike_count", "step_time_s", "tokens_per_s", "compute_rate",
                "straggler_score", "peak_memory_bytes", "moe_maxvio", "output_absmax")
@@ -90,8 +91,8 @@ def test_first_screen_equals_the_values_reduced_by_the_stream(ch_client, sink) -
 
 def test_retained_detail_is_promoted_and_matches_the_step_values(ch_client, sink) -> None:
     """L recomputed in SQL from the promoted per-rank components equals the view's L."""
-    run = recorded_run("rec-2", steps=30, retain_every=10)
-    write_recorded_run(sink, run)
+    run = simulated_run("rec-2", steps=30, retain_every=10)
+    write_simulated_run(sink, run)
     db = sink.database
     got = ch_client.query(f"""
         SELECT f.step, f.loss, r.loss FROM {db}.first_screen AS f

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from probewire.sinks import ClickHouseSink
-from probewire.sinks.testing import ExplodingLayer, recorded_run, write_recorded_run
+from probewire.deploy.demo.faults import LayerExplosion
+from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "grafana" / "probewire-first-screen.json"
@@ -103,7 +104,8 @@ def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
         dashboard, ch_client, ch_database) -> None:
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
-    write_recorded_run(sink, recorded_run(RUN, steps=150, faults=(ExplodingLayer(1, 130),)))
+    write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
+        LayerExplosion(layer=1, step=130, scale=50.0),)))
     results = {where: ch_client.query(_concrete(sql, ch_database))
                for where, sql in _queries(dashboard)}
     for panel in _first_screen(dashboard):

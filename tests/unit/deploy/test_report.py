@@ -12,7 +12,8 @@ from probewire.deploy.cli import main
 from probewire.deploy.report import (PANELS, RunNotFound, load_first_screen,
                                      render_first_screen, write_report)
 from probewire.sinks import ClickHouseSink
-from probewire.sinks.testing import ExplodingLayer, recorded_run, write_recorded_run
+from probewire.deploy.demo.faults import LayerExplosion
+from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 
 RUN = "report-run"
 
@@ -21,7 +22,8 @@ RUN = "report-run"
 def store(ch_client, ch_database):
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
-    write_recorded_run(sink, recorded_run(RUN, steps=150, faults=(ExplodingLayer(2, 130),)))
+    write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
+        LayerExplosion(layer=2, step=130, scale=50.0),)))
     return ch_client, ch_database
 
 
@@ -52,7 +54,7 @@ def test_anomalies_are_marked_on_their_panels_at_their_tokens(store) -> None:
         return [x for line in panels[key].get_lines() if line.get_gid() == "anomaly"
                 for x in line.get_xdata()]
 
-    assert sorted(marks("grad")) == [tokens[129], tokens[130]]
+    assert sorted(marks("grad")) == [tokens[130]]
     assert marks("cospike") == [tokens[130]]
     assert marks("loss") == [tokens[130]]
     assert marks("memory") == []
@@ -93,6 +95,6 @@ def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_pat
     assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url,
                  "--format", "json"]) == 0
     out = capsys.readouterr().out
-    assert '"first": "grad_norm"' in out
+    assert '"first": "cospike_count"' in out and '"signal": "cospike"' in out
     assert main(["report", "--run", "nope", "--clickhouse-url", store_url]) == 2
     assert "has no steps" in capsys.readouterr().err

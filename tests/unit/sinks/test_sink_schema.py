@@ -10,7 +10,7 @@ import pytest
 
 from probewire.sinks import TABLE_COLUMNS, TABLES, VIEWS, ClickHouseSink
 from probewire.stream import derive
-from probewire.sinks.testing import recorded_run
+from probewire.deploy.demo.simulate import simulated_run
 
 
 @pytest.fixture()
@@ -89,7 +89,7 @@ def test_sensitive_artifacts_exist_only_when_opted_in_with_their_ttl(ch_client, 
 
 
 def test_every_column_the_stream_writes_is_known_to_the_writer() -> None:
-    run = recorded_run("cols", steps=12, retain_every=5)
+    run = simulated_run("cols", steps=12, retain_every=5)
     for table, rows in run.tables.items():
         assert set().union(*rows) <= set(TABLE_COLUMNS[table]), table
 

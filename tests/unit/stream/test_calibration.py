@@ -15,7 +15,7 @@ def reference_threshold(values, window, quantile, margin):
         past = u[t - window:t]
         q = np.median(past)
         d = np.median(np.abs(past - q))
-        z.append(0.6745 * abs(u[t] - q) / (d + 1e-8))
+        z.append(0.6745 * abs(u[t] - q) / max(d, 1e-3))  # the spread floor, relative
     return margin * float(np.quantile(z, quantile))
 
 

@@ -16,6 +16,7 @@ from probewire.stream.detect import (
 )
 
 EPS = 1e-8
+FLOOR = 1e-3  # the spread floor on log values (0.1% of the level)
 
 
 def reference_scores(xs, window, min_history, threshold=6.0, eps=EPS):
@@ -33,7 +34,7 @@ def reference_scores(xs, window, min_history, threshold=6.0, eps=EPS):
             win = np.array(kept[-window:])
             q = np.median(win)
             d = np.median(np.abs(win - q))
-            z = 0.6745 * abs(u - q) / (d + eps)
+            z = 0.6745 * abs(u - q) / max(d, FLOOR)
             out.append((q, d, z, bool(u > q and z > threshold), False))
         kept.append(u)
     return out
@@ -85,17 +86,28 @@ def test_current_value_is_not_in_its_own_window():
     assert det.update(3.0).median == pytest.approx(np.log(3.0 + EPS), rel=1e-15)
 
 
-def test_constant_series_tiny_change_scores_against_eps():
+def test_a_constant_series_scores_a_move_against_the_floor_relative_to_the_level():
+    """D = 0: z is the move in units of the floor (0.1% of the level), never millions."""
     det = RobustSpikeDetector(window=5)
     for _ in range(5):
-        det.update(1.0)
-    same = det.update(1.0)
+        det.update(1.0e9)
+    same = det.update(1.0e9)
     assert (same.mad, same.z, same.spike, same.direction) == (0.0, 0.0, False, 0)
-    moved = det.update(1.0 + 1e-6)
-    expected = 0.6745 * (np.log(1.0 + 1e-6 + EPS) - np.log(1.0 + EPS)) / EPS
-    assert moved.mad == 0.0
+    tiny = det.update(1.0e9 * (1 + 1e-6))
+    assert tiny.mad == 0.0 and tiny.z == pytest.approx(0.6745 * 1e-6 / FLOOR, rel=1e-6)
+    assert not tiny.spike
+    moved = det.update(1.05e9)  # a 5% step of a constant series (a memory high-water mark)
+    expected = 0.6745 * (np.log(1.05e9 + EPS) - np.log(1.0e9 + EPS)) / FLOOR
     assert moved.z == pytest.approx(expected, rel=1e-9)
-    assert moved.z > 60.0 and moved.spike and moved.direction == 1
+    assert 30 < moved.z < 40 and moved.spike and moved.direction == 1
+
+
+def test_push_adds_to_the_window_without_scoring():
+    pushed, updated = RobustSpikeDetector(window=5), RobustSpikeDetector(window=5)
+    for x in (1.0, 2.0, 3.0, 4.0, 5.0, math.nan):
+        pushed.push(x)
+        updated.update(x)
+    assert pushed.to_state() == updated.to_state()
 
 
 def test_nan_in_middle_is_flagged_and_skipped():

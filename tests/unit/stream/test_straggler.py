@@ -1,16 +1,21 @@
 """The straggler: stage 2 names it by its own time (step time minus its exposed collective
-wait), and `step_time` pages when the same rank stays ahead by a ratio for a few steps."""
+wait, the wait clamped into the step and the own time floored), and `step_time` pages
+when one rank's own-time ratio stands above that rank's own baseline: by a large factor on
+a few consecutive steps, or by a moderate one on three steps in four of a longer span."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.signals import DetectorConfig, SignalDetectors
+from probewire.stream.derive import OWN_FLOOR, own_time_ratios, own_times
+from probewire.stream.detect import RankLevels
+from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
 from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view
 
 
@@ -26,13 +31,17 @@ def item(step: int, taus: list[float], waits: list[dict[str, float]]):
     return reduce_step("run", step, len(taus), out, "all_ranks")
 
 
-def reference(taus: list[float], waits: list[dict[str, float]]) -> tuple[int, float | None]:
+def reference_own(taus, waits) -> np.ndarray:
     tau = np.asarray(taus, dtype=np.float64)
     wait = np.array([sum(w.values()) for w in waits], dtype=np.float64)
-    own = np.maximum(tau - wait, 0.0)
+    return np.maximum(tau - np.clip(wait, 0.0, tau), OWN_FLOOR * tau)
+
+
+def reference(taus, waits) -> tuple[int, float | None]:
+    own = reference_own(taus, waits)
     k = int(np.argmax(own))
     others = np.delete(own, k)
-    return k, (float(own[k] / (np.median(others) + 1e-12)) if others.size else None)
+    return k, (float(own[k] / np.median(others)) if others.size else None)
 
 
 def test_the_straggler_is_the_largest_own_time_not_the_largest_step_time():
@@ -57,6 +66,7 @@ def test_the_straggler_is_the_largest_own_time_not_the_largest_step_time():
     ([3.30, 3.31], [{"ddp_allreduce": 0.01}, {"ddp_allreduce": 3.00}]),
     ([0.2, 0.5, 0.3], [{}, {}, {}]),                                       # no wait at all
     ([0.25, 0.21, 0.22, 0.24, 0.9], [{"ddp_allreduce": 0.01}] * 4 + [{}]),
+    ([0.2, 0.2, 0.2], [{"ddp_allreduce": 0.25}, {"ddp_allreduce": 0.05}, {}]),  # w > tau
 ])
 def test_straggler_rank_and_score_match_a_float64_reference(taus, waits):
     view, _ = p0_view(item(3, taus, waits))
@@ -64,9 +74,30 @@ def test_straggler_rank_and_score_match_a_float64_reference(taus, waits):
     assert view["straggler_rank"] == rank
     assert view["straggler_own_ratio"] == pytest.approx(score, rel=1e-12)
     assert view["straggler_score"] == pytest.approx(max(taus) / np.median(taus), rel=1e-7)
-    if len(taus) == 2:
-        own = np.asarray(taus) - [sum(w.values()) for w in waits]
-        assert view["straggler_own_ratio"] == pytest.approx(own.max() / own.min(), rel=1e-10)
+
+
+def test_a_wait_longer_than_the_step_is_clamped_and_the_ratio_stays_bounded():
+    """Skew: rank 0 reports a wait at or beyond its step (the old own time 0 gave 2e11)."""
+    taus = {0: 0.10, 1: 0.11, 2: 0.10}
+    waits = {0: 0.13, 1: 0.02, 2: -0.5}  # longer than the step; negative (a clock step)
+    own = own_times(taus, waits)
+    assert own == pytest.approx({0: OWN_FLOOR * 0.10, 1: 0.09, 2: 0.10}, rel=1e-12)
+    ratios = own_time_ratios(own)
+    ref = {r: own[r] / np.median([own[j] for j in own if j != r]) for r in own}
+    assert ratios == pytest.approx(ref, rel=1e-12)
+    assert max(ratios.values()) <= 1 / OWN_FLOOR * 1.2
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+def test_leave_one_out_ratios_match_numpy(n):
+    rng = np.random.default_rng(n)
+    own = {r: float(v) for r, v in zip(rng.permutation(50)[:n], rng.exponential(1.0, n))}
+    got = own_time_ratios(own)
+    ranks = list(own)
+    values = np.array([own[r] for r in ranks])
+    for i, r in enumerate(ranks):
+        assert got[r] == pytest.approx(values[i] / np.median(np.delete(values, i)), rel=1e-12)
+    assert own_time_ratios({0: 1.0}) == {}
 
 
 def test_a_single_rank_is_its_own_straggler_with_no_score():
@@ -74,75 +105,148 @@ def test_a_single_rank_is_its_own_straggler_with_no_score():
     assert view["straggler_rank"] == 0 and view["straggler_own_ratio"] is None
 
 
-def view(rank: int | None, score: float | None) -> dict:
-    """The P0 view fields the straggler rule reads (no loss, no step-time spike rule)."""
+# -- each rank against its own history ---------------------------------------------------------
+def reference_held(series: dict[int, list[tuple[int, float]]], rank: int, step: int,
+                   window: int, recent: int, min_history: int, steps: int, q: float):
+    """From the explicit list of a rank's (step, rho): history = the up to ``window`` values
+    before its last ``recent`` ones, b = max(0, their median) (parity at least); held =
+    exp(quantile(log rho of the last ``steps``) - b)."""
+    values = series[rank]
+    u = np.log(np.array([v for _, v in values], dtype=np.float64))
+    history = u[:-recent][-window:] if len(u) > recent else u[:0]
+    if history.size < min_history:
+        return None
+    last = values[-steps:]
+    if len(last) < steps or last[-1][0] != step or last[-1][0] - last[0][0] != steps - 1:
+        return None
+    return math.exp(float(np.quantile(u[-steps:], q)) - max(0.0, float(np.median(history))))
+
+
+def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
+    rng = np.random.default_rng(7)
+    levels = RankLevels(window=12, recent=6, min_history=5)
+    series: dict[int, list[tuple[int, float]]] = {0: [], 1: [], 2: []}
+    for step in range(60):
+        ratios = {r: float(np.exp(rng.normal(0.3 * (r == 1 and step > 40) - 0.1 * r, 0.2)))
+                  for r in range(3) if not (r == 2 and step % 9 == 0)}  # rank 2: gaps
+        levels.update(step, ratios)
+        for r, v in ratios.items():
+            series[r].append((step, v))
+        if step == 30:  # a worker restart: the state is all the detector keeps
+            levels = RankLevels.from_state(json.loads(json.dumps(levels.to_state())))
+        for r in range(3):
+            for steps, q in ((3, 0.0), (6, 0.25), (6, 0.5)):
+                want = reference_held(series, r, step, 12, 6, 5, steps, q)
+                got = levels.held(r, steps, q)
+                assert (got is None) == (want is None), (step, r, steps)
+                if want is not None:
+                    assert got == pytest.approx(want, rel=1e-12)
+
+
+# -- the rule ---------------------------------------------------------------------------------
+CFG = DetectorConfig(window=10, straggler_ratio=3.0, straggler_steps=3, straggler_held_ratio=1.4,
+                     straggler_held_steps=8, straggler_held_quantile=0.25, rearm_steps=0)
+
+
+def quiet_view() -> dict:
     return {"loss": None, "grad_norm": None, "ranks_missing": [], "loss_worst_rank": None,
-            "step_time_s": None, "straggler_rank": rank, "straggler_own_ratio": score}
+            "step_time_s": None}
 
 
-def straggler_pages(det: SignalDetectors, steps: list[tuple[int, int | None, float | None]]):
+def pages(det: SignalDetectors, ratios_by_step: list[dict[int, float]], start: int = 0):
     out = []
-    for step, rank, score in steps:
-        _, findings = det.observe(step, view(rank, score), {})
-        out += [(step, f.culprit, f.value) for f in findings
-                if f.signal == "step_time" and f.kind == "straggler"]
+    for step, ratios in enumerate(ratios_by_step, start=start):
+        _, findings = det.observe(step, quiet_view(), {}, RankSeries(own_ratio=ratios))
+        out += [(step, f.culprit, round(f.value, 6)) for f in findings
+                if f.signal == "step_time" and f.kind == "straggler" and f.page]
     return out
 
 
-# rearm 0: every finding passes the once-per-episode gate, so the rule itself shows
-CFG = DetectorConfig(straggler_ratio=2.0, straggler_steps=3, rearm_steps=0)
+def steady(n: int, rng: np.random.Generator, ranks: int = 3) -> list[dict[int, float]]:
+    return [{r: float(np.exp(rng.normal(0, 0.05))) for r in range(ranks)} for _ in range(n)]
 
 
-def test_the_rule_fires_on_the_kth_consecutive_step_of_the_same_rank_not_before():
-    det = SignalDetectors(CFG)
-    got = straggler_pages(det, [(0, 1, 1.2), (1, 1, 2.5), (2, 1, 2.0), (3, 1, 7.0),
-                                (4, 1, 6.0), (5, 1, 1.9), (6, 1, 3.0)])
-    assert got == [(3, "rank 1", 7.0), (4, "rank 1", 6.0)]  # steps 1-3: the third at 3
+def test_a_gross_straggler_pages_on_the_kth_consecutive_step():
+    rng = np.random.default_rng(1)
+    warm = steady(20, rng)  # the history fills once values leave the recent span (8 steps)
+    slow = [{0: 1.0, 1: 4.0, 2: 1.0}, {0: 1.0, 1: 5.0, 2: 1.0}, {0: 1.0, 1: 4.5, 2: 1.0}]
+    got = pages(SignalDetectors(CFG), warm + slow)
+    assert [(s, c) for s, c, _ in got] == [(22, "rank 1")]  # the third slow step
+    assert got[0][2] == pytest.approx(4.0, rel=0.1)  # the level held on all three
 
 
-def test_a_different_rank_a_quiet_step_or_a_gap_resets_the_run():
-    det = SignalDetectors(CFG)
-    got = straggler_pages(det, [(0, 1, 3.0), (1, 1, 3.0), (2, 0, 3.0), (3, 1, 3.0),
-                                (4, 1, 3.0), (5, None, None), (6, 1, 3.0), (7, 1, 3.0),
-                                (9, 1, 3.0), (10, 1, 3.0), (11, 1, 3.0)])
-    assert got == [(11, "rank 1", 3.0)]
+def test_a_quiet_step_or_a_missing_value_resets_the_brief_rule():
+    rng = np.random.default_rng(2)
+    warm = steady(20, rng)
+    slow, quiet = {0: 1.0, 1: 5.0, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0}
+    gap = {0: 1.0, 2: 1.0}
+    assert pages(SignalDetectors(CFG), warm + [slow, slow, quiet, slow, slow, gap, slow]) == []
 
 
-def test_the_page_is_one_step_time_alert_per_episode():
-    det = SignalDetectors(DetectorConfig(straggler_ratio=2.0, straggler_steps=2, rearm_steps=5))
-    pages = []
-    for step in range(12):
-        _, findings = det.observe(step, view(1, 4.0 if step < 6 else 1.0), {})
-        pages += [(step, f.culprit) for f in findings if f.page]
-    assert pages == [(1, "rank 1")]
+def test_a_moderate_straggler_pages_once_it_holds_the_level_three_steps_in_four():
+    rng = np.random.default_rng(3)
+    warm = steady(20, rng)
+    slow = [{0: float(np.exp(rng.normal(0, 0.05))), 1: 1.6 * float(np.exp(rng.normal(0, 0.05))),
+             2: float(np.exp(rng.normal(0, 0.05)))} for _ in range(12)]
+    got = pages(SignalDetectors(CFG), warm + slow)
+    assert got and {c for _, c, _ in got} == {"rank 1"}
+    # q = 0.25 over 8 steps: at least 6 of the last 8 are slow, the 6th slow step at the
+    # earliest (step 25), by the time 8 of 8 are (step 27) at the latest
+    assert 25 <= got[0][0] <= 27 and got[0][2] == pytest.approx(1.6, rel=0.1)
 
 
-def test_the_run_survives_a_state_round_trip():
-    steps = [(10, 1, 2.5), (11, 1, 2.6), (12, 1, 2.7), (13, 1, 2.8)]
-    straight = straggler_pages(SignalDetectors(CFG), steps)
+def test_bursts_that_rotate_among_ranks_page_nobody():
+    """A loaded host: the scheduler slows one rank, then another, for a few steps each, by
+    more than the held ratio on the slow steps; no rank holds it three steps in four."""
+    rng = np.random.default_rng(4)
+    series = steady(20, rng)
+    for burst in range(12):
+        slow_rank = burst % 3
+        for step in range(6):
+            ratios = {r: float(np.exp(rng.normal(0, 0.1))) for r in range(3)}
+            if step < 4:
+                ratios[slow_rank] *= 2.0
+            series.append(ratios)
+    assert pages(SignalDetectors(CFG), series) == []
+
+
+def test_a_rank_that_is_always_a_bit_slower_is_its_own_baseline():
+    """Rank 0 does more work every step (logging, checkpoint announcements): 1.6x the others
+    from the start is its normal, not a straggler."""
+    rng = np.random.default_rng(5)
+    series = [{0: 1.6 * float(np.exp(rng.normal(0, 0.05))), 1: float(np.exp(rng.normal(0, 0.05))),
+               2: float(np.exp(rng.normal(0, 0.05)))} for _ in range(80)]
+    assert pages(SignalDetectors(CFG), series) == []
+
+
+def test_the_rule_survives_a_state_round_trip():
+    rng = np.random.default_rng(6)
+    series = steady(20, rng) + [{0: 1.0, 1: 1.7, 2: 1.0}] * 10
+    straight = pages(SignalDetectors(CFG), series)
     first = SignalDetectors(CFG)
-    assert straggler_pages(first, steps[:2]) == []
+    assert pages(first, series[:24]) == []
     state = json.loads(json.dumps(first.to_state()))  # what ClickHouse holds
     second = SignalDetectors.from_state(CFG, state)
-    assert straggler_pages(second, steps[2:]) == straight == [(12, "rank 1", 2.7),
-                                                              (13, "rank 1", 2.8)]
-    older = {k: v for k, v in state.items() if k != "straggler_run"}  # a state from before
-    assert straggler_pages(SignalDetectors.from_state(CFG, older), steps[2:3]) == []
+    assert pages(second, series[24:], start=24) == straight != []
 
 
-def run_steps(config: Stage2Config, n: int, slow_from: int, slow_for: int):
-    """Two DDP ranks; from ``slow_from`` rank 1 sleeps 3 s, rank 0 waits it out in the
-    all-reduce, so rank 0's step time is the larger one on every slow step."""
+# -- stage 2 on a synchronous DDP job -----------------------------------------------------------
+def run_steps(config: Stage2Config, n: int, slow_from: int, slow_for: int, ranks: int = 3,
+              slow_by: float = 1.5):
+    """Synchronous DDP: rank 1 is ``slow_by`` x slower from ``slow_from`` on (its compute
+    grows by half the step); the other ranks wait for it in the all-reduce, so every step
+    time carries the delay and only the own time tells who set the pace."""
     rng = np.random.default_rng(11)
     run, rows = RunPipeline("run", config), {"alerts": [], "anomalies": [], "step_metrics": []}
     for step in range(n):
-        compute = 0.1 * np.exp(rng.normal(0, 0.2, 2))
-        wait = 0.01 * np.exp(rng.normal(0, 0.3, 2))
-        taus, waits = list(compute + wait), list(wait)
+        compute = 0.1 * np.exp(rng.normal(0, 0.05, ranks))
         if slow_from <= step < slow_from + slow_for:
-            taus = [3.0 + compute[1] + 0.02, 3.0 + compute[1] + 0.01]
-            waits = [3.0 + compute[1] - compute[0] + 0.02, wait[1]]
-        out = run.accept(item(step, taus, [{"ddp_allreduce": w} for w in waits]), now=step)
+            compute[1] += (slow_by - 1.0) * 0.11
+        comm = 0.01
+        end = compute.max()
+        taus = list(end + comm + 0.002 * rng.random(ranks))
+        waits = [{"ddp_allreduce": float(end - c + comm)} for c in compute]
+        out = run.accept(item(step, taus, waits), now=step)
         for table in rows:
             rows[table] += out.rows[table]
     return rows
@@ -154,18 +258,32 @@ def small(**kw) -> Stage2Config:
                         run_idle_s=30)
 
 
-def test_a_ddp_straggler_pages_step_time_naming_the_slow_rank():
-    rows = run_steps(small(), 40, 30, 6)
-    assert [r["straggler_rank"] for r in rows["step_metrics"][30:36]] == [1] * 6
-    assert all(r["straggler_own_ratio"] > 10 for r in rows["step_metrics"][30:36])
-    assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]] == \
-        [(30, "step_time", "rank 1")]  # the spike rule on a quiet host, on the first step
-    # the spike rule out of reach (a noisy host): the straggler rule pages on the 3rd step
-    rows = run_steps(small(signal_z=1e9), 40, 30, 6)
-    assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]] == \
-        [(32, "step_time", "rank 1")]
-    kinds = [(a["step"], a["kind"]) for a in rows["anomalies"] if a["signal"] == "step_time"]
-    assert kinds == [(32, "straggler")]  # one page per episode: the rest of it is gated
+def test_a_ddp_rank_slowed_by_half_its_step_pages_step_time_naming_it():
+    # a quiet host: the job's step time spikes 1.5x on every slow step (z > 8), the spike
+    # rule pages on the third and names the rank whose own time carries the rise
+    rows = run_steps(small(straggler_held_steps=20), 140, 100, 30)
+    slow = rows["step_metrics"][100:130]
+    assert all(r["straggler_rank"] == 1 for r in slow)
+    assert all(r["straggler_score"] < 1.1 for r in slow)  # the seeds' S: ~1 under DDP
+    assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]][0] == \
+        (102, "step_time", "rank 1")
+    # the held rule fires later in the same episode: the page record is updated, not resent
+    assert {(a["step"], a["culprit"]) for a in rows["alerts"]} == {(102, "rank 1")}
+    assert "episode: 2 events" in rows["alerts"][-1]["message"]
+    # a noisy host (the spike rule out of reach): the held rule pages on its own
+    rows = run_steps(small(straggler_held_steps=20, signal_z=1e9), 140, 100, 30)
+    pages = [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]]
+    assert len(pages) == 1 and pages[0][1:] == ("step_time", "rank 1")
+    # the level held on 9 steps in 10 of the last 20: the 18th slow step at the earliest
+    assert 100 + 17 <= pages[0][0] <= 100 + 20
+    # every straggler step is recorded; only the first paged
+    kinds = [a["step"] for a in rows["anomalies"] if a["kind"] == "straggler"]
+    assert kinds[0] == pages[0][0] and len(kinds) > 1
+
+
+def test_the_same_job_without_the_slowdown_pages_nothing():
+    rows = run_steps(small(straggler_held_steps=20), 140, 10**9, 0)
+    assert rows["alerts"] == []
 
 
 def test_the_thresholds_come_from_the_settings_tree():
@@ -178,3 +296,25 @@ def test_the_thresholds_come_from_the_settings_tree():
                                "PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "5"}
                           ).stream.stage2.detectors
     assert (tuned.straggler_ratio, tuned.straggler_steps) == (2.5, 5)
+
+
+def test_the_others_are_not_stragglers_when_a_third_rank_recovers():
+    """While rank 1 straggles, ranks 0 and 2 look fast (their "others" include it) and
+    their history says so; once it recovers they are back at parity, not 2x their past."""
+    rng = np.random.default_rng(9)
+    series = steady(20, rng)
+    series += [{0: 0.5, 1: 2.0, 2: 0.5}] * 30  # rank 1 pages here (the brief rule does not)
+    series += steady(40, rng)
+    got = pages(SignalDetectors(CFG), series)
+    assert {c for _, c, _ in got} == {"rank 1"}
+
+
+def test_with_two_ranks_only_a_gross_straggler_pages():
+    """Two ranks: the other rank is the whole reference, so a moderate held ratio is not
+    told from the other rank being fast; a gross one (x straggler_ratio) still pages."""
+    rng = np.random.default_rng(10)
+    warm = steady(20, rng, ranks=2)
+    moderate = [{0: 1 / 1.6, 1: 1.6}] * 12
+    assert pages(SignalDetectors(CFG), warm + moderate) == []
+    gross = [{0: 1 / 4.0, 1: 4.0}] * 3
+    assert [c for _, c, _ in pages(SignalDetectors(CFG), warm + gross)] == ["rank 1"]
