@@ -12,6 +12,7 @@ size limit (split, P0 and all detail stored).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -22,13 +23,14 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.deploy.stack import LocalStack
+from probewire.deploy.stack import LocalStack, stop_process
 from probewire.instrument.catalog import Label, Loss, Moe, Tensor
-from probewire.instrument.export import Point, RankIdentity, StepEmitter
-from probewire.instrument.testing import MemoryTransport
+from probewire.instrument.wire import RANK_ATTR
+from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.health import HealthConfig
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
+from probewire.stream.validate import Bounds
 from probewire.stream.testing import SimRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -46,18 +48,18 @@ def settings_for(store: Path, **stream) -> Settings:
                               stage2=stage2, health=HealthConfig(stall_s=6.0), **stream))
 
 
-def encode(run: SimRun, step: int, extra=(), identity=None) -> list[tuple[bytes, bytes]]:
-    """Every rank's message of one step (real OTLP from the ranks' emitter)."""
+def encode(run: SimRun, step: int, extra=(), identity=None,
+           ranks: range | None = None) -> list[tuple[bytes, bytes]]:
+    """The messages of one step from ``ranks`` (default: every rank), encoded by the ranks'
+    own wire encoder (the emitter's thread and queue add nothing to test here)."""
     out = []
-    for rank in range(run.world_size):
-        transport = MemoryTransport()
-        emitter = StepEmitter(identity(rank) if identity else RankIdentity(
+    for rank in range(run.world_size) if ranks is None else ranks:
+        who = identity(rank) if identity else RankIdentity(
             run_id=run.run_id, rank=rank, world_size=run.world_size, host=f"h{rank}",
-            coords={"dp": rank}), transport)
-        points = [Point(n, v) for n, v in run.components(step, rank).items()]
-        emitter.emit(step, points + list(extra))
-        emitter.close()
-        out += transport.messages
+            coords={"dp": rank})
+        points = [Point(n, v) for n, v in run.components(step, rank).items()] + list(extra)
+        out.append((message_key(who.run_id, step),
+                    WireEncoder(who.resource_attributes()).encode(step, points)))
     return out
 
 
@@ -74,6 +76,17 @@ def wait_for(stack: LocalStack, run_id: str, steps: int, timeout_s: float = 90.0
         assert stack.worker.poll() is None, "the worker exited"
         time.sleep(0.2)
     assert stack.progress(run_id) >= steps, stack.heartbeat_path.read_text()
+
+
+def wait_stored(stack: LocalStack, table: str, rows: int, timeout_s: float = 30.0) -> None:
+    """Until the worker has stored ``rows`` rows of ``table`` (its heartbeat says so)."""
+    def stored() -> int:
+        beat = json.loads(stack.heartbeat_path.read_text())
+        return beat.get("stages", {}).get(table, {}).get("outputs", 0)
+    deadline = time.monotonic() + timeout_s
+    while stored() < rows and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stored() >= rows, stack.heartbeat_path.read_text()
 
 
 def health(stack: LocalStack) -> subprocess.CompletedProcess:
@@ -143,34 +156,46 @@ def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
 
 def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
         stack, kafka_bootstrap, read_store, scratch_dir):
-    s = stack()
+    s = stack(bounds=Bounds(max_label_values=20))
     run = SimRun(run_id=f"poison-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=3)
+    one = range(1)
+    other = SimRun(run_id=run.run_id, world_size=RANKS)
     bad_expert = [Point(Moe.EXPERT_TOKENS, 5.0, ((Label.LAYER, "0"), (Label.EXPERT, "-1")))]
+    word_rank = RankIdentity(run_id=run.run_id, rank=1, world_size=RANKS).resource_attributes()
+    word_rank[RANK_ATTR] = "one"
     poison = [
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 3, bad_expert)[:1],
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 2 ** 62)[:1],
-        encode(SimRun(run_id=f"huge-{uuid.uuid4().hex[:4]}", world_size=5_000_000), 0,
-               identity=lambda r: RankIdentity(run_id="huge", rank=0,
-                                               world_size=5_000_000))[:1],
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 4, identity=lambda r: RankIdentity(
-            run_id=run.run_id, rank=1, world_size=RANKS + 1))[:1],
-        # a null payload is left out: the current decoder raises TypeError on it (see
-        # tests/unit/stream/test_poison.py; the new wire decoder dead-letters it)
+        encode(other, 3, bad_expert, ranks=one),
+        encode(other, 2 ** 62, ranks=one),
+        encode(SimRun(run_id="huge", world_size=5_000_000), 0, ranks=one),
+        encode(other, 4, ranks=range(1, 2), identity=lambda r: RankIdentity(
+            run_id=run.run_id, rank=r, world_size=RANKS + 1)),
         [(f"{run.run_id}:5".encode(), b"\x00garbage")],
+        [(f"{run.run_id}:5".encode(), None)] * 20,     # null payloads, one letter each
+        [(f"{run.run_id}:5".encode(), WireEncoder(word_rank).encode(
+            5, [Point(n, v) for n, v in other.components(5, 1).items()]))],
     ]
     good = [m for step in range(12) for m in encode(run, step)]
+    # rank 0 of step 6 names 30 loss sources: 20 are kept, the other 10 are dropped (one
+    # dead letter with the reason) and the rest of its message is reduced as usual
+    sources = [Point(name, 1.0, ((Label.SOURCE, f"src{i}"),))
+               for i in range(30) for name in (Loss.SUM, Loss.TOKENS)]
+    good[24:25] = encode(run, 6, sources, ranks=one)
     produce(kafka_bootstrap, good[:20] + [m for p in poison for m in p] + good[20:])
     wait_for(s, run.run_id, 12)
-    time.sleep(2.5)  # the dead-letter agent batches for up to 1 s
+    wait_stored(s, "dead_letters", 1 + sum(map(len, poison)))
     s.stop()
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(12)))
     letters = read_store(store, "SELECT reason FROM probewire.dead_letters FINAL")
-    assert len(letters) == len(poison), letters
+    assert len(letters) == 1 + sum(map(len, poison)), letters
     reasons = " | ".join(sorted(r["reason"] for r in letters))
     for expected in ("label expert", "step 4611686018427387904", "world size 5000000",
-                     "disagrees", "not an OTLP"):
+                     "disagrees", "not an OTLP", "empty payload", "must be an integer",
+                     "label source"):
         assert expected in reasons, reasons
+    kept = read_store(store, "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
+                             f"WHERE run_id = '{run.run_id}' GROUP BY step")
+    assert [(r["step"], r["n"]) for r in kept] == [(6, 20)]
 
 
 def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everything(
@@ -199,17 +224,27 @@ def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everythin
     assert_exact(read_store, scratch_dir / "store", run, list(range(15)))
 
 
-def test_health_fails_while_an_agent_is_crashed(stack, kafka_bootstrap, monkeypatch):
+def test_health_fails_while_an_agent_is_crashed_and_a_restart_stores_its_input(
+        stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch):
     monkeypatch.setenv("PROBEWIRE_FAULT_CRASH_AGENT", "per_run")
-    s = stack()
-    assert health(s).returncode == 0
+    s = stack()  # (a fresh group: it may crash at once on another test's steps)
     run = SimRun(run_id=f"crash-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
-    produce(kafka_bootstrap, encode(run, 0))
+    produce(kafka_bootstrap, [m for step in range(5) for m in encode(run, step)])
     deadline = time.monotonic() + 30
     while health(s).returncode == 0 and time.monotonic() < deadline:
         time.sleep(0.3)
     result = health(s)
     assert result.returncode == 1 and "agent per_run crashed" in result.stderr, result
+    time.sleep(1.5)  # Faust restarted the agent; the worker must stay unhealthy
+    assert health(s).returncode == 1
+    # what an orchestrator does on a failing liveness check: kill, start again
+    stop_process(s.worker, signal.SIGKILL)
+    monkeypatch.delenv("PROBEWIRE_FAULT_CRASH_AGENT")
+    s.start_worker()
+    wait_for(s, run.run_id, 5)
+    assert health(s).returncode == 0
+    s.stop()
+    assert_exact(read_store, scratch_dir / "store", run, list(range(5)))
 
 
 def test_a_step_over_the_message_limit_is_split_and_stored_whole(
