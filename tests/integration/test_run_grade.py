@@ -268,3 +268,35 @@ def test_a_step_over_the_message_limit_is_split_and_stored_whole(
     rows = read_store(store, "SELECT count() AS n FROM probewire.tensor_stats FINAL "
                              f"WHERE run_id = '{run.run_id}' AND step = 0")
     assert rows == [{"n": 40}]
+
+
+def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step_once(
+        read_store, scratch_dir):
+    """docs/deployment.md, "The broker restarts" (Tansu, memory storage): topics recreated
+    (with the broker), the worker restarted, the ranks re-send after the last stored step
+    with a generous window; nothing is lost and nothing stored twice."""
+    store = scratch_dir / "store"
+    s = LocalStack(settings_for(store), scratch_dir / "run")
+    try:
+        bootstrap = s.start_broker()
+        s.start_worker()
+        run = SimRun(run_id=f"restart-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=7)
+        produce(bootstrap, [m for step in range(15) for m in encode(run, step)])
+        wait_for(s, run.run_id, 10)
+        s.restart_broker()  # mid-run: steps 10..14 may be anywhere between rank and store
+        stop_process(s.worker, signal.SIGTERM, 30.0)  # (2) restart the worker
+        [last] = read_store(store, "SELECT max(step) AS m FROM probewire.step_metrics FINAL "
+                                   f"WHERE run_id = '{run.run_id}'")
+        assert 9 <= last["m"] <= 14
+        s.start_worker()
+        # (3) the ranks re-send after the last stored step, with a window of 5 before it
+        produce(bootstrap, [m for step in range(last["m"] - 5, 20) for m in encode(run, step)])
+        deadline = time.monotonic() + 90
+        while s.progress(run.run_id, "last_step") < 19 and time.monotonic() < deadline:
+            assert s.worker.poll() is None, "the worker exited"
+            time.sleep(0.2)
+        assert s.progress(run.run_id, "last_step") == 19, s.heartbeat_path.read_text()
+        assert health(s).returncode == 0
+    finally:
+        s.stop()
+    assert_exact(read_store, store, run, list(range(20)))
