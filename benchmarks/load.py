@@ -36,7 +36,7 @@ from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
-from probewire.instrument.catalog import Label, Tensor
+from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.testing import SimRun
 
@@ -55,7 +55,7 @@ class Ranks:
         self.run = run
         self.encoders = [WireEncoder(RankIdentity(
             run_id=run.run_id, rank=r, world_size=run.world_size, host=f"node{r // 8}",
-            coords={"dp": r}).resource_attributes()) for r in range(run.world_size)]
+            coords={Group.DATA.value: r}).resource_attributes()) for r in range(run.world_size)]
         self.labels = [((Label.KIND, "fwd"), (Label.TENSOR, f"block{t}")) for t in range(tensors)]
         self.points_per_message = BASE_POINTS + tensors * len(Tensor.ALL)
 
