@@ -340,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
     from probewire.evaluators.cli import add_evaluator_parser
 
-    add_evaluator_parser(sub)
+    add_evaluator_parser(sub, lambda path: load_settings(path).evaluator_setup())
     return parser
 
 
