@@ -143,8 +143,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from probewire.deploy.faults import crash_hook
     from probewire.stream.app import create_app
+    from probewire.stream.publish import broker_message_limit, check_message_limit
 
     settings = load_settings(args.config)
+    topics = settings.topics
+    check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
+        settings.kafka.client_config(), [topics.steps, topics.deadletter]))
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings), heartbeat, crash_hook())

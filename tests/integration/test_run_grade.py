@@ -11,6 +11,7 @@ size limit (split, P0 and all detail stored).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.deploy.stack import LocalStack, stop_process
+from probewire.deploy.stack import LocalStack, StackError, stop_process
 from probewire.instrument.catalog import Label, Loss, Moe, Tensor
 from probewire.instrument.wire import RANK_ATTR
 from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
@@ -300,3 +301,29 @@ def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step
     finally:
         s.stop()
     assert_exact(read_store, store, run, list(range(20)))
+
+
+def test_a_message_limit_over_the_brokers_stops_the_worker_at_start_with_one_line(
+        kafka_bootstrap, scratch_dir):
+    """stream.max_message_bytes is compared with the topics' max.message.bytes at start."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    steps = f"steps-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(steps, 1, 1, config={"max.message.bytes": "50000"})])[
+        steps].result(30)
+    settings = settings_for(scratch_dir / "store", max_message_bytes=100_000)
+    settings.topics = dataclasses.replace(settings.topics, steps=steps)
+    s = LocalStack(settings, scratch_dir / "run")
+    s.use_broker(kafka_bootstrap)
+    try:
+        with pytest.raises(StackError, match="exited with code 2"):
+            s.start_worker(timeout_s=60)
+    finally:
+        s.stop()
+    lines = [line for line in (scratch_dir / "run" / "worker.log").read_text().splitlines()
+             if line.startswith("probewire: error:")]
+    assert lines == ["probewire: error: stream.max_message_bytes: 100000 is over what topic "
+                     f"{steps} takes (max.message.bytes=50000, less 1024 bytes of record "
+                     "overhead): set it to at most 48976, or raise the topic's "
+                     "max.message.bytes"]
