@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
-from probewire.deploy.settings import Settings, SettingsError, load_settings
+from probewire.deploy.settings import Settings, SettingsError, load_settings, split_credentials
 
 __all__ = ["main"]
 
@@ -125,11 +125,17 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def open_store(settings: Settings):
     """A migrated sink on the configured store (called in the worker process)."""
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     from probewire.deploy.faults import with_outage
-    from probewire.sinks.clickhouse import ClickHouseSink, connect
+    from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
 
     ch = settings.clickhouse
-    client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    try:
+        client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    except ClickHouseError as exc:  # unreachable or refusing: the worker retries (and says so)
+        raise StoreUnavailable(f"cannot connect to {split_credentials(ch.url)[0]}: "
+                               f"{str(exc).strip().splitlines()[0]}") from None
     sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
     sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
                  sensitive_ttl_days=ch.sensitive_ttl_days)

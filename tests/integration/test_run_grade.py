@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.deploy.stack import LocalStack, StackError, stop_process
+from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 from probewire.instrument.catalog import Label, Loss, Moe, Tensor
 from probewire.instrument.wire import RANK_ATTR
 from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
@@ -327,3 +328,39 @@ def test_a_message_limit_over_the_brokers_stops_the_worker_at_start_with_one_lin
                      f"{steps} takes (max.message.bytes=50000, less 1024 bytes of record "
                      "overhead): set it to at most 48976, or raise the topic's "
                      "max.message.bytes"]
+
+
+def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_logged(
+        kafka_bootstrap, scratch_dir):
+    """The worker keeps retrying a store it cannot reach, health fails naming the store,
+    and the password written into the URL appears in no log line and no heartbeat."""
+    secret = f"s3cret{uuid.uuid4().hex[:8]}"
+    settings = settings_for(scratch_dir / "store")
+    settings.clickhouse = ClickHouseSettings(
+        url=f"http://alice:{secret}@127.0.0.1:{free_port()}", retry_max_s=1.0)
+    tree = settings.to_dict()
+    tree["kafka"]["bootstrap"] = kafka_bootstrap
+    config, heartbeat = scratch_dir / "settings.json", scratch_dir / "worker.heartbeat"
+    config.write_text(json.dumps(tree))  # the user's own file, as a deployment might hold it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEWIRE_")}
+    env.update(PROBEWIRE_CONFIG=str(config), PROBEWIRE_HEARTBEAT_FILE=str(heartbeat))
+    with open(scratch_dir / "worker.log", "wb") as log:
+        worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker",
+                        "--loglevel", "info"], log, env)
+        try:
+            check = lambda: subprocess.run(  # noqa: E731
+                [sys.executable, "-m", "probewire.deploy.cli", "health", "--component",
+                 "worker", "--heartbeat", str(heartbeat)], capture_output=True, text=True,
+                timeout=60)
+            deadline = time.monotonic() + 60
+            while (result := check()).returncode == 0 or "store" not in result.stderr:
+                assert worker.poll() is None, "the worker exited"
+                assert time.monotonic() < deadline, result
+                time.sleep(0.5)
+            assert "cannot connect to http://127.0.0.1:" in result.stderr, result
+            assert worker.poll() is None
+        finally:
+            stop_process(worker)
+    written = (scratch_dir / "worker.log").read_text() + heartbeat.read_text() + result.stderr
+    assert "probewire: cannot open the store" in written
+    assert secret not in written
