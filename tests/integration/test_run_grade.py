@@ -1,12 +1,17 @@
 """Issue 14 on the real broker, worker and store: an ordinary day of a real run loses
-nothing. Each scenario ends with every step stored exactly once and the reduced series
-equal to the float64 reference of the same input (what an undisturbed run stores), and
-the worker still running.
+nothing. Each scenario ends with every step stored exactly once and the P0 series (L,
+L_max, G2, tau, TPS) equal to the float64 reference of the same input (what an
+undisturbed run stores), and the worker still running.
 
 Pause longer than ``run_idle_s`` then resume; a late step after a skipped gap; poison
-values (one dead letter each); a store outage past the retry window (health fails, then
-everything is stored); a crashed agent (health fails naming it); a step over the message
-size limit (split, P0 and all detail stored).
+values (one dead letter each: an out-of-range label, step 2^62, world size 5,000,000, a
+world size that disagrees, garbage, null payloads, a non-integer rank, label values
+over the per-run cap); a store outage past the retry window (health fails, then
+everything is stored); a crashed agent (health fails naming it and stays failed after
+Faust restarts the agent; a restart stores its input); a step over the message size
+limit (split, P0 and all detail stored); a broker restart mid-run with the documented
+recovery; a message limit over the broker's (one line at start); an unreachable store
+whose URL holds a password (retried, health names the store, the password never logged).
 """
 
 from __future__ import annotations
@@ -21,19 +26,19 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
-from probewire.instrument.catalog import Label, Loss, Moe, Tensor
-from probewire.instrument.wire import RANK_ATTR
-from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
+from probewire.instrument.catalog import Grad, Label, Loss, Moe, System, Tensor
+from probewire.instrument.wire import RANK_ATTR, Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.health import HealthConfig
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
-from probewire.stream.validate import Bounds
 from probewire.stream.testing import SimRun
+from probewire.stream.validate import Bounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -97,18 +102,28 @@ def health(stack: LocalStack) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def reference(run: SimRun, step: int) -> dict[str, float]:
+    """What an undisturbed run stores for ``step``, in float64 from the ranks' components."""
+    parts = [c for r in range(run.world_size) if (c := run.components(step, r)) is not None]
+    column = lambda name: np.array([c[name] for c in parts], dtype=np.float64)  # noqa: E731
+    loss, worst = run.expected(step)
+    tau = float(np.max(column(System.STEP_TIME)))
+    return {"loss": loss, "loss_worst_rank": worst,
+            "grad_norm": float(np.sqrt(np.sum(column(Grad.NORM_SQ)))),
+            "step_time_s": tau, "tokens_per_s": float(np.sum(column(Loss.TOKENS))) / tau}
+
+
 def assert_exact(read_store, store: Path, run: SimRun, steps: list[int]) -> list[dict]:
-    """Every step stored once, L and L_max equal to the float64 reference."""
-    rows = read_store(store, "SELECT step, loss, loss_worst_rank, complete_reason, "
-                             "count() OVER (PARTITION BY step) AS copies FROM "
-                             f"probewire.step_metrics FINAL WHERE run_id = '{run.run_id}' "
-                             "ORDER BY step")
+    """Every step stored once, its P0 series equal to the float64 reference."""
+    rows = read_store(store, "SELECT step, loss, loss_worst_rank, grad_norm, step_time_s, "
+                             "tokens_per_s, complete_reason, count() OVER (PARTITION BY step) "
+                             "AS copies FROM probewire.step_metrics FINAL WHERE run_id = "
+                             f"'{run.run_id}' ORDER BY step")
     assert [r["step"] for r in rows] == steps
     assert all(r["copies"] == 1 for r in rows)
     for row in rows:
-        loss, worst = run.expected(row["step"])
-        assert row["loss"] == pytest.approx(loss, rel=1e-9, abs=0)
-        assert row["loss_worst_rank"] == pytest.approx(worst, rel=1e-9, abs=0)
+        for name, value in reference(run, row["step"]).items():
+            assert row[name] == pytest.approx(value, rel=1e-9, abs=0), (row["step"], name)
     return rows
 
 
