@@ -15,13 +15,15 @@ Lag is counted in steps, end to end: steps produced minus steps the worker has s
 are wrong for batched writes. Printed per rate: the lag over time, the offered and
 sustained (stored) steps/s and points/s, the worker's RSS, and the lag's slope over the
 window after its first third; lag "grows" when that slope exceeds 5 % of the offered
-rate and the window ends more than two seconds' worth of steps behind. The last line names the rate where lag starts to grow. The producer, broker and
-worker share this machine's cores: the load average is printed before and after.
+rate and the window ends more than two seconds' worth of steps behind. The last line
+names the rate where lag starts to grow. The producer, broker and worker share this
+machine's cores: the load average is printed before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import threading
@@ -39,6 +41,8 @@ from probewire.deploy.stack import LocalStack
 from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.testing import SimRun
+
+say = functools.partial(print, flush=True)  # progress shows while the benchmark runs
 
 BASE_POINTS = 4  # SimRun.components: loss sum, loss tokens, grad norm², step time
 
@@ -83,6 +87,7 @@ class Window:
     samples: list[tuple[float, int, int, int]] = field(default_factory=list)
     produced: int = 0
     produce_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds in the window
 
     def slope(self) -> float:
         """Lag growth in steps/s over the samples after the window's first third."""
@@ -132,16 +137,20 @@ def offer(stack: LocalStack, ranks: Ranks, rate: float, seconds: float) -> Windo
 
     thread = threading.Thread(target=produce, daemon=True)
     worker = psutil.Process(stack.worker.pid)
+    procs = {"worker": worker, "broker": psutil.Process(stack.broker.pid),
+             "ranks (this process)": psutil.Process()}
+    cpu0 = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
     started = time.perf_counter()
     thread.start()
-    print(f"  rate {rate:.2f} steps/s offered: t(s) produced stored lag(steps) worker_rss(MB)")
+    say(f"  rate {rate:.2f} steps/s offered: t(s) produced stored lag(steps) worker_rss(MB)")
     while (now := time.perf_counter() - started) < seconds:
         time.sleep(1.0)
         sample = (now, window.produced, stored(stack, ranks.run.run_id), worker.memory_info().rss)
         window.samples.append(sample)
         if len(window.samples) % 5 == 0:
-            print(f"    {sample[0]:5.1f} {sample[1]:6d} {sample[2]:6d} {sample[1] - sample[2]:5d} "
+            say(f"    {sample[0]:5.1f} {sample[1]:6d} {sample[2]:6d} {sample[1] - sample[2]:5d} "
                   f"{sample[3] / 2**20:8.0f}")
+    window.cpu_s = {name: sum(p.cpu_times()[:2]) - cpu0[name] for name, p in procs.items()}
     stop.set()
     thread.join(60)
     return window
@@ -155,10 +164,15 @@ def report(window: Window, ranks: Ranks) -> None:
     points = ranks.run.world_size * ranks.points_per_message
     rss = max(s[3] for s in window.samples) / 2**20
     lag0 = window.samples[0][1] - window.samples[0][2]
-    print(f"  offered {offered:.2f} steps/s ({offered * points:,.0f} points/s); sustained "
+    say(f"  offered {offered:.2f} steps/s ({offered * points:,.0f} points/s); sustained "
           f"{sustained:.2f} steps/s ({sustained * points:,.0f} points/s) stored; lag "
           f"{lag0} -> {produced1 - stored1} steps (slope {window.slope():+.2f} steps/s); "
           f"worker RSS max {rss:.0f} MB; lag {'GROWS' if window.grows() else 'steady'}")
+    span = window.samples[-1][0]
+    busy = ", ".join(f"{name} {cpu / span:.0%}" for name, cpu in window.cpu_s.items())
+    per_step = window.cpu_s["worker"] / max(stored1, 1)
+    say(f"  CPU of one core: {busy}; the worker spent {per_step * 1e3:.0f} ms CPU per stored "
+        f"step (at most {1 / per_step:.2f} steps/s on a core of its own)")
 
 
 def drain(stack: LocalStack, run_id: str, produced: int, timeout_s: float) -> float | None:
@@ -182,7 +196,7 @@ def main() -> None:
     args = parser.parse_args()
     tensors = tensors_for(args.metrics)
     per_message = BASE_POINTS + tensors * len(Tensor.ALL)
-    print(f"config: ranks={args.ranks} metrics/message={per_message} (asked {args.metrics}) "
+    say(f"config: ranks={args.ranks} metrics/message={per_message} (asked {args.metrics}) "
           f"first rate={args.rate} growth={args.growth} seconds/rate={args.seconds} "
           f"budget={args.budget_s}s broker=tansu(memory) store=chdb worker=1 process "
           f"cores={os.cpu_count()} load={os.getloadavg()[0]:.2f}")
@@ -202,7 +216,7 @@ def main() -> None:
                 window = offer(stack, ranks, rate, args.seconds)
                 report(window, ranks)
                 if window.grows():
-                    print(f"lag starts to grow at {rate:.2f} steps/s "
+                    say(f"lag starts to grow at {rate:.2f} steps/s "
                           f"({rate * args.ranks * per_message:,.0f} points/s offered); "
                           f"kept up at {kept_up:.2f} steps/s" if kept_up else
                           f"lag grows already at the first rate {rate:.2f} steps/s")
@@ -211,13 +225,13 @@ def main() -> None:
                 left = args.budget_s - (time.monotonic() - began)
                 took = drain(stack, run.run_id, window.produced, max(left, 1.0))
                 if took is None:
-                    print("  (budget spent draining)")
+                    say("  (budget spent draining)")
                     break
                 rate *= args.growth
             else:
-                print(f"budget spent: lag steady up to {kept_up} steps/s" if kept_up else
+                say(f"budget spent: lag steady up to {kept_up} steps/s" if kept_up else
                       "budget spent before a whole window ran")
-    print(f"load after: {os.getloadavg()[0]:.2f}")
+    say(f"load after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ def send(run: SimRun, bootstrap: str, topic: str, steps: Iterable[int],
     transports = [KafkaTransport({"bootstrap.servers": bootstrap}, topic)
                   for _ in range(run.world_size)]
     emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
-                                         host=f"node{r // 4}", coords={Group.DATA.value: r}), transports[r])
-                for r in range(run.world_size)]
+                                         host=f"node{r // 4}", coords={Group.DATA.value: r}),
+                            transports[r]) for r in range(run.world_size)]
     sent, dup = 0, set(duplicates)
     for step in steps:
         for rank in range(run.world_size):

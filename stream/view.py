@@ -9,8 +9,9 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss, Memory,
-                                          Modality, Moe, Output, Residual, System, Tensor)
+from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
+                                          Memory, Modality, Moe, Output, Residual, System,
+                                          Tensor)
 from probewire.instrument.wire import SeriesKey
 
 from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
@@ -78,7 +79,8 @@ def _moe(item: ReducedStep) -> dict[str, Any]:
         layers[lab[Label.LAYER]][int(lab[Label.EXPERT])] = count
     out: dict[str, Any] = {"moe_maxvio": None, "moe_maxvio_layer": None,
                            "moe_shard_imbalance": None, "moe_h_norm": None}
-    ep_size = len({r.get(Group.EXPERT.value, 0) for r in item.coords.values()}) if item.coords else 1
+    ep = Group.EXPERT.value
+    ep_size = len({r.get(ep, 0) for r in item.coords.values()}) if item.coords else 1
     for layer, by_expert in sorted(layers.items()):
         counts = [by_expert.get(i, 0.0) for i in range(max(by_expert) + 1)]
         balance = expert_balance(counts)

@@ -379,3 +379,25 @@ def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_lo
     written = (scratch_dir / "worker.log").read_text() + heartbeat.read_text() + result.stderr
     assert "probewire: cannot open the store" in written
     assert secret not in written
+
+
+def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir):
+    """The run id is a bound parameter: ``x' OR 1=1 --`` finds no run (not every run)."""
+    store, cli = scratch_dir / "store", [sys.executable, "-m", "probewire.deploy.cli"]
+
+    def probewire(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+    assert probewire("migrate", "--store", str(store)).returncode == 0
+    rng = np.random.default_rng(12)
+    values = ", ".join(f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, "
+                       f"{0.1 + 0.001 * z:.6f})" for s, (x, y, z) in
+                       enumerate(rng.normal(size=(80, 3))))
+    inserted = probewire("sql", "--store", str(store), "INSERT INTO probewire.step_metrics "
+                         f"(run_id, step, loss, grad_norm, step_time_s) VALUES {values}")
+    assert inserted.returncode == 0, inserted.stderr
+    assert probewire("calibrate", "--store", str(store), "--run", "stable",
+                     "--window", "20").returncode == 0
+    hostile = probewire("calibrate", "--store", str(store), "--run", "x' OR 1=1 --",
+                        "--window", "20")
+    assert (hostile.returncode, hostile.stderr) == (
+        2, "probewire: error: run \"x' OR 1=1 --\" has no steps in the store\n")

@@ -163,3 +163,17 @@ def test_first_screen_carries_the_latest_reference_bpb_at_or_before_each_step(ch
                            f"{sink.database}.first_screen WHERE run_id = 'r' ORDER BY step")
     assert got == [(0, None, None), (1, None, None), (2, 1.5, 2), (3, 1.5, 2), (4, 1.3, 4),
                    (5, 1.3, 4)]
+
+
+def test_a_row_the_store_refuses_is_bisected_out_and_the_rest_stored(ch_client, sink) -> None:
+    """One out-of-range value (expert -1 in a UInt32 column) comes back with the store's
+    reason; the other rows of its write are stored once (the run-grade batch rule)."""
+    rows = [{"run_id": "r", "step": s, "layer": "0", "expert": e, "tokens": 1.0}
+            for s in range(3) for e in range(4)]
+    bad = {"run_id": "r", "step": 1, "layer": "0", "expert": -1, "tokens": 1.0}
+    refused = sink.write_or_reject("expert_stats", rows[:5] + [bad] + rows[5:])
+    assert [row for row, _ in refused] == [bad]
+    assert refused[0][1].startswith("expert_stats: ")
+    got = _rows(ch_client, f"SELECT step, expert FROM {sink.database}.expert_stats FINAL "
+                           "ORDER BY step, expert")
+    assert got == [(r["step"], r["expert"]) for r in rows]
