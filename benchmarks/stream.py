@@ -31,6 +31,7 @@ from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettin
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack
+from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.instrument.testing import MemoryTransport
@@ -42,22 +43,23 @@ from probewire.stream.stage2 import RunPipeline, Stage2Output
 from probewire.stream.testing import SimRun
 
 TENSORS = [f"block{i}.{part}" for i in range(3) for part in ("attn", "mlp")]
-FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite")
+FIELDS = Tensor.ALL[:7]  # the scan without its third and fourth power sums
 
 
 def encode_run(run: SimRun, steps: range) -> tuple[list[list[tuple[bytes, bytes]]], int]:
     """Per step, the encoded messages of every rank; and the number of points."""
     transports = [MemoryTransport() for _ in range(run.world_size)]
     emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
-                                         coords={"dp": r}), transports[r], queue_size=100_000)
+                                         coords={Group.DATA.value: r}), transports[r],
+                          queue_size=100_000)
                 for r in range(run.world_size)]
     points = 0
     rng = np.random.default_rng(0)
     for step in steps:
         for rank, emitter in enumerate(emitters):
             values = [Point(n, v) for n, v in run.components(step, rank).items()]
-            values += [Point(f"tensor.{f}", float(rng.random()), (("kind", "fwd"), ("tensor", t)))
-                       for t in TENSORS for f in FIELDS]
+            values += [Point(name, float(rng.random()), ((Label.KIND, "fwd"), (Label.TENSOR, t)))
+                       for t in TENSORS for name in FIELDS]
             points += len(values)
             emitter.emit(step, values)
     for emitter in emitters:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
-from probewire.deploy.settings import Settings, SettingsError, load_settings
+from probewire.deploy.settings import Settings, SettingsError, load_settings, split_credentials
 
 __all__ = ["main"]
 
@@ -125,11 +125,17 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def open_store(settings: Settings):
     """A migrated sink on the configured store (called in the worker process)."""
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     from probewire.deploy.faults import with_outage
-    from probewire.sinks.clickhouse import ClickHouseSink, connect
+    from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
 
     ch = settings.clickhouse
-    client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    try:
+        client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    except ClickHouseError as exc:  # unreachable or refusing: the worker retries (and says so)
+        raise StoreUnavailable(f"cannot connect to {split_credentials(ch.url)[0]}: "
+                               f"{str(exc).strip().splitlines()[0]}") from None
     sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
     sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
                  sensitive_ttl_days=ch.sensitive_ttl_days)
@@ -143,8 +149,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from probewire.deploy.faults import crash_hook
     from probewire.stream.app import create_app
+    from probewire.stream.publish import broker_message_limit, check_message_limit
 
     settings = load_settings(args.config)
+    topics = settings.topics
+    check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
+        settings.kafka.client_config(), [topics.steps, topics.deadletter]))
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings), heartbeat, crash_hook())
@@ -343,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
     from probewire.evaluators.cli import add_evaluator_parser
 
-    add_evaluator_parser(sub)
+    add_evaluator_parser(sub, lambda path: load_settings(path).evaluator_setup())
     return parser
 
 

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
 
-from probewire.evaluators.records import DEFAULT_SUITES  # torch-free
+from probewire.evaluators.config import EvaluatorConfig, EvaluatorSetup  # torch-free
 from probewire.stream.config import StreamConfig
 from probewire.stream.errors import ConfigError, within
 from probewire.stream.kafka import KafkaConfig, TopicConfig
@@ -48,6 +48,7 @@ SettingsError = ConfigError  # every error names its field: "stream.deadline_s: 
 KafkaSettings = KafkaConfig
 TopicSettings = TopicConfig
 StreamSettings = StreamConfig
+EvaluatorSettings = EvaluatorConfig
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:
@@ -94,42 +95,6 @@ class ClickHouseSettings:
 
 
 @dataclass(kw_only=True, slots=True)
-class EvaluatorSettings:
-    """The checkpoint evaluator service."""
-
-    enabled: bool = True
-    model_factory: str = "probewire.deploy.demo.model:load_checkpoint"
-    data_dir: str = ""
-    every_fraction: float = 0.01
-    suites: str = ",".join(DEFAULT_SUITES)
-    """Comma-separated suites to run on each checkpoint (``probewire evaluator --help``)."""
-    reference_stream: str = "auto"
-    """Weights stream marked reference=1: auto (EMA when present), raw or ema."""
-    group_id: str = ""
-    """Consumer group of the evaluators; empty: ``<stream.app_id>.evaluator``."""
-    tokenizer: str = "probewire.evaluators.lm:ByteTokenizer"
-    """``module:callable`` returning the model's tokenizer."""
-    context_len: int = 0
-    """Model context in tokens; 0 reads it from the model."""
-    batch_size: int = 16
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        _check(self.reference_stream in ("auto", "raw", "ema"), "reference_stream",
-               f"must be auto, raw or ema, got {self.reference_stream!r}")
-        _check(bool([s for s in self.suites.split(",") if s.strip()]), "suites",
-               "must name at least one suite")
-        _check(":" in self.tokenizer, "tokenizer",
-               f"must look like 'module:callable', got {self.tokenizer!r}")
-        _check(self.context_len >= 0, "context_len", "must be >= 0 (0: from the model)")
-        _check(self.batch_size >= 1, "batch_size", "must be >= 1")
-        _check(0.005 <= self.every_fraction <= 0.02, "every_fraction",
-               f"must lie in [0.005, 0.02] (0.5-2% of planned tokens), got {self.every_fraction}")
-        _check(":" in self.model_factory, "model_factory",
-               f"must look like 'module:function', got {self.model_factory!r}")
-
-
-@dataclass(kw_only=True, slots=True)
 class Settings:
     """The root of the tree."""
 
@@ -141,6 +106,13 @@ class Settings:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def evaluator_setup(self) -> EvaluatorSetup:
+        """What the evaluator service is built from (its consumer group defaults to
+        ``<stream.app_id>.evaluator``)."""
+        group_id = self.evaluator.group_id or f"{self.stream.app_id}.evaluator"
+        return EvaluatorSetup(config=self.evaluator, kafka=self.kafka, topics=self.topics,
+                              group_id=group_id)
 
 
 def _coerce(value: Any, kind: Any, path: str) -> Any:

@@ -134,9 +134,10 @@ class LocalStack:
         self.logs.append(handle)
         return handle
 
-    def start_broker(self) -> str:
+    def start_broker(self, port: int | None = None) -> str:
+        """Start Tansu (on ``port``, or a free one) and create the topics."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
+        port = port or free_port()
         url = f"tcp://127.0.0.1:{port}"
         self.broker = spawn(
             [str(tansu_binary()), "broker", "--cluster-id", f"probewire-{port}",
@@ -147,6 +148,13 @@ class LocalStack:
         self.bootstrap = f"127.0.0.1:{port}"
         create_topics(self.bootstrap, self.settings.topics.all())
         return self.bootstrap
+
+    def restart_broker(self) -> str:
+        """Stop this stack's broker and start it again on the same port with the topics
+        recreated (Tansu keeps nothing: every message and committed offset is gone)."""
+        port = int(self.bootstrap.rsplit(":", 1)[1])
+        stop_process(self.broker, signal.SIGTERM, 10.0)
+        return self.start_broker(port)
 
     def use_broker(self, bootstrap: str) -> str:
         """Use an existing Kafka cluster instead of starting Tansu (topics still created)."""

@@ -7,8 +7,8 @@ loads each weights stream through a model factory, runs suites and publishes one
 and the JSONL data formats in ``probewire.evaluators.datasets``.
 
 Names load on first use, so importing the package (or its torch-free modules
-``records``, ``cadence``, ``cli``) does not import torch: a training rank announcing
-checkpoints and ``probewire health`` stay light.
+``records``, ``config``, ``cadence``, ``cli``) does not import torch: a training rank
+announcing checkpoints and ``probewire health`` stay light.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ __all__ = [
     "EvalModel",
     "EvalRecord",
     "EvaluationError",
+    "EvaluatorConfig",
     "EvaluatorOptions",
     "EvaluatorService",
+    "EvaluatorSetup",
     "GenerationSuite",
     "GroundingSuite",
     "HeldoutSuite",
@@ -60,6 +62,7 @@ __all__ = [
 _HOME = {
     **dict.fromkeys(["Cadence", "CadenceDecision", "progress_mark"], "cadence"),
     **dict.fromkeys(["add_evaluator_parser"], "cli"),
+    **dict.fromkeys(["EvaluatorConfig", "EvaluatorSetup"], "config"),
     **dict.fromkeys(["build_suites", "ensure_demo_datasets"], "datadir"),
     **dict.fromkeys(["ThresholdBoxPredictor", "make_grounding_set", "render_image"], "images"),
     **dict.fromkeys(["ByteTokenizer", "EvalModel", "SeededSampler", "Tokenizer"], "lm"),
@@ -91,6 +94,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .cadence import Cadence, CadenceDecision, progress_mark
     from .cli import add_evaluator_parser
+    from .config import EvaluatorConfig, EvaluatorSetup
     from .datadir import build_suites, ensure_demo_datasets
     from .images import ThresholdBoxPredictor, make_grounding_set, render_image
     from .lm import ByteTokenizer, EvalModel, SeededSampler, Tokenizer

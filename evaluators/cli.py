@@ -2,10 +2,10 @@
 
     probewire [--config FILE] evaluator [--once] [--data-dir DIR] [--suites a,b,c] ...
 
-``deploy/cli.py`` registers it with ``add_evaluator_parser(sub)``. Until then (and in
-tests) ``python -m probewire.evaluators.cli [--config FILE] evaluator ...`` is the same
-command. A configuration mistake (bad factory path, missing data, unknown suite) prints
-one line and exits 2; a service failure (results undeliverable) exits 1.
+``deploy/cli.py`` (the composition root) registers it with ``add_evaluator_parser(sub,
+setup)``, where ``setup(config_path)`` loads the settings and builds the evaluator's
+``EvaluatorSetup``. A configuration mistake (bad factory path, missing data, unknown
+suite) prints one line and exits 2; a service failure (results undeliverable) exits 1.
 """
 
 from __future__ import annotations
@@ -13,18 +13,22 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
-from probewire.deploy.settings import SettingsError, load_settings
+from probewire.stream.errors import ConfigError
 
+from .config import EvaluatorSetup
 from .records import DEFAULT_SUITES, SUITE_NAMES  # torch-free: `probewire health` stays fast
 
-__all__ = ["add_evaluator_parser", "cmd_evaluator", "main"]
+__all__ = ["add_evaluator_parser", "cmd_evaluator"]
 
 
-def add_evaluator_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``evaluator`` on an ``add_subparsers()`` object; return its parser."""
+def add_evaluator_parser(subparsers: Any, setup: Callable[[str | None], EvaluatorSetup]
+                         ) -> argparse.ArgumentParser:
+    """Register ``evaluator`` on an ``add_subparsers()`` object; return its parser.
+    ``setup(path)`` builds the service's configs from the settings file ``path`` (None:
+    the default) and raises ``ConfigError`` naming a bad field."""
     p = subparsers.add_parser("evaluator", help="score checkpoints announced on Kafka")
     p.add_argument("--once", action="store_true",
                    help="process the checkpoints already queued, then exit")
@@ -47,7 +51,7 @@ def add_evaluator_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: when stderr is a terminal)")
     p.add_argument("--loglevel", default="info")
-    p.set_defaults(func=cmd_evaluator)
+    p.set_defaults(func=cmd_evaluator, evaluator_setup=setup)
     return p
 
 
@@ -58,12 +62,12 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.loglevel.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = load_settings(getattr(args, "config", None))
-        if not settings.evaluator.enabled:
+        setup = args.evaluator_setup(getattr(args, "config", None))
+        if not setup.config.enabled:
             print("probewire evaluator: disabled (evaluator.enabled=false); nothing to do",
                   file=sys.stderr)
             return 0
-        ev = settings.evaluator
+        ev = setup.config
 
         def pick(flag: Any, setting: Any) -> Any:
             return setting if flag is None else flag
@@ -72,14 +76,14 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
         options = EvaluatorOptions(
             suites=tuple(s.strip() for s in pick(args.suites, ev.suites).split(",")
                          if s.strip()),
-            data_dir=args.data_dir, group_id=pick(args.group_id, ev.group_id or None),
+            data_dir=args.data_dir, group_id=pick(args.group_id, setup.group_id),
             reference_stream=pick(args.reference_stream, ev.reference_stream),
             tokenizer=pick(args.tokenizer, ev.tokenizer),
             context_len=context_len or None, batch_size=pick(args.batch_size, ev.batch_size),
             device=pick(args.device, ev.device),
             show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
-        service = EvaluatorService(settings, options)
-    except (EvaluationError, SettingsError) as exc:
+        service = EvaluatorService(setup, options)
+    except (EvaluationError, ConfigError) as exc:
         print(f"probewire: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -91,15 +95,3 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
           f"evaluated, {stats.skipped} skipped by cadence, {stats.failed} failed; "
           f"{stats.records} record(s) published", file=sys.stderr)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="probewire", description="Checkpoint evaluator.")
-    parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
-    add_evaluator_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

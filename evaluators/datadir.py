@@ -8,7 +8,7 @@
 Formats are those of ``datasets``. ``ensure_demo_datasets`` writes the missing files
 from text that ships with Python (and procedural images); it never overwrites a file,
 so a directory holding your own sets keeps them. Held-out text and choice questions
-skip the standard-library modules the demo model trains on (``deploy/demo/data.py``).
+skip the standard-library modules the demo model trains on (``datasets.DEMO_CORPUS_MODULES``).
 """
 
 from __future__ import annotations
@@ -43,16 +43,10 @@ _SUITE_DATA = {"heldout": "heldout", "choice": "choice", "generation": "generati
 _DEMO_SIZES = {"heldout": 24, "choice": 32, "generation": 32, "grounding": 32}
 
 
-def _demo_training_modules() -> tuple[str, ...]:
-    from probewire.deploy.demo.data import _MODULES  # the demo corpus's module list
-
-    return tuple(_MODULES)
-
-
 def ensure_demo_datasets(data_dir: str | Path, *, seed: int = 0) -> list[Path]:
     """Write every missing demo set into ``data_dir``; return the files written."""
     root = Path(data_dir)
-    exclude = _demo_training_modules()
+    exclude = datasets.DEMO_CORPUS_MODULES  # text the demo model trained on
     makers = {
         "heldout": lambda n: datasets.make_heldout_text(n, seed, exclude_modules=exclude),
         "choice": lambda n: datasets.make_choice_set(n, seed, exclude_modules=exclude),

@@ -236,6 +236,16 @@ def write_jsonl(path: str | os.PathLike[str], rows: Iterable[Record]) -> int:
 
 # --- generators from standard-library docstrings ----------------------------------
 
+DEMO_CORPUS_MODULES = (
+    "json", "collections", "functools", "itertools", "pathlib", "argparse", "textwrap",
+    "string", "re", "heapq", "bisect", "statistics", "fractions", "decimal", "datetime",
+    "calendar", "random", "math", "os", "shutil", "subprocess", "logging", "typing",
+    "dataclasses", "enum", "csv", "abc", "contextlib", "operator", "copy",
+)  # fmt: skip
+"""The standard-library modules whose docstrings and sources the demo model trains on
+(``probewire.deploy.demo.data`` reads them from here); the demo held-out and choice sets
+leave them out (``datadir.ensure_demo_datasets``)."""
+
 _STDLIB_MODULES = (
     "argparse", "base64", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv",
     "dataclasses", "difflib", "email", "fnmatch", "fractions", "ftplib", "functools",

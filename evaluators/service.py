@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from probewire.stream.health import Heartbeat, default_heartbeat_path
-from probewire.deploy.settings import Settings
 
 from .cadence import Cadence
+from .config import EvaluatorSetup
 from .datadir import DEFAULT_SUITES, build_suites, ensure_demo_datasets
 from .lm import Tokenizer, resolve_callable
 from .records import CheckpointEvent, EvalRecord, EvaluationError
@@ -63,7 +63,8 @@ class EvaluatorOptions:
     """The evaluator's run options: ``settings.evaluator``, overridden by the CLI flags.
 
     ``data_dir`` None means ``settings.evaluator.data_dir``, or ``./probewire-evals``
-    when that is empty. ``group_id`` None means ``<settings.stream.app_id>.evaluator``.
+    when that is empty. ``group_id`` None means the setup's (``evaluator.group_id``, else
+    ``<stream.app_id>.evaluator``).
     ``tokenizer`` is a ``module:callable`` returning the tokenizer. ``context_len`` None
     reads it from the model (``runner._context_len``).
     """
@@ -131,10 +132,10 @@ class EvaluatorService:
     are written where files are missing) and are not empty.
     """
 
-    def __init__(self, settings: Settings, options: EvaluatorOptions | None = None) -> None:
-        self.settings = settings
+    def __init__(self, setup: EvaluatorSetup, options: EvaluatorOptions | None = None) -> None:
+        self.setup = setup
         self.options = options = options or EvaluatorOptions()
-        cfg = settings.evaluator
+        cfg = setup.config
         self.data_dir = Path(options.data_dir or cfg.data_dir or "probewire-evals")
         tokenizer = resolve_callable(options.tokenizer, "tokenizer")()
         if not isinstance(tokenizer, Tokenizer):
@@ -146,7 +147,7 @@ class EvaluatorService:
         ensure_demo_datasets(self.data_dir)
         self.suites = build_suites(options.suites, self.data_dir)
         self.cadence = Cadence(cfg.every_fraction)
-        self.group_id = options.group_id or f"{settings.stream.app_id}.evaluator"
+        self.group_id = options.group_id or setup.group_id
         self.heartbeat = Heartbeat(
             options.heartbeat_path or Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE")
                                            or default_heartbeat_path("evaluator")),
@@ -219,7 +220,7 @@ class EvaluatorService:
     def _clients(self, once: bool) -> tuple[Any, Any]:
         from confluent_kafka import Consumer, Producer
 
-        base = self.settings.kafka.client_config()
+        base = self.setup.kafka.client_config()
         consumer = Consumer({**base, "group.id": self.group_id,
                              "auto.offset.reset": "earliest", "enable.auto.commit": False,
                              "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000,
@@ -231,7 +232,7 @@ class EvaluatorService:
         return consumer, producer
 
     def _publish(self, producer: Any, result: ProcessResult) -> None:
-        topics = self.settings.topics
+        topics = self.setup.topics
         errors: list[str] = []
 
         def delivered(err: Any, _msg: Any) -> None:
@@ -272,7 +273,7 @@ class EvaluatorService:
 
         self._beat("starting")
         try:
-            consumer.subscribe([self.settings.topics.checkpoints], on_assign=on_assign,
+            consumer.subscribe([self.setup.topics.checkpoints], on_assign=on_assign,
                                on_revoke=on_revoke)
             deadline = time.monotonic() + self.options.assign_timeout_s
             self._beat("ready")
@@ -280,7 +281,7 @@ class EvaluatorService:
                 msg = consumer.poll(0.5)
                 self._beat()
                 if once and not assigned and time.monotonic() > deadline:
-                    raise ServiceError(f"no partition of {self.settings.topics.checkpoints} "
+                    raise ServiceError(f"no partition of {self.setup.topics.checkpoints} "
                                        f"assigned within {self.options.assign_timeout_s:g}s")
                 if msg is None:
                     continue

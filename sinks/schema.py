@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from probewire.instrument.catalog import TENSOR_FIELDS
+
 __all__ = [
     "Column",
     "MIGRATIONS",
@@ -188,18 +190,21 @@ RANK_METRICS = Table("rank_metrics", "per-rank components of retained steps", (
     _inserted_at(),
 ), key=("run_id", "metric", "step", "labels", "rank"))
 
+def _scan_column(field: str) -> Column:
+    """A reduced one-pass scan field (``catalog.TENSOR_FIELDS``): counts default to 0, the
+    third and fourth power sums are NULL where the scan did not measure them."""
+    n, _, _, _, _, zeros, nonfinite, sum3, sum4 = TENSOR_FIELDS
+    if field in (sum3, sum4):
+        return Column(field, "Nullable(Float64)", "NULL")
+    if field in (zeros, nonfinite):
+        return Column(field, "Float64", "0")
+    return Column(field, "Float64", comment="element count" if field == n else "")
+
+
 TENSOR_STATS = Table("tensor_stats", "one-pass tensor statistics reduced across ranks", (
     _RUN, _STEP, _name("tensor"),
     _name("kind", "fwd, bwd, grad, param, update, ..."),
-    Column("n", "Float64", comment="element count"),
-    Column("sum", "Float64"),
-    Column("sum_sq", "Float64"),
-    Column("abs_sum", "Float64"),
-    Column("abs_max", "Float64"),
-    Column("zeros", "Float64", "0"),
-    Column("nonfinite", "Float64", "0"),
-    Column("sum3", "Nullable(Float64)", "NULL"),
-    Column("sum4", "Nullable(Float64)", "NULL"),
+    *(_scan_column(field) for field in TENSOR_FIELDS),
     _inserted_at(),
 ), key=("run_id", "kind", "tensor", "step"))
 

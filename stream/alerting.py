@@ -1,10 +1,13 @@
 """Optional alert webhook in Alertmanager's JSON format (POST a list to /api/v2/alerts).
 
-A failing webhook is logged and counted; it never stops the stream.
+A failing webhook is logged and counted; it never stops the stream. The log names the
+webhook by scheme, host and port only: a webhook URL often carries its secret (user
+info, a token in the path or the query).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import urllib.error
@@ -12,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 __all__ = ["AlertmanagerWebhook", "to_alertmanager"]
 
@@ -29,6 +33,16 @@ def to_alertmanager(alert: dict[str, Any]) -> dict[str, Any]:
                         "ranks": ",".join(map(str, alert["ranks"]))},
         "startsAt": datetime.now(timezone.utc).isoformat(),
     }
+
+
+def where(url: str) -> str:
+    """``scheme://host[:port]`` of a URL: what a log may say about it."""
+    parts = urlsplit(url)
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    return f"{parts.scheme}://{parts.hostname or '?'}{port}"
 
 
 @dataclass(slots=True)
@@ -49,7 +63,11 @@ class AlertmanagerWebhook:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 ok = 200 <= response.status < 300
         except (urllib.error.URLError, OSError) as exc:
-            log.warning("probewire: alert webhook %s failed: %s", self.url, exc)
+            log.warning("probewire: alert webhook %s failed: %s", where(self.url),
+                        getattr(exc, "reason", exc))
+            ok = False
+        except (ValueError, http.client.InvalidURL):  # its text may hold the secret: not logged
+            log.warning("probewire: alert webhook %s failed: not a valid URL", where(self.url))
             ok = False
         self.sent += ok
         self.failed += not ok

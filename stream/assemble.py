@@ -34,7 +34,7 @@ def _distinguishing(replicated_over: frozenset[Group]) -> tuple[str, ...]:
 
 
 def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]:
-    coords = record.coords or {"dp": record.rank}
+    coords = record.coords or {Group.DATA.value: record.rank}
     return tuple(coords.get(g, 0) for g in groups)
 
 

@@ -1,10 +1,12 @@
-"""Cross-rank reductions and derived series (seeds 001 §3, §5, §6, §7).
+"""Cross-rank reductions and derived series (seeds 001 §3-§9): what stage 2's view
+(``view.p0_view``) calls for every step, and nothing it does not.
 
-Ranks send reducible components (sums, counts, maxima, local times); these pure
-functions turn them into the reported values. ``None`` means "not measured"
-(no valid token, no rank, no expert load), never a zero. Malformed components
-(negative counts, mismatched lengths, a loss sum on a rank with no tokens) raise
-ValueError naming the argument.
+Ranks send reducible components (sums, counts, maxima, local times); stage 1 reduces
+them; these pure functions turn them into the reported values. ``None`` means "not
+measured" (no valid token, no rank, no expert load, no time), never a zero. Malformed
+components (negative counts, mismatched lengths, a loss sum on a rank with no tokens)
+raise ValueError naming the argument: the stream's bounds (``validate``) refuse them
+before they get here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ __all__ = [
     "compute_rate",
     "expert_balance",
     "global_mean_loss",
-    "global_step_time",
-    "kurtosis_from_moments",
+    "grad_norm",
     "loss_by_group",
     "mean_from_components",
+    "media_scale",
     "own_time_ratios",
     "own_times",
     "rank_means",
@@ -107,13 +109,15 @@ def loss_by_group(
     sums_by_group: Mapping[str, Sequence[float]],
     counts_by_group: Mapping[str, Sequence[float]],
     total_tokens: float | None = None,
-) -> dict[str, tuple[float, float]]:
-    """Per data source or modality mu: (L_mu, pi_mu) (seeds 001 §3).
+) -> dict[str, tuple[float, float, float]]:
+    """Per data source or modality mu: (L_mu, pi_mu, N_mu) (seeds 001 §3).
 
     L_mu = sum_r S_r^mu / sum_r N_r^mu (per-rank components summed separately);
-    pi_mu = sum_r N_r^mu / N_valid. N_valid is ``total_tokens`` when given, else the
-    sum over all groups (groups partitioning the valid tokens). A group with no
-    valid token is left out, not reported as zero.
+    pi_mu = N_mu / N_valid with N_mu = sum_r N_r^mu. N_valid is ``total_tokens`` when
+    given (the step's valid tokens; NaN shares when it is 0: not measured; a share above
+    1 shows a group counted beyond them, left visible), else the sum over all groups
+    (groups partitioning the valid tokens). A group with no valid token is left out, not
+    reported as zero.
     """
     if set(sums_by_group) != set(counts_by_group):
         raise ValueError("sums_by_group and counts_by_group must have the same groups")
@@ -125,30 +129,39 @@ def loss_by_group(
         valid = float(np.sum([n for _, n in totals.values()], dtype=np.float64))
     else:
         valid = _scalar("total_tokens", total_tokens, positive=False)
-        if any(n > valid for _, n in totals.values()):
-            raise ValueError("total_tokens is smaller than one group's token count")
     return {
-        group: (s / n, n / valid) for group, (s, n) in totals.items() if n > 0
+        group: (s / n, n / valid if valid else math.nan, n)
+        for group, (s, n) in totals.items() if n > 0
     }
 
 
-def tokens_per_s(n_tok: float, tau: float) -> float:
-    """TPS = N_tok / tau: a step's global valid tokens over its global wall time (seeds 001 §5)."""
+def grad_norm(norm_sq: float | None) -> float | None:
+    """G_2 = sqrt(sum_p g_p^2) from the squared norm summed over the parameters' owners
+    (seeds 001 §4). None when no rank reported it; NaN for a NaN or negative sum (a
+    non-finite gradient stays visible), +inf for +inf."""
+    if norm_sq is None:
+        return None
+    return math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+
+
+def tokens_per_s(n_tok: float, tau: float | None) -> float | None:
+    """TPS = N_tok / tau: a step's global valid tokens over its global wall time tau (the
+    max of the ranks' step times, stage 1's reduction) (seeds 001 §5). None without a
+    time (no rank reported one, or 0 s)."""
+    if tau is None or tau == 0:
+        return None
     return _scalar("n_tok", n_tok, positive=False) / _scalar("tau", tau, positive=True)
 
 
-def compute_rate(flops_step: float, n_devices: int, tau: float) -> float:
-    """Phi = F_step / (D * tau): estimated operations per device-second (seeds 001 §5)."""
+def compute_rate(flops_step: float | None, n_devices: int, tau: float | None) -> float | None:
+    """Phi = F_step / (D * tau): estimated operations per device-second (seeds 001 §5).
+    None without an estimate or a time."""
     if n_devices < 1:
         raise ValueError(f"n_devices must be >= 1, got {n_devices!r}")
+    if flops_step is None or tau is None or tau == 0:
+        return None
     flops = _scalar("flops_step", flops_step, positive=False)
     return flops / (n_devices * _scalar("tau", tau, positive=True))
-
-
-def global_step_time(step_times: Sequence[float]) -> float | None:
-    """tau = max_r tau_r over local step times (seeds 001 §5). None with no rank."""
-    times = _counts("step_times", step_times)
-    return float(np.max(times)) if times.size else None
 
 
 def straggler_score(step_times: Sequence[float], eps: float = 1e-8) -> float | None:
@@ -303,23 +316,17 @@ def rms_from_components(sum_sq: float, count: float) -> float | None:
     return math.sqrt(float(sum_sq) / n) if n > 0 else None
 
 
-def kurtosis_from_moments(
-    n: float, s1: float, s2: float, s3: float, s4: float, rel_tol: float = 1e-10
-) -> float | None:
-    """Excess kurtosis kappa = m4 / m2^2 - 3 from raw power sums s_k = sum x^k (seeds 001 §6).
-
-    With mu = s1/n: m2 = s2/n - mu^2 and m4 = s4/n - 4 mu s3/n + 6 mu^2 s2/n - 3 mu^4
-    (central moments). Reduction: each s_k and n are summed over ranks first. None
-    when n = 0 or at zero variance, taken as m2 <= rel_tol * s2/n, which also covers
-    a variance too small for raw sums to resolve.
-    """
-    count = _scalar("n", n, positive=False)
-    if count == 0:
+def media_scale(media_sum_sq: float | None, media_n: float | None, text_sum_sq: float | None,
+                text_n: float | None, eps: float = 1e-12) -> float | None:
+    """gamma = RMS(e_media) / (RMS(e_text) + eps) over the embeddings entering the backbone,
+    each RMS from its cross-rank sum of squares and element count (seeds 001 §9). None
+    unless all four were reported and both counts are > 0; NaN for a NaN or negative sum
+    of squares (not a measurement, but visible)."""
+    parts = (media_sum_sq, media_n, text_sum_sq, text_n)
+    if any(v is None for v in parts) or not media_n or not text_n:
         return None
-    mu = s1 / count
-    e2, e3, e4 = s2 / count, s3 / count, s4 / count
-    m2 = e2 - mu * mu
-    if m2 <= rel_tol * e2:
-        return None
-    m4 = e4 - 4.0 * mu * e3 + 6.0 * mu * mu * e2 - 3.0 * mu**4
-    return m4 / (m2 * m2) - 3.0
+    if not (media_sum_sq >= 0 and text_sum_sq >= 0):
+        return math.nan
+    media, text = rms_from_components(media_sum_sq, media_n), rms_from_components(
+        text_sum_sq, text_n)
+    return media / (text + _scalar("eps", eps, positive=True))

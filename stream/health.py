@@ -88,6 +88,7 @@ class Progress:
         self.config = config
         self.clock = clock
         self.agents: dict[str, str] = {}    # name -> "running" | "crashed: ..." | "stopped"
+        self.crashes: dict[str, str] = {}   # name -> the first crash (kept: see agent_crashed)
         self.stages: dict[str, _Stage] = {}
         self._dead_letters: deque[float] = deque()
         self.dead_letters = 0
@@ -97,7 +98,11 @@ class Progress:
         self.agents[name] = "running"
 
     def agent_crashed(self, name: str, error: BaseException) -> None:
+        """Faust restarts a crashed agent, but the event it crashed on is neither processed
+        nor acknowledged, so its partition commits no further until the worker restarts:
+        the worker stays unhealthy (its orchestrator restarts it, the input is re-read)."""
         self.agents[name] = f"crashed: {type(error).__name__}: {error}"
+        self.crashes.setdefault(name, self.agents[name])
 
     def agent_stopped(self, name: str) -> None:
         self.agents[name] = "stopped"
@@ -122,8 +127,9 @@ class Progress:
     # -- the verdict --------------------------------------------------------------------------
     def reasons(self) -> list[str]:
         now, cfg = self.clock(), self.config
-        out = [f"agent {name} {state}" for name, state in sorted(self.agents.items())
-               if state.startswith("crashed")]
+        out = [f"agent {name} {state}" + ("" if self.agents.get(name, "") == state else
+                                          " (restarted; its input is held: restart the worker)")
+               for name, state in sorted(self.crashes.items())]
         for name, s in sorted(self.stages.items()):
             if not s.waiting or s.waiting_since is None:
                 continue

@@ -7,6 +7,9 @@ message, retries a retriable failure (broker down, topic missing, timeout) until
 succeeds, and raises ``PublishError`` only for a failure that retrying cannot fix (a
 message over the broker's size limit, say). The caller acknowledges its input only after
 ``send`` returned.
+
+``broker_message_limit`` reads the limit the broker states for the worker's output topics
+and ``check_message_limit`` refuses, at start, a ``stream.max_message_bytes`` above it.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-__all__ = ["PublishError", "Publisher"]
+from .errors import check
+
+__all__ = ["RECORD_OVERHEAD_BYTES", "PublishError", "Publisher", "broker_message_limit",
+           "check_message_limit"]
+
+RECORD_OVERHEAD_BYTES = 1024
+"""What a message needs beyond its value in the broker's accounting: the record batch
+header, the record's framing and its key (a run id)."""
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +113,46 @@ _PERMANENT = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SI
 
 def _retriable(error: KafkaError) -> bool:
     return error.code() not in _PERMANENT and not error.fatal()
+
+
+def broker_message_limit(client_config: dict[str, str], topics: Sequence[str],
+                         timeout_s: float = 10.0) -> tuple[int, str] | None:
+    """The smallest ``max.message.bytes`` the broker states for ``topics`` (a topic's own,
+    which defaults to the broker's ``message.max.bytes``), with its topic. None when the
+    broker states none or does not answer (Tansu states only what a topic was created
+    with): then nothing can be checked, and a warning says so."""
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    admin = AdminClient(dict(client_config))
+    resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in topics]
+    found: list[tuple[int, str]] = []
+    try:
+        futures = admin.describe_configs(resources, request_timeout=timeout_s)
+    except KafkaException as exc:
+        log.warning("probewire: cannot read the topics' message limit: %s", exc)
+        return None
+    for resource, future in futures.items():
+        try:
+            entry = future.result(timeout_s).get("max.message.bytes")
+        except KafkaException as exc:
+            log.warning("probewire: cannot read %s's message limit: %s", resource.name, exc)
+            continue
+        if entry is not None and str(entry.value).isdigit():
+            found.append((int(entry.value), resource.name))
+    if not found:
+        log.warning("probewire: the broker states no max.message.bytes for %s; "
+                    "stream.max_message_bytes is not checked against it", ", ".join(topics))
+    return min(found) if found else None
+
+
+def check_message_limit(max_message_bytes: int, limit: tuple[int, str] | None) -> None:
+    """A ConfigError (one line, with the fix) when a message of ``max_message_bytes`` does
+    not fit the broker's ``limit``: the broker would refuse every part that size."""
+    if limit is None:
+        return
+    largest, topic = limit
+    fits = largest - RECORD_OVERHEAD_BYTES
+    check(max_message_bytes <= fits, "stream.max_message_bytes",
+          f"{max_message_bytes} is over what topic {topic} takes (max.message.bytes="
+          f"{largest}, less {RECORD_OVERHEAD_BYTES} bytes of record overhead): set it to at "
+          f"most {fits}, or raise the topic's max.message.bytes")

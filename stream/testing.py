@@ -14,6 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
+from probewire.instrument.catalog import Grad, Group, Loss, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.wire import Point, RankIdentity
 
@@ -41,15 +42,15 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
-        return {"loss.sum": mean_loss * tokens, "loss.tokens": float(tokens),
-                "grad.norm_sq": grad * grad, "step_time_s": 0.1 + 0.001 * rank}
+        return {Loss.SUM: mean_loss * tokens, Loss.TOKENS: float(tokens),
+                Grad.NORM_SQ: grad * grad, System.STEP_TIME: 0.1 + 0.001 * rank}
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
         parts = [c for r in range(self.world_size)
                  if (c := self.components(step, r)) is not None]
-        sums = np.array([c["loss.sum"] for c in parts], dtype=np.float64)
-        counts = np.array([c["loss.tokens"] for c in parts], dtype=np.float64)
+        sums = np.array([c[Loss.SUM] for c in parts], dtype=np.float64)
+        counts = np.array([c[Loss.TOKENS] for c in parts], dtype=np.float64)
         valid = counts > 0
         return float(sums.sum() / counts.sum()), float(np.max(sums[valid] / counts[valid]))
 
@@ -60,8 +61,8 @@ def send(run: SimRun, bootstrap: str, topic: str, steps: Iterable[int],
     transports = [KafkaTransport({"bootstrap.servers": bootstrap}, topic)
                   for _ in range(run.world_size)]
     emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
-                                         host=f"node{r // 4}", coords={"dp": r}), transports[r])
-                for r in range(run.world_size)]
+                                         host=f"node{r // 4}", coords={Group.DATA.value: r}),
+                            transports[r]) for r in range(run.world_size)]
     sent, dup = 0, set(duplicates)
     for step in steps:
         for rank in range(run.world_size):

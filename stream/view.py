@@ -8,11 +8,14 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from probewire.instrument.catalog import Comm, Label, Loss, Memory, System
+from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
+                                          Memory, Modality, Moe, Output, Residual, System,
+                                          Tensor)
 from probewire.instrument.wire import SeriesKey
 
-from .derive import (expert_balance, global_mean_loss, own_time_ratios, own_times,
-                     rank_means, shard_imbalance, straggler_score, worst_rank_loss)
+from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
+                     mean_from_components, media_scale, own_time_ratios, own_times, rank_means,
+                     shard_imbalance, straggler_score, tokens_per_s, worst_rank_loss)
 from .records import ReducedStep
 from .signals import RankSeries
 
@@ -23,7 +26,9 @@ PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory
 """The metrics whose per-rank values the view reads (any labels); the rest of a step's
 per-rank values are detail only."""
 
-_TENSOR_FIELDS = ("n", "sum", "sum_sq", "abs_sum", "abs_max", "zeros", "nonfinite", "sum3", "sum4")
+_TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
+_RATIO_SUM, _STREAM_NORM_SUM, _BRANCH_NORM_SUM = (
+    Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm"))
 
 
 def _get(values: dict[SeriesKey, float], name: str, **labels: str) -> float | None:
@@ -85,12 +90,13 @@ def rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
 def _moe(item: ReducedStep) -> dict[str, Any]:
     """MaxVio / shard imbalance / H_norm from per-expert valid-token counts c_i (seeds §7)."""
     layers: dict[str, dict[int, float]] = defaultdict(dict)
-    for labels, count in _labelled(item.reduced, "moe.expert_tokens").items():
+    for labels, count in _labelled(item.reduced, Moe.EXPERT_TOKENS).items():
         lab = dict(labels)
-        layers[lab["layer"]][int(lab["expert"])] = count
+        layers[lab[Label.LAYER]][int(lab[Label.EXPERT])] = count
     out: dict[str, Any] = {"moe_maxvio": None, "moe_maxvio_layer": None,
                            "moe_shard_imbalance": None, "moe_h_norm": None}
-    ep_size = len({r.get("ep", 0) for r in item.coords.values()}) if item.coords else 1
+    ep = Group.EXPERT.value
+    ep_size = len({r.get(ep, 0) for r in item.coords.values()}) if item.coords else 1
     for layer, by_expert in sorted(layers.items()):
         counts = [by_expert.get(i, 0.0) for i in range(max(by_expert) + 1)]
         balance = expert_balance(counts)
@@ -114,77 +120,77 @@ def _residual(item: ReducedStep) -> dict[str, Any]:
     (layer, branch), with its mean stream norm N_s and branch norm N_b (seeds 001 §8)."""
     red = item.reduced
     weakest: tuple[float, tuple, float | None, float | None] | None = None
-    for labels, n in _labelled(red, "residual.tokens").items():
-        ratio = red.get(("residual.ratio_sum", labels))
+    for labels, n in _labelled(red, Residual.TOKENS).items():
+        ratio = red.get((_RATIO_SUM, labels))
         if not n > 0 or ratio is None or not math.isfinite(ratio):
             continue
-        mean = ratio / n
+        mean = mean_from_components(ratio, n)
         if weakest is None or mean < weakest[0]:
-            norms = [red.get((f"residual.{stem}_sum", labels)) for stem in ("stream_norm",
-                                                                             "branch_norm")]
-            weakest = (mean, labels, *(None if v is None else v / n for v in norms))
+            norms = [red.get((name, labels)) for name in (_STREAM_NORM_SUM, _BRANCH_NORM_SUM)]
+            weakest = (mean, labels, *(None if v is None else mean_from_components(v, n)
+                                       for v in norms))
     if weakest is None:
         return {"residual_ratio_min": None, "residual_ratio_branch": None,
                 "residual_stream_norm": None, "residual_branch_norm": None}
     lab = dict(weakest[1])
     return {"residual_ratio_min": weakest[0],
-            "residual_ratio_branch": f"layer {lab.get('layer', '?')} {lab.get('branch', '?')}",
+            "residual_ratio_branch": f"layer {lab.get(Label.LAYER, '?')} "
+                                     f"{lab.get(Label.BRANCH, '?')}",
             "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
 
 
 def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
     """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
     red = item.reduced
-    tokens = _get(red, "loss.tokens") or 0.0
-    sums, counts = _per_rank(item, "loss.sum"), _per_rank(item, "loss.tokens")
+    tokens = _get(red, Loss.TOKENS) or 0.0
+    sums, counts = _per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)
     ranks = sorted(set(sums) & set(counts))
     worst = worst_rank_loss([sums[r] for r in ranks], [counts[r] for r in ranks])
-    grad_sq = _get(red, "grad.norm_sq")
-    tau = _get(red, "step_time_s")
+    tau = _get(red, System.STEP_TIME)
     straggler_rank, own_ratio = _straggler(item)
-    taus = _per_rank(item, "step_time_s")
-    flops = _get(red, "flops.step")
-    memory = _per_rank(item, "memory.peak_allocated_bytes") or _per_rank(
-        item, "memory.peak_rss_bytes")
-    media = [_get(red, f"modality.{n}") for n in ("media_sum_sq", "media_n", "text_sum_sq",
-                                                   "text_n")]
+    taus = _per_rank(item, System.STEP_TIME)
+    flops = _get(red, System.FLOPS)
+    memory = _per_rank(item, Memory.PEAK_ALLOCATED) or _per_rank(item, Memory.PEAK_RSS)
     view: dict[str, Any] = {
         "step_tokens": int(tokens),
-        "loss": global_mean_loss([_get(red, "loss.sum") or 0.0], [tokens]),
+        "loss": global_mean_loss([_get(red, Loss.SUM) or 0.0], [tokens]),
         "loss_worst_rank": None if worst is None else worst[0],
         "loss_worst_rank_id": None if worst is None else ranks[worst[1]],
-        "grad_norm": None if grad_sq is None else (math.sqrt(grad_sq) if grad_sq >= 0
-                                                   else math.nan),
-        "clipped": _get(red, "grad.clipped"),
+        "grad_norm": grad_norm(_get(red, Grad.NORM_SQ)),
+        "clipped": _get(red, Grad.CLIPPED),
         "step_time_s": tau,
-        "tokens_per_s": tokens / tau if tau else None,
+        "tokens_per_s": tokens_per_s(tokens, tau),
         "flops_step": flops,
-        "compute_rate": flops / (item.world_size * tau) if flops is not None and tau else None,
+        "compute_rate": compute_rate(flops, item.world_size, tau),
         "straggler_score": straggler_score(list(taus.values())) if taus else None,
         "straggler_rank": straggler_rank,
         "straggler_own_ratio": own_ratio,
         "peak_memory_bytes": max(memory.values()) if memory else None,
         "peak_memory_rank": max(memory, key=memory.__getitem__) if memory else None,
-        "output_absmax": _get(red, "output.logits_abs_max"),
-        "media_scale": math.sqrt(media[0] / media[1]) / (math.sqrt(media[2] / media[3]) + 1e-12)
-        if None not in media and media[1] and media[3] else None,
-        "skipped": int(_get(red, "guard.skipped") or 0),
-        "replayed": int(_get(red, "guard.replayed") or 0),
-        "replay_mismatch": int(_get(red, "guard.replay_mismatch") or 0),
+        "output_absmax": _get(red, Output.LOGITS_ABS_MAX),
+        "media_scale": media_scale(*(_get(red, n) for n in (
+            Modality.MEDIA_SUM_SQ, Modality.MEDIA_N, Modality.TEXT_SUM_SQ, Modality.TEXT_N))),
+        "skipped": int(_get(red, Guard.SKIPPED) or 0),
+        "replayed": int(_get(red, Guard.REPLAYED) or 0),
+        "replay_mismatch": int(_get(red, Guard.REPLAY_MISMATCH) or 0),
         "ranks_reporting": len(item.ranks_reporting),
         "ranks_missing": list(item.ranks_missing),
         "complete_reason": item.complete_reason,
         **_moe(item),
         **_residual(item),
     }
-    sources = {}
-    source_sums = _labelled(red, "loss.sum")
-    for labels, count in _labelled(red, "loss.tokens").items():
-        lab = dict(labels)
-        if "source" in lab and count > 0 and labels in source_sums:
-            sources[lab["source"]] = (source_sums[labels] / count,
-                                      count / tokens if tokens else math.nan, count)
-    return view, sources
+    return view, _sources(red, tokens)
+
+
+def _sources(red: dict[SeriesKey, float], tokens: float) -> dict[str, tuple[float, float, float]]:
+    """Per data source: (L_mu, pi_mu, N_mu) of the sources with valid tokens (seeds §3)."""
+    source_sums = _labelled(red, Loss.SUM)
+    sums, counts = {}, {}
+    for labels, count in _labelled(red, Loss.TOKENS).items():
+        source = dict(labels).get(Label.SOURCE)
+        if source is not None and count > 0 and labels in source_sums:
+            sums[source], counts[source] = [source_sums[labels]], [count]
+    return loss_by_group(sums, counts, total_tokens=tokens)
 
 
 def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
@@ -201,15 +207,17 @@ def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
     tensors: dict[tuple, dict[str, Any]] = {}
     experts = []
     for (name, labels), value in item.reduced.items():
-        if name.startswith("tensor.") and name[7:] in _TENSOR_FIELDS:
+        field = _TENSOR_FIELD.get(name)
+        if field is not None:
             lab = dict(labels)
-            row = tensors.setdefault((lab.get("tensor"), lab.get("kind")), {
-                **base, "tensor": lab.get("tensor", ""), "kind": lab.get("kind", ""),
+            row = tensors.setdefault((lab.get(Label.TENSOR), lab.get(Label.KIND)), {
+                **base, "tensor": lab.get(Label.TENSOR, ""), "kind": lab.get(Label.KIND, ""),
                 "sum3": None, "sum4": None})
-            row[name[7:]] = value
-        elif name == "moe.expert_tokens":
+            row[field] = value
+        elif name == Moe.EXPERT_TOKENS:
             lab = dict(labels)
-            experts.append({**base, "layer": lab["layer"], "expert": int(lab["expert"]),
-                            "tokens": value, "shard": int(lab.get("shard", 0))})
-    return {"rank_metrics": ranks, "tensor_stats": [t for t in tensors.values() if "n" in t],
+            experts.append({**base, "layer": lab[Label.LAYER], "expert": int(lab[Label.EXPERT]),
+                            "tokens": value, "shard": int(lab.get(Label.SHARD, 0))})
+    n = TENSOR_FIELDS[0]  # a tensor's row needs its element count
+    return {"rank_metrics": ranks, "tensor_stats": [t for t in tensors.values() if n in t],
             "expert_stats": experts}

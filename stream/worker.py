@@ -78,6 +78,7 @@ class Worker:
         self.publisher = self.make_publisher()
         self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
         self.publishing.set()
+        self.progress.waiting("store", 1, time.monotonic())  # unhealthy after stall_s
         while self.sink is None:
             try:
                 self.sink = await self._in_writer(self.open_store)
@@ -85,6 +86,8 @@ class Worker:
                 self.progress.failed("store", str(exc))
                 log.error("probewire: cannot open the store: %s; retrying", exc)
                 await asyncio.sleep(2.0)
+        self.progress.waiting("store", 0, None)
+        self.progress.output("store")
         self.write_heartbeat("ready")
 
     @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from probewire.evaluators.datasets import DEMO_CORPUS_MODULES
 from probewire.evaluators.images import render_image
 
 from .model import BOS, IGNORE
@@ -30,10 +31,7 @@ from .model import BOS, IGNORE
 __all__ = ["SOURCES", "Batch", "Corpus", "load_corpus"]
 
 SOURCES = ("docs", "code")
-_MODULES = ("json", "collections", "functools", "itertools", "pathlib", "argparse", "textwrap",
-            "string", "re", "heapq", "bisect", "statistics", "fractions", "decimal", "datetime",
-            "calendar", "random", "math", "os", "shutil", "subprocess", "logging", "typing",
-            "dataclasses", "enum", "csv", "abc", "contextlib", "operator", "copy")
+_MODULES = DEMO_CORPUS_MODULES  # the evaluator's demo sets leave these out
 
 
 def _docstrings() -> str:

@@ -125,7 +125,7 @@ def test_checkpoints_are_scored_and_bits_per_byte_falls(kafka_bootstrap: str, tr
         b"{not json",                                               # dead letter
         _event(300, *ck[300], planned),                             # scored after failures
     ])
-    service = EvaluatorService(settings, EvaluatorOptions(
+    service = EvaluatorService(settings.evaluator_setup(), EvaluatorOptions(
         data_dir=str(tmp_path / "data"), heartbeat_path=tmp_path / "evaluator.heartbeat"))
     stats = service.run(once=True)
     assert (stats.messages, stats.evaluated, stats.skipped, stats.failed) == (7, 3, 1, 3)
@@ -168,7 +168,7 @@ def test_service_stops_cleanly_on_sigterm(kafka_bootstrap: str, tmp_path: Path) 
     heartbeat = tmp_path / "evaluator.heartbeat"
     env = {**os.environ, "PROBEWIRE_HEARTBEAT_FILE": str(heartbeat)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "probewire.evaluators.cli", "--config", str(config), "evaluator",
+        [sys.executable, "-m", "probewire.deploy.cli", "--config", str(config), "evaluator",
          "--data-dir", str(tmp_path / "data"), "--suites", "heldout"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

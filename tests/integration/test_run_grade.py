@@ -1,35 +1,44 @@
 """Issue 14 on the real broker, worker and store: an ordinary day of a real run loses
-nothing. Each scenario ends with every step stored exactly once and the reduced series
-equal to the float64 reference of the same input (what an undisturbed run stores), and
-the worker still running.
+nothing. Each scenario ends with every step stored exactly once and the P0 series (L,
+L_max, G2, tau, TPS) equal to the float64 reference of the same input (what an
+undisturbed run stores), and the worker still running.
 
 Pause longer than ``run_idle_s`` then resume; a late step after a skipped gap; poison
-values (one dead letter each); a store outage past the retry window (health fails, then
-everything is stored); a crashed agent (health fails naming it); a step over the message
-size limit (split, P0 and all detail stored).
+values (one dead letter each: an out-of-range label, step 2^62, world size 5,000,000, a
+world size that disagrees, garbage, null payloads, a non-integer rank, label values
+over the per-run cap); a store outage past the retry window (health fails, then
+everything is stored); a crashed agent (health fails naming it and stays failed after
+Faust restarts the agent; a restart stores its input); a step over the message size
+limit (split, P0 and all detail stored); a broker restart mid-run with the documented
+recovery; a message limit over the broker's (one line at start); an unreachable store
+whose URL holds a password (retried, health names the store, the password never logged).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.deploy.stack import LocalStack
-from probewire.instrument.catalog import Label, Loss, Moe, Tensor
-from probewire.instrument.export import Point, RankIdentity, StepEmitter
-from probewire.instrument.testing import MemoryTransport
+from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
+from probewire.instrument.catalog import Grad, Label, Loss, Moe, System, Tensor
+from probewire.instrument.wire import RANK_ATTR, Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.health import HealthConfig
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.stream.testing import SimRun
+from probewire.stream.validate import Bounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -46,18 +55,18 @@ def settings_for(store: Path, **stream) -> Settings:
                               stage2=stage2, health=HealthConfig(stall_s=6.0), **stream))
 
 
-def encode(run: SimRun, step: int, extra=(), identity=None) -> list[tuple[bytes, bytes]]:
-    """Every rank's message of one step (real OTLP from the ranks' emitter)."""
+def encode(run: SimRun, step: int, extra=(), identity=None,
+           ranks: range | None = None) -> list[tuple[bytes, bytes]]:
+    """The messages of one step from ``ranks`` (default: every rank), encoded by the ranks'
+    own wire encoder (the emitter's thread and queue add nothing to test here)."""
     out = []
-    for rank in range(run.world_size):
-        transport = MemoryTransport()
-        emitter = StepEmitter(identity(rank) if identity else RankIdentity(
+    for rank in range(run.world_size) if ranks is None else ranks:
+        who = identity(rank) if identity else RankIdentity(
             run_id=run.run_id, rank=rank, world_size=run.world_size, host=f"h{rank}",
-            coords={"dp": rank}), transport)
-        points = [Point(n, v) for n, v in run.components(step, rank).items()]
-        emitter.emit(step, points + list(extra))
-        emitter.close()
-        out += transport.messages
+            coords={"dp": rank})
+        points = [Point(n, v) for n, v in run.components(step, rank).items()] + list(extra)
+        out.append((message_key(who.run_id, step),
+                    WireEncoder(who.resource_attributes()).encode(step, points)))
     return out
 
 
@@ -76,24 +85,45 @@ def wait_for(stack: LocalStack, run_id: str, steps: int, timeout_s: float = 90.0
     assert stack.progress(run_id) >= steps, stack.heartbeat_path.read_text()
 
 
+def wait_stored(stack: LocalStack, table: str, rows: int, timeout_s: float = 30.0) -> None:
+    """Until the worker has stored ``rows`` rows of ``table`` (its heartbeat says so)."""
+    def stored() -> int:
+        beat = json.loads(stack.heartbeat_path.read_text())
+        return beat.get("stages", {}).get(table, {}).get("outputs", 0)
+    deadline = time.monotonic() + timeout_s
+    while stored() < rows and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stored() >= rows, stack.heartbeat_path.read_text()
+
+
 def health(stack: LocalStack) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "probewire.deploy.cli", "health",
                            "--component", "worker", "--heartbeat", str(stack.heartbeat_path)],
                           capture_output=True, text=True, timeout=60)
 
 
+def reference(run: SimRun, step: int) -> dict[str, float]:
+    """What an undisturbed run stores for ``step``, in float64 from the ranks' components."""
+    parts = [c for r in range(run.world_size) if (c := run.components(step, r)) is not None]
+    column = lambda name: np.array([c[name] for c in parts], dtype=np.float64)  # noqa: E731
+    loss, worst = run.expected(step)
+    tau = float(np.max(column(System.STEP_TIME)))
+    return {"loss": loss, "loss_worst_rank": worst,
+            "grad_norm": float(np.sqrt(np.sum(column(Grad.NORM_SQ)))),
+            "step_time_s": tau, "tokens_per_s": float(np.sum(column(Loss.TOKENS))) / tau}
+
+
 def assert_exact(read_store, store: Path, run: SimRun, steps: list[int]) -> list[dict]:
-    """Every step stored once, L and L_max equal to the float64 reference."""
-    rows = read_store(store, "SELECT step, loss, loss_worst_rank, complete_reason, "
-                             "count() OVER (PARTITION BY step) AS copies FROM "
-                             f"probewire.step_metrics FINAL WHERE run_id = '{run.run_id}' "
-                             "ORDER BY step")
+    """Every step stored once, its P0 series equal to the float64 reference."""
+    rows = read_store(store, "SELECT step, loss, loss_worst_rank, grad_norm, step_time_s, "
+                             "tokens_per_s, complete_reason, count() OVER (PARTITION BY step) "
+                             "AS copies FROM probewire.step_metrics FINAL WHERE run_id = "
+                             f"'{run.run_id}' ORDER BY step")
     assert [r["step"] for r in rows] == steps
     assert all(r["copies"] == 1 for r in rows)
     for row in rows:
-        loss, worst = run.expected(row["step"])
-        assert row["loss"] == pytest.approx(loss, rel=1e-9, abs=0)
-        assert row["loss_worst_rank"] == pytest.approx(worst, rel=1e-9, abs=0)
+        for name, value in reference(run, row["step"]).items():
+            assert row[name] == pytest.approx(value, rel=1e-9, abs=0), (row["step"], name)
     return rows
 
 
@@ -143,34 +173,46 @@ def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
 
 def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
         stack, kafka_bootstrap, read_store, scratch_dir):
-    s = stack()
+    s = stack(bounds=Bounds(max_label_values=20))
     run = SimRun(run_id=f"poison-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=3)
+    one = range(1)
+    other = SimRun(run_id=run.run_id, world_size=RANKS)
     bad_expert = [Point(Moe.EXPERT_TOKENS, 5.0, ((Label.LAYER, "0"), (Label.EXPERT, "-1")))]
+    word_rank = RankIdentity(run_id=run.run_id, rank=1, world_size=RANKS).resource_attributes()
+    word_rank[RANK_ATTR] = "one"
     poison = [
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 3, bad_expert)[:1],
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 2 ** 62)[:1],
-        encode(SimRun(run_id=f"huge-{uuid.uuid4().hex[:4]}", world_size=5_000_000), 0,
-               identity=lambda r: RankIdentity(run_id="huge", rank=0,
-                                               world_size=5_000_000))[:1],
-        encode(SimRun(run_id=run.run_id, world_size=RANKS), 4, identity=lambda r: RankIdentity(
-            run_id=run.run_id, rank=1, world_size=RANKS + 1))[:1],
-        # a null payload is left out: the current decoder raises TypeError on it (see
-        # tests/unit/stream/test_poison.py; the new wire decoder dead-letters it)
+        encode(other, 3, bad_expert, ranks=one),
+        encode(other, 2 ** 62, ranks=one),
+        encode(SimRun(run_id="huge", world_size=5_000_000), 0, ranks=one),
+        encode(other, 4, ranks=range(1, 2), identity=lambda r: RankIdentity(
+            run_id=run.run_id, rank=r, world_size=RANKS + 1)),
         [(f"{run.run_id}:5".encode(), b"\x00garbage")],
+        [(f"{run.run_id}:5".encode(), None)] * 20,     # null payloads, one letter each
+        [(f"{run.run_id}:5".encode(), WireEncoder(word_rank).encode(
+            5, [Point(n, v) for n, v in other.components(5, 1).items()]))],
     ]
     good = [m for step in range(12) for m in encode(run, step)]
+    # rank 0 of step 6 names 30 loss sources: 20 are kept, the other 10 are dropped (one
+    # dead letter with the reason) and the rest of its message is reduced as usual
+    sources = [Point(name, 1.0, ((Label.SOURCE, f"src{i}"),))
+               for i in range(30) for name in (Loss.SUM, Loss.TOKENS)]
+    good[24:25] = encode(run, 6, sources, ranks=one)
     produce(kafka_bootstrap, good[:20] + [m for p in poison for m in p] + good[20:])
     wait_for(s, run.run_id, 12)
-    time.sleep(2.5)  # the dead-letter agent batches for up to 1 s
+    wait_stored(s, "dead_letters", 1 + sum(map(len, poison)))
     s.stop()
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(12)))
     letters = read_store(store, "SELECT reason FROM probewire.dead_letters FINAL")
-    assert len(letters) == len(poison), letters
+    assert len(letters) == 1 + sum(map(len, poison)), letters
     reasons = " | ".join(sorted(r["reason"] for r in letters))
     for expected in ("label expert", "step 4611686018427387904", "world size 5000000",
-                     "disagrees", "not an OTLP"):
+                     "disagrees", "not an OTLP", "empty payload", "must be an integer",
+                     "label source"):
         assert expected in reasons, reasons
+    kept = read_store(store, "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
+                             f"WHERE run_id = '{run.run_id}' GROUP BY step")
+    assert [(r["step"], r["n"]) for r in kept] == [(6, 20)]
 
 
 def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everything(
@@ -199,17 +241,27 @@ def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everythin
     assert_exact(read_store, scratch_dir / "store", run, list(range(15)))
 
 
-def test_health_fails_while_an_agent_is_crashed(stack, kafka_bootstrap, monkeypatch):
+def test_health_fails_while_an_agent_is_crashed_and_a_restart_stores_its_input(
+        stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch):
     monkeypatch.setenv("PROBEWIRE_FAULT_CRASH_AGENT", "per_run")
-    s = stack()
-    assert health(s).returncode == 0
+    s = stack()  # (a fresh group: it may crash at once on another test's steps)
     run = SimRun(run_id=f"crash-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
-    produce(kafka_bootstrap, encode(run, 0))
+    produce(kafka_bootstrap, [m for step in range(5) for m in encode(run, step)])
     deadline = time.monotonic() + 30
     while health(s).returncode == 0 and time.monotonic() < deadline:
         time.sleep(0.3)
     result = health(s)
     assert result.returncode == 1 and "agent per_run crashed" in result.stderr, result
+    time.sleep(1.5)  # Faust restarted the agent; the worker must stay unhealthy
+    assert health(s).returncode == 1
+    # what an orchestrator does on a failing liveness check: kill, start again
+    stop_process(s.worker, signal.SIGKILL)
+    monkeypatch.delenv("PROBEWIRE_FAULT_CRASH_AGENT")
+    s.start_worker()
+    wait_for(s, run.run_id, 5)
+    assert health(s).returncode == 0
+    s.stop()
+    assert_exact(read_store, scratch_dir / "store", run, list(range(5)))
 
 
 def test_a_step_over_the_message_limit_is_split_and_stored_whole(
@@ -233,3 +285,119 @@ def test_a_step_over_the_message_limit_is_split_and_stored_whole(
     rows = read_store(store, "SELECT count() AS n FROM probewire.tensor_stats FINAL "
                              f"WHERE run_id = '{run.run_id}' AND step = 0")
     assert rows == [{"n": 40}]
+
+
+def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step_once(
+        read_store, scratch_dir):
+    """docs/deployment.md, "The broker restarts" (Tansu, memory storage): topics recreated
+    (with the broker), the worker restarted, the ranks re-send after the last stored step
+    with a generous window; nothing is lost and nothing stored twice."""
+    store = scratch_dir / "store"
+    s = LocalStack(settings_for(store), scratch_dir / "run")
+    try:
+        bootstrap = s.start_broker()
+        s.start_worker()
+        run = SimRun(run_id=f"restart-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=7)
+        produce(bootstrap, [m for step in range(15) for m in encode(run, step)])
+        wait_for(s, run.run_id, 10)
+        s.restart_broker()  # mid-run: steps 10..14 may be anywhere between rank and store
+        stop_process(s.worker, signal.SIGTERM, 30.0)  # (2) restart the worker
+        [last] = read_store(store, "SELECT max(step) AS m FROM probewire.step_metrics FINAL "
+                                   f"WHERE run_id = '{run.run_id}'")
+        assert 9 <= last["m"] <= 14
+        s.start_worker()
+        # (3) the ranks re-send after the last stored step, with a window of 5 before it
+        produce(bootstrap, [m for step in range(last["m"] - 5, 20) for m in encode(run, step)])
+        deadline = time.monotonic() + 90
+        while s.progress(run.run_id, "last_step") < 19 and time.monotonic() < deadline:
+            assert s.worker.poll() is None, "the worker exited"
+            time.sleep(0.2)
+        assert s.progress(run.run_id, "last_step") == 19, s.heartbeat_path.read_text()
+        assert health(s).returncode == 0
+    finally:
+        s.stop()
+    assert_exact(read_store, store, run, list(range(20)))
+
+
+def test_a_message_limit_over_the_brokers_stops_the_worker_at_start_with_one_line(
+        kafka_bootstrap, scratch_dir):
+    """stream.max_message_bytes is compared with the topics' max.message.bytes at start."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    steps = f"steps-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(steps, 1, 1, config={"max.message.bytes": "50000"})])[
+        steps].result(30)
+    settings = settings_for(scratch_dir / "store", max_message_bytes=100_000)
+    settings.topics = dataclasses.replace(settings.topics, steps=steps)
+    s = LocalStack(settings, scratch_dir / "run")
+    s.use_broker(kafka_bootstrap)
+    try:
+        with pytest.raises(StackError, match="exited with code 2"):
+            s.start_worker(timeout_s=60)
+    finally:
+        s.stop()
+    lines = [line for line in (scratch_dir / "run" / "worker.log").read_text().splitlines()
+             if line.startswith("probewire: error:")]
+    assert lines == ["probewire: error: stream.max_message_bytes: 100000 is over what topic "
+                     f"{steps} takes (max.message.bytes=50000, less 1024 bytes of record "
+                     "overhead): set it to at most 48976, or raise the topic's "
+                     "max.message.bytes"]
+
+
+def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_logged(
+        kafka_bootstrap, scratch_dir):
+    """The worker keeps retrying a store it cannot reach, health fails naming the store,
+    and the password written into the URL appears in no log line and no heartbeat."""
+    secret = f"s3cret{uuid.uuid4().hex[:8]}"
+    settings = settings_for(scratch_dir / "store")
+    settings.clickhouse = ClickHouseSettings(
+        url=f"http://alice:{secret}@127.0.0.1:{free_port()}", retry_max_s=1.0)
+    tree = settings.to_dict()
+    tree["kafka"]["bootstrap"] = kafka_bootstrap
+    config, heartbeat = scratch_dir / "settings.json", scratch_dir / "worker.heartbeat"
+    config.write_text(json.dumps(tree))  # the user's own file, as a deployment might hold it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEWIRE_")}
+    env.update(PROBEWIRE_CONFIG=str(config), PROBEWIRE_HEARTBEAT_FILE=str(heartbeat))
+    with open(scratch_dir / "worker.log", "wb") as log:
+        worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker",
+                        "--loglevel", "info"], log, env)
+        try:
+            check = lambda: subprocess.run(  # noqa: E731
+                [sys.executable, "-m", "probewire.deploy.cli", "health", "--component",
+                 "worker", "--heartbeat", str(heartbeat)], capture_output=True, text=True,
+                timeout=60)
+            deadline = time.monotonic() + 60
+            while (result := check()).returncode == 0 or "store" not in result.stderr:
+                assert worker.poll() is None, "the worker exited"
+                assert time.monotonic() < deadline, result
+                time.sleep(0.5)
+            assert "cannot connect to http://127.0.0.1:" in result.stderr, result
+            assert worker.poll() is None
+        finally:
+            stop_process(worker)
+    written = (scratch_dir / "worker.log").read_text() + heartbeat.read_text() + result.stderr
+    assert "probewire: cannot open the store" in written
+    assert secret not in written
+
+
+def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir):
+    """The run id is a bound parameter: ``x' OR 1=1 --`` finds no run (not every run)."""
+    store, cli = scratch_dir / "store", [sys.executable, "-m", "probewire.deploy.cli"]
+
+    def probewire(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+    assert probewire("migrate", "--store", str(store)).returncode == 0
+    rng = np.random.default_rng(12)
+    values = ", ".join(f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, "
+                       f"{0.1 + 0.001 * z:.6f})" for s, (x, y, z) in
+                       enumerate(rng.normal(size=(80, 3))))
+    inserted = probewire("sql", "--store", str(store), "INSERT INTO probewire.step_metrics "
+                         f"(run_id, step, loss, grad_norm, step_time_s) VALUES {values}")
+    assert inserted.returncode == 0, inserted.stderr
+    assert probewire("calibrate", "--store", str(store), "--run", "stable",
+                     "--window", "20").returncode == 0
+    hostile = probewire("calibrate", "--store", str(store), "--run", "x' OR 1=1 --",
+                        "--window", "20")
+    assert (hostile.returncode, hostile.stderr) == (
+        2, "probewire: error: run \"x' OR 1=1 --\" has no steps in the store\n")

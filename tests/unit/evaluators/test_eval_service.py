@@ -20,7 +20,7 @@ from probewire.evaluators.runner import EvaluationCancelled
 def service(tmp_path: Path) -> EvaluatorService:
     options = EvaluatorOptions(suites=("heldout",), data_dir=str(tmp_path / "data"),
                                heartbeat_path=tmp_path / "evaluator.heartbeat")
-    return EvaluatorService(Settings(), options)
+    return EvaluatorService(Settings().evaluator_setup(), options)
 
 
 @pytest.fixture()
@@ -83,8 +83,8 @@ def test_stop_request_cancels_an_evaluation_in_progress(service: EvaluatorServic
 def test_bad_factory_fails_at_start_up(tmp_path: Path) -> None:
     settings = Settings(evaluator=EvaluatorSettings(model_factory="probewire.nowhere:load"))
     with pytest.raises(EvaluationError, match=r"module 'probewire\.nowhere' does not import"):
-        EvaluatorService(settings, EvaluatorOptions(data_dir=str(tmp_path),
-                                                    heartbeat_path=tmp_path / "hb"))
+        EvaluatorService(settings.evaluator_setup(), EvaluatorOptions(
+            data_dir=str(tmp_path), heartbeat_path=tmp_path / "hb"))
 
 
 def test_default_group_is_derived_from_the_app_id(service: EvaluatorService) -> None:
@@ -96,7 +96,8 @@ def test_suite_failures_make_one_dead_letter_and_the_rest_is_published(
     """A text-only model cannot ground boxes: both streams fail that suite, heldout scores."""
     options = EvaluatorOptions(suites=("heldout", "grounding"), data_dir=str(tmp_path / "data"),
                                heartbeat_path=tmp_path / "hb")
-    result = EvaluatorService(Settings(), options).process(_payload(checkpoint, 10))
+    service = EvaluatorService(Settings().evaluator_setup(), options)
+    result = service.process(_payload(checkpoint, 10))
     assert result.evaluated
     assert {(r.suite, r.weights_stream) for r in result.records} == {("heldout", "raw"),
                                                                      ("heldout", "ema")}

@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from probewire.deploy.cli import main
 from probewire.evaluators import add_evaluator_parser
-from probewire.evaluators.cli import cmd_evaluator, main
+from probewire.evaluators.cli import cmd_evaluator
+from probewire.evaluators.config import EvaluatorSetup
 
 
 def test_parser_registers_the_evaluator_command() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
-    add_evaluator_parser(parser.add_subparsers(dest="command"))
+    add_evaluator_parser(parser.add_subparsers(dest="command"), lambda path: EvaluatorSetup())
     args = parser.parse_args(["evaluator", "--once", "--data-dir", "d", "--suites",
                               "heldout,choice", "--reference-stream", "raw"])
     assert (args.func, args.once, args.data_dir, args.suites, args.reference_stream) == (

@@ -111,19 +111,24 @@ def test_tensor_view_matches_the_reference_formulas(ch_client, sink) -> None:
            "abs_sum": float(np.abs(x).sum()), "abs_max": float(np.abs(x).max()),
            "zeros": float((x == 0).sum()), "nonfinite": 0.0, "sum3": float((x**3).sum()),
            "sum4": float((x**4).sum())}
-    sink.write("tensor_stats", [row, row | {"tensor": "no_moments", "sum3": None, "sum4": None}])
-    got = _rows(ch_client, f"SELECT tensor, rms, abs_mean, zero_frac, excess_kurtosis FROM "
-                           f"{sink.database}.tensor_view ORDER BY tensor")
-    (name, rms, abs_mean, zero_frac, kurt), (_, _, _, _, none) = got
-    assert name == "layers.0.mlp" and none is None
+    c = np.full(1000, 0.1)  # zero variance (raw sums cannot resolve it): no kurtosis
+    constant = row | {"tensor": "constant", "n": 1000.0, "sum": float(c.sum()),
+                      "sum_sq": float((c**2).sum()), "sum3": float((c**3).sum()),
+                      "sum4": float((c**4).sum())}
+    sink.write("tensor_stats", [row, row | {"tensor": "no_moments", "sum3": None, "sum4": None},
+                                constant])
+    got = _rows(ch_client, f"SELECT tensor, rms, abs_mean, zero_frac, excess_kurtosis, mean "
+                           f"FROM {sink.database}.tensor_view ORDER BY tensor")
+    (_, _, _, _, flat, _), (name, rms, abs_mean, zero_frac, kurt, mean), (_, _, _, _, none, _) \
+        = got
+    assert name == "layers.0.mlp" and none is None and flat is None
     assert rms == pytest.approx(math.sqrt(np.mean(x**2)), rel=1e-12)
     assert abs_mean == pytest.approx(np.mean(np.abs(x)), rel=1e-12)
+    assert mean == pytest.approx(np.mean(x), rel=1e-12)
     assert zero_frac == pytest.approx(40 / 5000)
     centered = x - x.mean()
     reference = np.mean(centered**4) / np.mean(centered**2) ** 2 - 3
     assert kurt == pytest.approx(reference, rel=1e-6)
-    assert kurt == pytest.approx(derive.kurtosis_from_moments(
-        row["n"], row["sum"], row["sum_sq"], row["sum3"], row["sum4"]), rel=1e-9)
 
 
 def test_expert_balance_view_matches_derive(ch_client, sink) -> None:
@@ -158,3 +163,17 @@ def test_first_screen_carries_the_latest_reference_bpb_at_or_before_each_step(ch
                            f"{sink.database}.first_screen WHERE run_id = 'r' ORDER BY step")
     assert got == [(0, None, None), (1, None, None), (2, 1.5, 2), (3, 1.5, 2), (4, 1.3, 4),
                    (5, 1.3, 4)]
+
+
+def test_a_row_the_store_refuses_is_bisected_out_and_the_rest_stored(ch_client, sink) -> None:
+    """One out-of-range value (expert -1 in a UInt32 column) comes back with the store's
+    reason; the other rows of its write are stored once (the run-grade batch rule)."""
+    rows = [{"run_id": "r", "step": s, "layer": "0", "expert": e, "tokens": 1.0}
+            for s in range(3) for e in range(4)]
+    bad = {"run_id": "r", "step": 1, "layer": "0", "expert": -1, "tokens": 1.0}
+    refused = sink.write_or_reject("expert_stats", rows[:5] + [bad] + rows[5:])
+    assert [row for row, _ in refused] == [bad]
+    assert refused[0][1].startswith("expert_stats: ")
+    got = _rows(ch_client, f"SELECT step, expert FROM {sink.database}.expert_stats FINAL "
+                           "ORDER BY step, expert")
+    assert got == [(r["step"], r["expert"]) for r in rows]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
 
 from probewire.stream.alerting import AlertmanagerWebhook
 
@@ -47,3 +50,16 @@ def test_unreachable_webhook_is_counted_not_raised():
 
 def test_no_url_means_no_webhook():
     assert AlertmanagerWebhook("").post([ALERT]) is True
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:9/hooks/T000/B000/s3cret-token?key=s3cret-key",  # unreachable
+    "http://alice:s3cret-pw@127.0.0.1:9/api/v2/alerts",                  # user info
+    "http://alice:s3cret-pw@127.0.0.1/api/v2/alerts",                    # refused
+    "http://127.0.0.1:s3cret/api",                                       # not a valid URL
+])
+def test_a_failing_webhook_never_logs_its_secret(url, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert AlertmanagerWebhook(url, timeout_s=1.0).post([ALERT]) is False
+    assert caplog.records and "s3cret" not in caplog.text
+    assert "127.0.0.1" in caplog.text

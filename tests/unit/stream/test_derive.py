@@ -1,4 +1,5 @@
-"""Cross-rank reductions and derived series against float64 NumPy references."""
+"""Cross-rank reductions and derived series against float64 NumPy references (the functions
+stage 2's view calls for every step; ``test_view_calls_derive`` ties the two together)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from probewire.stream.derive import (
     compute_rate,
     expert_balance,
     global_mean_loss,
-    global_step_time,
-    kurtosis_from_moments,
+    grad_norm,
     loss_by_group,
     mean_from_components,
+    media_scale,
     rms_from_components,
     shard_imbalance,
     straggler_score,
@@ -98,39 +99,73 @@ def test_loss_by_group_against_pooled_tokens():
     assert set(got) == {"web", "code"}  # the empty group is left out, not zero
     for g in ("web", "code"):
         pooled = np.concatenate(groups[g])
-        loss, share = got[g]
+        loss, share, n = got[g]
         assert loss == pytest.approx(pooled.mean(), rel=1e-12)
         assert share == pytest.approx(pooled.size / all_tokens, rel=1e-12)
+        assert n == pooled.size
     assert got["code"][1] == pytest.approx(42 / 1592, rel=1e-12)
-    assert sum(share for _, share in got.values()) == pytest.approx(1.0)
+    assert sum(share for _, share, _ in got.values()) == pytest.approx(1.0)
     with_total = loss_by_group(sums, counts, total_tokens=3184.0)
     assert with_total["code"][1] == pytest.approx(42 / 3184, rel=1e-12)
 
 
-def test_loss_by_group_rejects_mismatched_groups():
+def test_loss_by_group_without_total_tokens_has_no_share_and_rejects_mismatched_groups():
+    [(loss, share, n)] = loss_by_group({"a": [3.0]}, {"a": [2.0]}, total_tokens=0.0).values()
+    assert (loss, n) == (1.5, 2.0) and math.isnan(share)
     with pytest.raises(ValueError, match="same groups"):
         loss_by_group({"a": [1.0]}, {"b": [1.0]})
-    with pytest.raises(ValueError, match="total_tokens"):
-        loss_by_group({"a": [1.0]}, {"a": [4.0]}, total_tokens=2.0)
 
 
 def test_throughput_and_compute_rate():
-    assert tokens_per_s(1_048_576, 0.5) == pytest.approx(2_097_152.0)
-    assert compute_rate(6.0e15, 8, 2.5) == pytest.approx(np.float64(6.0e15) / (8 * 2.5), rel=1e-15)
-    for bad in (0.0, -1.0, math.nan):
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 4096, 64).astype(np.float64)  # per rank
+    times = rng.uniform(0.9, 1.3, 64)                        # per rank, seconds
+    tau = np.max(times)                                      # stage 1's reduction
+    assert tokens_per_s(float(tokens.sum()), float(tau)) == pytest.approx(
+        tokens.sum() / tau, rel=1e-15)
+    flops = np.float64(6.0e15)
+    assert compute_rate(6.0e15, 64, float(tau)) == pytest.approx(flops / (64 * tau), rel=1e-15)
+    # no time (no rank reported one, or 0 s) or no FLOP estimate: not measured
+    assert tokens_per_s(100, None) is None and tokens_per_s(100, 0.0) is None
+    assert compute_rate(None, 8, 1.0) is None and compute_rate(1.0, 8, 0.0) is None
+    for bad in (-1.0, math.nan):
         with pytest.raises(ValueError, match="tau"):
             tokens_per_s(100, bad)
     with pytest.raises(ValueError, match="n_devices"):
         compute_rate(1.0, 0, 1.0)
 
 
-def test_step_time_and_straggler_score():
+def test_grad_norm_from_the_owners_squared_norms():
+    rng = np.random.default_rng(9)
+    shards = [rng.normal(0.0, 1e-3, n) for n in (1000, 0, 4321)]  # each owner's gradients
+    norm_sq = sum(float(np.sum(g * g)) for g in shards)              # what stage 1 sums
+    assert grad_norm(norm_sq) == pytest.approx(np.linalg.norm(np.concatenate(shards)),
+                                               rel=1e-12)
+    assert grad_norm(None) is None
+    assert math.isnan(grad_norm(math.nan)) and math.isnan(grad_norm(-1.0))
+    assert grad_norm(math.inf) == math.inf
+
+
+def test_media_scale_against_embedding_rms():
+    rng = np.random.default_rng(10)
+    media = [rng.normal(0.0, 3.0, (n, 16)) for n in (40, 0, 25)]  # per rank, embeddings
+    text = [rng.normal(0.0, 0.5, (n, 16)) for n in (300, 210, 0)]
+    parts = [(float(sum(np.sum(e * e) for e in group)), float(sum(e.size for e in group)))
+             for group in (media, text)]
+    rms = [np.sqrt(np.mean(np.concatenate(g) ** 2)) for g in (media, text)]
+    assert media_scale(*parts[0], *parts[1]) == pytest.approx(rms[0] / (rms[1] + 1e-12),
+                                                              rel=1e-12)
+    assert media_scale(None, 1.0, 1.0, 1.0) is None and media_scale(1.0, 0.0, 1.0, 1.0) is None
+    assert math.isnan(media_scale(-1.0, 2.0, 1.0, 1.0))
+    assert math.isnan(media_scale(math.nan, 2.0, 1.0, 1.0))
+
+
+def test_straggler_score():
     times = np.array([1.02, 0.98, 1.00, 1.75])  # even count: median averages the middle two
-    assert global_step_time(times) == 1.75
     expected = np.max(times) / (np.median(times) + 1e-8)
     assert straggler_score(times) == pytest.approx(expected, rel=1e-14)
     assert straggler_score([1.0, 1.0, 1.0]) == pytest.approx(1.0, abs=1e-7)
-    assert straggler_score([]) is None and global_step_time([]) is None
+    assert straggler_score([]) is None
 
 
 def reference_balance(c):
@@ -209,33 +244,3 @@ def test_rms_and_mean_from_rank_components():
     assert math.isnan(rms_from_components(math.nan, 4.0))
     with pytest.raises(ValueError, match="count"):
         rms_from_components(1.0, -1.0)
-
-
-def raw_sums(shards):
-    n = float(sum(s.size for s in shards))
-    return (n, *(sum(float(np.sum(s**k)) for s in shards) for k in (1, 2, 3, 4)))
-
-
-@pytest.mark.parametrize("kind", ["normal", "heavy", "offset"])
-def test_kurtosis_from_rank_power_sums(kind):
-    rng = np.random.default_rng(5)
-    draw = {
-        "normal": lambda n: rng.normal(0.0, 1.0, n),
-        "heavy": lambda n: rng.standard_t(5.0, n),
-        "offset": lambda n: rng.normal(3.0, 0.5, n),
-    }[kind]
-    shards = [draw(n) for n in (4000, 0, 1234)]
-    x = np.concatenate(shards)
-    d = x - x.mean()
-    expected = np.mean(d**4) / np.mean(d**2) ** 2 - 3.0
-    assert kurtosis_from_moments(*raw_sums(shards)) == pytest.approx(expected, rel=1e-7, abs=1e-9)
-    if kind == "heavy":
-        assert expected > 1.0
-
-
-def test_kurtosis_undefined_at_zero_variance():
-    assert kurtosis_from_moments(*raw_sums([np.full(1000, 0.1)])) is None
-    assert kurtosis_from_moments(*raw_sums([np.zeros(10)])) is None
-    assert kurtosis_from_moments(0, 0.0, 0.0, 0.0, 0.0) is None
-    # two-point distribution: excess kurtosis is exactly -2
-    assert kurtosis_from_moments(*raw_sums([np.array([-1.0, 1.0] * 50)])) == pytest.approx(-2.0)

@@ -25,6 +25,7 @@ def rank_step(step=0, rank=0, world_size=4, run_id="r", values=None, coords=None
     (rank_step(coords={"dp": 9}), "coordinate dp=9"),
     (rank_step(values={series_key(Loss.TOKENS): -2.0}), "count loss.tokens"),
     (rank_step(values={series_key(Loss.TOKENS): math.nan}), "count loss.tokens"),
+    (rank_step(values={series_key(System.FLOPS): -1.0}), "count flops.step"),
     (rank_step(values={series_key(Moe.EXPERT_TOKENS, {Label.LAYER: "0", Label.EXPERT: "-1"}):
                        1.0}), "label expert"),
     (rank_step(values={series_key(Loss.SUM, {Label.SOURCE: "a|b"}): 1.0}), "'|'"),

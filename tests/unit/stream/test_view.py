@@ -1,0 +1,116 @@
+"""Stage 2's view of a reduced step against float64 NumPy references on the ranks' own
+components: the view is what production stores, and it gets its numbers from ``derive``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from probewire.instrument.catalog import (Grad, Label, Loss, Modality, Residual, System)
+from probewire.instrument.wire import RankStep
+from probewire.stream.assemble import reduce_step
+from probewire.stream.view import p0_view
+
+RANKS = 6
+SOURCES = ("web", "code")
+
+
+def rank_components(seed: int = 11):
+    """Per rank: token losses per source, step time, FLOPs, gradient shard, embeddings."""
+    rng = np.random.default_rng(seed)
+    ranks = []
+    for r in range(RANKS):
+        losses = {s: rng.gamma(2.0, 1.0 + 0.3 * r + (s == "code"), size=int(n))
+                  for s, n in zip(SOURCES, rng.integers(0, 400, 2))}
+        if r == 2:  # a rank with no valid token
+            losses = {s: np.empty(0) for s in SOURCES}
+        ranks.append({
+            "losses": losses, "tau": float(rng.uniform(0.8, 1.4)), "flops": 3.0e12 * (1 + r),
+            "grad": rng.normal(0.0, 1e-3, 500 if r % 2 == 0 else 0),  # owners: even ranks
+            "media": rng.normal(0.0, 2.0, (int(rng.integers(0, 5)), 8)),
+            "text": rng.normal(0.0, 0.4, (int(rng.integers(1, 40)), 8)),
+            "ratio": rng.uniform(0.1, 2.0, (2, 10)),  # (branch, token) residual ratios
+        })
+    return ranks
+
+
+def record(r: int, c: dict) -> RankStep:
+    values = {(Loss.SUM, ()): float(sum(x.sum() for x in c["losses"].values())),
+              (Loss.TOKENS, ()): float(sum(x.size for x in c["losses"].values())),
+              (System.STEP_TIME, ()): c["tau"], (System.FLOPS, ()): c["flops"],
+              (Modality.MEDIA_SUM_SQ, ()): float(np.sum(c["media"] ** 2)),
+              (Modality.MEDIA_N, ()): float(c["media"].size),
+              (Modality.TEXT_SUM_SQ, ()): float(np.sum(c["text"] ** 2)),
+              (Modality.TEXT_N, ()): float(c["text"].size)}
+    for s, x in c["losses"].items():
+        values[(Loss.SUM, ((Label.SOURCE, s),))] = float(x.sum())
+        values[(Loss.TOKENS, ((Label.SOURCE, s),))] = float(x.size)
+    if c["grad"].size:
+        values[(Grad.NORM_SQ, ())] = float(np.sum(c["grad"] ** 2))
+    for b, branch in enumerate(("attn", "mlp")):
+        labels = ((Label.BRANCH, branch), (Label.LAYER, "0"))
+        values[(Residual.TOKENS, labels)] = float(c["ratio"][b].size)
+        values[(Residual.name("ratio", "sum"), labels)] = float(c["ratio"][b].sum())
+    return RankStep(run_id="v", step=0, rank=r, world_size=RANKS, host=f"h{r}",
+                    coords={"dp": r}, values=values)
+
+
+def test_the_p0_view_matches_float64_references_of_the_ranks_components():
+    ranks = rank_components()
+    step = reduce_step("v", 0, RANKS, [record(r, c) for r, c in enumerate(ranks)], "all_ranks")
+    view, sources = p0_view(step)
+
+    every = np.concatenate([x for c in ranks for x in c["losses"].values()])
+    assert view["loss"] == pytest.approx(every.mean(), rel=1e-12)
+    means = {r: np.concatenate(list(c["losses"].values())).mean() for r, c in enumerate(ranks)
+             if sum(x.size for x in c["losses"].values())}
+    assert view["loss_worst_rank_id"] == max(means, key=means.get)
+    assert view["loss_worst_rank"] == pytest.approx(max(means.values()), rel=1e-12)
+
+    grads = np.concatenate([c["grad"] for c in ranks])
+    assert view["grad_norm"] == pytest.approx(np.linalg.norm(grads), rel=1e-12)
+
+    tau = np.max([c["tau"] for c in ranks])
+    assert view["step_time_s"] == tau
+    assert view["tokens_per_s"] == pytest.approx(every.size / tau, rel=1e-12)
+    flops = np.sum([c["flops"] for c in ranks], dtype=np.float64)
+    assert view["compute_rate"] == pytest.approx(flops / (RANKS * tau), rel=1e-12)
+
+    media = np.concatenate([c["media"].ravel() for c in ranks])
+    text = np.concatenate([c["text"].ravel() for c in ranks])
+    gamma = np.sqrt(np.mean(media ** 2)) / (np.sqrt(np.mean(text ** 2)) + 1e-12)
+    assert view["media_scale"] == pytest.approx(gamma, rel=1e-12)
+
+    assert set(sources) == set(SOURCES)
+    for s in SOURCES:
+        pooled = np.concatenate([c["losses"][s] for c in ranks])
+        loss, share, n = sources[s]
+        assert loss == pytest.approx(pooled.mean(), rel=1e-12)
+        assert share == pytest.approx(pooled.size / every.size, rel=1e-12)
+        assert n == pooled.size
+
+    ratio = {b: np.concatenate([c["ratio"][i] for c in ranks]).mean()
+             for i, b in enumerate(("attn", "mlp"))}
+    weakest = min(ratio, key=ratio.get)
+    assert view["residual_ratio_min"] == pytest.approx(ratio[weakest], rel=1e-12)
+    assert view["residual_ratio_branch"] == f"layer 0 {weakest}"
+
+
+def test_what_no_rank_reported_is_not_measured():
+    step = reduce_step("v", 0, 2, [RankStep(run_id="v", step=0, rank=r, world_size=2, host="h",
+                                            coords={"dp": r}, values={}) for r in range(2)],
+                       "all_ranks")
+    view, sources = p0_view(step)
+    for name in ("loss", "loss_worst_rank", "grad_norm", "step_time_s", "tokens_per_s",
+                 "compute_rate", "media_scale", "residual_ratio_min", "straggler_score"):
+        assert view[name] is None, name
+    assert sources == {}
+
+
+def test_a_non_finite_gradient_stays_visible():
+    values = {(Grad.NORM_SQ, ()): math.nan}
+    step = reduce_step("v", 0, 1, [RankStep(run_id="v", step=0, rank=0, world_size=1, host="h",
+                                            coords={"dp": 0}, values=values)], "all_ranks")
+    assert math.isnan(p0_view(step)[0]["grad_norm"])
