@@ -119,45 +119,45 @@ class Guard:
 
 
 class System:
-    STEP_TIME = "step_time_s"
+    STEP_TIME = "step.duration"
     FLOPS = "flops.step"
     POSITIONS = "tokens.positions"
 
 
 class Memory:
-    PEAK_ALLOCATED = "memory.peak_allocated_bytes"
-    PEAK_RESERVED = "memory.peak_reserved_bytes"
-    PEAK_RSS = "memory.peak_rss_bytes"
-    ALLOCATED = "memory.allocated_bytes"
-    RESERVED = "memory.reserved_bytes"
+    PEAK_ALLOCATED = "memory.peak_allocated"
+    PEAK_RESERVED = "memory.peak_reserved"
+    PEAK_RSS = "memory.peak_rss"
+    ALLOCATED = "memory.allocated"
+    RESERVED = "memory.reserved"
 
 
 class Comm:
-    WAIT = "comm.wait_s"
+    WAIT = "comm.wait"
     CALLS = "comm.calls"
     BYTES = "comm.bytes"
 
 
 class Host:
-    RSS = "host.rss_bytes"
+    RSS = "host.rss"
     CPU_PERCENT = "host.cpu_percent"
-    CPU_PRESSURE = "host.cpu_pressure_pct"
+    CPU_PRESSURE = "host.cpu_pressure"
     FAULTS_MINOR = "host.page_faults_minor"
     FAULTS_MAJOR = "host.page_faults_major"
-    INTERVAL = "host.interval_s"
+    INTERVAL = "host.interval"
 
 
 class Device:
-    UTILIZATION = "device.utilization_pct"
-    MEMORY_USED = "device.memory_used_bytes"
-    POWER = "device.power_w"
-    TEMPERATURE = "device.temperature_c"
+    UTILIZATION = "device.utilization"
+    MEMORY_USED = "device.memory_used"
+    POWER = "device.power"
+    TEMPERATURE = "device.temperature"
     CLOCK = "device.clock_mhz"
 
 
 class Net:
-    RX = "net.rx_bytes"
-    TX = "net.tx_bytes"
+    RX = "net.rx"
+    TX = "net.tx"
 
 
 class Output:
@@ -406,7 +406,7 @@ _SYSTEM = (
     _m(System.STEP_TIME, P0, 1, MAX, "s", point="wall time of the whole step on this rank: data "
        "loading, forward, backward, optimizer and synchronisation",
        doc="τ_r. The step's wall time is τ = max_r τ_r. The straggler is the rank with the "
-           "largest own time τ_r - τ_wait,r (comm.wait_s summed over ops), scored against "
+           "largest own time τ_r - τ_wait,r (comm.wait summed over ops), scored against "
            "the other ranks' median own time.",
        seed="001 §5 (step time, straggler score)"),
     _m(System.FLOPS, P0, 1, SUM, "{FLOP}", rep=_TP_PP, point=_STEP_POINT + "; token positions "
@@ -451,12 +451,12 @@ _SYSTEM = (
            "time τ_r - τ_wait,r names the straggler (the ranks waiting for it carry its "
            "delay in τ_r, not in their own time). DDP's bucketed all-reduce is internal: "
            "included only when the loop reports it.", seed="001 §5 (exposed collective wait)"),
-    _m(Comm.CALLS, P1, 1, SUM, "{call}", labels=(Label.OP,), point="as comm.wait_s",
+    _m(Comm.CALLS, P1, 1, SUM, "{call}", labels=(Label.OP,), point="as comm.wait",
        doc="number of calls of collective op in the step (a change in the count is a change "
-           "in the loop, not the network). Reduction: sum. Every step, like comm.wait_s (the "
+           "in the loop, not the network). Reduction: sum. Every step, like comm.wait (the "
            "seeds' default is every 10 steps; the straggler rule reads the wait every step "
            "and a wrapped call costs two clock reads).", seed="001 §5"),
-    _m(Comm.BYTES, P1, 1, SUM, "By", labels=(Label.OP,), point="as comm.wait_s",
+    _m(Comm.BYTES, P1, 1, SUM, "By", labels=(Label.OP,), point="as comm.wait",
        doc="input bytes of those calls (numel·element size). Reduction: sum.", seed="001 §5"),
     _m(Host.RSS, P1, 1, MAX, "By", point="psutil, " + _NODE,
        doc="process resident set size at the sample (host memory pressure, leaks in data "
@@ -496,7 +496,7 @@ _SYSTEM = (
        doc="bytes received by the node since the previous sample. Reduction: sum over nodes. "
            "Read once per node: every local rank reading it would multiply the traffic.",
        seed="001 §5 (node counters)"),
-    _m(Net.TX, P1, 1, SUM, "By", point="as net.rx_bytes",
+    _m(Net.TX, P1, 1, SUM, "By", point="as net.rx",
        doc="bytes sent by the node since the previous sample. Reduction: sum over nodes.",
        seed="001 §5 (node counters)"),
 )

@@ -198,7 +198,7 @@ class Straggler(Fault):
     culprit ``rank {rank}``; nothing else pages. Under synchronous DDP the fast rank
     waits for the slow one inside the gradient all-reduce, so both ranks' step times carry
     the delay (argmax step time is a coin toss). train.py's comm hook times each rank's
-    all-reduce wait and reports it every step (``s.comm_wait``, comm.wait_s{op=
+    all-reduce wait and reports it every step (``s.comm_wait``, comm.wait{op=
     ddp_allreduce}; trace ``comm_wait_s``); stage 2 names the rank with the largest own
     time, step time minus that wait, as ``straggler_rank``, with ``straggler_own_ratio`` =
     its own time / the other ranks' median (the seeds' S = τ / median τ_r stays ~1 here).

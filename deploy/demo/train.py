@@ -16,7 +16,7 @@ the pipeline independently; its ``comm_wait_s`` is this rank's wait on DDP's gra
 all-reduce (a comm hook times each bucket from launch to completion), so a straggler can
 be told from the ranks that wait for it: under synchronous DDP every rank's step time
 includes the slowest rank's delay, and step time minus this wait is the rank's own work.
-The same wait goes to the stream every step as ``comm.wait_s{op=ddp_allreduce}``
+The same wait goes to the stream every step as ``comm.wait{op=ddp_allreduce}``
 (``s.comm_wait``), where stage 2 names the straggler by that own time.
 ``--save-every`` saves a checkpoint on rank 0 and announces
 it on ``probewire.checkpoints``.

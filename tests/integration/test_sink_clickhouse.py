@@ -22,7 +22,7 @@ def sink(ch_client, ch_database) -> ClickHouseSink:
 
 
 def _rank_rows(steps: range, value: float = 1.0) -> list[dict]:
-    return [{"run_id": "run-a", "step": s, "rank": r, "metric": "step_time_s", "labels": "",
+    return [{"run_id": "run-a", "step": s, "rank": r, "metric": "step.duration", "labels": "",
              "value": value * (s + r / 10), "late": 0} for s in steps for r in range(4)]
 
 
@@ -67,7 +67,7 @@ def test_the_sink_rides_out_a_store_outage_without_losing_or_duplicating_rows(
     assert time.monotonic() - started >= 0.9
     assert sink.retries >= 1
     sink.write("rank_metrics", _rank_rows(range(20, 30)))
-    expected = [(s, r, "step_time_s", "", s + r / 10, 0) for s in range(30) for r in range(4)]
+    expected = [(s, r, "step.duration", "", s + r / 10, 0) for s in range(30) for r in range(4)]
     assert _contents(ch_client, sink.database) == expected
     assert _contents(ch_client, sink.database, final=False) == expected  # not even a copy
 

@@ -25,16 +25,16 @@ CONTRACT = {
     "guard.skipped": ("P1", "max", (), {"dp", "tp", "pp", "cp", "ep"}),
     "guard.replayed": ("P1", "max", (), {"dp", "tp", "pp", "cp", "ep"}),
     "guard.replay_mismatch": ("P1", "max", (), {"dp", "tp", "pp", "cp", "ep"}),
-    "step_time_s": ("P0", "max", (), set()),
+    "step.duration": ("P0", "max", (), set()),
     "flops.step": ("P0", "sum", (), {"tp", "pp"}),
-    "memory.peak_allocated_bytes": ("P0", "max", (), set()),
-    "memory.peak_reserved_bytes": ("P0", "max", (), set()),
-    "memory.peak_rss_bytes": ("P0", "max", (), set()),
-    "comm.wait_s": ("P1", "max", ("op",), set()),
+    "memory.peak_allocated": ("P0", "max", (), set()),
+    "memory.peak_reserved": ("P0", "max", (), set()),
+    "memory.peak_rss": ("P0", "max", (), set()),
+    "comm.wait": ("P1", "max", ("op",), set()),
     "comm.calls": ("P1", "sum", ("op",), set()),
     "comm.bytes": ("P1", "sum", ("op",), set()),
-    "net.rx_bytes": ("P1", "sum", (), set()),
-    "net.tx_bytes": ("P1", "sum", (), set()),
+    "net.rx": ("P1", "sum", (), set()),
+    "net.tx": ("P1", "sum", (), set()),
     "output.logits_abs_max": ("P0", "max", (), set()),
     "output.logits_sum_sq": ("P0", "sum", (), set()),
     "output.logits_n": ("P0", "sum", (), set()),
@@ -45,7 +45,7 @@ CONTRACT = {
     "tensor.sum4": ("P2", "sum", ("tensor", "kind"), set()),
     "export.dropped_total": ("P1", "per_rank", (), set()),
 }
-RANK_SIDE = ("loss.", "grad.", "guard.", "step_time_s", "flops.", "tokens.", "memory.", "comm.",
+RANK_SIDE = ("loss.", "grad.", "guard.", "step.duration", "flops.", "tokens.", "memory.", "comm.",
              "host.", "device.", "net.", "output.logits", "output.top2", "output.positions",
              "tensor.", "export.")  # the §2-§6 and output-layer entries of this issue
 UNBOUNDED = {"param", "parameter", "sample", "sample_id", "token", "request", "path", "host",
@@ -73,10 +73,8 @@ def test_every_rank_side_entry_states_formula_reduction_point_and_seed(name):
     assert all(isinstance(g, Group) for g in s.replicated_over)
     text = describe(name)
     assert s.reduction.value in text and s.point in text and s.seed in text
-    if s.unit == "s":
-        assert name.endswith("_s")
-    if s.unit == "By":
-        assert "bytes" in name
+    # OpenTelemetry naming: the unit is the instrument's unit, never part of its name
+    assert not name.endswith(("_s", "_bytes", "_pct", "_w", "_c"))
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))

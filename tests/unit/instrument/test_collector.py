@@ -40,7 +40,7 @@ def train(transport, steps: int = 3) -> None:
 def comparable(record):
     return (record.run_id, record.step, record.rank,
             {k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
-             for k, v in record.values.items() if not k[0].startswith(("step_time", "memory.",
+             for k, v in record.values.items() if not k[0].startswith(("step.duration", "memory.",
                                                                         "export."))})
 
 

@@ -45,7 +45,7 @@ def test_collectives_issued_by_the_loop_are_counted_and_timed(gloo_world):
     assert got[("comm.bytes", (("op", "all_reduce"),))] == 72
     assert got[("comm.calls", (("op", "broadcast"),))] == 1
     assert got[("comm.bytes", (("op", "broadcast"),))] == 12
-    assert got[("comm.wait_s", (("op", "all_reduce"),))] > 0
+    assert got[("comm.wait", (("op", "all_reduce"),))] > 0
     assert sorted(records) == [0, 2]  # step 1: the comm tier (every step here: 2) not due
     assert records[2][("comm.calls", (("op", "all_reduce"),))] == 2  # step 1's calls not in it
 
@@ -71,11 +71,11 @@ def test_a_wait_the_loop_reports_is_sent_every_step_and_adds_to_the_timed_op(glo
     monitor.close()
     records = _records(transport)
     ddp, ar = (("op", "ddp_allreduce"),), (("op", "all_reduce"),)
-    assert [records[t][("comm.wait_s", ddp)] for t in range(3)] == [0.75, 1.75, 2.75]
+    assert [records[t][("comm.wait", ddp)] for t in range(3)] == [0.75, 1.75, 2.75]
     assert ("comm.calls", ddp) not in records[0] and ("comm.bytes", ddp) not in records[0]
-    assert 100.0 < records[0][("comm.wait_s", ar)] < 101.0  # + the wrapper's timed wait
+    assert 100.0 < records[0][("comm.wait", ar)] < 101.0  # + the wrapper's timed wait
     assert records[0][("comm.calls", ar)] == 1
-    assert 100.0 < records[1][("comm.wait_s", ar)] < 101.0 and records[1][("comm.calls", ar)] == 1
+    assert 100.0 < records[1][("comm.wait", ar)] < 101.0 and records[1][("comm.calls", ar)] == 1
 
 
 def test_a_reported_wait_is_checked_and_never_leaks_into_another_step():
@@ -100,6 +100,6 @@ def test_a_reported_wait_is_checked_and_never_leaks_into_another_step():
         NullStepContext().comm_wait("ddp_allreduce", 0.5)
     monitor.close()
     records = _records(transport)
-    ddp = ("comm.wait_s", (("op", "ddp_allreduce"),))
+    ddp = ("comm.wait", (("op", "ddp_allreduce"),))
     assert sorted(records) == [0, 2]
     assert (records[0][ddp], records[2][ddp]) == (1.0, 3.0)

@@ -29,7 +29,7 @@ IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1",
 POINTS = [Point("loss.sum", 12.5), Point("loss.tokens", 5),
           Point("loss.sum", 2.5, (("source", "web"),)), Point("grad.norm_sq", float("inf")),
           Point("tensor.abs_max", 3.0, (("tensor", "blocks.0.attn"), ("kind", "bwd"))),
-          Point("step_time_s", 0.25)]
+          Point("step.duration", 0.25)]
 
 
 class Counting:
@@ -64,7 +64,7 @@ def test_a_message_decodes_with_the_stock_opentelemetry_proto_classes(encoder):
     assert resource["probewire.run_id"] == "run1" and resource["probewire.rank"] == 1
     assert resource["probewire.dp"] == 1 and resource["probewire.tp"] == 0
     metrics = {m.name: m for sm in rm.scope_metrics for m in sm.metrics}
-    assert metrics["step_time_s"].unit == "s" and metrics["loss.sum"].unit == "{nat}"
+    assert metrics["step.duration"].unit == "s" and metrics["loss.sum"].unit == "{nat}"
     loss_points = {tuple(sorted(attrs(p.attributes).items())): p.as_double
                    for p in metrics["loss.sum"].gauge.data_points}
     assert loss_points == {(("step", 42),): 12.5, (("source", "web"), ("step", 42)): 2.5}

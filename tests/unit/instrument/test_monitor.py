@@ -112,7 +112,7 @@ def test_p0_step_values_match_a_float64_reference():
     positions = sum(t.numel() for t, _, _ in batches)
     assert value(rec, "tokens.positions") == positions
     assert value(rec, "flops.step") == pytest.approx(model.flops_per_token() * positions)
-    assert value(rec, "step_time_s") > 0 and value(rec, "memory.peak_rss_bytes") > 0
+    assert value(rec, "step.duration") > 0 and value(rec, "memory.peak_rss") > 0
     assert value(rec, "guard.skipped") == 0
 
 

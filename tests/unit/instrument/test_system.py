@@ -32,7 +32,7 @@ def test_default_estimator_uses_the_models_own_and_unwraps_wrappers():
 
 def test_cpu_memory_points_report_the_process_peak_only():
     points = {p.name: p.value for p in peak_memory_points(None) + peak_rss_points()}
-    assert set(points) == {"memory.peak_rss_bytes"} and points["memory.peak_rss_bytes"] > 1e6
+    assert set(points) == {"memory.peak_rss"} and points["memory.peak_rss"] > 1e6
 
 
 def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked():
@@ -45,11 +45,11 @@ def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked
     first = {p.name: p.value for p in host.sample()}
     second = {p.name: p.value for p in host.sample()}
     blob.close()
-    assert first["host.page_faults_minor"] > 0 and first["host.rss_bytes"] > 1e6
-    assert {"net.rx_bytes", "net.tx_bytes", "host.interval_s"} <= set(second)
-    assert second["host.interval_s"] >= 0 and second["net.rx_bytes"] >= 0
+    assert first["host.page_faults_minor"] > 0 and first["host.rss"] > 1e6
+    assert {"net.rx", "net.tx", "host.interval"} <= set(second)
+    assert second["host.interval"] >= 0 and second["net.rx"] >= 0
     quiet = {p.name for p in HostTelemetry(read_network=False).sample()}
-    assert not quiet & {"net.rx_bytes", "net.tx_bytes"}
+    assert not quiet & {"net.rx", "net.tx"}
 
 
 def test_device_telemetry_is_off_without_cuda():

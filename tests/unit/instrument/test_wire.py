@@ -32,7 +32,7 @@ def emitted(points, step: int = 7) -> tuple[bytes, bytes]:
 
 def test_round_trip_including_nonfinite_values():
     key, value = emitted([Point("loss.sum", math.nan), Point("loss.tokens", 12),
-                          Point("grad.norm_sq", math.inf), Point("step_time_s", 0.25)])
+                          Point("grad.norm_sq", math.inf), Point("step.duration", 0.25)])
     assert key == b"run1:7"
     step = decode_rank_step(key, value)
     assert (step.run_id, step.step, step.rank, step.world_size, step.host) == ("run1", 7, 1, 2, "n1")
@@ -40,7 +40,7 @@ def test_round_trip_including_nonfinite_values():
     assert math.isnan(step.values[series_key("loss.sum")])
     assert math.isinf(step.values[series_key("grad.norm_sq")])
     assert step.values[series_key("loss.tokens")] == 12.0
-    assert step.values[series_key("step_time_s")] == 0.25
+    assert step.values[series_key("step.duration")] == 0.25
 
 
 def test_garbage_bytes_are_a_decode_error():
@@ -200,7 +200,7 @@ def test_a_rank_message_follows_the_opentelemetry_conventions():
     for rank in (0, 1):
         identity = RankIdentity(run_id="conv", rank=rank, world_size=2, host="h")
         points = [Point("loss.sum", math.nan), Point("loss.tokens", 8.0),
-                  Point("step_time_s", 0.5), Point("flops.step", 1e9)]
+                  Point("step.duration", 0.5), Point("flops.step", 1e9)]
         messages[rank] = ExportMetricsServiceRequest.FromString(
             WireEncoder(identity.resource_attributes()).encode(3, points))
     instances = set()

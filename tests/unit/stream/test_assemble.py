@@ -12,7 +12,7 @@ from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.records import ReducedStep
 
 LOSS, TOK, G2, TAU = (series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq",
-                                                "step_time_s"))
+                                                "step.duration"))
 
 
 def rec(rank: int, step: int = 0, world: int = 4, coords: dict | None = None, **values) -> RankStep:

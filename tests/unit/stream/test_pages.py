@@ -22,7 +22,7 @@ def records(step, per_rank, *, g2=1.0, sources=None):
     out = []
     for r, (loss_sum, n) in enumerate(per_rank):
         values = {series_key("loss.sum"): loss_sum, series_key("loss.tokens"): n,
-                  series_key("grad.norm_sq"): g2, series_key("step_time_s"): 0.1}
+                  series_key("grad.norm_sq"): g2, series_key("step.duration"): 0.1}
         for src, (s, c) in (sources or {}).get(r, {}).items():
             values[series_key("loss.sum", {"source": src})] = s
             values[series_key("loss.tokens", {"source": src})] = c

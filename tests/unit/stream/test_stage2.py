@@ -26,7 +26,7 @@ def records(step, per_rank, *, g2=1.0, tau=None, sources=None, memory=None):
     out = []
     for r, (loss_sum, n) in enumerate(per_rank):
         values = {series_key("loss.sum"): loss_sum, series_key("loss.tokens"): n,
-                  series_key("step_time_s"): (tau or [0.1] * len(per_rank))[r],
+                  series_key("step.duration"): (tau or [0.1] * len(per_rank))[r],
                   series_key("flops.step"): 1e9}
         if r == 0:  # the all-reduced gradient: reported by its owner, dp=0
             values[series_key("grad.norm_sq")] = g2
@@ -34,7 +34,7 @@ def records(step, per_rank, *, g2=1.0, tau=None, sources=None, memory=None):
             values[series_key("loss.sum", {"source": src})] = s
             values[series_key("loss.tokens", {"source": src})] = c
         if memory:
-            values[series_key("memory.peak_rss_bytes")] = memory[r]
+            values[series_key("memory.peak_rss")] = memory[r]
         out.append(RankStep(run_id="run", step=step, rank=r, world_size=len(per_rank), host="h",
                             coords={"dp": r}, values=values))
     return reduce_step("run", step, len(per_rank), out, "all_ranks")

@@ -24,8 +24,8 @@ def item(step: int, taus: list[float], waits: list[dict[str, float]]):
     out = []
     for r, (tau, by_op) in enumerate(zip(taus, waits)):
         values = {series_key("loss.sum"): 10.0, series_key("loss.tokens"): 5.0,
-                  series_key("grad.norm_sq"): 1.0, series_key("step_time_s"): tau}
-        values.update({series_key("comm.wait_s", {"op": op}): w for op, w in by_op.items()})
+                  series_key("grad.norm_sq"): 1.0, series_key("step.duration"): tau}
+        values.update({series_key("comm.wait", {"op": op}): w for op, w in by_op.items()})
         out.append(RankStep(run_id="run", step=step, rank=r, world_size=len(taus), host="h",
                             coords={"dp": r}, values=values))
     return reduce_step("run", step, len(taus), out, "all_ranks")
