@@ -54,22 +54,36 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
-def _query(settings: Settings, sql: str, parameters: dict | None = None
-           ) -> tuple[list[str], list[tuple]]:
-    from probewire.sinks.clickhouse import connect
+def _client(settings: Settings, hint: str = "run `probewire demo` first or pass --store DIR"):
+    """A client that reads the configured store (a live reader when the worker owns it)."""
+    from probewire.deploy.reading import StoreError, open_client
 
     ch = settings.clickhouse
-    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
-        raise UserError(f"no store at {ch.url[len('chdb://'):]}; run `probewire demo` first "
-                        "or pass --store DIR")
-    client = connect(ch.url, username=ch.username, password_env=ch.password_env)
+    try:
+        return open_client(ch.url, username=ch.username, password_env=ch.password_env,
+                           hint=hint)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _query(settings: Settings, sql: str, parameters: dict | None = None
+           ) -> tuple[list[str], list[tuple]]:
+    client = _client(settings)
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
     try:
         result = client.query(sql, parameters=parameters)
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     return list(result.column_names), list(result.result_rows)
+
+
+def _error_line(exc: BaseException) -> str:
+    """The engine's own message, one line (a server's reply is wrapped by the client)."""
+    text = str(exc).strip()
+    if "server response: " in text:
+        text = text.split("server response: ", 1)[1]
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
@@ -116,15 +130,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_sql(args: argparse.Namespace) -> int:
     columns, rows = _query(_settings(args), args.query)
-    if args.format == "json":
-        print(json.dumps([dict(zip(columns, row)) for row in rows], default=str))
-    else:
+    if args.format == "table":
         _print_table("", columns, rows)
+    else:
+        from probewire.deploy.reading import render_rows
+
+        print(render_rows(columns, rows, args.format))
     return 0
 
 
-def open_store(settings: Settings):
-    """A migrated sink on the configured store (called in the worker process)."""
+_READERS: list = []  # the live reader of the store this worker process owns
+
+
+def open_store(settings: Settings, read_port: int = 0):
+    """A migrated sink on the configured store (called in the worker process). An embedded
+    store is also served read-only on 127.0.0.1:``read_port`` (0: a free port, -1: off),
+    so queries work while the worker owns it (``sinks.readserver``)."""
     from probewire.deploy.faults import with_outage
     from probewire.sinks.clickhouse import ClickHouseSink, connect
 
@@ -133,6 +154,12 @@ def open_store(settings: Settings):
     sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
     sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
                  sensitive_ttl_days=ch.sensitive_ttl_days)
+    if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
+        from probewire.sinks.readserver import ReadServer
+
+        reader = ReadServer(ch.url[len("chdb://"):], port=read_port)
+        reader.start()
+        _READERS.append(reader)
     return sink
 
 
@@ -147,7 +174,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = load_settings(args.config)
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
     app = create_app(settings.stream, settings.kafka, settings.topics,
-                     functools.partial(open_store, settings), heartbeat, crash_hook())
+                     functools.partial(open_store, settings, read_port=args.sql_port),
+                     heartbeat, crash_hook())
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
@@ -186,12 +214,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def _open_store(settings: Settings):
     """A client on the configured store; a missing chdb directory is a user error."""
-    from probewire.sinks.clickhouse import connect
-
-    ch = settings.clickhouse
-    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
-        raise UserError(f"no store at {ch.url[len('chdb://'):]}; pass --store DIR")
-    return connect(ch.url, username=ch.username, password_env=ch.password_env)
+    return _client(settings, hint="pass --store DIR")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -206,7 +229,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except RunNotFound as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     print(f"wrote {html_path} and {png_path}")
     return 0
 
@@ -224,7 +247,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except StepNotFound as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     if args.format == "json":
         import dataclasses
 
@@ -294,11 +317,15 @@ def _parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    sql.add_argument("--format", choices=["table", "json"], default="table")
+    sql.add_argument("--format", choices=["table", "json", "csv", "tsv"], default="table",
+                     help="json is strict: NaN and Inf become null")
     sql.set_defaults(func=cmd_sql)
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
+    worker.add_argument("--sql-port", type=int, default=0,
+                        help="loopback port of the read-only SQL endpoint of an embedded store "
+                             "(0: a free port, -1: off)")
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")

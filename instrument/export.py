@@ -63,6 +63,7 @@ class KafkaTransport:
 
         self._errors = (BufferError, KafkaException)
         self._topic = topic
+        self._client_config = dict(client_config)
         # one request in flight: a retried batch cannot overtake a later one, so a rank's
         # steps stay in order within a partition (stage 1 relies on that order)
         self._producer = Producer({**client_config, "linger.ms": "5", "acks": "all",
@@ -90,6 +91,10 @@ class KafkaTransport:
 
     def close(self) -> None:
         self.flush(10.0)
+
+    def to_topic(self, topic: str) -> "KafkaTransport":
+        """A transport with this one's client settings to another topic (its own producer)."""
+        return KafkaTransport(self._client_config, topic)
 
 
 class StepEmitter:
