@@ -1,6 +1,8 @@
 """The ``probewire`` command line.
 
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
+    probewire up [--store DIR] [--evaluator]                the local stack for your own run
+    probewire run [--store DIR] -- CMD ...                  your command inside the stack
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
     probewire worker                                        the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
@@ -117,7 +119,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     columns, rows = _query(settings, f"""
         SELECT step, tokens, round(loss, 5) AS L, round(loss_worst_rank, 5) AS L_max,
-               round(pow(grad_norm, 2), 6) AS G2, round(step_time_s, 4) AS step_time_s,
+               round(grad_norm, 6) AS G2, round(step_time_s, 4) AS step_time_s,
                ranks_reporting AS ranks
         FROM {settings.clickhouse.database}.step_metrics FINAL
         WHERE run_id = {{run:String}} ORDER BY step DESC LIMIT {{show:UInt32}}""",
@@ -125,7 +127,73 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _print_table(f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
                  f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
                  columns, sorted(rows))
+    _print_result(settings, result.run_id, args)
     return 0
+
+
+def _store_args(args: argparse.Namespace) -> str:
+    """The store options the next commands need, as the user gave them."""
+    import shlex
+
+    if getattr(args, "clickhouse_url", None):
+        return f"--clickhouse-url {shlex.quote(args.clickhouse_url)}"
+    if getattr(args, "store", None):
+        return f"--store {shlex.quote(args.store)}"
+    return ""
+
+
+def _print_result(settings: Settings, run_id: str, args: argparse.Namespace) -> None:
+    """The run's status, pages and next commands (``deploy.result``)."""
+    from probewire.deploy.result import load_result, render_result
+
+    result = load_result(_client(settings), settings.clickhouse.database, run_id)
+    print(render_result(result, _store_args(args), settings.clickhouse.database))
+
+
+def _work_dir(args: argparse.Namespace, settings: Settings) -> Path:
+    """Logs, heartbeats and the session file: --work-dir, else next to an embedded store."""
+    if args.work_dir:
+        return Path(args.work_dir).resolve()
+    url = settings.clickhouse.url
+    if url.startswith("chdb:///"):
+        store = Path(url[len("chdb://"):])
+        return store.parent / f".probewire-{store.name}"
+    return Path(".probewire-run").resolve()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from probewire.deploy.session import SessionError, up
+    from probewire.deploy.stack import StackError
+
+    if args.sql_port < 0 or args.sql_port > 65535:
+        raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    settings = _settings(args)
+    try:
+        return up(settings, _work_dir(args, settings), evaluator=args.evaluator,
+                  sql_port=args.sql_port)
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from probewire.deploy.session import SessionError, run_command
+    from probewire.deploy.stack import StackError
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.sql_port < 0 or args.sql_port > 65535:
+        raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    settings = _settings(args)
+    try:
+        code = run_command(settings, _work_dir(args, settings), command, run_id=args.run_id,
+                           evaluator=args.evaluator, sql_port=args.sql_port,
+                           report=lambda run_id: _print_result(settings, run_id, args))
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
+    if code != 0:
+        print(f"probewire: the command exited with code {code}", file=sys.stderr)
+    return code
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
@@ -157,9 +225,12 @@ def open_store(settings: Settings, read_port: int = 0):
     if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
         from probewire.sinks.readserver import ReadServer
 
+        import atexit
+
         reader = ReadServer(ch.url[len("chdb://"):], port=read_port)
         reader.start()
         _READERS.append(reader)
+        atexit.register(reader.close)  # the store's address file goes with the worker
     return sink
 
 
@@ -173,12 +244,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config)
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
+    _preflight(settings, heartbeat)
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings, read_port=args.sql_port),
                      heartbeat, crash_hook())
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
+
+
+def _preflight(settings: Settings, heartbeat: Path) -> None:
+    """What a service needs on a fresh machine: its heartbeat directory, a broker that
+    answers (one line after a bounded wait otherwise) and the topics it reads."""
+    from probewire.deploy.stack import StackError, create_topics
+
+    heartbeat.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        create_topics(settings.kafka.client_config(), settings.topics.all(), timeout_s=8.0)
+    except StackError as exc:
+        raise UserError(str(exc)) from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -313,6 +397,26 @@ def _parser() -> argparse.ArgumentParser:
                            "memory-creep, flaky-replay")
     demo.set_defaults(func=cmd_demo)
 
+    for name, text in (("up", "start the local stack for your own training script; Ctrl-C "
+                               "stops it"),
+                       ("run", "run a training command inside the local stack, then print "
+                               "its pages")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+        cmd.add_argument("--evaluator", action="store_true",
+                         help="also start the checkpoint evaluator")
+        cmd.add_argument("--sql-port", type=int, default=0,
+                         help="loopback port of the live read-only SQL endpoint (ClickHouse "
+                              "HTTP; 0: a free port)")
+        cmd.add_argument("--work-dir", help="logs, heartbeats and the session file (default: "
+                                            ".probewire-<store name> next to the store)")
+        if name == "run":
+            cmd.add_argument("--run-id", help="run id (default: run-<random>); exported as "
+                                              "PROBEWIRE_RUN_ID")
+            cmd.add_argument("cmd", nargs=argparse.REMAINDER,
+                             help="the command, after --: torchrun --nproc-per-node 2 train.py")
+        cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
+
     sql = sub.add_parser("sql", help="run SQL on the store")
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
@@ -380,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "worker":  # the Faust worker installs its own handlers
         signal.signal(signal.SIGTERM, _terminate)
     try:
+        if args.command == "evaluator":
+            _preflight(load_settings(args.config), default_heartbeat_path("evaluator"))
         return args.func(args)
     except (UserError, SettingsError) as exc:
         print(f"probewire: error: {exc}", file=sys.stderr)

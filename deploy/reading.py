@@ -15,7 +15,9 @@ import csv
 import datetime as dt
 import io
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,16 +53,19 @@ def open_client(url: str, *, username: str = "default", password_env: str = "",
         raise StoreError(f"no store at {path}; {hint}")
     reader = find_reader(path)
     if reader is not None:
-        return connect(reader)
-    try:
-        return connect(url)
-    except ClickHouseError:
-        owner = store_owner(path)
-        if owner is None:
-            raise
+        logging.getLogger("clickhouse_connect").setLevel(logging.CRITICAL)  # one line, ours
+        try:
+            return connect(reader)
+        except (ClickHouseError, OSError) as exc:
+            raise StoreError(f"the live reader of {path} at {reader} did not answer "
+                             f"({_first_line(exc)[:120]}); its worker may be stopping, "
+                             "try again") from None
+    owner = store_owner(path)
+    if owner is not None and not owner.startswith(f"pid {os.getpid()} "):
         raise StoreError(f"the store {path} is held by {owner}, which serves no live "
-                         "reads; query it once that process ends, or run the worker with "
-                         "its reader (`probewire up`)") from None
+                         "reads (yet); query it once that process ends, or through its "
+                         "worker's reader (`probewire up` / `run` start one)")
+    return connect(url)
 
 
 def _first_line(exc: BaseException) -> str:
