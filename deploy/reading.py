@@ -11,6 +11,7 @@ null, dates become ISO text): pure functions, no I/O besides the returned text.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import io
@@ -18,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,11 +63,31 @@ def open_client(url: str, *, username: str = "default", password_env: str = "",
                              f"({_first_line(exc)[:120]}); its worker may be stopping, "
                              "try again") from None
     owner = store_owner(path)
-    if owner is not None and not owner.startswith(f"pid {os.getpid()} "):
-        raise StoreError(f"the store {path} is held by {owner}, which serves no live "
-                         "reads (yet); query it once that process ends, or through its "
-                         "worker's reader (`probewire up` / `run` start one)")
-    return connect(url)
+    if owner is None or owner.startswith(f"pid {os.getpid()} "):
+        try:
+            with _quiet_stderr():  # the engine prints its own lock error to fd 2
+                return connect(url)
+        except ClickHouseError:
+            owner = store_owner(path)  # taken meanwhile (a worker starting)
+            if owner is None:
+                raise
+    raise StoreError(f"the store {path} is held by {owner}, which serves no live reads "
+                     "(yet); query it once that process ends, or through its worker's "
+                     "reader (`probewire up` / `run` start one)")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the block (output of native code included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -6,59 +6,34 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "train_torchrun.py"
+EXAMPLE = "examples/train_torchrun.py"
 REL = 1e-12  # float64 sums of the same float32 token losses, in another order
+WORK = ".probewire-store"  # the session's work dir next to a store named "store"
 
 
-def torchrun() -> list[str]:
-    """``torchrun`` of this interpreter's environment (or its module form)."""
-    found = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def probewire(*args: str) -> list[str]:
-    return [sys.executable, "-m", "probewire.deploy.cli", *args]
-
-
-def sql(store: Path, query: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(probewire("sql", "--store", str(store), "--format", "json", query),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def assert_nothing_left(work_dir: Path) -> None:
-    started = json.loads((work_dir / "processes.json").read_text())
-    alive = [p for p in started if psutil.pid_exists(p["pid"])
-             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left running: {alive}"
-
-
-def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path) -> None:
+def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2e) -> None:
     store, trace = scratch_dir / "store", scratch_dir / "trace.jsonl"
     steps = 60
     # copied into the README: probewire run --store S -- torchrun --nproc-per-node 2 ...
-    cmd = probewire("run", "--store", str(store), "--run-id", "own1", "--",
-                    *torchrun(), "--nproc-per-node", "2", str(EXAMPLE),
-                    "--steps", str(steps), "--sleep-s", "0.25", "--trace", str(trace))
+    cmd = e2e.probewire("run", "--store", str(store), "--run-id", "own1", "--",
+                        *e2e.torchrun(), "--nproc-per-node", "2", EXAMPLE,
+                        "--steps", str(steps), "--sleep-s", "0.25", "--trace", str(trace))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            cwd=e2e.REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     counts: list[int] = []
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
-            out = sql(store, "SELECT count() AS n FROM probewire.step_metrics FINAL "
-                             "WHERE run_id = 'own1'")
+            out = e2e.sql(store, "SELECT count() AS n FROM probewire.step_metrics FINAL "
+                                 "WHERE run_id = 'own1'")
             if out.returncode == 0:
                 counts.append(json.loads(out.stdout)[0]["n"])
             else:  # before the worker owns the store, there is nothing to read yet
@@ -76,14 +51,14 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path) ->
     assert "run own1: finished, 60 steps stored" in stdout
     assert f"probewire report --run own1 --store {store}" in stdout
     assert f"probewire explain --run own1 --step " in stdout
-    assert_nothing_left(store.parent / ".probewire-store")
+    e2e.assert_nothing_left(store.parent / WORK)
 
-    [run] = json.loads(sql(store, "SELECT status, config FROM probewire.runs FINAL "
-                                  "WHERE run_id = 'own1'").stdout)
+    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
+                            "WHERE run_id = 'own1'")
     assert run["status"] == "finished"
     assert json.loads(run["config"]) == {"lr": 3e-3, "steps": steps, "warmup": 10}
-    rows = json.loads(sql(store, "SELECT step, loss, lr, lr_groups FROM probewire.step_metrics "
-                                 "FINAL WHERE run_id = 'own1' ORDER BY step").stdout)
+    rows = e2e.rows(store, "SELECT step, loss, lr, lr_groups FROM probewire.step_metrics "
+                           "FINAL WHERE run_id = 'own1' ORDER BY step")
     own = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["step"] for r in rows] == [o["step"] for o in own] == list(range(steps))
     for row, ref in zip(rows, own):

@@ -21,6 +21,7 @@ LAYERS = {
     "probes": 5,
     "step": 6,
     "monitor": 7,
+    "integrations": 8,
     "__init__": 8,
 }
 
