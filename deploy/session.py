@@ -242,7 +242,7 @@ def _run_progress(beat: dict[str, Any] | None, run_id: str) -> dict[str, Any]:
 
 def run_command(settings: Settings, work_dir: Path, command: list[str], *, run_id: str | None,
                 evaluator: bool, sql_port: int, out: TextIO = sys.stderr,
-                settle_s: float = 3.0, drain_timeout_s: float = 120.0,
+                settle_s: float = 3.0, quiet_s: float = 10.0, drain_timeout_s: float = 120.0,
                 report: Callable[[str], None] = lambda run_id: None) -> int:
     """``probewire run``: the command's exit code. Once every step of the run is stored,
     ``report(run_id)`` runs while the worker still serves the store; then the stack stops."""
@@ -280,8 +280,10 @@ def run_command(settings: Settings, work_dir: Path, command: list[str], *, run_i
             progress = _run_progress(read_heartbeat(session.heartbeat), run_id)
             if int(progress.get("steps_written", 0)) != steps:
                 steps, since = int(progress.get("steps_written", 0)), time.monotonic()
-            ended = progress.get("status") in ("finished", "crashed") or code != 0
-            if ended and time.monotonic() - since >= settle_s:
+            # a run that said it ended settles fast; one that did not (no close(), or no
+            # probewire in the command at all) once nothing has arrived for quiet_s
+            ended = progress.get("status") in ("finished", "crashed")
+            if time.monotonic() - since >= (settle_s if ended else quiet_s):
                 break
             time.sleep(0.25)
         print(f"probewire: {status_line(read_heartbeat(session.heartbeat))}", file=out)

@@ -325,6 +325,7 @@ def _unhooked(model: nn.Module, registry: Any, config: ProbeConfig) -> list[str]
         name = re.sub(r"\.\d+(?=\.|$)", ".N", label_name(qualified))
         if name and name not in seen:
             seen.append(name)
+    seen = seen or [f"<the root {type(model).__name__}, no submodules>"]
     shown = ", ".join(seen[:25]) + (f", ... ({len(seen)} in all)" if len(seen) > 25 else "")
     messages = []
     if registry.logits is None:

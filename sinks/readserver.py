@@ -189,7 +189,8 @@ def store_owner(path: str | os.PathLike[str]) -> str | None:
     if not _alive(pid):
         return None
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                       .decode(errors="replace").split())  # one line, whatever the argv
     except OSError:
         cmd = ""
     return f"pid {pid}" + (f" ({cmd[:120]})" if cmd else "")
