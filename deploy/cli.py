@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
 
 __all__ = ["main"]
@@ -207,33 +208,6 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
-_READERS: list = []  # the live reader of the store this worker process owns
-
-
-def open_store(settings: Settings, read_port: int = 0):
-    """A migrated sink on the configured store (called in the worker process). An embedded
-    store is also served read-only on 127.0.0.1:``read_port`` (0: a free port, -1: off),
-    so queries work while the worker owns it (``sinks.readserver``)."""
-    from probewire.deploy.faults import with_outage
-    from probewire.sinks.clickhouse import ClickHouseSink, connect
-
-    ch = settings.clickhouse
-    client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
-    sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
-    sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
-                 sensitive_ttl_days=ch.sensitive_ttl_days)
-    if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
-        from probewire.sinks.readserver import ReadServer
-
-        import atexit
-
-        reader = ReadServer(ch.url[len("chdb://"):], port=read_port)
-        reader.start()
-        _READERS.append(reader)
-        atexit.register(reader.close)  # the store's address file goes with the worker
-    return sink
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     import functools
 
@@ -254,14 +228,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _preflight(settings: Settings, heartbeat: Path) -> None:
-    """What a service needs on a fresh machine: its heartbeat directory, a broker that
-    answers (one line after a bounded wait otherwise) and the topics it reads."""
-    from probewire.deploy.stack import StackError, create_topics
-
-    heartbeat.parent.mkdir(parents=True, exist_ok=True)
     try:
-        create_topics(settings.kafka.client_config(), settings.topics.all(), timeout_s=8.0)
-    except StackError as exc:
+        preflight(settings, heartbeat)
+    except PreflightError as exc:
         raise UserError(str(exc)) from None
 
 

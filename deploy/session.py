@@ -72,7 +72,7 @@ def session_env(settings: Settings, bootstrap: str, run_id: str | None = None
     return env
 
 
-def status_line(beat: dict[str, Any] | None, sql_url: str = "") -> str:
+def status_line(beat: dict[str, Any] | None) -> str:
     """``runs N · steps stored N · pages N`` from the worker's heartbeat (pure)."""
     if not beat:
         return "worker starting"
@@ -161,8 +161,9 @@ def _publish(session: StackSession) -> None:
 
 
 def _stop(session: StackSession) -> None:
-    (session.work_dir / SESSION_FILE).unlink(missing_ok=True) if session.stack else None
+    """Stop the stack this session started (a joined ``up`` session is left running)."""
     if session.stack is not None:
+        (session.work_dir / SESSION_FILE).unlink(missing_ok=True)
         session.stack.stop()
 
 
@@ -206,7 +207,7 @@ def up(settings: Settings, work_dir: Path, *, evaluator: bool, sql_port: int,
                 if proc is not None and proc.poll() is not None:
                     raise StackError(f"{what} exited with code {proc.returncode}; see "
                                      f"{work_dir / (what + '.log')}")
-            line = status_line(read_heartbeat(session.heartbeat), session.sql_url)
+            line = status_line(read_heartbeat(session.heartbeat))
             if line != last:
                 print(f"probewire: {line}", file=out, flush=True)
                 last = line

@@ -26,6 +26,7 @@ Identity and transport come from the environment by default (``probewire run``),
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -70,6 +71,7 @@ class ProbewireCallback(TrainerCallback):
         self.wraps_clipping = False
         self.scaler: Any = None   # the Trainer's GradScaler (``watch``), if any
         self._hook: Any = None
+        self._excepthook: Any = None
         self._said = False
 
     # -- training ---------------------------------------------------------------------------
@@ -82,6 +84,10 @@ class ProbewireCallback(TrainerCallback):
                               transport=self.transport, runs=self.runs, run_config=run_config)
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._max_grad_norm = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
+        # the Trainer has no exception callback: an exception that leaves the script
+        # marks the run crashed on its way out (the previous hook still runs)
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._uncaught
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self.ctx is None:
@@ -131,7 +137,17 @@ class ProbewireCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
 
+    def _uncaught(self, kind: Any, value: Any, tb: Any) -> None:
+        previous = self._excepthook
+        if self.monitor is not None:
+            self.monitor.crashed(value)
+            self.close()
+        (previous or sys.__excepthook__)(kind, value, tb)
+
     def close(self) -> None:
+        if self._excepthook is not None and sys.excepthook == self._uncaught:
+            sys.excepthook = self._excepthook
+        self._excepthook = None
         if self.ctx is not None:  # training stopped inside a step
             ctx, self.ctx = self.ctx, None
             ctx.__exit__(None, None, None)
