@@ -40,6 +40,17 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
+class FailAt(TrainerCallback):
+    """Raises in the middle of one step, as a diverging or broken run would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError(f"failing on purpose at step {self.step}")
+
+
 class Trace(TrainerCallback):
     """Rank 0 writes what the Trainer logged at each step."""
 
@@ -59,6 +70,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--output-dir", default="hf-trainer-out")
     p.add_argument("--trace")
+    p.add_argument("--fail-at", type=int, help="raise inside this step (a crashed run)")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -71,7 +83,8 @@ def main() -> None:
         use_cpu=True, ddp_backend="gloo", report_to="none", save_strategy="no",
         dataloader_num_workers=0, seed=0)
     trainer = Trainer(model=model, args=training, train_dataset=Rows(8 * args.steps),
-                      callbacks=[Trace(args.trace)] if args.trace else [])
+                      callbacks=([Trace(args.trace)] if args.trace else [])
+                      + ([FailAt(args.fail_at)] if args.fail_at is not None else []))
     watch(trainer, config=ProbeConfig(clip_threshold=training.max_grad_norm))
     trainer.train()
 

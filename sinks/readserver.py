@@ -9,7 +9,10 @@ Grafana's ClickHouse data source (HTTP protocol) read the embedded store like a 
 
 Read-only is the engine's own rule: the reading connection runs with ``readonly = 2``
 (reads and per-query settings; no INSERT, ALTER, DROP or ``SET readonly``). Queries are
-served one at a time on that connection, beside the worker's writer connection.
+served one at a time on that connection, beside the worker's writer connection; settings
+given as URL parameters stay set on it for later requests. Responses are uncompressed
+(``compress=1``, ClickHouse's own block compression, is refused with a clear error).
+Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested here.
 
 Discovery: on start the server writes ``<store>/probewire-reader.json`` —
 ``{"url", "pid", "store"}`` — and removes it on close, so ``probewire sql --store DIR``
@@ -102,6 +105,10 @@ class ReadServer:
 
     def execute(self, params: dict[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
         """One request: ``(status, payload, headers)`` as a ClickHouse server answers it."""
+        if params.get("compress") == "1":
+            return 400, (b"Code: 1001. DB::Exception: this endpoint answers uncompressed "
+                         b"(compress=1 is not supported); turn compression off in the "
+                         b"client\n"), {"X-ClickHouse-Exception-Code": "1001"}
         sql = " ".join(part for part in (params.get("query", ""),
                                          body.decode("utf-8", "replace")) if part.strip())
         fmt = params.get("default_format") or "TabSeparated"

@@ -139,6 +139,9 @@ class ProbewireCallback(TrainerCallback):
 
     def _uncaught(self, kind: Any, value: Any, tb: Any) -> None:
         previous = self._excepthook
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:  # the step it left: not emitted, and the run crashed
+            ctx.__exit__(kind, value, tb)
         if self.monitor is not None:
             self.monitor.crashed(value)
             self.close()

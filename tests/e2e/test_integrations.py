@@ -68,3 +68,12 @@ def test_lightning_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
                             "WHERE run_id = 'pl1'")
     assert run["status"] == "finished" and json.loads(run["config"]) == {"lr": 3e-3,
                                                                          "width": 32}
+
+
+def test_an_exception_in_a_trainer_step_marks_the_run_crashed(scratch_dir: Path, e2e) -> None:
+    store = scratch_dir / "store"
+    out = e2e.run_script(store, "hf2", "examples/train_hf_trainer.py", "--steps", "12",
+                         "--fail-at", "4", "--output-dir", str(scratch_dir / "out"))
+    assert out.returncode != 0 and "the command exited with code" in out.stderr
+    assert "run hf2: crashed, 4 steps stored" in out.stdout, out.stdout
+    e2e.assert_nothing_left(scratch_dir / ".probewire-store")
