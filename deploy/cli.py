@@ -304,12 +304,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.format == "json":
         import dataclasses
 
+        from probewire.deploy.reading import json_value
+
         first = result.first
-        print(json.dumps({"run_id": result.run_id, "step": result.step,
-                          "tokens": result.tokens, "headline": result.headline(),
-                          "first": None if first is None else first.signal,
-                          "findings": [dataclasses.asdict(f) for f in result.findings]},
-                         default=str))
+        body = {"run_id": result.run_id, "step": result.step, "tokens": result.tokens,
+                "headline": result.headline(),
+                "first": None if first is None else first.signal,
+                "findings": [dataclasses.asdict(f) for f in result.findings]}
+        print(json.dumps(json_value(body), allow_nan=False))  # strict: NaN/Inf are null
     else:
         render(result)
     return 0
