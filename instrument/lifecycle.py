@@ -21,6 +21,8 @@ names the settings tree reads too).
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -31,6 +33,8 @@ from .wire import RankIdentity
 
 __all__ = ["BOOTSTRAP_ENV", "EnvTransports", "MAX_CONFIG_BYTES", "RUNS_TOPIC", "env_transports",
            "run_event"]
+
+log = logging.getLogger(__name__)
 
 BOOTSTRAP_ENV = "PROBEWIRE_KAFKA__BOOTSTRAP"
 RUNS_TOPIC = "probewire.runs"
@@ -84,6 +88,7 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
                          f"`probewire run -- ...`, or export {BOOTSTRAP_ENV} (printed by "
                          "`probewire up`)")
     config = {"bootstrap.servers": bootstrap}
+    _warn_if_unreachable(bootstrap)
     topics = topic_names(env)
     return EnvTransports(
         transport=KafkaTransport(config, topics["metrics"]),
@@ -92,3 +97,17 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
         checkpoints=KafkaTransport(config, topics["checkpoints"]) if identity.rank == 0
         else None,
         runs=KafkaTransport(config, topics["runs"]))
+
+
+def _warn_if_unreachable(bootstrap: str, timeout_s: float = 1.0) -> None:
+    """Say once, at attach, when nothing listens at the first bootstrap address (a stale
+    export after ``probewire up`` stopped); training goes on, unmonitored until it does."""
+    host, _, port = bootstrap.split(",")[0].strip().rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
+    except OSError as exc:
+        log.warning("probewire: no Kafka broker at %s (%s): this run's measurements are "
+                    "dropped until one answers; is `probewire up` running?", bootstrap,
+                    exc.strerror or exc)

@@ -219,7 +219,7 @@ class Monitor:
         if self._probes.optim is not None:
             self._probes.optim.remove()
         if self._control is not None:
-            self._control.close()
+            self._control.close(min(timeout_s, 10.0))
         self._emitter.close(timeout_s)
         for name in ("_events", "_runs"):
             transport = getattr(self, name)

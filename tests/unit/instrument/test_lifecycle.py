@@ -148,3 +148,24 @@ def test_attach_says_once_which_modules_it_looked_at_when_a_probe_finds_nothing(
     head = [r.message for r in caplog.records if "no output head" in r.message]
     assert len(head) == 1 and "[0, 1, 2]" in head[0] and "logits_module" in head[0]
     assert monitor.unhooked and all("matched none" in m for m in monitor.unhooked)
+
+
+def test_attach_from_the_environment_says_once_when_no_broker_answers(monkeypatch, caplog):
+    """The variables `probewire up` exports, left over after it stopped: training goes on,
+    and attach says so once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PROBEWIRE_KAFKA__BOOTSTRAP", f"127.0.0.1:{port}")
+    monkeypatch.setenv("PROBEWIRE_RUN_ID", "env-run")
+    monkeypatch.delenv("RANK", raising=False)
+    model, opt = _model_and_opt()
+    with caplog.at_level(logging.WARNING, logger="probewire.instrument.lifecycle"):
+        monitor = attach(model, opt, config=ProbeConfig(**QUIET))
+    assert monitor.identity.run_id == "env-run" and monitor.identity.world_size == 1
+    _step(monitor, model, opt, 0, source=None)
+    monitor.close(timeout_s=0.5)
+    said = [r.message for r in caplog.records if "no Kafka broker" in r.message]
+    assert len(said) == 1 and "probewire up" in said[0]
