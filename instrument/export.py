@@ -69,7 +69,8 @@ class KafkaTransport:
         # steps stay in order within a partition (stage 1 relies on that order)
         self._producer = Producer({**client_config, "linger.ms": "5", "acks": "all",
                                    "enable.idempotence": "false",
-                                   "max.in.flight.requests.per.connection": "1"})
+                                   "max.in.flight.requests.per.connection": "1",
+                                   "logger": log})  # librdkafka's messages: logging, not fd 2
         self.failed = 0
 
     def _on_delivery(self, err: object, _msg: object) -> None:
