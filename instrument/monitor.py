@@ -22,6 +22,11 @@ control listener — and returns a ``Monitor``. The loop marks each optimizer st
             optimizer.step(); optimizer.zero_grad()
     monitor.close()
 
+Inside ``probewire run`` (or with what ``probewire up`` prints exported) ``identity`` and
+``transport`` may be left out: ``RankIdentity.from_env()`` and the broker of
+``PROBEWIRE_KAFKA__BOOTSTRAP`` (``lifecycle``). ``run_config`` (hyper-parameters) is stored
+with the run; ``close()`` marks the run finished, an exception out of a step crashed.
+
 A loop that clips by itself calls ``s.gradients(scaler=...)`` after the last backward
 (accumulated, unscaled, not yet clipped) and may pass the norm it clipped with to
 ``s.clipped(norm)``. A pipeline stage without the loss simply makes no ``loss`` call.
