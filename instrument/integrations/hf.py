@@ -17,7 +17,11 @@ as the model's own loss does: logits upcast to float32, for a causal LM shifted 
 (``causal_lm``). That is one extra cross-entropy over the logits per training micro-batch,
 without autograd. The stream's L is then Σ token losses / Σ valid tokens over the step's
 micro-batches and ranks: what the Trainer logs as ``loss`` with ``logging_steps=1`` and
-``average_tokens_across_devices`` (its default), there summed in float32.
+``average_tokens_across_devices`` (its default), there summed in float32. (transformers
+5.17 counts that denominator on the labels before the model's shift, so a row's first label
+counts unless it is -100, as at a BOS position.) With label smoothing or a
+``compute_loss_func`` the Trainer takes the labels out of the model's inputs; the callback
+then sees none and records no loss.
 
 Identity and transport come from the environment by default (``probewire run``), as with
 ``attach``; the step is the Trainer's ``global_step`` at the step's start (0-based).
