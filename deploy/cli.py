@@ -1,6 +1,8 @@
 """The ``probewire`` command line.
 
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
+    probewire up [--store DIR] [--evaluator]                the local stack for your own run
+    probewire run [--store DIR] -- CMD ...                  your command inside the stack
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
     probewire worker                                        the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
@@ -26,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
-from probewire.deploy.settings import Settings, SettingsError, load_settings, split_credentials
+from probewire.deploy.services import PreflightError, open_store, preflight
+from probewire.deploy.settings import Settings, SettingsError, load_settings
 
 __all__ = ["main"]
 
@@ -54,22 +57,36 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
-def _query(settings: Settings, sql: str, parameters: dict | None = None
-           ) -> tuple[list[str], list[tuple]]:
-    from probewire.sinks.clickhouse import connect
+def _client(settings: Settings, hint: str = "run `probewire demo` first or pass --store DIR"):
+    """A client that reads the configured store (a live reader when the worker owns it)."""
+    from probewire.deploy.reading import StoreError, open_client
 
     ch = settings.clickhouse
-    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
-        raise UserError(f"no store at {ch.url[len('chdb://'):]}; run `probewire demo` first "
-                        "or pass --store DIR")
-    client = connect(ch.url, username=ch.username, password_env=ch.password_env)
+    try:
+        return open_client(ch.url, username=ch.username, password_env=ch.password_env,
+                           hint=hint)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _query(settings: Settings, sql: str, parameters: dict | None = None
+           ) -> tuple[list[str], list[tuple]]:
+    client = _client(settings)
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
     try:
         result = client.query(sql, parameters=parameters)
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     return list(result.column_names), list(result.result_rows)
+
+
+def _error_line(exc: BaseException) -> str:
+    """The engine's own message, one line (a server's reply is wrapped by the client)."""
+    text = str(exc).strip()
+    if "server response: " in text:
+        text = text.split("server response: ", 1)[1]
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
@@ -103,7 +120,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     columns, rows = _query(settings, f"""
         SELECT step, tokens, round(loss, 5) AS L, round(loss_worst_rank, 5) AS L_max,
-               round(pow(grad_norm, 2), 6) AS G2, round(step_time_s, 4) AS step_time_s,
+               round(grad_norm, 6) AS G2, round(step_time_s, 4) AS step_time_s,
                ranks_reporting AS ranks
         FROM {settings.clickhouse.database}.step_metrics FINAL
         WHERE run_id = {{run:String}} ORDER BY step DESC LIMIT {{show:UInt32}}""",
@@ -111,35 +128,84 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _print_table(f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
                  f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
                  columns, sorted(rows))
+    _print_result(settings, result.run_id, args)
     return 0
+
+
+def _store_args(args: argparse.Namespace) -> str:
+    """The store options the next commands need, as the user gave them."""
+    import shlex
+
+    if getattr(args, "clickhouse_url", None):
+        return f"--clickhouse-url {shlex.quote(args.clickhouse_url)}"
+    if getattr(args, "store", None):
+        return f"--store {shlex.quote(args.store)}"
+    return ""
+
+
+def _print_result(settings: Settings, run_id: str, args: argparse.Namespace) -> None:
+    """The run's status, pages and next commands (``deploy.result``)."""
+    from probewire.deploy.result import load_result, render_result
+
+    result = load_result(_client(settings), settings.clickhouse.database, run_id)
+    print(render_result(result, _store_args(args), settings.clickhouse.database))
+
+
+def _work_dir(args: argparse.Namespace, settings: Settings) -> Path:
+    """Logs, heartbeats and the session file: --work-dir, else next to an embedded store."""
+    if args.work_dir:
+        return Path(args.work_dir).resolve()
+    url = settings.clickhouse.url
+    if url.startswith("chdb:///"):
+        store = Path(url[len("chdb://"):])
+        return store.parent / f".probewire-{store.name}"
+    return Path(".probewire-run").resolve()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from probewire.deploy.session import SessionError, up
+    from probewire.deploy.stack import StackError
+
+    if args.sql_port < 0 or args.sql_port > 65535:
+        raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    settings = _settings(args)
+    try:
+        return up(settings, _work_dir(args, settings), evaluator=args.evaluator,
+                  sql_port=args.sql_port)
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from probewire.deploy.session import SessionError, run_command
+    from probewire.deploy.stack import StackError
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.sql_port < 0 or args.sql_port > 65535:
+        raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    settings = _settings(args)
+    try:
+        code = run_command(settings, _work_dir(args, settings), command, run_id=args.run_id,
+                           evaluator=args.evaluator, sql_port=args.sql_port,
+                           report=lambda run_id: _print_result(settings, run_id, args))
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
+    if code != 0:
+        print(f"probewire: the command exited with code {code}", file=sys.stderr)
+    return code
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
     columns, rows = _query(_settings(args), args.query)
-    if args.format == "json":
-        print(json.dumps([dict(zip(columns, row)) for row in rows], default=str))
-    else:
+    if args.format == "table":
         _print_table("", columns, rows)
+    else:
+        from probewire.deploy.reading import render_rows
+
+        print(render_rows(columns, rows, args.format))
     return 0
-
-
-def open_store(settings: Settings):
-    """A migrated sink on the configured store (called in the worker process)."""
-    from clickhouse_connect.driver.exceptions import ClickHouseError
-
-    from probewire.deploy.faults import with_outage
-    from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
-
-    ch = settings.clickhouse
-    try:
-        client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
-    except ClickHouseError as exc:  # unreachable or refusing: the worker retries (and says so)
-        raise StoreUnavailable(f"cannot connect to {split_credentials(ch.url)[0]}: "
-                               f"{str(exc).strip().splitlines()[0]}") from None
-    sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
-    sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
-                 sensitive_ttl_days=ch.sensitive_ttl_days)
-    return sink
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -156,11 +222,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
         settings.kafka.client_config(), [topics.steps, topics.deadletter]))
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
+    _preflight(settings, heartbeat)
     app = create_app(settings.stream, settings.kafka, settings.topics,
-                     functools.partial(open_store, settings), heartbeat, crash_hook())
+                     functools.partial(open_store, settings, read_port=args.sql_port),
+                     heartbeat, crash_hook())
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
+
+
+def _preflight(settings: Settings, heartbeat: Path) -> None:
+    try:
+        preflight(settings, heartbeat)
+    except PreflightError as exc:
+        raise UserError(str(exc)) from None
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -196,12 +271,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def _open_store(settings: Settings):
     """A client on the configured store; a missing chdb directory is a user error."""
-    from probewire.sinks.clickhouse import connect
-
-    ch = settings.clickhouse
-    if ch.url.startswith("chdb:///") and not Path(ch.url[len("chdb://"):]).is_dir():
-        raise UserError(f"no store at {ch.url[len('chdb://'):]}; pass --store DIR")
-    return connect(ch.url, username=ch.username, password_env=ch.password_env)
+    return _client(settings, hint="pass --store DIR")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -216,7 +286,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except RunNotFound as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     print(f"wrote {html_path} and {png_path}")
     return 0
 
@@ -234,18 +304,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except StepNotFound as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
-        raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
+        raise UserError(f"query failed: {_error_line(exc)}") from None
     if args.format == "json":
         import dataclasses
 
+        from probewire.deploy.reading import json_value
+
         first = result.first
-        print(json.dumps({"run_id": result.run_id, "step": result.step,
-                          "tokens": result.tokens, "headline": result.headline(),
-                          "first": None if first is None else first.signal,
-                          "pages": [dataclasses.asdict(p) for p in result.pages],
-                          "ranked": [f.signal for f in result.ranked],
-                          "findings": [dataclasses.asdict(f) for f in result.findings]},
-                         default=str))
+        body = {"run_id": result.run_id, "step": result.step, "tokens": result.tokens,
+                "headline": result.headline(),
+                "first": None if first is None else first.signal,
+                "pages": [dataclasses.asdict(p) for p in result.pages],
+                "ranked": [f.signal for f in result.ranked],
+                "findings": [dataclasses.asdict(f) for f in result.findings]}
+        print(json.dumps(json_value(body), allow_nan=False))  # strict: NaN/Inf are null
     else:
         render(result)
     return 0
@@ -303,15 +375,39 @@ def _parser() -> argparse.ArgumentParser:
                            "bf16-swallow; easy-batch (must page nothing)")
     demo.set_defaults(func=cmd_demo)
 
+    for name, text in (("up", "start the local stack for your own training script; Ctrl-C "
+                               "stops it"),
+                       ("run", "run a training command inside the local stack, then print "
+                               "its pages")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+        cmd.add_argument("--evaluator", action="store_true",
+                         help="also start the checkpoint evaluator")
+        cmd.add_argument("--sql-port", type=int, default=0,
+                         help="loopback port of the live read-only SQL endpoint (ClickHouse "
+                              "HTTP; 0: a free port)")
+        cmd.add_argument("--work-dir", help="logs, heartbeats and the session file (default: "
+                                            ".probewire-<store name> next to the store)")
+        if name == "run":
+            cmd.add_argument("--run-id", help="run id (default: run-<random>); exported as "
+                                              "PROBEWIRE_RUN_ID")
+            cmd.add_argument("cmd", nargs=argparse.REMAINDER,
+                             help="the command, after --: torchrun --nproc-per-node 2 train.py")
+        cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
+
     sql = sub.add_parser("sql", help="run SQL on the store")
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    sql.add_argument("--format", choices=["table", "json"], default="table")
+    sql.add_argument("--format", choices=["table", "json", "csv", "tsv"], default="table",
+                     help="json is strict: NaN and Inf become null")
     sql.set_defaults(func=cmd_sql)
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
+    worker.add_argument("--sql-port", type=int, default=0,
+                        help="loopback port of the read-only SQL endpoint of an embedded store "
+                             "(0: a free port, -1: off)")
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")
@@ -353,7 +449,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
     from probewire.evaluators.cli import add_evaluator_parser
 
-    add_evaluator_parser(sub, lambda path: load_settings(path).evaluator_setup())
+    add_evaluator_parser(sub, lambda path: load_settings(path).evaluator_setup(),
+                         lambda path: _preflight(load_settings(path),
+                                                 default_heartbeat_path("evaluator")))
     return parser
 
 

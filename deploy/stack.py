@@ -22,8 +22,8 @@ from typing import IO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings, split_credentials
 
-__all__ = ["LocalStack", "StackError", "create_topics", "free_port", "spawn", "stop_process",
-           "tansu_binary"]
+__all__ = ["LocalStack", "StackError", "check_broker", "create_topics", "free_port", "spawn",
+           "stop_process", "tansu_binary"]
 
 
 class StackError(RuntimeError):
@@ -74,13 +74,44 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     raise StackError(f"broker did not listen on 127.0.0.1:{port} within {timeout_s}s")
 
 
-def create_topics(bootstrap: str, partitions: dict[str, int], timeout_s: float = 30.0) -> None:
-    """Create topics with explicit partition counts; existing topics are left alone."""
+def check_broker(client_config: dict[str, str], timeout_s: float = 8.0) -> set[str]:
+    """The topics of the Kafka cluster ``client_config`` names; a one-line ``StackError``
+    after at most ``timeout_s`` when nothing listens there or what listens is not Kafka."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    bootstrap = client_config.get("bootstrap.servers", "")
+    hint = ("start one with `probewire up`, or set kafka.bootstrap "
+            "(PROBEWIRE_KAFKA__BOOTSTRAP)")
+    first = bootstrap.split(",")[0].strip()
+    host, _, port = first.rpartition(":")
+    if host and port.isdigit() and client_config.get("security.protocol", "PLAINTEXT") \
+            == "PLAINTEXT":
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), min(timeout_s, 3.0)).close()
+        except OSError as exc:
+            raise StackError(f"no Kafka broker at {bootstrap}: {exc.strerror or exc}; "
+                             f"{hint}") from None
+    admin = AdminClient({**client_config, "log_level": 0, "socket.timeout.ms":
+                         str(int(timeout_s * 1000)), "socket.connection.setup.timeout.ms":
+                         str(int(timeout_s * 1000))})
+    try:
+        return set(admin.list_topics(timeout=timeout_s).topics)
+    except KafkaException:
+        raise StackError(f"{bootstrap} did not answer as a Kafka broker within {timeout_s:g}s; "
+                         f"{hint}") from None
+
+
+def create_topics(bootstrap: str | dict[str, str], partitions: dict[str, int],
+                  timeout_s: float = 30.0) -> None:
+    """Create topics with explicit partition counts; existing topics are left alone.
+    ``bootstrap`` is an address or a whole client config (SASL/TLS)."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    config = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
+    existing = check_broker(config, timeout_s)
+    admin = AdminClient({**config, "log_level": 0})
     wanted = [NewTopic(n, p, 1) for n, p in partitions.items() if n not in existing]
     for name, future in (admin.create_topics(wanted) if wanted else {}).items():
         try:
@@ -115,6 +146,7 @@ class LocalStack:
     worker: subprocess.Popen | None = None
     evaluator: subprocess.Popen | None = None
     bootstrap: str = ""
+    sql_port: int = 0             # the worker's read-only SQL endpoint (embedded store)
     logs: list[IO] = field(default_factory=list)
     started: list[dict] = field(default_factory=list)
 
@@ -208,12 +240,21 @@ class LocalStack:
         self.record("evaluator", self.evaluator)
         self._wait_ready(self.evaluator, self.evaluator_heartbeat_path, "evaluator", timeout_s)
 
-    def start_worker(self, timeout_s: float = 90.0) -> None:
+    @property
+    def sql_url(self) -> str:
+        """The worker's live read endpoint for an embedded store ("" for a server store)."""
+        embedded = self.settings.clickhouse.url.startswith("chdb:///")
+        return f"http://127.0.0.1:{self.sql_port}" if embedded and self.sql_port else ""
+
+    def start_worker(self, timeout_s: float = 90.0, sql_port: int = 0) -> None:
+        """The stream worker; it serves read-only SQL on 127.0.0.1:``sql_port`` (0: a free
+        port) while it owns an embedded store."""
         env = self._child_env(self.heartbeat_path)
         self.heartbeat_path.unlink(missing_ok=True)
-        self.worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker"],
-                            self._log("worker"), env)
-        self.record("worker", self.worker)
+        self.sql_port = sql_port or free_port()
+        self.worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker",
+                             "--sql-port", str(self.sql_port)], self._log("worker"), env)
+        self.record("worker", self.worker, self.sql_port)
         self._wait_ready(self.worker, self.heartbeat_path, "worker", timeout_s)
 
     def progress(self, run_id: str, key: str = "steps_written") -> int:

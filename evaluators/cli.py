@@ -24,11 +24,13 @@ from .records import DEFAULT_SUITES, SUITE_NAMES  # torch-free: `probewire healt
 __all__ = ["add_evaluator_parser", "cmd_evaluator"]
 
 
-def add_evaluator_parser(subparsers: Any, setup: Callable[[str | None], EvaluatorSetup]
+def add_evaluator_parser(subparsers: Any, setup: Callable[[str | None], EvaluatorSetup],
+                         preflight: Callable[[str | None], None] = lambda path: None
                          ) -> argparse.ArgumentParser:
     """Register ``evaluator`` on an ``add_subparsers()`` object; return its parser.
     ``setup(path)`` builds the service's configs from the settings file ``path`` (None:
-    the default) and raises ``ConfigError`` naming a bad field."""
+    the default) and raises ``ConfigError`` naming a bad field; ``preflight(path)`` checks
+    what the service needs outside itself (the broker), after the configuration is valid."""
     p = subparsers.add_parser("evaluator", help="score checkpoints announced on Kafka")
     p.add_argument("--once", action="store_true",
                    help="process the checkpoints already queued, then exit")
@@ -51,7 +53,7 @@ def add_evaluator_parser(subparsers: Any, setup: Callable[[str | None], Evaluato
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: when stderr is a terminal)")
     p.add_argument("--loglevel", default="info")
-    p.set_defaults(func=cmd_evaluator, evaluator_setup=setup)
+    p.set_defaults(func=cmd_evaluator, evaluator_setup=setup, evaluator_preflight=preflight)
     return p
 
 
@@ -86,6 +88,7 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     except (EvaluationError, ConfigError) as exc:
         print(f"probewire: error: {exc}", file=sys.stderr)
         return 2
+    args.evaluator_preflight(getattr(args, "config", None))
     try:
         stats = service.run(once=args.once)
     except (EvaluationError, ServiceError) as exc:

@@ -37,6 +37,7 @@ from typing import Mapping
 
 __all__ = ["CATALOG", "GRAD_GROUPS", "NAMESPACES", "TENSOR_FIELDS", "Attn", "Comm", "Device",
            "Export", "Grad", "Group", "Guard", "Host", "Label", "Loss", "Memory", "MetricSpec",
+           "Optim",
            "Modality", "Module", "Moe", "Net", "Output", "Priority", "Reduction", "Residual",
            "System", "Tensor", "Tier", "describe", "spec", "tier_of"]
 
@@ -90,6 +91,7 @@ class Label:
     MODALITY = "modality"    # text | media
     DEPTH = "depth"          # MTP depth
     MODULE = "module"        # parameter role (discover.PARAM_ROLES) or activation view
+    PARAM_GROUP = "param_group"  # optimizer parameter group: its index, or its "name" entry
 
 
 class Loss:
@@ -194,6 +196,10 @@ class Export:
     DROPPED = "export.dropped_total"
 
 
+class Optim:
+    LR = "optim.lr"
+
+
 class Moe:
     EXPERT_TOKENS = "moe.expert_tokens"
     ROUTER_BIAS = "moe.router_bias"
@@ -254,7 +260,7 @@ class Module:
 
 
 NAMESPACES = (Loss, Grad, Guard, System, Memory, Comm, Host, Device, Net, Output, Tensor,
-              Export, Moe, Residual, Modality, Attn, Module)
+              Export, Moe, Residual, Modality, Attn, Module, Optim)
 """The classes above that hold metric names (``Label`` holds label keys)."""
 
 
@@ -499,6 +505,18 @@ _SYSTEM = (
     _m(Net.TX, P1, 1, SUM, "By", point="as net.rx",
        doc="bytes sent by the node since the previous sample. Reduction: sum over nodes.",
        seed="001 §5 (node counters)"),
+)
+
+# ------------------------------------------------------------------- optimizer (§4)
+_OPTIM = (
+    _m(Optim.LR, P0, 1, MAX, "1", labels=(Label.PARAM_GROUP,), rep=_ALL,
+       point="the optimizer's param_groups[i]['lr'] when the step context closes (after "
+             "optimizer.step() and a scheduler's step inside the context): the rate the "
+             "step's update used, unless a scheduler ran before the update",
+       doc="η_i, the learning rate of parameter group i (label param_group: the group's "
+           "'name' entry, else its index). Identical on every rank; reduction max. Read "
+           "with clip rate: a sustained clip rate is an unplanned learning-rate schedule.",
+       seed="001 §4 (clip rate as a learning-rate schedule; optimizer tensor naming)"),
 )
 
 # -------------------------------------------------------------------- output layer (002)
@@ -809,7 +827,7 @@ _MODULE = (
        seed="002 act/attn_out_before_proj_rms, act/gate_scores_rms"),
 )
 
-_SPECS = (*_LOSS, *_GRAD, *_GUARD, *_SYSTEM, *_OUTPUT, *_TENSOR, *_EXPORT,
+_SPECS = (*_LOSS, *_GRAD, *_GUARD, *_SYSTEM, *_OPTIM, *_OUTPUT, *_TENSOR, *_EXPORT,
           *_EXPERTS, *_RESIDUAL, *_MODALITY, *_STRUCT_OUTPUT, *_MODULE)
 
 CATALOG: Mapping[str, MetricSpec] = MappingProxyType({s.name: s for s in _SPECS})

@@ -63,11 +63,14 @@ class KafkaTransport:
 
         self._errors = (BufferError, KafkaException)
         self._topic = topic
+        self._client_config = dict(client_config)
+        self._stuck = False
         # one request in flight: a retried batch cannot overtake a later one, so a rank's
         # steps stay in order within a partition (stage 1 relies on that order)
         self._producer = Producer({**client_config, "linger.ms": "5", "acks": "all",
                                    "enable.idempotence": "false",
-                                   "max.in.flight.requests.per.connection": "1"})
+                                   "max.in.flight.requests.per.connection": "1",
+                                   "logger": log})  # librdkafka's messages: logging, not fd 2
         self.failed = 0
 
     def _on_delivery(self, err: object, _msg: object) -> None:
@@ -86,10 +89,16 @@ class KafkaTransport:
             return False
 
     def flush(self, timeout_s: float) -> int:
-        return self._producer.flush(timeout_s)
+        left = self._producer.flush(timeout_s)
+        self._stuck = left > 0  # undeliverable now (no broker): close() waits no longer
+        return left
 
     def close(self) -> None:
-        self.flush(10.0)
+        self.flush(0.0 if self._stuck else 10.0)
+
+    def to_topic(self, topic: str) -> "KafkaTransport":
+        """A transport with this one's client settings to another topic (its own producer)."""
+        return KafkaTransport(self._client_config, topic)
 
 
 class StepEmitter:

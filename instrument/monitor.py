@@ -22,6 +22,11 @@ control listener — and returns a ``Monitor``. The loop marks each optimizer st
             optimizer.step(); optimizer.zero_grad()
     monitor.close()
 
+Inside ``probewire run`` (or with what ``probewire up`` prints exported) ``identity`` and
+``transport`` may be left out: ``RankIdentity.from_env()`` and the broker of
+``PROBEWIRE_KAFKA__BOOTSTRAP`` (``lifecycle``). ``run_config`` (hyper-parameters) is stored
+with the run; ``close()`` marks the run finished, an exception out of a step crashed.
+
 A loop that clips by itself calls ``s.gradients(scaler=...)`` after the last backward
 (accumulated, unscaled, not yet clipped) and may pass the norm it clipped with to
 ``s.clipped(norm)``. A pipeline stage without the loss simply makes no ``loss`` call.
@@ -40,18 +45,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+import os
+import re
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from .config import ProbeConfig
 from .control import ControlListener, checkpoint_event
-from .export import StepEmitter, Transport
+from .export import KafkaTransport, StepEmitter, Transport
+from .lifecycle import RUNS_TOPIC, env_transports, run_event
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
 from .probes.head import logits_hook
 from .probes.loss import LossProbe
+from .probes.optim import OptimProbe
 from .probes.structure import attach_structure
 from .probes.system import SystemProbe, default_flops_per_token
 from .probes.tensors import TensorProbe
@@ -72,8 +81,12 @@ class Monitor:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                  identity: RankIdentity, config: ProbeConfig, transport: Transport,
                  control: ControlListener | None = None, events: Transport | None = None,
-                 mesh: Any = None) -> None:
+                 mesh: Any = None, runs: Transport | None = None,
+                 run_config: Mapping[str, Any] | None = None) -> None:
         self.config, self.identity = config, identity
+        self._runs = runs
+        self._ended = False
+        started = run_event(identity, "started", config=run_config or {})  # checked first
         self._state = StepState()
         self._schedule = Schedule(config.cadence)
         self._emitter = StepEmitter(identity, transport, queue_size=config.queue_size,
@@ -84,6 +97,9 @@ class Monitor:
             group = data_group(mesh, identity)
             if group is not None:
                 verify_replicas(registry.dp_replicas, group, "the data-parallel ranks")
+        self.unhooked = _unhooked(model, registry, config)
+        for message in self.unhooked:
+            log.warning("probewire: %s", message)
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
         self.scan_backend = (config.scan_backend if config.scan_backend != "auto"
@@ -112,8 +128,10 @@ class Monitor:
             system=SystemProbe(device=device, flops_per_token=flops,
                                clip_threshold=config.clip_threshold, telemetry=config.telemetry,
                                read_network=identity.local_rank == 0),
-            comm=comm, sets=sets)
-        self._ctx = StepContext(self._state, self._schedule, self._probes, self._emitter.submit)
+            comm=comm, sets=sets,
+            optim=OptimProbe(optimizer) if optimizer is not None else None)
+        self._ctx = StepContext(self._state, self._schedule, self._probes, self._emitter.submit,
+                                on_error=self._step_failed)
         self._handles: list[Any] = []
         if registry.logits is not None and registry.logits.report:
             self._handles.append(registry.logits.module.register_forward_hook(
@@ -127,6 +145,8 @@ class Monitor:
         self._control = control
         if control is not None:
             control.start(self.densify, self.dump)
+        if identity.rank == 0:
+            self._send_run_event(started)
 
     # ------------------------------------------------------------------ the loop's API
     def step(self, step: int) -> StepContext:
@@ -165,6 +185,23 @@ class Monitor:
         close; it adds its own device parts to the step through the ``StepState`` it gets."""
         self._probes.sets.append(extension)
 
+    # ------------------------------------------------------------------ run lifecycle
+    def crashed(self, error: BaseException | str) -> None:
+        """Mark the run crashed (any rank; once). An exception out of a step context does
+        this by itself; call it for a failure outside the steps."""
+        if self._ended:
+            return
+        self._ended = True
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._send_run_event(run_event(self.identity, "crashed", error=text))
+
+    def _step_failed(self, step: int | None, exc: BaseException) -> None:
+        self.crashed(f"step {step}: {type(exc).__name__}: {exc}")
+
+    def _send_run_event(self, body: bytes) -> None:
+        if self._runs is not None:
+            self._runs.send(self.identity.run_id.encode(), body)
+
     # ------------------------------------------------------------------ control (any thread)
     def densify(self, steps: int) -> None:
         """Run the step and scan tiers on every step for the next ``steps`` steps (thread-safe)."""
@@ -180,7 +217,11 @@ class Monitor:
         return {"sent": e.sent, "dropped": e.dropped, "errors": e.errors, "replayed": e.replayed}
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Remove every hook, restore the collectives, stop the listener, drain the emitter."""
+        """Remove every hook, restore the collectives, stop the listener, drain the emitter;
+        rank 0 marks the run finished (unless it crashed)."""
+        if not self._ended and self.identity.rank == 0:
+            self._send_run_event(run_event(self.identity, "finished"))
+        self._ended = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -189,20 +230,26 @@ class Monitor:
             probe_set.remove()
         self._probes.sets.clear()
         self._probes.comm.restore()
+        if self._probes.optim is not None:
+            self._probes.optim.remove()
         if self._control is not None:
-            self._control.close()
+            self._control.close(min(timeout_s, 10.0))
         self._emitter.close(timeout_s)
-        if self._events is not None:
-            self._events.flush(timeout_s)
-            self._events.close()
-            self._events = None
+        for name in ("_events", "_runs"):
+            transport = getattr(self, name)
+            if transport is not None:
+                transport.flush(timeout_s)
+                transport.close()
+                setattr(self, name, None)
 
     detach = close
 
     def __enter__(self) -> "Monitor":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.crashed(exc)
         self.close()
 
 
@@ -235,6 +282,9 @@ class NullMonitor:
     def add_extension(self, extension: Any) -> None:
         return None
 
+    def crashed(self, error: Any) -> None:
+        return None
+
     def close(self, timeout_s: float = 30.0) -> None:
         return None
 
@@ -248,13 +298,22 @@ class NullMonitor:
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-           identity: RankIdentity, config: ProbeConfig | None = None,
-           transport: Transport, control: ControlListener | None = None,
-           events: Transport | None = None, mesh: Any = None) -> Monitor | NullMonitor:
+           identity: RankIdentity | None = None, config: ProbeConfig | None = None,
+           transport: Transport | None = None, control: ControlListener | None = None,
+           events: Transport | None = None, runs: Transport | None = None,
+           run_config: Mapping[str, Any] | None = None, mesh: Any = None
+           ) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
-    ``transport`` receives the OTLP step messages; ``events`` (optional) the checkpoint
-    announcements; ``control`` (optional) is started and fed to ``densify``/``dump``.
+    ``identity`` defaults to ``RankIdentity.from_env()`` (torchrun / SLURM variables and
+    ``PROBEWIRE_RUN_ID``). ``transport`` receives the OTLP step messages; without one, the
+    broker comes from ``PROBEWIRE_KAFKA__BOOTSTRAP`` (exported by ``probewire up`` /
+    ``run``) and the control listener, checkpoint and run-event transports are built too
+    (``lifecycle.env_transports``). ``events`` (optional) takes the checkpoint
+    announcements, ``runs`` the run's lifecycle events (default: the metrics transport's
+    broker, topic ``probewire.runs``, when it is a ``KafkaTransport``); ``control``
+    (optional) is started and fed to ``densify``/``dump``. ``run_config`` (the run's
+    hyper-parameters, a JSON-able mapping) is stored in the run's ``runs.config``.
     ``mesh`` (a ``DeviceMesh`` with named dims: dp / dp_replicate / dp_shard, tp, pp, cp,
     ep) gives this rank's coordinates; DTensor parameters carry their own layout. On a
     multi-rank job ``attach`` is collective when parameters are declared DDP replicas by
@@ -264,7 +323,39 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     config = config or ProbeConfig()
     if not config.enabled:
         return NullMonitor()
+    identity = identity or RankIdentity.from_env()
     if mesh is not None:
         identity = dataclasses.replace(identity, coords=coords_from_mesh(mesh))
+    if transport is None:
+        built = env_transports(identity, os.environ)
+        transport, runs = built.transport, runs or built.runs
+        control = control or built.control
+        events = events or built.checkpoints
+    elif runs is None and isinstance(transport, KafkaTransport):
+        runs = transport.to_topic(os.environ.get("PROBEWIRE_TOPICS__RUNS") or RUNS_TOPIC)
     return Monitor(model, optimizer, identity=identity, config=config, transport=transport,
-                   control=control, events=events, mesh=mesh)
+                   control=control, events=events, runs=runs, run_config=run_config,
+                   mesh=mesh)
+
+
+def _unhooked(model: nn.Module, registry: Any, config: ProbeConfig) -> list[str]:
+    """What a probe found nothing to hook on, with the module names it looked at."""
+    from .registry import label_name
+
+    seen: list[str] = []
+    for qualified, _ in model.named_modules():
+        name = re.sub(r"\.\d+(?=\.|$)", ".N", label_name(qualified))
+        if name and name not in seen:
+            seen.append(name)
+    seen = seen or [f"<the root {type(model).__name__}, no submodules>"]
+    shown = ", ".join(seen[:25]) + (f", ... ({len(seen)} in all)" if len(seen) > 25 else "")
+    messages = []
+    if registry.logits is None:
+        messages.append(f"no output head: ProbeConfig.logits_module {config.logits_module!r} "
+                        f"matched none of the modules [{shown}]; output.* is not measured "
+                        "(set logits_module to the module that returns the logits)")
+    if not any(not m.is_logits for m in registry.modules):
+        messages.append(f"no observation point: ProbeConfig.module_names matched none of the "
+                        f"modules [{shown}]; the tensor scans measure parameters only "
+                        "(set module_names or module_types)")
+    return messages

@@ -21,6 +21,7 @@ from .collect import SealedStep
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
 from .probes.loss import LossProbe
+from .probes.optim import OptimProbe
 from .probes.system import SystemProbe
 from .probes.tensors import TensorProbe
 from .state import Schedule, StepState
@@ -52,17 +53,20 @@ class Probes:
     system: SystemProbe
     comm: CommTimer
     sets: list[ProbeSet]        # the structure probes and a user's own (``add_extension``)
+    optim: OptimProbe | None = None  # learning rates; None without an optimizer
 
 
 class StepContext:
     """Marks one optimizer step (see the module docstring); reused step after step."""
 
-    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next")
+    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next", "_on_error")
 
     def __init__(self, state: StepState, schedule: Schedule, probes: Probes,
-                 submit: Callable[[SealedStep], None]) -> None:
+                 submit: Callable[[SealedStep], None],
+                 on_error: Callable[[int | None, BaseException], None] | None = None) -> None:
         self._state, self._schedule, self._probes, self._submit = state, schedule, probes, submit
         self._next = 0
+        self._on_error = on_error  # an exception left the step: the run crashed
 
     def at(self, step: int) -> "StepContext":
         """This context, for optimizer step ``step`` (enter it before loading the batch)."""
@@ -79,6 +83,8 @@ class StepContext:
         probes.tensors.open(state)
         probes.comm.open(state)
         probes.system.open(state)
+        if probes.optim is not None:
+            probes.optim.open(state)
         state.t0 = time.perf_counter()
         return self
 
@@ -97,11 +103,15 @@ class StepContext:
                 points: list = []
                 late: list = []
                 probes.system.close(state, elapsed, points, late)
+                if probes.optim is not None:
+                    probes.optim.close(state, points)
                 probes.grads.close(state, points)
                 probes.comm.close(state, late)
                 self._submit(state.collector.seal(step, points, late))
                 state.emit_time_s += time.perf_counter() - start
                 state.emitted_steps += 1
+            if not ok and self._on_error is not None:
+                self._on_error(step, exc)
         finally:
             probes.tensors.disarm()
             probes.comm.active = False

@@ -21,6 +21,7 @@ say) is ignored and the message is read by its content.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
 import time
@@ -100,6 +101,43 @@ class RankIdentity:
         unknown = set(self.coords) - set(GROUPS)
         if unknown:
             raise ValueError(f"coords: unknown group(s) {sorted(unknown)}; groups: {GROUPS}")
+
+    @classmethod
+    def from_env(cls, run_id: str | None = None, *, env: Mapping[str, str] | None = None,
+                 coords: Mapping[str, int] | None = None) -> "RankIdentity":
+        """This process's identity from its launcher's environment.
+
+        Rank, world size and local rank come from torchrun (``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``), else SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``),
+        else a single process (0, 1, 0). The run id, which every rank must share, is
+        ``run_id``, else ``PROBEWIRE_RUN_ID`` (exported by ``probewire up`` / ``run``),
+        else torchrun's rendezvous id ``TORCHELASTIC_RUN_ID`` (when not the default
+        "none"), else ``slurm-<SLURM_JOB_ID>``. A ValueError names what to set otherwise."""
+        env = os.environ if env is None else env
+
+        def number(*names: str, default: int) -> int:
+            for name in names:
+                text = env.get(name)
+                if text not in (None, ""):
+                    try:
+                        return int(text)
+                    except ValueError:
+                        raise ValueError(f"{name}={text!r} is not an integer") from None
+            return default
+
+        rank = number("RANK", "SLURM_PROCID", default=0)
+        world = number("WORLD_SIZE", "SLURM_NTASKS", default=1)
+        local = number("LOCAL_RANK", "SLURM_LOCALID", default=0)
+        elastic = env.get("TORCHELASTIC_RUN_ID", "")
+        slurm = env.get("SLURM_JOB_ID", "")
+        run_id = (run_id or env.get("PROBEWIRE_RUN_ID")
+                  or (elastic if elastic not in ("", "none") else "")
+                  or (f"slurm-{slurm}" if slurm else ""))
+        if not run_id:
+            raise ValueError("no run id: pass run_id=..., or set PROBEWIRE_RUN_ID (probewire "
+                             "run sets it), or launch with torchrun --rdzv-id or SLURM")
+        return cls(run_id=run_id, rank=rank, world_size=world, local_rank=local,
+                   coords=dict(coords or {}))
 
     def coord(self, group: str) -> int:
         """This rank's index in ``group`` ("dp", "tp", ...); 0 for a group the layout lacks."""

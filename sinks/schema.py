@@ -103,6 +103,8 @@ def _f(name: str, comment: str = "") -> Column:
 
 
 _RUN = _name("run_id")
+_STATUS_DOC = ("running; finished (the run closed its monitor, or sent no step for "
+               "stream.stage2.run_idle_s); crashed (an exception left a step)")
 _STEP = Column("step", "UInt64", comment="optimizer step")
 
 RUNS = Table("runs", "one row per training run, replaced as the run progresses", (
@@ -112,7 +114,7 @@ RUNS = Table("runs", "one row per training run, replaced as the run progresses",
     Column("last_step", "UInt64", "0"),
     Column("started_at", "DateTime64(3)", "now64(3)"),
     Column("updated_at", "DateTime64(3)", "now64(3)", "version"),
-    Column("status", "LowCardinality(String)", "'running'", "running, finished or failed"),
+    Column("status", "LowCardinality(String)", "'running'", _STATUS_DOC),
     Column("config", "String", "'{}'", "the run configuration as JSON"),
     Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
 ), key=("run_id",), version="updated_at")
@@ -128,6 +130,13 @@ _STEP_METRICS_V2 = (
     _f("residual_branch_norm", "N_b of the weakest branch (token mean)"),
     _f("straggler_own_ratio", "own time of straggler_rank / median own time of the other "
                               "ranks (own time = local step time - its collective wait)"),
+)
+
+# step_metrics columns added by migration 3: the learning rates of the step's update
+_STEP_METRICS_V3 = (
+    _f("lr", "learning rate: the largest over the optimizer's parameter groups"),
+    Column("lr_groups", "Map(LowCardinality(String), Float64)", "map()",
+           "learning rate per parameter group (its name, else its index)"),
 )
 
 STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
@@ -161,6 +170,7 @@ STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 ser
     _f("moe_h_norm", "normalized routing entropy, lowest layer"),
     _f("output_absmax", "absolute maximum of the model output"),
     *_STEP_METRICS_V2,
+    *_STEP_METRICS_V3,
     Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
     Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
     Column("replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"),
@@ -344,6 +354,10 @@ MIGRATIONS: tuple[Migration, ...] = (
                  "own-time ratio",
               tuple(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
                     "AFTER output_absmax" for c in reversed(_STEP_METRICS_V2))),
+    Migration(3, "step_metrics: learning rates; runs: status crashed",
+              (*(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+                 "AFTER straggler_own_ratio" for c in reversed(_STEP_METRICS_V3)),
+               f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'")),
 )
 
 

@@ -4,6 +4,7 @@
          │   (stage 1, key run:step)            (stage 2, key run_id)     probewire.control,
          └──► probewire.deadletter ──dead_letters──► ClickHouse            Alertmanager webhook)
     probewire.evals ──evaluations──► ClickHouse
+    probewire.runs ──run_events──► ClickHouse (the run's status and config, ``lifecycle``)
 
 Delivery is at-least-once and every write is idempotent:
 - stage 1 acknowledges a rank message only once the broker confirmed its reduced step
@@ -94,6 +95,12 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
         async with worker.agent("per_run"):
             async for event in stream.noack().events():
                 await worker.on_reduced_step(event)
+
+    @app.agent(app.topic(topics.runs))
+    async def run_events(stream):
+        async with worker.agent("run_events"):
+            async for event in stream.noack().events():
+                await worker.on_run_event(event)
 
     @app.agent(app.topic(topics.deadletter))
     async def dead_letters(stream):

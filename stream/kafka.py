@@ -65,6 +65,8 @@ class TopicConfig:
     evals: str = "probewire.evals"
     alerts: str = "probewire.alerts"
     deadletter: str = "probewire.deadletter"
+    runs: str = "probewire.runs"
+    """Run lifecycle events of the ranks (started with the run's config, finished, crashed)."""
     partitions: int = 4
 
     def __post_init__(self) -> None:
@@ -73,7 +75,7 @@ class TopicConfig:
     def all(self) -> dict[str, int]:
         """Every topic with its partition count; per-run topics use one partition per run key."""
         names = [self.metrics, self.steps, self.control, self.checkpoints, self.evals,
-                 self.alerts, self.deadletter]
+                 self.alerts, self.deadletter, self.runs]
         return {name: self.partitions for name in names}
 
 

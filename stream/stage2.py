@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import check
+from .lifecycle import RunEvent, RunLifecycle
 from .order import SkippedSteps, StepOrderer
 from .pages import Episode
 from .records import ReducedStep
@@ -117,6 +118,7 @@ class RunPipeline:
         self.last_arrival = 0.0
         self.finished = False
         self.last_control = -10**9
+        self.lifecycle = RunLifecycle()   # what the run said: config, finished, crashed
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
@@ -150,6 +152,14 @@ class RunPipeline:
         out.promote += [s for s, _ in self.retention.finish()]
         self.finished = True
         out.rows["runs"].append(self._run_row("finished"))
+        return out
+
+    def on_event(self, event: RunEvent) -> Stage2Output:
+        """A lifecycle event of the run (``stream.lifecycle``): its ``runs`` row, when the
+        event changed the run's status or configuration."""
+        out = Stage2Output()
+        if self.lifecycle.apply(event):
+            out.rows["runs"].append(self._run_row("running"))
         return out
 
     def _process(self, items: list[ReducedStep]) -> Stage2Output:
@@ -239,16 +249,19 @@ class RunPipeline:
                 "next_steps": next_steps(f.category)}
 
     def _run_row(self, status: str) -> dict[str, Any]:
+        """``status`` is what stage 2 knows (running, or finished when idle); what the run
+        said about itself wins (``RunLifecycle.status``)."""
         return {"run_id": self.run_id, "world_size": self.world_size,
                 "first_step": self.first_step or 0, "last_step": max(self.last_step, 0),
-                "status": status}
+                "status": self.lifecycle.status(status == "finished"),
+                "config": self.lifecycle.config_json()}
 
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "flops": self.flops, "last_step": self.last_step,
                 "skipped": self.skipped.to_state(), "world_size": self.world_size,
                 "first_step": self.first_step, "finished": self.finished,
-                "last_control": self.last_control,
+                "last_control": self.last_control, "lifecycle": self.lifecycle.to_state(),
                 "detectors": self.detectors.to_state(), "retention": self.retention.to_state(),
                 "orderer": self.orderer.to_state()}
 
@@ -261,6 +274,7 @@ class RunPipeline:
                                     for s in state["skipped"]])  # ints: before version 2
         run.world_size, run.first_step = state["world_size"], state["first_step"]
         run.finished, run.last_control = state["finished"], state["last_control"]
+        run.lifecycle = RunLifecycle.from_state(state.get("lifecycle"))  # absent before v3
         run.detectors = SignalDetectors.from_state(config.detectors, state["detectors"])
         run.retention = RetentionPolicy.from_state(state["retention"])
         run.orderer = StepOrderer.from_state(state["orderer"], config.max_wait_s, now)

@@ -9,8 +9,8 @@ from collections import defaultdict
 from typing import Any
 
 from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
-                                          Memory, Modality, Moe, Output, Residual, System,
-                                          Tensor)
+                                          Memory, Modality, Moe, Optim, Output, Residual,
+                                          System, Tensor)
 from probewire.instrument.wire import SeriesKey
 
 from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
@@ -139,6 +139,15 @@ def _residual(item: ReducedStep) -> dict[str, Any]:
             "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
 
 
+def _learning_rates(item: ReducedStep) -> dict[str, Any]:
+    """η per parameter group (label param_group) and the largest of them (``lr``)."""
+    groups = {dict(labels).get(Label.PARAM_GROUP, ""): v
+              for labels, v in _labelled(item.reduced, Optim.LR).items()}
+    finite = [v for v in groups.values() if math.isfinite(v)]
+    return {"lr": max(finite) if finite else (next(iter(groups.values())) if groups else None),
+            "lr_groups": groups}
+
+
 def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
     """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
     red = item.reduced
@@ -176,6 +185,7 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "ranks_reporting": len(item.ranks_reporting),
         "ranks_missing": list(item.ranks_missing),
         "complete_reason": item.complete_reason,
+        **_learning_rates(item),
         **_moe(item),
         **_residual(item),
     }

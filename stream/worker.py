@@ -30,6 +30,7 @@ from .batching import StoreBatch
 from .config import StreamConfig
 from .health import Heartbeat, Progress
 from .kafka import TopicConfig
+from .lifecycle import EventError, parse_event
 from .publish import PublishError, Publisher
 from .records import RecordError, ReducedStep
 from .split import OversizeStep, split_step
@@ -214,6 +215,23 @@ class Worker:
         await self.send_alerts(reduced.run_id, out)
         await self.flush_if_due()
 
+    async def on_run_event(self, event: Any) -> None:
+        """A run's lifecycle event (``stream.lifecycle``): its ``runs`` row goes with the
+        next store batch; the event is acknowledged once that is written."""
+        await self.publishing.wait()
+        while self.sink is None or self.batch.full:
+            await asyncio.sleep(0.05)
+            await self.flush_if_due()
+        try:
+            parsed = parse_event(event.value)
+        except EventError as exc:
+            await self.dead_letter(event, exc.reason)
+            event.ack()
+            return
+        run = await self.run_for(parsed.run_id)
+        self.batch.add(parsed.run_id, run.on_event(parsed), event)
+        await self.flush_if_due()
+
     async def run_for(self, run_id: str) -> RunPipeline:
         """The run's pipeline, resumed from its saved state (the store retried until up)."""
         while run_id not in self.runs:
@@ -276,6 +294,7 @@ class Worker:
                 progress["steps_written"] += len(out.rows.get("step_metrics", []))
                 progress["last_step"] = run.last_step
                 progress["finished"] = run.finished
+                progress["status"] = run.lifecycle.status(run.finished)
                 progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
         self.write_heartbeat()
 

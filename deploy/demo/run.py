@@ -34,7 +34,8 @@ class DemoResult:
 def _start_ranks(stack: LocalStack, run_id: str, ranks: int, steps: int,
                  trace: Path | None, extra_args: list[str]) -> list[subprocess.Popen]:
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # run lifecycle events: attach reads it
+           "PROBEWIRE_TOPICS__RUNS": stack.settings.topics.runs}
     procs = []
     for rank in range(ranks):
         cmd = [sys.executable, "-m", "probewire.deploy.demo.train", "--rank", str(rank),

@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         transport=KafkaTransport(kafka, args.topic),
         control=ControlListener(kafka, run_id=args.run_id, rank=args.rank,
                                 topic=args.control_topic),
-        events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None)
+        events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None,
+        run_config={k: v for k, v in vars(args).items()
+                    if k not in ("faults", "rank", "master_port", "bootstrap", "trace")})
     trace = open(args.trace / f"rank{args.rank}.jsonl", "w") if args.trace else None
     if args.ckpt_dir is not None and args.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ def output_head(logits: torch.Tensor, mask: torch.Tensor | None
     z = logits.detach().reshape(-1, vocab)  # positions × vocabulary: 1-D row statistics
     positions = z.shape[0]
     top, bottom = z.amax(-1), z.amin(-1)
-    norms = torch.linalg.vector_norm(z, dim=-1, dtype=torch.float32)
+    norms = torch.linalg.vector_norm(z, dim=-1, dtype=torch.promote_types(z.dtype,
+                                                                          torch.float32))
     if positions <= HOST_REDUCE_POSITIONS:
         rows = [top, bottom, norms, mask.reshape(-1)] if masked else [top, bottom, norms]
         return rows, ("rows", positions, masked, vocab)

@@ -123,11 +123,30 @@ def loss_decoder(label_points: Sequence[Labels]):
     return decode
 
 
+def _ids(value: Any, names: tuple[str, ...], rows: int, what: str) -> torch.Tensor | None:
+    """Ids as given (a tensor), or from registered names: one name for every row of the
+    micro-batch, or one name per row. An unknown name is the caller's mistake."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    listed = [value] * rows if isinstance(value, str) else list(value)
+    try:
+        ids = [names.index(name) for name in listed]
+    except ValueError:
+        unknown = next(n for n in listed if n not in names)
+        field = "sources" if what == "source" else "modalities"
+        raise ValueError(f"{what} {unknown!r} is not registered; ProbeConfig.{field} is "
+                         f"{names!r}") from None
+    if len(ids) != rows:
+        raise ValueError(f"{len(ids)} {what} names for a micro-batch of {rows} rows")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 class LossProbe:
     """Records one micro-batch's loss components into the step (sources, then modalities,
     share the label namespace ``source``)."""
 
     def __init__(self, sources: Sequence[str], modalities: Sequence[str]) -> None:
+        self._sources, self._modalities = tuple(sources), tuple(modalities)
         self._n_sources = len(sources)
         self._n_labels = len(sources) + len(modalities)
         self._decode = loss_decoder(tuple(((Label.SOURCE, name),)
@@ -140,7 +159,9 @@ class LossProbe:
         mask = state.mask if mask is None else mask
         source = state.source if source is None else source
         modality = state.modality if modality is None else modality
-        ids = ((source, 0), (modality, self._n_sources))
+        rows = losses.shape[0] if losses.dim() >= 2 else 1
+        ids = ((_ids(source, self._sources, rows, "source"), 0),
+               (_ids(modality, self._modalities, rows, "modality"), self._n_sources))
         vec, meta = loss_components(losses, mask, ids, self._n_labels)
         state.collector.add("loss", vec, self._decode, meta)
 

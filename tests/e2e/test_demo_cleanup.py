@@ -67,6 +67,10 @@ def test_success_prints_the_table_and_stops_everything(scratch_dir: Path) -> Non
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "L_max" in out and "last 10 of 20 steps" in out.replace("\n", " ")
+    # the result: status, pages and the next commands with the run id and store filled in
+    store = scratch_dir / "store"
+    assert ": finished, 20 steps stored" in out and "next:" in out
+    assert f"probewire report --run demo-" in out and f"--store {store}" in out
     _assert_clean(_started(scratch_dir))
 
 

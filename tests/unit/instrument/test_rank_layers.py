@@ -16,11 +16,12 @@ LAYERS = {
     "catalog": 0, "scan": 0, "control": 0, "structure_config": 0,
     "wire": 1, "config": 1, "batchscan": 1,
     "collect": 2, "parallel": 2, "export": 2, "testing": 2,
-    "state": 3, "registry": 3,
+    "state": 3, "registry": 3, "lifecycle": 3,
     "discover": 4,
     "probes": 5,
     "step": 6,
     "monitor": 7,
+    "integrations": 8,
     "__init__": 8,
 }
 

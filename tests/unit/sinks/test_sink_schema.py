@@ -39,19 +39,20 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 2
+    assert sink.migrate() == 3
     assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations "
-                            "ORDER BY version") == [(1,), (2,)]
+                            "ORDER BY version") == [(1,), (2,), (3,)]
 
 
 def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
                                                                     ch_database) -> None:
-    """A store migrated before version 2 (step_metrics without the structure columns) gets
-    them, in the declared order, and keeps its rows."""
+    """A store migrated before version 2 (step_metrics without the structure columns and
+    the learning rates of version 3) gets them, in the declared order, and keeps its rows."""
     db = ch_database + "_v1"
     table = next(t for t in TABLES if t.name == "step_metrics")
     v2 = {"media_scale", "residual_ratio_min", "residual_ratio_branch",
-          "residual_stream_norm", "residual_branch_norm", "straggler_own_ratio"}
+          "residual_stream_norm", "residual_branch_norm", "straggler_own_ratio",
+          "lr", "lr_groups"}
     old = dataclasses.replace(table, columns=tuple(c for c in table.columns
                                                    if c.name not in v2))
     ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
@@ -64,7 +65,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
         ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) "
                       "VALUES ('r', 7, 10, 2.5)")
-    assert ClickHouseSink(ch_client, db).migrate() == 2
+    assert ClickHouseSink(ch_client, db).migrate() == 3
     got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
                            "AND table = 'step_metrics' ORDER BY position")
     assert got == [(c.name, c.type) for c in table.columns]

@@ -1,0 +1,65 @@
+"""What a service process needs around it: the worker's store (and its live reader), and the
+preflight every service runs on start (directories, a broker that answers, topics)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+
+from probewire.deploy.settings import Settings, split_credentials
+from probewire.deploy.stack import StackError, create_topics
+
+__all__ = ["PreflightError", "open_store", "preflight"]
+
+log = logging.getLogger(__name__)
+
+
+class PreflightError(Exception):
+    """The service cannot start; the message is one line with the fix."""
+
+
+_READERS: list = []  # the live reader of the store this worker process owns
+
+
+def open_store(settings: Settings, read_port: int = 0):
+    """A migrated sink on the configured store (called in the worker process). An embedded
+    store is also served read-only on 127.0.0.1:``read_port`` (0: a free port, -1: off),
+    so queries work while the worker owns it (``sinks.readserver``)."""
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from probewire.deploy.faults import with_outage
+    from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
+
+    ch = settings.clickhouse
+    try:
+        client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
+    except ClickHouseError as exc:  # unreachable or refusing: the worker retries (and says so)
+        raise StoreUnavailable(f"cannot connect to {split_credentials(ch.url)[0]}: "
+                               f"{str(exc).strip().splitlines()[0]}") from None
+    sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
+    sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
+                 sensitive_ttl_days=ch.sensitive_ttl_days)
+    if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
+        from probewire.sinks.readserver import ReadServer
+
+        try:
+            reader = ReadServer(ch.url[len("chdb://"):], port=read_port)
+        except OSError as exc:  # the port is taken: the worker runs on, without live reads
+            log.error("probewire: no live reads: cannot serve on 127.0.0.1:%d (%s)",
+                      read_port, exc)
+            return sink
+        reader.start()
+        _READERS.append(reader)
+        atexit.register(reader.close)  # the store's address file goes with the worker
+    return sink
+
+
+def preflight(settings: Settings, heartbeat: Path) -> None:
+    """What a service needs on a fresh machine: its heartbeat directory, a broker that
+    answers (one line after a bounded wait otherwise) and the topics it reads."""
+    heartbeat.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        create_topics(settings.kafka.client_config(), settings.topics.all(), timeout_s=8.0)
+    except StackError as exc:
+        raise PreflightError(str(exc)) from None

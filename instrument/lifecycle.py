@@ -1,0 +1,113 @@
+"""Run lifecycle events, and the transports a rank builds from its environment.
+
+A run says three things about itself on the topic ``probewire.runs`` (key = run_id, JSON);
+the stream turns them into the run's ``runs`` row (``stream.lifecycle``)::
+
+    {"run_id", "event": "started",  "rank": 0, "world_size", "time_unix_nano", "config": {...}}
+    {"run_id", "event": "finished", "rank": 0, "world_size", "time_unix_nano"}
+    {"run_id", "event": "crashed",  "rank": r, "world_size", "time_unix_nano", "error": "..."}
+
+Rank 0 announces the start (with the run's configuration, the hyper-parameters given to
+``attach``) and the end (``Monitor.close``); any rank announces a crash (an exception out
+of a step context, or ``Monitor.crashed``).
+
+``env_transports`` builds the metrics transport, the control listener and the event
+transports from the variables ``probewire up`` / ``probewire run`` export, so ``attach``
+needs no transport inside them: ``PROBEWIRE_KAFKA__BOOTSTRAP`` and, optionally, the topic
+names ``PROBEWIRE_TOPICS__METRICS``, ``__CONTROL``, ``__CHECKPOINTS`` and ``__RUNS`` (the
+names the settings tree reads too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .control import ControlListener
+from .export import KafkaTransport, Transport
+from .wire import RankIdentity
+
+__all__ = ["BOOTSTRAP_ENV", "EnvTransports", "MAX_CONFIG_BYTES", "RUNS_TOPIC", "env_transports",
+           "run_event"]
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_ENV = "PROBEWIRE_KAFKA__BOOTSTRAP"
+RUNS_TOPIC = "probewire.runs"
+MAX_CONFIG_BYTES = 64 * 1024
+EVENTS = ("started", "finished", "crashed")
+_TOPICS = {"metrics": "otlp_metrics", "control": "probewire.control",
+           "checkpoints": "probewire.checkpoints", "runs": RUNS_TOPIC}
+
+
+def run_event(identity: RankIdentity, event: str, *, config: Mapping[str, Any] | None = None,
+              error: str | None = None, now_ns: int | None = None) -> bytes:
+    """One lifecycle message. The config must be a mapping; values JSON cannot hold are
+    written as text; a config over ``MAX_CONFIG_BYTES`` is refused (ValueError)."""
+    if event not in EVENTS:
+        raise ValueError(f"event must be one of {EVENTS}, got {event!r}")
+    body: dict[str, Any] = {"run_id": identity.run_id, "event": event, "rank": identity.rank,
+                            "world_size": identity.world_size,
+                            "time_unix_nano": time.time_ns() if now_ns is None else now_ns}
+    if config is not None:
+        if not isinstance(config, Mapping):
+            raise ValueError(f"run_config must be a mapping, got {type(config).__name__}")
+        text = json.dumps(dict(config), default=str, sort_keys=True)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"run_config is {len(text)} bytes as JSON; the limit is "
+                             f"{MAX_CONFIG_BYTES}")
+        body["config"] = json.loads(text, parse_constant=lambda _: None)  # NaN/Inf: null
+    if error is not None:
+        body["error"] = error[:1000]
+    return json.dumps(body, allow_nan=False, default=str).encode()
+
+
+@dataclass(slots=True)
+class EnvTransports:
+    transport: Transport
+    control: ControlListener
+    checkpoints: Transport | None
+    runs: Transport
+
+
+def topic_names(env: Mapping[str, str]) -> dict[str, str]:
+    return {key: env.get(f"PROBEWIRE_TOPICS__{key.upper()}") or default
+            for key, default in _TOPICS.items()}
+
+
+def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTransports:
+    """Kafka transports to the broker named by ``PROBEWIRE_KAFKA__BOOTSTRAP``; a ValueError
+    that says what to do when it is not set."""
+    bootstrap = env.get(BOOTSTRAP_ENV, "").strip()
+    if not bootstrap:
+        raise ValueError(f"no transport: pass transport=..., or run the script under "
+                         f"`probewire run -- ...`, or export {BOOTSTRAP_ENV} (printed by "
+                         "`probewire up`)")
+    config = {"bootstrap.servers": bootstrap}
+    _warn_if_unreachable(bootstrap)
+    topics = topic_names(env)
+    return EnvTransports(
+        transport=KafkaTransport(config, topics["metrics"]),
+        control=ControlListener(config, run_id=identity.run_id, rank=identity.rank,
+                                topic=topics["control"]),
+        checkpoints=KafkaTransport(config, topics["checkpoints"]) if identity.rank == 0
+        else None,
+        runs=KafkaTransport(config, topics["runs"]))
+
+
+def _warn_if_unreachable(bootstrap: str, timeout_s: float = 1.0) -> None:
+    """Say once, at attach, when nothing listens at the first bootstrap address (a stale
+    export after ``probewire up`` stopped); training goes on, unmonitored until it does."""
+    host, _, port = bootstrap.split(",")[0].strip().rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
+    except OSError as exc:
+        log.warning("probewire: no Kafka broker at %s (%s): this run's measurements are "
+                    "dropped until one answers; is `probewire up` running?", bootstrap,
+                    exc.strerror or exc)

@@ -1,0 +1,203 @@
+"""Live reads of the embedded store: ClickHouse's HTTP interface, read-only, on loopback.
+
+chdb lets one process own a data directory, and while a run trains that process is the
+stream worker. ``ReadServer`` runs inside it and answers SQL the way a ClickHouse server's
+HTTP port does (``GET/POST /?query=...``, ``database``, ``default_format``, ``param_<name>``
+for ``{name:Type}`` parameters, ``FORMAT`` clauses, errors as ``Code: N. DB::Exception``
+with status 500 and ``X-ClickHouse-Exception-Code``), so clickhouse-connect, curl and
+Grafana's ClickHouse data source (HTTP protocol) read the embedded store like a server.
+
+Read-only is the engine's own rule: the reading connection runs with ``readonly = 2``
+(reads and per-query settings; no INSERT, ALTER, DROP or ``SET readonly``). Queries are
+served one at a time on that connection, beside the worker's writer connection; settings
+given as URL parameters stay set on it for later requests. Responses are uncompressed
+(``compress=1``, ClickHouse's own block compression, is refused with a clear error).
+Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested here.
+
+Discovery: on start the server writes ``<store>/probewire-reader.json`` —
+``{"url", "pid", "store"}`` — and removes it on close, so ``probewire sql --store DIR``
+finds it by itself. ``find_reader`` reads it back and checks that the process is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+__all__ = ["READER_FILE", "ReadServer", "find_reader", "store_owner"]
+
+READER_FILE = "probewire-reader.json"
+
+# URL parameters of ClickHouse's HTTP interface that are not settings
+_NOT_SETTINGS = frozenset({"query", "database", "default_format", "query_id", "session_id",
+                           "session_timeout", "session_check", "compress", "decompress",
+                           "user", "password", "quota_key", "buffer_size", "wait_end_of_query",
+                           "enable_http_compression", "send_progress_in_http_headers",
+                           "http_headers_progress_interval_ms", "readonly"})
+_MAX_BODY = 1 << 20
+
+
+class ReadServer:
+    """Serves read-only SQL on ``host:port`` (0: a free port) for the chdb store at ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str], *, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        import chdb
+
+        self.path = Path(path).resolve()
+        self._conn = chdb.connect(str(self.path))  # shares the engine of this process
+        self._conn.query("SET readonly = 2")
+        self._lock = threading.Lock()
+        self.queries = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # quiet: the worker's log is its own
+                return None
+
+            def do_GET(self) -> None:
+                self._serve(b"")
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > _MAX_BODY:
+                    self._reply(413, b"query body too large\n", {})
+                    return
+                self._serve(self.rfile.read(length) if length else b"")
+
+            def _serve(self, body: bytes) -> None:
+                url = urlsplit(self.path)
+                if url.path in ("/ping", "/"):
+                    params = {k: v[-1] for k, v in parse_qs(url.query,
+                                                            keep_blank_values=True).items()}
+                    if url.path == "/ping" or ("query" not in params and not body):
+                        self._reply(200, b"Ok.\n", {})
+                        return
+                    status, payload, headers = server.execute(params, body)
+                    self._reply(status, payload, headers)
+                    return
+                self._reply(404, b"unknown path\n", {})
+
+            def _reply(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for key, value in {"Content-Type": "text/plain; charset=UTF-8", **headers,
+                                   "Content-Length": str(len(payload))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self._http = ThreadingHTTPServer((host, port), Handler)
+        self._http.daemon_threads = True
+        self.host, self.port = self._http.server_address[:2]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def execute(self, params: dict[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        """One request: ``(status, payload, headers)`` as a ClickHouse server answers it."""
+        if params.get("compress") == "1":
+            return 400, (b"Code: 1001. DB::Exception: this endpoint answers uncompressed "
+                         b"(compress=1 is not supported); turn compression off in the "
+                         b"client\n"), {"X-ClickHouse-Exception-Code": "1001"}
+        sql = " ".join(part for part in (params.get("query", ""),
+                                         body.decode("utf-8", "replace")) if part.strip())
+        fmt = params.get("default_format") or "TabSeparated"
+        binds = {k[len("param_"):]: v for k, v in params.items() if k.startswith("param_")}
+        settings = {k: v for k, v in params.items()
+                    if k not in _NOT_SETTINGS and not k.startswith("param_")}
+        try:
+            with self._lock:
+                self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
+                for key, value in settings.items():
+                    self._conn.query(f"SET {_identifier(key)} = {_literal(value)}")
+                started = time.perf_counter()
+                result = self._conn.query(sql, fmt, params=binds or None)
+                self.queries += 1
+        except Exception as exc:  # the engine's error, passed on as a server would
+            text = str(exc).strip()
+            code = text.split(".", 1)[0].removeprefix("Code: ") if text.startswith("Code:") \
+                else "1001"
+            return 500, (text + "\n").encode(), {"X-ClickHouse-Exception-Code": code}
+        summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
+                   "elapsed_ns": str(int((time.perf_counter() - started) * 1e9))}
+        return 200, result.bytes(), {"X-ClickHouse-Format": fmt,
+                                     "X-ClickHouse-Timezone": time.strftime("%Z") or "UTC",
+                                     "X-ClickHouse-Summary": json.dumps(summary)}
+
+    def start(self) -> str:
+        """Serve on a background thread and publish the address in the store directory."""
+        self._thread = threading.Thread(target=self._http.serve_forever, name="probewire-reader",
+                                        daemon=True)
+        self._thread.start()
+        tmp = self.path / (READER_FILE + ".tmp")
+        tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)}))
+        os.replace(tmp, self.path / READER_FILE)
+        return self.url
+
+    def close(self) -> None:
+        try:
+            info = json.loads((self.path / READER_FILE).read_text())
+            if info.get("pid") == os.getpid():
+                (self.path / READER_FILE).unlink()
+        except (OSError, ValueError):
+            pass
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def _identifier(name: str) -> str:
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"Code: 62. DB::Exception: bad identifier {name!r}. (SYNTAX_ERROR)")
+    return name
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_reader(path: str | os.PathLike[str]) -> str | None:
+    """The URL of the live reader serving the store at ``path``, or None."""
+    try:
+        info = json.loads((Path(path) / READER_FILE).read_text())
+        url, pid = str(info["url"]), int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return url if _alive(pid) else None
+
+
+def store_owner(path: str | os.PathLike[str]) -> str | None:
+    """``pid N (command line)`` of the process holding the chdb store at ``path``, or None
+    when no live process holds it (the engine writes ``PID: N`` into its ``status`` file)."""
+    try:
+        first = (Path(path) / "status").read_text().splitlines()[0]
+        pid = int(first.removeprefix("PID:").strip())
+    except (OSError, ValueError, IndexError):
+        return None
+    if not _alive(pid):
+        return None
+    try:
+        cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                       .decode(errors="replace").split())  # one line, whatever the argv
+    except OSError:
+        cmd = ""
+    return f"pid {pid}" + (f" ({cmd[:120]})" if cmd else "")
