@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
+from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings, TopicSettings
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack, stop_process
@@ -37,9 +37,12 @@ def sim(run_id: str) -> SimRun:
 
 
 def settings_for(store: Path) -> Settings:
+    tag = uuid.uuid4().hex[:8]
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")),
-        stream=StreamSettings(app_id=f"pw-test-{uuid.uuid4().hex[:8]}", deadline_s=3.0,
+        # its own dead-letter topic: the session's broker holds other tests' dead letters
+        topics=TopicSettings(deadletter=f"probewire.deadletter.{tag}"),
+        stream=StreamSettings(app_id=f"pw-test-{tag}", deadline_s=3.0,
                               stage2=Stage2Config(
                                   detectors=DetectorConfig(window=20),
                                   retention_every_k=RETENTION["k"],
