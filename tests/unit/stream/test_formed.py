@@ -196,3 +196,17 @@ def test_a_step_without_the_components_measures_nothing():
     assert grad_group_rows(step) == []
     view, _ = p0_view(step)
     assert set(out) <= set(view)
+
+
+def test_the_registry_of_formed_series_is_the_schema_and_the_view():
+    """``instrument.series.FORMED`` (README table, the demo's end-to-end check) names exactly
+    the columns migration 3 added and ``formed_series`` / ``grad_group_rows`` fill."""
+    from probewire.instrument.series import FORMED
+    from probewire.sinks.schema import _STEP_METRICS_V3, GRAD_GROUP_STATS
+
+    step_columns = {s.column for s in FORMED if s.table == "step_metrics"}
+    assert step_columns == {c.name for c in _STEP_METRICS_V3 if c.type == "Nullable(Float64)"}
+    assert step_columns == set(formed_series(reduce_step("f", 0, 1, [], "all_ranks")))
+    assert {s.column for s in FORMED if s.table == GRAD_GROUP_STATS.name} == {
+        c.name for c in GRAD_GROUP_STATS.columns if c.type == "Nullable(Float64)"}
+    assert {s.table for s in FORMED} == {"step_metrics", GRAD_GROUP_STATS.name}
