@@ -236,13 +236,16 @@ def test_guard_counters_are_cumulative_across_a_restart_with_the_step_flags_kept
         return item
 
     run = RunPipeline("run", small_config())
-    rows = []
-    for step in range(6):
-        rows += run.accept(step_item(step), now=float(step)).rows["step_metrics"]
-    run = RunPipeline.from_state("run", small_config(), json.loads(json.dumps(run.to_state())),
-                                 now=6.0)
-    for step in range(6, 10):
-        rows += run.accept(step_item(step), now=float(step)).rows["step_metrics"]
+    rows, anomalies = [], []
+    for step in range(10):
+        if step == 6:
+            run = RunPipeline.from_state("run", small_config(),
+                                         json.loads(json.dumps(run.to_state())), now=6.0)
+        out = run.accept(step_item(step), now=float(step))
+        rows += out.rows["step_metrics"]
+        anomalies += out.rows["anomalies"]
+    # the mismatch pages at its own step only, not on every step after it
+    assert [a["step"] for a in anomalies if a["signal"] == "replay_mismatch"] == [5]
     by_step = {row["step"]: row for row in rows}
     flags = {"skipped": "guard.skipped", "replayed": "guard.replayed",
              "replay_mismatch": "guard.replay_mismatch"}
