@@ -625,11 +625,12 @@ _EXPERTS = (
        doc="b_i, the bias added to expert i's routing score before top-k selection "
            "(auxiliary-loss-free balancing). Identical on every replica; reduction max over "
            "the one representative.", seed="001 §7 (routing bias terms, P2)"),
-    _m(Moe.BIAS_ABS_SUM, P2, 0, MAX, "1", labels=(Label.LAYER,), rep=_ALL,
-       point="as moe.router_bias",
+    _m(Moe.BIAS_ABS_SUM, P1, 100, MAX, "1", labels=(Label.LAYER,), rep=_ALL,
+       point="as moe.router_bias, on scan steps",
        doc="Σ_i |b_i| over the layer's expert-selection bias: drift of the balancing bias. "
-           "Identical on every replica; reduction max.",
-       seed="002 moe/ep_bias_abs_sum"),
+           "Identical on every replica; reduction max; the stream's ep_bias_abs_sum is the "
+           "sum over layers.",
+       seed="002 moe/ep_bias_abs_sum (P1)"),
     _m(Moe.MARGIN_TOKENS, P2, 0, SUM, "{token}", labels=(Label.LAYER,), rep=_TP,
        point=_ROUTER_POINT + "; selection scores = router logits + selection bias",
        doc="n: valid tokens behind the top-k margin statistics. Reduction: sum.",

@@ -139,6 +139,29 @@ _STEP_METRICS_V3 = (
            "learning rate per parameter group (its name, else its index)"),
 )
 
+# step_metrics columns added by migration 4 (issue 18): the seeds' series formed in the
+# stream (``stream.formed``) at their components' cadence (NULL on a step that does not
+# measure them), and the spike guard's per-step events beside their cumulative counts
+_STEP_METRICS_V4 = (
+    _f("grad_abs_mean", "G_mean = sum |g| / (P - non-finite), all parameters, before clipping"),
+    _f("grad_abs_max", "G_max = max |g| over finite gradient elements"),
+    _f("grad_zero_frac", "Z_g = exact zero gradient elements / P"),
+    _f("comm_wait_frac", "W_comm = the largest rank exposed collective wait / tau"),
+    _f("update_ratio", "rho = ||update|| / ||param|| over the scanned parameters"),
+    _f("logits_rms", "RMS of the output logits over valid positions"),
+    _f("top2_gap_mean", "mean top-1 minus top-2 logit over valid positions"),
+    _f("top2_tie_frac", "fraction of valid positions whose top-2 logits are equal"),
+    _f("dead_expert_ratio", "experts with no valid token / experts, MoE layers with tokens"),
+    _f("encoder_grad_share", "S_enc = ||g_encoder||^2 / ||g||^2"),
+    _f("mtp_agreement", "top-1 agreement of LM head and MTP heads, aligned positions"),
+    _f("bos_value_grad_rms", "RMS of the attention value gradient at BOS positions"),
+    _f("bos_value_grad_ratio", "BOS value-gradient RMS / the other positions RMS"),
+    _f("ep_bias_abs_sum", "sum over MoE layers of sum |expert selection bias|"),
+    Column("skipped_step", "UInt8", "0", "updates the spike guard skipped in this step"),
+    Column("replayed_step", "UInt8", "0", "replays of this step"),
+    Column("replay_mismatch_step", "UInt8", "0", "replays of this step that did not reproduce"),
+)
+
 STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
     _RUN, _STEP,
     Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
@@ -171,6 +194,7 @@ STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 ser
     _f("output_absmax", "absolute maximum of the model output"),
     *_STEP_METRICS_V2,
     *_STEP_METRICS_V3,
+    *_STEP_METRICS_V4,
     Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
     Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
     Column("replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"),
@@ -217,6 +241,15 @@ TENSOR_STATS = Table("tensor_stats", "one-pass tensor statistics reduced across 
     *(_scan_column(field) for field in TENSOR_FIELDS),
     _inserted_at(),
 ), key=("run_id", "kind", "tensor", "step"))
+
+GRAD_GROUP_STATS = Table("grad_group_stats", "G_mean, G_max, Z_g per parameter group, every step", (
+    _RUN, _STEP, _name("group", "embedding, expert or other"),
+    Column("elements", "UInt64", comment="P: gradient elements of the group"),
+    _f("grad_abs_mean", "sum |g| / (P - non-finite)"),
+    _f("grad_abs_max", "max |g| over finite elements"),
+    _f("grad_zero_frac", "exact zeros / P"),
+    _inserted_at(),
+), key=("run_id", "group", "step"))
 
 EXPERT_STATS = Table("expert_stats", "per-expert valid-token loads of retained steps", (
     _RUN, _STEP, _name("layer"),
@@ -309,7 +342,7 @@ RECENT_TABLES: tuple[Table, ...] = tuple(_recent(t) for t in (RANK_METRICS, TENS
                                                                EXPERT_STATS))
 
 TABLES: tuple[Table, ...] = (RUNS, STEP_METRICS, SOURCE_METRICS, RANK_METRICS, TENSOR_STATS,
-                             EXPERT_STATS, ANOMALIES, ALERTS, EVALUATIONS, DEAD_LETTERS,
+                             EXPERT_STATS, GRAD_GROUP_STATS, ANOMALIES, ALERTS, EVALUATIONS, DEAD_LETTERS,
                              STREAM_STATE, *RECENT_TABLES)
 
 
@@ -358,6 +391,11 @@ MIGRATIONS: tuple[Migration, ...] = (
               (*(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
                  "AFTER straggler_own_ratio" for c in reversed(_STEP_METRICS_V3)),
                f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'")),
+    Migration(4, "step_metrics: the seeds' formed series and the guard's per-step events; "
+                 "grad_group_stats",
+              (*(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+                 "AFTER lr_groups" for c in reversed(_STEP_METRICS_V4)),
+               GRAD_GROUP_STATS.ddl("{db}"))),
 )
 
 
@@ -406,20 +444,21 @@ LEFT JOIN (SELECT run_id, step, tokens FROM {db}.step_metrics FINAL) AS run
     ON src.run_id = run.run_id AND src.step = run.step
 """)
 
-# RMS, absolute mean, zero fraction and excess kurtosis from the reduced power sums
-# (kurtosis only where sum3/sum4 were measured and the variance is resolvable).
+# RMS, absolute mean, mean and excess kurtosis from the reduced power sums, over the finite
+# elements the sums cover (m = n - nonfinite, as ``scan.summarize``); the zero fraction over
+# all n elements (kurtosis only where sum3/sum4 were measured and the variance resolvable).
 _TENSOR_VIEW = View("tensor_view", """
 SELECT run_id, step, tensor, kind, n, abs_max, nonfinite, rms, abs_mean, zero_frac, mean,
-    if(n > 0 AND m4 IS NOT NULL AND m2 > 1e-10 * e2, m4 / (m2 * m2) - 3, NULL)
+    if(m > 0 AND m4 IS NOT NULL AND m2 > 1e-10 * e2, m4 / (m2 * m2) - 3, NULL)
         AS excess_kurtosis
 FROM (
-    SELECT run_id, step, tensor, kind, n, abs_max, nonfinite,
-        if(n > 0, sqrt(sum_sq / n), NULL) AS rms,
-        if(n > 0, abs_sum / n, NULL) AS abs_mean,
+    SELECT run_id, step, tensor, kind, n, abs_max, nonfinite, n - nonfinite AS m,
+        if(m > 0, sqrt(sum_sq / m), NULL) AS rms,
+        if(m > 0, abs_sum / m, NULL) AS abs_mean,
         if(n > 0, zeros / n, NULL) AS zero_frac,
-        if(n > 0, `sum` / n, NULL) AS mean,
-        `sum` / n AS mu, sum_sq / n AS e2, e2 - mu * mu AS m2,
-        sum4 / n - 4 * mu * sum3 / n + 6 * mu * mu * e2 - 3 * pow(mu, 4) AS m4
+        if(m > 0, `sum` / m, NULL) AS mean,
+        `sum` / m AS mu, sum_sq / m AS e2, e2 - mu * mu AS m2,
+        sum4 / m - 4 * mu * sum3 / m + 6 * mu * mu * e2 - 3 * pow(mu, 4) AS m4
     FROM {db}.tensor_stats FINAL
 )
 """)

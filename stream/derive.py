@@ -19,7 +19,11 @@ import numpy as np
 
 __all__ = [
     "ExpertBalance",
+    "GradStats",
     "compute_rate",
+    "comm_wait_frac",
+    "dead_expert_ratio",
+    "grad_stats",
     "expert_balance",
     "global_mean_loss",
     "grad_norm",
@@ -27,12 +31,14 @@ __all__ = [
     "mean_from_components",
     "media_scale",
     "own_time_ratios",
+    "ratio_from_components",
     "own_times",
     "rank_means",
     "rms_from_components",
     "shard_imbalance",
     "straggler_score",
     "tokens_per_s",
+    "update_ratio",
     "worst_rank_loss",
 ]
 
@@ -330,3 +336,76 @@ def media_scale(media_sum_sq: float | None, media_n: float | None, text_sum_sq: 
     media, text = rms_from_components(media_sum_sq, media_n), rms_from_components(
         text_sum_sq, text_n)
     return media / (text + _scalar("eps", eps, positive=True))
+
+
+def ratio_from_components(part: float | None, whole: float | None) -> float | None:
+    """part / whole from two cross-rank sums (a share, a fraction, a mean): the top-2 tie
+    fraction and mean gap (002), MTP agreement (002), S_enc (001 §9). None unless both were
+    reported and ``whole`` > 0 (nothing measured is not a zero); a NaN part propagates."""
+    if part is None or whole is None:
+        return None
+    if math.isnan(whole):
+        return math.nan
+    whole = _scalar("whole", whole, positive=False)
+    return float(part) / whole if whole > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class GradStats:
+    """G_mean, G_max and Z_g of one parameter group (seeds 001 §4)."""
+
+    abs_mean: float | None
+    abs_max: float | None
+    zero_frac: float | None
+
+
+def grad_stats(abs_sum: float | None, abs_max: float | None, zeros: float | None,
+               elements: float | None, nonfinite: float | None) -> GradStats | None:
+    """G_mean = Σ|g| / (P − non-finite) (Σ|g| runs over finite elements), G_max = max |g|,
+    Z_g = zeros / P, from the cross-rank sums (max for G_max) of the gradient components
+    (seeds 001 §4). None when no element was reported (P absent or 0); a mean over no
+    finite element is None."""
+    if elements is None or abs_sum is None or zeros is None:
+        return None
+    p = _scalar("elements", elements, positive=False)
+    if p == 0:
+        return None
+    finite = p - _scalar("nonfinite", nonfinite or 0.0, positive=False)
+    return GradStats(abs_mean=float(abs_sum) / finite if finite > 0 else None,
+                     abs_max=abs_max, zero_frac=_scalar("zeros", zeros, positive=False) / p)
+
+
+def comm_wait_frac(waits: Mapping[int, float], tau: float | None) -> float | None:
+    """W_comm = τ_wait / τ (seeds 001 §5): the largest exposed collective wait of a rank
+    (its waits summed over ops, clamped into [0, τ]) over the step's global wall time τ.
+    None without a wait or a time."""
+    finite = [float(w) for w in waits.values() if math.isfinite(w)]
+    if not finite or tau is None or not tau > 0:
+        return None
+    tau = _scalar("tau", tau, positive=True)
+    return min(max(max(finite), 0.0), tau) / tau
+
+
+def update_ratio(update_sum_sq: float, param_sum_sq: float, eps: float = 1e-12
+                 ) -> float | None:
+    """ρ = ‖Δw‖ / (‖w‖ + ε) over the scanned parameters (seeds 001 §6: RMS(Δw)/RMS(w) with
+    the same elements on both sides, so the element counts cancel), from the cross-rank
+    sums of Δw² and w². None when no parameter was scanned (‖w‖² = 0 and ‖Δw‖² = 0)."""
+    if update_sum_sq < 0 or param_sum_sq < 0:
+        raise ValueError("update_sum_sq and param_sum_sq must be >= 0")
+    if update_sum_sq == 0 and param_sum_sq == 0:
+        return None
+    return math.sqrt(update_sum_sq) / (math.sqrt(param_sum_sq) + _scalar("eps", eps,
+                                                                          positive=True))
+
+
+def dead_expert_ratio(layers: Sequence[Sequence[float]]) -> float | None:
+    """Experts with no valid token over all experts, counted over the MoE layers that
+    received a valid token (002 moe/dead_expert_ratio). None when no layer did."""
+    dead = total = 0
+    for counts in layers:
+        c = _counts("counts", counts)
+        if c.sum() > 0:
+            dead += int(np.count_nonzero(c == 0))
+            total += c.size
+    return dead / total if total else None

@@ -227,9 +227,9 @@ class SignalDetectors:
                                  category=Category.JOB, page=page,
                                  culprit="ranks " + ",".join(map(str, view["ranks_missing"])),
                                  ranks=list(view["ranks_missing"])))
-        if view.get("replay_mismatch"):
+        if view.get("replay_mismatch_step"):
             found.append(Finding(signal="replay_mismatch", kind="threshold",
-                                 value=float(view["replay_mismatch"]), baseline=0.0, z=None,
+                                 value=float(view["replay_mismatch_step"]), baseline=0.0, z=None,
                                  category=Category.JOB, page=True,
                                  culprit="hardware: a replay did not reproduce its loss"))
         return found

@@ -33,9 +33,13 @@ from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
-from .view import _detail_rows, p0_view, rank_series
+from .formed import grad_group_rows
+from .view import GUARD_STEP, _detail_rows, p0_view, rank_series
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
+
+_GUARD_TOTAL = {flag: flag.removesuffix("_step") for flag in GUARD_STEP.values()}
+"""Per-step guard flag -> its cumulative column (seeds 001 §4: skip and replay counters)."""
 
 @dataclass(kw_only=True, slots=True)
 class Stage2Config:
@@ -111,6 +115,7 @@ class RunPipeline:
             warmup_steps=config.warmup_steps, final_steps=config.final_steps)
         self.tokens = 0
         self.flops = 0.0
+        self.guard = dict.fromkeys(_GUARD_TOTAL.values(), 0)  # cumulative guard counters
         self.last_step = -1
         self.skipped = SkippedSteps()   # steps a gap skip passed over; may still arrive
         self.world_size = 0
@@ -182,6 +187,8 @@ class RunPipeline:
         self.first_step = item.step if self.first_step is None else self.first_step
         self.tokens += view["step_tokens"]
         self.flops += view.pop("flops_step") or 0.0
+        for flag, total in _GUARD_TOTAL.items():
+            self.guard[total] += view[flag]
         self.last_step = max(self.last_step, item.step)
         if after_gap:  # the detectors' windows hold the run's steps in order
             derived, findings = {}, []
@@ -194,10 +201,11 @@ class RunPipeline:
             view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
-               "flops": self.flops, **view, **derived}
+               "flops": self.flops, **view, **self.guard, **derived}
         if after_gap:
             row["complete_reason"] = "after_gap"
         out.rows["step_metrics"].append(row)
+        out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["source_metrics"] += [
             {"run_id": self.run_id, "step": item.step, "source": s, "loss": loss,
              "token_share": share, "tokens": int(n)} for s, (loss, share, n) in sources.items()]
@@ -258,7 +266,8 @@ class RunPipeline:
 
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "flops": self.flops, "last_step": self.last_step,
+        return {"tokens": self.tokens, "flops": self.flops, "guard": self.guard,
+                "last_step": self.last_step,
                 "skipped": self.skipped.to_state(), "world_size": self.world_size,
                 "first_step": self.first_step, "finished": self.finished,
                 "last_control": self.last_control, "lifecycle": self.lifecycle.to_state(),
@@ -270,6 +279,7 @@ class RunPipeline:
                    now: float) -> "RunPipeline":
         run = cls(run_id, config)
         run.tokens, run.flops, run.last_step = state["tokens"], state["flops"], state["last_step"]
+        run.guard.update(state.get("guard", {}))  # absent: a state saved before the counters
         run.skipped = SkippedSteps([(s, s) if isinstance(s, int) else tuple(s)
                                     for s in state["skipped"]])  # ints: before version 2
         run.world_size, run.first_step = state["world_size"], state["first_step"]

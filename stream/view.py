@@ -16,10 +16,16 @@ from probewire.instrument.wire import SeriesKey
 from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
                      mean_from_components, media_scale, own_time_ratios, own_times, rank_means,
                      shard_imbalance, straggler_score, tokens_per_s, worst_rank_loss)
+from .formed import formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
-__all__ = ["PER_RANK", "p0_view", "rank_series"]
+__all__ = ["GUARD_STEP", "PER_RANK", "p0_view", "rank_series"]
+
+GUARD_STEP = {Guard.SKIPPED: "skipped_step", Guard.REPLAYED: "replayed_step",
+              Guard.REPLAY_MISMATCH: "replay_mismatch_step"}
+"""The spike guard's events of this step, by the view column holding them; stage 2 keeps
+their cumulative counts (``skipped``, ``replayed``, ``replay_mismatch``) in its state."""
 
 PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED,
                       Memory.PEAK_RSS})
@@ -179,15 +185,14 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "output_absmax": _get(red, Output.LOGITS_ABS_MAX),
         "media_scale": media_scale(*(_get(red, n) for n in (
             Modality.MEDIA_SUM_SQ, Modality.MEDIA_N, Modality.TEXT_SUM_SQ, Modality.TEXT_N))),
-        "skipped": int(_get(red, Guard.SKIPPED) or 0),
-        "replayed": int(_get(red, Guard.REPLAYED) or 0),
-        "replay_mismatch": int(_get(red, Guard.REPLAY_MISMATCH) or 0),
+        **{GUARD_STEP[name]: int(_get(red, name) or 0) for name in GUARD_STEP},
         "ranks_reporting": len(item.ranks_reporting),
         "ranks_missing": list(item.ranks_missing),
         "complete_reason": item.complete_reason,
         **_learning_rates(item),
         **_moe(item),
         **_residual(item),
+        **formed_series(item),
     }
     return view, _sources(red, tokens)
 

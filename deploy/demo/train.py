@@ -43,7 +43,7 @@ from probewire.instrument import (ControlListener, KafkaTransport, ProbeConfig, 
 
 from .data import SOURCES, load_corpus
 from .faults import FaultError, parse_fault
-from .model import IGNORE, PRESETS, TinyConfig, TinyLM, save_checkpoint
+from .model import IGNORE, PRESETS, TinyConfig, TinyLM, mtp_targets, save_checkpoint
 
 __all__ = ["main"]
 
@@ -171,12 +171,20 @@ def main(argv: list[str] | None = None) -> None:
                     s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE,
                                   source=batch.source)
                     with nullcontext() if last else model.no_sync():
-                        logits = model(batch.tokens, batch.media, batch.media_mask).float()
-                        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                        logits, mtp = model(batch.tokens, batch.media, batch.media_mask,
+                                            return_mtp=True)
+                        losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                  batch.targets.reshape(-1), ignore_index=IGNORE,
                                                  reduction="none").view_as(batch.targets)
                         s.loss(losses)
-                        (losses.sum() / max(n_valid, 1)).backward()
+                        # MTP heads (preset full) train on the targets k places ahead; the
+                        # monitored loss stays the main head's
+                        objective = losses.sum() + sum(
+                            F.cross_entropy(z.float().reshape(-1, z.shape[-1]),
+                                            mtp_targets(batch.targets, k).reshape(-1),
+                                            ignore_index=IGNORE, reduction="sum")
+                            for k, z in enumerate(mtp, 1))
+                        (objective / max(n_valid, 1)).backward()
                     loss_sum += losses.detach().double().sum()
                 # spike guard: replay a suspicious step on the same batches (no update) and
                 # check that it reproduces the loss; a replay that does not points at hardware

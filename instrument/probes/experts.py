@@ -1,5 +1,6 @@
-"""Expert probes (seeds 001 §7, 002 moe/*): valid tokens per expert on every step; the
-router's selection bias and the top-k margin distribution on demand.
+"""Expert probes (seeds 001 §7, 002 moe/*): valid tokens per expert on every step; Σ|b| of
+the router's selection bias on scan steps; the bias values and the top-k margin
+distribution on demand.
 
 Device side: per-expert counts of the router's chosen ids over valid tokens (a token counts
 once per chosen expert; padding adds nothing), the gap s_(k) − s_(k+1) per token, Σ|b|.
@@ -28,9 +29,9 @@ __all__ = ["decode_experts", "decode_margin", "decode_router_bias", "expert_bias
            "expert_token_counts", "finish_margins", "router_hook", "topk_margin"]
 
 COUNTS_TIER = tier_of(Moe.EXPERT_TOKENS)
-ROUTING_TIER = tier_of(Moe.ROUTER_BIAS, Moe.BIAS_ABS_SUM, Moe.MARGIN_TOKENS, Moe.MARGIN_SUM,
-                       Moe.MARGIN_P90, Moe.MARGIN_P99, Moe.MARGIN_MAX, Moe.MARGIN_P10,
-                       Moe.MARGIN_MIN)
+ROUTING_TIER = tier_of(Moe.ROUTER_BIAS, Moe.MARGIN_TOKENS, Moe.MARGIN_SUM, Moe.MARGIN_P90,
+                       Moe.MARGIN_P99, Moe.MARGIN_MAX, Moe.MARGIN_P10, Moe.MARGIN_MIN)
+BIAS_SUM_TIER = tier_of(Moe.BIAS_ABS_SUM)
 Parts = list[tuple[np.ndarray, Any]]
 
 
@@ -89,6 +90,8 @@ def decode_experts(parts: Parts) -> list[Point]:
 
 
 def decode_router_bias(parts: Parts) -> list[Point]:
+    """moe.expert_bias_abs_sum{layer} (P1, scan steps) and, on demand steps, the bias values
+    moe.router_bias{layer, expert} before it in the part."""
     out = []
     for values, layer in parts:
         bias, total = values[:-1].tolist(), float(values[-1])
@@ -135,7 +138,8 @@ def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> C
     """Expert counts of one MoE layer per micro-batch; on demand its margins and bias."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not (state.due[COUNTS_TIER] or state.due[ROUTING_TIER]) or recomputing():
+        if not (state.due[COUNTS_TIER] or state.due[ROUTING_TIER]
+                or state.due[BIAS_SUM_TIER]) or recomputing():
             return None
         ids, scores = _router_output(output, router)
         if ids is None and scores is None:
@@ -152,12 +156,14 @@ def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> C
             margin = topk_margin(scores, ids.shape[-1])
             ctx.margins.setdefault(router.layer, []).append(
                 (torch.stack([margin, -margin], dim=-1), valid))
-            if router.bias is not None and id(module) not in ctx.once:
-                ctx.once.add(id(module))
-                bias = router.bias.detach().to(F64)
-                state.collector.add("structure.router_bias",
-                                    [bias, expert_bias_abs_sum(bias).reshape(1)],
-                                    decode_router_bias, router.layer)
+        if router.bias is not None and id(module) not in ctx.once and (
+                state.due[BIAS_SUM_TIER] or state.due[ROUTING_TIER]):
+            ctx.once.add(id(module))
+            bias = router.bias.detach().to(F64)
+            total = expert_bias_abs_sum(bias).reshape(1)
+            state.collector.add("structure.router_bias",
+                                [bias, total] if state.due[ROUTING_TIER] else [total],
+                                decode_router_bias, router.layer)
         return None
 
     return hook

@@ -14,7 +14,8 @@ INSTRUMENT = Path(__file__).resolve().parents[3] / "instrument"
 # (probe homes may import the shared helpers in probes/ and each other, without a cycle)
 LAYERS = {
     "catalog": 0, "scan": 0, "control": 0, "structure_config": 0,
-    "wire": 1, "config": 1, "batchscan": 1,
+    "wire": 1, "config": 1, "batchscan": 1, "series": 1,
+    "seed_map": 2,
     "collect": 2, "parallel": 2, "export": 2, "testing": 2,
     "state": 3, "registry": 3, "lifecycle": 3,
     "discover": 4,

@@ -266,6 +266,19 @@ def test_topk_margin_and_router_bias(measured):
         assert value(rec, "moe.expert_bias_abs_sum", layer=layer) == float(bias.abs().sum())
 
 
+def test_the_expert_bias_sum_is_p1_on_scan_steps_without_the_p2_bias_values():
+    """002 moe/ep_bias_abs_sum is P1: sent on a scan step with forensics off; the per-expert
+    bias values and margins (P2) are not."""
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    with torch.no_grad():
+        model.blocks[0].mlp.router.expert_bias.copy_(torch.tensor([0.0, 0.5, -0.25, 1.0]))
+    [rec] = run(model, [make_batch(6)], config=ProbeConfig(
+        cadence={"step": 1, "scan": 1, "demand": 0}, telemetry=False, comm=False))
+    assert value(rec, "moe.expert_bias_abs_sum", layer=0) == 1.75
+    assert not names(rec, "moe.router_bias") and not names(rec, "moe.topk_margin")
+
+
 def test_topk_margin_matches_numpy_on_forced_scores():
     torch.manual_seed(0)
     model = TinyLM(CFG)

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from probewire.sinks import TABLE_COLUMNS, TABLES, VIEWS, ClickHouseSink
+from probewire.sinks.schema import (_STEP_METRICS_V2, _STEP_METRICS_V3, _STEP_METRICS_V4,
+                                    GRAD_GROUP_STATS)
 from probewire.stream import derive
 from probewire.deploy.demo.simulate import simulated_run
 
@@ -39,22 +41,21 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 3
+    assert sink.migrate() == 4
     assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations "
-                            "ORDER BY version") == [(1,), (2,), (3,)]
+                            "ORDER BY version") == [(1,), (2,), (3,), (4,)]
 
 
 def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
                                                                     ch_database) -> None:
-    """A store migrated before version 2 (step_metrics without the structure columns and
-    the learning rates of version 3) gets them, in the declared order, and keeps its rows."""
+    """A store migrated before version 2 (step_metrics without the structure columns, the
+    learning rates of version 3 and the formed series of version 4, no grad_group_stats)
+    gets them, in the declared order, and keeps its rows."""
     db = ch_database + "_v1"
     table = next(t for t in TABLES if t.name == "step_metrics")
-    v2 = {"media_scale", "residual_ratio_min", "residual_ratio_branch",
-          "residual_stream_norm", "residual_branch_norm", "straggler_own_ratio",
-          "lr", "lr_groups"}
+    later = {c.name for c in (*_STEP_METRICS_V2, *_STEP_METRICS_V3, *_STEP_METRICS_V4)}
     old = dataclasses.replace(table, columns=tuple(c for c in table.columns
-                                                   if c.name not in v2))
+                                                   if c.name not in later))
     ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
     ch_client.command(f"CREATE TABLE {db}.schema_migrations (version UInt32, description "
                       "String, applied_at DateTime64(3) DEFAULT now64(3)) "
@@ -62,15 +63,19 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
     ch_client.command(f"INSERT INTO {db}.schema_migrations (version, description) "
                       "VALUES (1, 'v1')")
     for t in TABLES:
-        ch_client.command((old if t is table else t).ddl(db))
+        if t is not GRAD_GROUP_STATS:
+            ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) "
                       "VALUES ('r', 7, 10, 2.5)")
-    assert ClickHouseSink(ch_client, db).migrate() == 3
+    assert ClickHouseSink(ch_client, db).migrate() == 4
     got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
                            "AND table = 'step_metrics' ORDER BY position")
     assert got == [(c.name, c.type) for c in table.columns]
-    assert _rows(ch_client, f"SELECT step, loss, media_scale FROM {db}.step_metrics") == [
-        (7, 2.5, None)]
+    assert _rows(ch_client, f"SELECT step, loss, media_scale, grad_abs_mean FROM "
+                           f"{db}.step_metrics") == [(7, 2.5, None, None)]
+    assert _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
+                           "AND table = 'grad_group_stats' ORDER BY position") == [
+        (c.name, c.type) for c in GRAD_GROUP_STATS.columns]
 
 
 def test_sensitive_artifacts_exist_only_when_opted_in_with_their_ttl(ch_client, sink) -> None:
@@ -116,12 +121,17 @@ def test_tensor_view_matches_the_reference_formulas(ch_client, sink) -> None:
     constant = row | {"tensor": "constant", "n": 1000.0, "sum": float(c.sum()),
                       "sum_sq": float((c**2).sum()), "sum3": float((c**3).sum()),
                       "sum4": float((c**4).sum())}
+    # 25 non-finite elements more: counted in n, left out of the power sums (as the scan)
+    nonfinite = row | {"tensor": "nonfinite", "n": float(x.size + 25), "nonfinite": 25.0}
     sink.write("tensor_stats", [row, row | {"tensor": "no_moments", "sum3": None, "sum4": None},
-                                constant])
+                                constant, nonfinite])
     got = _rows(ch_client, f"SELECT tensor, rms, abs_mean, zero_frac, excess_kurtosis, mean "
                            f"FROM {sink.database}.tensor_view ORDER BY tensor")
-    (_, _, _, _, flat, _), (name, rms, abs_mean, zero_frac, kurt, mean), (_, _, _, _, none, _) \
-        = got
+    (_, _, _, _, flat, _), (name, rms, abs_mean, zero_frac, kurt, mean), \
+        (_, _, _, _, none, _), (_, rms_nf, abs_mean_nf, zero_frac_nf, kurt_nf, mean_nf) = got
+    assert (rms_nf, abs_mean_nf, mean_nf) == pytest.approx(
+        (math.sqrt(np.mean(x**2)), np.mean(np.abs(x)), np.mean(x)), rel=1e-12)
+    assert zero_frac_nf == pytest.approx(40 / (5000 + 25))  # Z_x = zeros / N (all elements)
     assert name == "layers.0.mlp" and none is None and flat is None
     assert rms == pytest.approx(math.sqrt(np.mean(x**2)), rel=1e-12)
     assert abs_mean == pytest.approx(np.mean(np.abs(x)), rel=1e-12)
@@ -130,6 +140,7 @@ def test_tensor_view_matches_the_reference_formulas(ch_client, sink) -> None:
     centered = x - x.mean()
     reference = np.mean(centered**4) / np.mean(centered**2) ** 2 - 3
     assert kurt == pytest.approx(reference, rel=1e-6)
+    assert kurt_nf == pytest.approx(reference, rel=1e-6)
 
 
 def test_expert_balance_view_matches_derive(ch_client, sink) -> None:

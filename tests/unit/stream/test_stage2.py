@@ -221,3 +221,35 @@ def test_a_huge_step_jump_allocates_nothing_proportional_to_it():
     state = json.loads(json.dumps(run.to_state()))
     assert RunPipeline.from_state("run", small_config(), state, now=0.0).skipped.to_state() \
         == [[1, 2 ** 62 - 1]]
+
+
+def test_guard_counters_are_cumulative_across_a_restart_with_the_step_flags_kept():
+    """Seeds 001 §4: skip and replay counters stored cumulative (the catalog and the schema
+    say so), each step's own events kept beside them; the counts survive a restart."""
+    events = {3: ("guard.skipped",), 5: ("guard.replayed", "guard.replay_mismatch"),
+              8: ("guard.skipped", "guard.replayed")}
+
+    def step_item(step):
+        item = records(step, [(10.0, 5.0), (11.0, 5.0)])
+        for name in events.get(step, ()):
+            item.reduced[series_key(name)] = 1.0
+        return item
+
+    run = RunPipeline("run", small_config())
+    rows, anomalies = [], []
+    for step in range(10):
+        if step == 6:
+            run = RunPipeline.from_state("run", small_config(),
+                                         json.loads(json.dumps(run.to_state())), now=6.0)
+        out = run.accept(step_item(step), now=float(step))
+        rows += out.rows["step_metrics"]
+        anomalies += out.rows["anomalies"]
+    # the mismatch pages at its own step only, not on every step after it
+    assert [a["step"] for a in anomalies if a["signal"] == "replay_mismatch"] == [5]
+    by_step = {row["step"]: row for row in rows}
+    flags = {"skipped": "guard.skipped", "replayed": "guard.replayed",
+             "replay_mismatch": "guard.replay_mismatch"}
+    for column, name in flags.items():
+        per_step = [int(name in events.get(s, ())) for s in range(10)]
+        assert [by_step[s][f"{column}_step"] for s in range(10)] == per_step
+        assert [by_step[s][column] for s in range(10)] == list(np.cumsum(per_step))
