@@ -2,7 +2,7 @@
 
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
-    probewire worker                                        the stream worker (Faust)
+    probewire worker [--role all|stage1]                    the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
     probewire report --run ID [--out DIR]                   first screen as HTML + PNG
     probewire explain --run ID --step N                     what moved first at a step, and who
@@ -27,6 +27,7 @@ from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
 from probewire.deploy.settings import Settings, SettingsError, load_settings, split_credentials
+from probewire.stream.config import ROLES
 
 __all__ = ["main"]
 
@@ -151,7 +152,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from probewire.stream.app import create_app
     from probewire.stream.publish import broker_message_limit, check_message_limit
 
-    settings = load_settings(args.config)
+    settings = load_settings(args.config, overrides={"stream": {"role": args.role}}
+                             if args.role else None)
     topics = settings.topics
     check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
         settings.kafka.client_config(), [topics.steps, topics.deadletter]))
@@ -312,6 +314,10 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
+    worker.add_argument("--role", choices=ROLES,
+                        help="all: stage 1, stage 2 and the store (the default, or "
+                             "stream.role); stage1: stage 1 only, no store (more workers "
+                             "beside the one that owns an embedded store)")
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")
