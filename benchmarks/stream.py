@@ -1,6 +1,7 @@
 """Stream worker throughput and alert latency, on the local broker and embedded store.
 
     python benchmarks/stream.py [--ranks 8] [--steps 600] [--alerts 20] [--stages]
+    python benchmarks/stream.py --workers 2 --runs 4 [--steps 600]
 
 1. Throughput: 8 simulated ranks x N steps, ~50 points per message (loss, gradient and
    per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
@@ -12,6 +13,12 @@
    on the same messages: stage 1 (decode + reduce), then stage 2 + store writes + promotion
    + saved state with the stage-2 batch at 40 and at 200 steps, side by side; each line
    prints points/s, so the cost of small store batches shows as a ratio.
+4. ``--workers N --runs R`` (instead of 1 and 2): scale-out. R runs of ``--steps`` steps,
+   first on 1 worker, then on N workers (the store owner plus N-1 ``--role stage1``
+   workers, one consumer group), each on a fresh broker and store. The workers are started
+   and warmed up (a short run stored) first; then every message is produced at once and
+   the time runs from the first message produced to the last step stored. Prints the two
+   rates and ``scale X`` (N-worker / 1-worker throughput).
 The configuration is printed first so a result can be reproduced.
 """
 
@@ -83,6 +90,42 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
     elapsed = time.perf_counter() - started
     print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
           f"{elapsed:.2f}s from the worker's start of consumption to the last stored step")
+    return points / elapsed
+
+
+def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int,
+               workers: int) -> float:
+    """points/s of ``runs`` runs through ``workers`` workers (see the module docstring)."""
+    sims = [SimRun(run_id=f"scale{i}-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=steps,
+                   seed=i) for i in range(runs)]
+    encoded = [encode_run(sim, range(steps)) for sim in sims]
+    points = sum(n for _, n in encoded)
+    warm = SimRun(run_id=f"warm-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=20)
+    with LocalStack(settings, work) as stack:
+        stack.start_broker()
+        stack.start_worker()
+        stack.start_stage1_workers(workers - 1)
+        producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 20,
+                             "log.connection.close": False})  # the broker stops first
+        for step_messages in encode_run(warm, range(warm.steps))[0]:
+            for key, value in step_messages:
+                producer.produce("otlp_metrics", key=key, value=value)
+        producer.flush(60)
+        while stack.progress(warm.run_id) < warm.steps:
+            time.sleep(0.05)
+        started = time.perf_counter()
+        for step in range(steps):  # runs interleaved, as concurrent runs arrive
+            for messages, _ in encoded:
+                for key, value in messages[step]:
+                    producer.produce("otlp_metrics", key=key, value=value)
+                    producer.poll(0)
+        producer.flush(60)
+        while min(stack.progress(sim.run_id) for sim in sims) < steps:
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - started
+    print(f"  {workers} worker(s): {runs} runs x {ranks} ranks x {steps} steps, {points} "
+          f"points in {elapsed:.2f}s from the first message produced to the last step stored: "
+          f"{points / elapsed:.0f} points/s")
     return points / elapsed
 
 
@@ -175,7 +218,28 @@ def main() -> None:
     parser.add_argument("--alerts", type=int, default=20)
     parser.add_argument("--stages", action="store_true",
                         help="per-stage rates in this process instead of the worker runs")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="N > 1: measure 1 worker, then N (one owner + N-1 stage1), "
+                             "and print scale X")
+    parser.add_argument("--runs", type=int, default=4, help="concurrent runs with --workers")
     args = parser.parse_args()
+    if args.workers < 1 or args.runs < 1:
+        parser.error("--workers and --runs must be >= 1")
+    if args.workers > 1:
+        print(f"config: ranks={args.ranks} steps={args.steps} runs={args.runs} "
+              f"workers=1 then {args.workers} (1 owner + {args.workers - 1} stage1) "
+              f"partitions={Settings().topics.partitions} broker=tansu(memory) store=chdb")
+        rates = {}
+        with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
+            for n in (1, args.workers):
+                settings = Settings(
+                    clickhouse=ClickHouseSettings(
+                        url="chdb:///" + str(Path(tmp, f"store{n}")).lstrip("/")),
+                    stream=StreamSettings(app_id=f"bench-{uuid.uuid4().hex[:6]}"))
+                rates[n] = scale_rate(settings, Path(tmp, f"run{n}"), args.ranks, args.steps,
+                                      args.runs, n)
+        print(f"scale {rates[args.workers] / rates[1]:.2f}")
+        return
     if args.stages:
         print(f"config: ranks={args.ranks} steps={args.steps} stages in one process, chdb")
         with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:

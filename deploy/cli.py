@@ -4,7 +4,7 @@
     probewire up [--store DIR] [--evaluator]                the local stack for your own run
     probewire run [--store DIR] -- CMD ...                  your command inside the stack
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
-    probewire worker                                        the stream worker (Faust)
+    probewire worker [--role all|stage1]                    the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
     probewire report --run ID [--out DIR]                   first screen as HTML + PNG
     probewire explain --run ID --step N                     what moved first at a step, and who
@@ -30,6 +30,7 @@ from rich.table import Table
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
+from probewire.stream.config import ROLES
 
 __all__ = ["main"]
 
@@ -217,7 +218,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from probewire.stream.app import create_app
     from probewire.stream.publish import broker_message_limit, check_message_limit
 
-    settings = load_settings(args.config)
+    settings = load_settings(args.config, overrides={"stream": {"role": args.role}}
+                             if args.role else None)
     topics = settings.topics
     check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
         settings.kafka.client_config(), [topics.steps, topics.deadletter]))
@@ -408,6 +410,10 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--sql-port", type=int, default=0,
                         help="loopback port of the read-only SQL endpoint of an embedded store "
                              "(0: a free port, -1: off)")
+    worker.add_argument("--role", choices=ROLES,
+                        help="all: stage 1, stage 2 and the store (the default, or "
+                             "stream.role); stage1: stage 1 only, no store (more workers "
+                             "beside the one that owns an embedded store)")
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")

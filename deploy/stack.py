@@ -145,6 +145,7 @@ class LocalStack:
     broker: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
     evaluator: subprocess.Popen | None = None
+    stage1_workers: list[subprocess.Popen] = field(default_factory=list)
     bootstrap: str = ""
     sql_port: int = 0             # the worker's read-only SQL endpoint (embedded store)
     logs: list[IO] = field(default_factory=list)
@@ -247,8 +248,9 @@ class LocalStack:
         return f"http://127.0.0.1:{self.sql_port}" if embedded and self.sql_port else ""
 
     def start_worker(self, timeout_s: float = 90.0, sql_port: int = 0) -> None:
-        """The stream worker; it serves read-only SQL on 127.0.0.1:``sql_port`` (0: a free
-        port) while it owns an embedded store."""
+        """The worker that owns the store (stage 1, stage 2 and the store); it serves
+        read-only SQL on 127.0.0.1:``sql_port`` (0: a free port) while it owns an embedded
+        store."""
         env = self._child_env(self.heartbeat_path)
         self.heartbeat_path.unlink(missing_ok=True)
         self.sql_port = sql_port or free_port()
@@ -256,6 +258,22 @@ class LocalStack:
                              "--sql-port", str(self.sql_port)], self._log("worker"), env)
         self.record("worker", self.worker, self.sql_port)
         self._wait_ready(self.worker, self.heartbeat_path, "worker", timeout_s)
+
+    def start_stage1_workers(self, n: int, timeout_s: float = 90.0) -> None:
+        """``n`` more workers with ``--role stage1`` in the same consumer group (started
+        together, then each waited for): they share ``otlp_metrics`` with the store owner."""
+        started = []
+        for _ in range(n):
+            name = f"worker-stage1-{len(self.stage1_workers)}"
+            heartbeat = self.work_dir / f"{name}.heartbeat"
+            heartbeat.unlink(missing_ok=True)
+            proc = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker", "--role",
+                          "stage1"], self._log(name), self._child_env(heartbeat))
+            self.stage1_workers.append(proc)
+            self.record(name, proc)
+            started.append((proc, heartbeat, name))
+        for proc, heartbeat, name in started:
+            self._wait_ready(proc, heartbeat, name, timeout_s)
 
     def progress(self, run_id: str, key: str = "steps_written") -> int:
         """Steps (or ``evals_written``) of ``run_id`` the worker has durably written."""
@@ -271,6 +289,8 @@ class LocalStack:
     def stop(self) -> None:
         """Services first (the worker flushes), then the broker. Safe to call twice."""
         stop_process(self.evaluator, signal.SIGTERM, 30.0)
+        for proc in self.stage1_workers:
+            stop_process(proc, signal.SIGTERM, 30.0)
         stop_process(self.worker, signal.SIGTERM, 30.0)
         stop_process(self.broker, signal.SIGTERM, 10.0)
         for handle in self.logs:

@@ -90,6 +90,21 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
             async for event in stream.noack().events():
                 await worker.on_rank_message(event)
 
+    @app.timer(interval=1.0)
+    async def tick() -> None:
+        await worker.tick()
+
+    @app.service
+    class Shutdown(faust.Service):
+        async def on_stop(self) -> None:
+            worker.close()
+
+    if config.role == "stage1":
+        # Stage 1 only: this process subscribes to ``otlp_metrics`` alone, so Faust's
+        # assignor splits that topic's partitions over every worker of the group and gives
+        # the other topics to the workers that subscribe to them (the store owner).
+        return app
+
     @app.agent(app.topic(topics.steps))
     async def per_run(stream):
         async with worker.agent("per_run"):
@@ -123,15 +138,6 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     async def flush_old() -> None:
         """Write a batch that has waited ``stream.batch.within_s`` with no step after it."""
         await worker.flush_if_due()
-
-    @app.timer(interval=1.0)
-    async def tick() -> None:
-        await worker.tick()
-
-    @app.service
-    class Shutdown(faust.Service):
-        async def on_stop(self) -> None:
-            worker.close()
 
     return app
 

@@ -12,7 +12,12 @@ from .health import HealthConfig
 from .stage2 import Stage2Config
 from .validate import Bounds
 
-__all__ = ["BatchConfig", "Bounds", "HealthConfig", "Stage2Config", "StreamConfig"]
+__all__ = ["BatchConfig", "Bounds", "HealthConfig", "ROLES", "Stage2Config", "StreamConfig"]
+
+# What a worker process runs. ``all``: stage 1, stage 2, the store, dead letters and
+# evaluations. ``stage1``: stage 1 only (decode, reduce, publish reduced steps), no store;
+# it joins the same consumer group and takes a share of the ``otlp_metrics`` partitions.
+ROLES = ("all", "stage1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,6 +25,7 @@ class StreamConfig:
     """The Faust worker: step completion, per-run processing, store batches, bounds, health."""
 
     app_id: str = "probewire"
+    role: str = "all"                 # one of ROLES; see docs/deployment.md
     deadline_s: float = 30.0          # stage 1 reduces what arrived after this long
     max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
     alert_webhook_url: str = ""
@@ -32,6 +38,7 @@ class StreamConfig:
 
     def __post_init__(self) -> None:
         check(bool(self.app_id.strip()), "app_id", "must not be empty")
+        check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
         check(self.deadline_s > 0, "deadline_s", "must be > 0")
         check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")
         check(10_000 <= self.max_message_bytes <= 100_000_000, "max_message_bytes",

@@ -75,10 +75,13 @@ class Worker:
     # -- start, agents, heartbeat -----------------------------------------------------------
     async def open(self) -> None:
         """Start the publisher; open the store (``open_store`` migrates it; retried while
-        unavailable); then ready."""
+        unavailable; a ``stage1`` worker has none); then ready."""
         self.publisher = self.make_publisher()
         self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
         self.publishing.set()
+        if self.config.role == "stage1":
+            self.write_heartbeat("ready")
+            return
         self.progress.waiting("store", 1, time.monotonic())  # unhealthy after stall_s
         while self.sink is None:
             try:

@@ -42,6 +42,7 @@ def test_each_default_is_written_once_in_its_component():
     ({"PROBEWIRE_KAFKA__SECURITY_PROTOCOL": "SASL_SSL"}, "kafka.sasl_mechanism"),
     ({"PROBEWIRE_EVALUATOR__EVERY_FRACTION": "0.1"}, "evaluator.every_fraction"),
     ({"PROBEWIRE_STREAM__NOPE": "1"}, "stream.nope"),
+    ({"PROBEWIRE_STREAM__ROLE": "stage2"}, "stream.role"),
     ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_RATIO": "1.0"},
      "stream.stage2.detectors.straggler_ratio"),
     ({"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "0"},
@@ -50,6 +51,12 @@ def test_each_default_is_written_once_in_its_component():
 def test_bad_values_name_the_field(env, field):
     with pytest.raises(SettingsError, match=field.replace(".", r"\.")):
         load_settings(env=env)
+
+
+def test_worker_role_from_env_and_from_overrides():
+    assert load_settings(env={}).stream.role == "all"
+    assert load_settings(env={"PROBEWIRE_STREAM__ROLE": "stage1"}).stream.role == "stage1"
+    assert load_settings(env={}, overrides={"stream": {"role": "stage1"}}).stream.role == "stage1"
 
 
 def test_missing_config_file_is_a_settings_error(tmp_path):
