@@ -17,6 +17,9 @@ Nothing a run does makes this module raise or drop a step:
   detectors, whose windows hold the run's steps in order: its row carries the P0 view but
   no detector fields. It counts in the run's cumulative tokens and FLOPs from then on.
   A re-delivered step (at or below the newest, and not skipped) is dropped.
+- a step whose components break the rules of ``derive`` (which stage 1's bounds rule
+  out; only another writer of the steps topic could send one) is refused before any state
+  moves: ``Stage2Output.refused`` names it and the reason, and the worker dead-letters it.
 """
 
 from __future__ import annotations
@@ -77,17 +80,20 @@ class Stage2Config:
 
 @dataclass(slots=True)
 class Stage2Output:
-    """Rows by table (detail goes to the ``*_recent`` tables), steps to promote, controls."""
+    """Rows by table (detail goes to the ``*_recent`` tables), steps to promote, controls,
+    and the steps refused with their reason (to dead-letter)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     promote: list[int] = field(default_factory=list)
     controls: list[dict[str, Any]] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
 
     def extend(self, other: "Stage2Output") -> None:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
         self.promote += other.promote
         self.controls += other.controls
+        self.refused += other.refused
 
 
 def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
@@ -172,17 +178,24 @@ class RunPipeline:
         for item in items:
             if item.step <= self.last_step and item.step not in self.skipped:
                 continue  # re-delivery: already counted
+            try:
+                view = p0_view(item)
+            except ValueError as exc:  # malformed components: refused, no state moved
+                out.refused.append((item.step, f"step {item.step} of run {self.run_id!r} "
+                                               f"refused by stage 2: {exc}"))
+                continue
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
             self.skipped.add(self.last_step + 1, item.step - 1)
-            out.extend(self._step(item, after_gap))
+            out.extend(self._step(item, view, after_gap))
         if items:
             out.rows["runs"].append(self._run_row("running"))
         return out
 
-    def _step(self, item: ReducedStep, after_gap: bool) -> Stage2Output:
+    def _step(self, item: ReducedStep, p0: tuple[dict[str, Any], dict[str, Any]],
+              after_gap: bool) -> Stage2Output:
         out = Stage2Output()
-        view, sources = p0_view(item)
+        view, sources = p0
         self.world_size = max(self.world_size, item.world_size)
         self.first_step = item.step if self.first_step is None else self.first_step
         self.tokens += view["step_tokens"]

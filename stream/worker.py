@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -129,7 +130,7 @@ class Worker:
         if self.sink is not None:
             for run_id, run in list(self.runs.items()):
                 out = run.expire(now)
-                if out.rows or out.promote or out.controls:
+                if out.rows or out.promote or out.controls or out.refused:
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
         await self.flush_if_due()
@@ -251,7 +252,11 @@ class Worker:
         return self.runs[run_id]
 
     async def send_alerts(self, run_id: str, out: Stage2Output) -> None:
-        """Alerts and control messages leave at once (a restart may repeat one, never lose)."""
+        """Alerts and control messages leave at once (a restart may repeat one, never lose);
+        steps stage 2 refused become dead letters."""
+        for _, reason in out.refused:
+            await self._send_dead_letter(run_id.encode(), {
+                "reason": reason, **_origin("stage2", reason.encode()), "payload_b64": ""})
         alerts = out.rows.get("alerts", [])
         try:
             for alert in alerts:
@@ -313,9 +318,10 @@ class Worker:
 
     async def dead_letter_row(self, run_id: str, row: Any, reason: str) -> None:
         text = json.dumps(row, default=str).encode()
+        reason = f"store refused a row: {reason}"
         await self._send_dead_letter(run_id.encode(), {
-            "reason": f"store refused a row: {reason}", "topic": "store", "partition": 0,
-            "offset": 0, "payload_b64": base64.b64encode(text).decode()})
+            "reason": reason, **_origin("store", run_id.encode() + text),
+            "payload_b64": base64.b64encode(text).decode()})
 
     async def _send_dead_letter(self, key: bytes | None, body: dict[str, Any]) -> None:
         self.progress.dead_letter()
@@ -345,6 +351,14 @@ class Worker:
         if left:
             log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)
         self._writer.shutdown(wait=True)
+
+
+def _origin(what: str, content: bytes) -> dict[str, Any]:
+    """Where a dead letter that no input message carries comes from: ``what`` as its topic
+    and a hash of its content as its offset, so two letters never share the store's key
+    (topic, partition, offset) and the same letter sent twice is stored once."""
+    digest = hashlib.blake2b(content, digest_size=8).digest()
+    return {"topic": what, "partition": 0, "offset": int.from_bytes(digest, "big")}
 
 
 def dead_letter_row(payload: bytes) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, sto
 from probewire.instrument.catalog import Grad, Label, Loss, Moe, System, Tensor
 from probewire.instrument.wire import RANK_ATTR, Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.health import HealthConfig
+from probewire.stream.records import ReducedStep
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.stream.testing import SimRun
@@ -73,10 +74,10 @@ def encode(run: SimRun, step: int, extra=(), identity=None,
     return out
 
 
-def produce(bootstrap: str, messages) -> None:
+def produce(bootstrap: str, messages, topic: str = "otlp_metrics") -> None:
     producer = Producer({"bootstrap.servers": bootstrap})
     for key, value in messages:
-        producer.produce("otlp_metrics", key=key, value=value)
+        producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
 
 
@@ -202,16 +203,25 @@ def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
     good[24:25] = encode(run, 6, sources, ranks=one)
     produce(kafka_bootstrap, good[:20] + [m for p in poison for m in p] + good[20:])
     wait_for(s, run.run_id, 12)
-    wait_stored(s, "dead_letters", 1 + sum(map(len, poison)))
+    # stage 2's own input, written by someone other than stage 1: garbage, and a reduced
+    # step with a loss sum on a rank that has no token (derive's rules refuse it)
+    bad = [ReducedStep(run_id=run.run_id, step=step, world_size=2, ranks_reporting=[0, 1],
+                       ranks_missing=[], reduced={(Loss.SUM, ()): 5.0, (Loss.TOKENS, ()): 1.0},
+                       per_rank={0: {(Loss.SUM, ()): 3.0, (Loss.TOKENS, ()): 1.0},
+                                 1: {(Loss.SUM, ()): 2.0, (Loss.TOKENS, ()): 0.0}})
+           for step in (12, 13)]  # two letters with no input offset: both kept
+    produce(kafka_bootstrap, [(run.run_id.encode(), b"garbage")] + [
+        (run.run_id.encode(), b.to_bytes()) for b in bad], topic="probewire.steps")
+    wait_stored(s, "dead_letters", 4 + sum(map(len, poison)))
     s.stop()
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(12)))
     letters = read_store(store, "SELECT reason FROM probewire.dead_letters FINAL")
-    assert len(letters) == 1 + sum(map(len, poison)), letters
+    assert len(letters) == 4 + sum(map(len, poison)), letters
     reasons = " | ".join(sorted(r["reason"] for r in letters))
     for expected in ("label expert", "step 4611686018427387904", "world size 5000000",
                      "disagrees", "not an OTLP", "empty payload", "must be an integer",
-                     "label source"):
+                     "label source", "not a reduced step", "step 12 of run", "step 13 of run"):
         assert expected in reasons, reasons
     kept = read_store(store, "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
                              f"WHERE run_id = '{run.run_id}' GROUP BY step")

@@ -253,3 +253,22 @@ def test_guard_counters_are_cumulative_across_a_restart_with_the_step_flags_kept
         per_step = [int(name in events.get(s, ())) for s in range(10)]
         assert [by_step[s][f"{column}_step"] for s in range(10)] == per_step
         assert [by_step[s][column] for s in range(10)] == list(np.cumsum(per_step))
+
+
+def test_a_step_whose_components_break_the_rules_is_refused_before_any_state_moves():
+    """A loss sum on a rank with no token (stage 1's bounds refuse it; another writer of
+    the steps topic might not) is refused with the reason; the run goes on unchanged but
+    for the orderer, which has handed the step over (and now waits for the next)."""
+    def state(run: RunPipeline) -> str:
+        return json.dumps({k: v for k, v in run.to_state().items() if k != "orderer"},
+                          sort_keys=True, default=str)
+    run = RunPipeline("run", small_config())
+    run.accept(records(0, [(3.0, 1.0), (2.0, 1.0)]), 0.0)
+    before = state(run)
+    out = run.accept(records(1, [(3.0, 1.0), (2.0, 0.0)]), 0.1)
+    [(step, reason)] = out.refused
+    assert step == 1 and "refused by stage 2" in reason and "token_counts" in reason
+    assert not out.rows.get("step_metrics") and run.last_step == 0
+    assert state(run) == before
+    out = run.accept(records(2, [(3.0, 1.0), (2.0, 1.0)]), 0.2)
+    assert [r["step"] for r in out.rows["step_metrics"]] == [2] and run.last_step == 2
