@@ -4,7 +4,7 @@
     probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
     probewire worker                                        the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
-    probewire report --run ID [--out DIR]                   first screen as HTML + PNG
+    probewire report --run A [--run B ...] [--out DIR]      interactive HTML + PNG per run
     probewire explain --run ID --step N                     what moved first at a step, and who
     probewire health --component worker|evaluator          exit 0 when fresh and progressing
 
@@ -211,13 +211,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     try:
-        html_path, png_path = write_report(_open_store(settings), settings.clickhouse.database,
-                                           args.run, Path(args.out))
-    except RunNotFound as exc:
+        html_path, png_paths = write_report(_open_store(settings),
+                                            settings.clickhouse.database, args.run,
+                                            Path(args.out))
+    except (RunNotFound, ValueError) as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
         raise UserError(f"query failed: {str(exc).strip().splitlines()[0]}") from None
-    print(f"wrote {html_path} and {png_path}")
+    print(f"wrote {html_path} and {', '.join(str(p) for p in png_paths)}")
     return 0
 
 
@@ -334,8 +335,10 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age-s", type=float, default=60.0)
     health.set_defaults(func=cmd_health)
 
-    report = sub.add_parser("report", help="write the first screen of a run as HTML and PNG")
-    report.add_argument("--run", required=True, help="run id")
+    report = sub.add_parser("report", help="write runs as one interactive HTML page (runs "
+                                           "overlaid) and a PNG first screen per run")
+    report.add_argument("--run", required=True, action="append",
+                        help="run id (repeat to compare runs on one axis)")
     report.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     report.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     report.add_argument("--out", default="probewire-report", help="output directory")
