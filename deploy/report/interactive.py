@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from probewire.deploy.report.load import FirstScreenData, source_shares
+from probewire.stream.messages import describe_value
 
 __all__ = ["AXES", "CHARTS", "Chart", "build_figures", "render_html"]
 
@@ -238,6 +239,12 @@ def _config_rows(runs: list[FirstScreenData]) -> list[dict[str, Any]]:
     return rows
 
 
+def _with_units(row: dict[str, Any]) -> dict[str, Any]:
+    """An anomaly row whose value and baseline carry their unit (a gap: its ratio to L)."""
+    return {**row, **{k: describe_value(row["signal"], row["kind"], row[k])
+                      for k in ("value", "baseline")}}
+
+
 def _facts(data: FirstScreenData) -> str:
     steps, tokens = data.steps["step"], data.steps["tokens"]
     run = data.run or {}
@@ -316,7 +323,7 @@ def render_html(runs: list[FirstScreenData], figures: list[go.Figure] | None = N
                                            "value", "baseline", "z", "ranks", "message",
                                            "next_steps"), "No alert fired."))
         tables.append(f"<h3>{html.escape(data.run_id)}: anomalies ({len(data.anomalies)})</h3>")
-        tables.append(_table(data.anomalies, ("step", "tokens", "signal", "kind", "culprit",
+        tables.append(_table([_with_units(a) for a in data.anomalies], ("step", "tokens", "signal", "kind", "culprit",
                                               "value", "baseline", "z"),
                              "No anomaly detected."))
     pages = json.dumps(_pages(runs)).replace("</", "<\\/")

@@ -125,7 +125,8 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
     assert ranges[0] == 0
     marks = [t for t in charts["grad"]["data"] if t["meta"]["role"] == "anomaly"]
     assert [m["meta"]["run"] for m in marks] == [RUN] and marks[0]["meta"]["x"]["step"] == [130]
-    assert "cospike at step 130" in html or "cospike spike at step 130" in html
+    assert "cospike at step 130" in html and "cospike cospike" not in html  # a page's message
+    assert "nats/token</td>" in html  # anomaly values of losses carry their unit
 
 
 def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None:
