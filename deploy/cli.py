@@ -1,7 +1,8 @@
 """The ``probewire`` command line.
 
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
-    probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
+    probewire sql [--store DIR | --clickhouse-url URL] [--format vertical] "SELECT ..."
+    probewire runs                                          the runs in the store, one row each
     probewire worker                                        the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
     probewire report --run A [--run B ...] [--out DIR]      interactive HTML + PNG per run
@@ -114,12 +115,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vertical(columns: list[str], rows: list[tuple]) -> str:
+    """Rows one column per line (as ClickHouse's ``\\G``): readable at 80 characters
+    however many columns a row has."""
+    width = max((len(c) for c in columns), default=0)
+    out = []
+    for i, row in enumerate(rows, 1):
+        out.append(f"-- row {i} " + "-" * max(0, 70 - len(str(i))))
+        out += [f"{c:>{width}}  {f'{v:.6g}' if isinstance(v, float) else v}"
+                for c, v in zip(columns, row)]
+    return "\n".join(out)
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     columns, rows = _query(_settings(args), args.query)
     if args.format == "json":
         print(json.dumps([dict(zip(columns, row)) for row in rows], default=str))
+    elif args.format == "vertical":
+        print(_vertical(columns, rows))
     else:
         _print_table("", columns, rows)
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    db = settings.clickhouse.database
+    columns, rows = _query(settings, f"""
+        SELECT r.run_id AS run, r.status AS status, r.world_size AS ranks,
+               s.steps AS steps, s.tokens AS tokens, r.updated_at AS updated
+        FROM (SELECT * FROM {db}.runs FINAL) AS r
+        LEFT JOIN (SELECT run_id, count() AS steps, max(tokens) AS tokens
+                   FROM {db}.step_metrics FINAL GROUP BY run_id) AS s ON r.run_id = s.run_id
+        ORDER BY r.updated_at DESC""")
+    _print_table(f"runs in {db} (one row per run)", columns, rows)
     return 0
 
 
@@ -308,8 +337,14 @@ def _parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    sql.add_argument("--format", choices=["table", "json"], default="table")
+    sql.add_argument("--format", choices=["table", "vertical", "json"], default="table",
+                     help="vertical: one column per line (wide rows such as first_screen)")
     sql.set_defaults(func=cmd_sql)
+
+    runs = sub.add_parser("runs", help="list the runs in the store, one row per run")
+    runs.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    runs.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    runs.set_defaults(func=cmd_runs)
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")

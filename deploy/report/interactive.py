@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from probewire.deploy.report.load import FirstScreenData, source_shares
-from probewire.stream.messages import describe_value
+from probewire.stream.messages import describe_value, what_moved
 
 __all__ = ["AXES", "CHARTS", "Chart", "build_figures", "render_html"]
 
@@ -136,7 +136,8 @@ def _anomalies(fig: go.Figure, chart: Chart, data: FirstScreenData) -> None:
         column = chart.columns[0][0] if chart.columns else None
         value = data.steps[column][hit[0]] if column and hit.size else np.nan
         y.append(float(value) / chart.scale if np.isfinite(value) else float(a["value"]))
-    text = [f"{a['signal']} {a['kind']} at step {a['step']}"
+    text = [f"{what_moved(a['signal'], a['kind'])} at step {a['step']}: "
+            f"{describe_value(a['signal'], a['kind'], a['value'])}"
             + (f" ({a['culprit']})" if a["culprit"] else "") for a in marks]
     x = {"tokens": [float(a["tokens"]) for a in marks],
          "flops": [None if a["flops"] is None else float(a["flops"]) for a in marks],

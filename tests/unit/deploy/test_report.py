@@ -166,3 +166,25 @@ def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_pat
     assert "has no steps" in capsys.readouterr().err
     assert main(["report", "--run", RUN, "--run", RUN, "--clickhouse-url", store_url]) == 2
     assert "named twice" in capsys.readouterr().err
+
+
+def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(store, store_url,
+                                                                   monkeypatch, capsys) -> None:
+    client, database = store
+    monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
+    sink = ClickHouseSink(client, database)
+    for status in ("running", "finished"):  # two versions of one run's row, not merged yet
+        sink.write("runs", [{"run_id": RUN, "world_size": 4, "status": status}])
+    [(versions,)] = client.query(f"SELECT count() FROM {database}.runs WHERE run_id = "
+                                 "{r:String}", parameters={"r": RUN}).result_rows
+    assert versions >= 2
+    assert main(["runs", "--clickhouse-url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert out.count(RUN) == 1 and out.count(OTHER) == 1 and "finished" in out
+    assert main(["sql", "--clickhouse-url", store_url, "--format", "vertical",
+                 f"SELECT * FROM {database}.first_screen WHERE run_id = '{RUN}' "
+                 "ORDER BY step LIMIT 1 OFFSET 20"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    loss = load_first_screen(client, database, RUN).steps["loss"][20]
+    assert all(len(line) <= 80 for line in lines) and len(lines) > 20
+    assert f"loss  {loss:.6g}" in [line.strip() for line in lines]  # name, value beside it
