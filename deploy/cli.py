@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.logs import FORMATS, logging_config
 from probewire.deploy.settings import Settings, SettingsError, load_settings, split_credentials
 
 __all__ = ["main"]
@@ -187,7 +188,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings), heartbeat, crash_hook())
-    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
+    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False,
+                          logging_config=logging_config(args.log_format, args.loglevel,
+                                                        "worker"))
     worker.execute_from_commandline()
     return 0
 
@@ -312,6 +315,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
+    parser.add_argument("--log-format", choices=FORMATS, default="text",
+                        help="json: one JSON object per line, for every service")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
@@ -401,6 +406,10 @@ def _terminate(signum: int, _frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import logging.config
+
+    level = getattr(args, "loglevel", None) or "warning"
+    logging.config.dictConfig(logging_config(args.log_format, level, args.command))
     if args.command != "worker":  # the Faust worker installs its own handlers
         signal.signal(signal.SIGTERM, _terminate)
     try:
