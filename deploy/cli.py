@@ -3,10 +3,11 @@
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
     probewire up [--store DIR] [--evaluator]                the local stack for your own run
     probewire run [--store DIR] -- CMD ...                  your command inside the stack
-    probewire sql [--store DIR | --clickhouse-url URL] "SELECT ..."
+    probewire sql [--store DIR | --clickhouse-url URL] [--format vertical] "SELECT ..."
+    probewire runs                                          the runs in the store, one row each
     probewire worker [--role all|stage1]                    the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
-    probewire report --run ID [--out DIR]                   first screen as HTML + PNG
+    probewire report --run A [--run B ...] [--out DIR]      interactive HTML + PNG per run
     probewire explain --run ID --step N                     what moved first at a step, and who
     probewire health --component worker|evaluator          exit 0 when fresh and progressing
 
@@ -31,6 +32,7 @@ from probewire.deploy.health import default_heartbeat_path, read_heartbeat
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
 from probewire.stream.config import ROLES
+from probewire.deploy.logs import FORMATS, logging_config
 
 __all__ = ["main"]
 
@@ -198,14 +200,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+def _vertical(columns: list[str], rows: list[tuple]) -> str:
+    """Rows one column per line (as ClickHouse's ``\\G``): readable at 80 characters
+    however many columns a row has."""
+    width = max((len(c) for c in columns), default=0)
+    out = []
+    for i, row in enumerate(rows, 1):
+        out.append(f"-- row {i} " + "-" * max(0, 70 - len(str(i))))
+        out += [f"{c:>{width}}  {f'{v:.6g}' if isinstance(v, float) else v}"
+                for c, v in zip(columns, row)]
+    return "\n".join(out)
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     columns, rows = _query(_settings(args), args.query)
-    if args.format == "table":
+    if args.format == "vertical":
+        print(_vertical(columns, rows))
+    elif args.format == "table":
         _print_table("", columns, rows)
     else:
         from probewire.deploy.reading import render_rows
 
         print(render_rows(columns, rows, args.format))
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    db = settings.clickhouse.database
+    columns, rows = _query(settings, f"""
+        SELECT r.run_id AS run, r.status AS status, r.world_size AS ranks,
+               s.steps AS steps, s.tokens AS tokens, r.updated_at AS updated
+        FROM (SELECT * FROM {db}.runs FINAL) AS r
+        LEFT JOIN (SELECT run_id, count() AS steps, max(tokens) AS tokens
+                   FROM {db}.step_metrics FINAL GROUP BY run_id) AS s ON r.run_id = s.run_id
+        ORDER BY r.updated_at DESC""")
+    _print_table(f"runs in {db} (one row per run)", columns, rows)
     return 0
 
 
@@ -228,7 +258,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings, read_port=args.sql_port),
                      heartbeat, crash_hook())
-    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False)
+    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False,
+                          logging_config=logging_config(args.log_format, args.loglevel,
+                                                        "worker"))
     worker.execute_from_commandline()
     return 0
 
@@ -283,13 +315,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     try:
-        html_path, png_path = write_report(_open_store(settings), settings.clickhouse.database,
-                                           args.run, Path(args.out))
-    except RunNotFound as exc:
+        html_path, png_paths = write_report(_open_store(settings),
+                                            settings.clickhouse.database, args.run,
+                                            Path(args.out))
+    except (RunNotFound, ValueError) as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
         raise UserError(f"query failed: {_error_line(exc)}") from None
-    print(f"wrote {html_path} and {png_path}")
+    print(f"wrote {html_path} and {', '.join(str(p) for p in png_paths)}")
     return 0
 
 
@@ -356,6 +389,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
+    parser.add_argument("--log-format", choices=FORMATS, default="text",
+                        help="json: one JSON object per line, for every service")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
@@ -401,9 +436,15 @@ def _parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    sql.add_argument("--format", choices=["table", "json", "csv", "tsv"], default="table",
-                     help="json is strict: NaN and Inf become null")
+    sql.add_argument("--format", choices=["table", "vertical", "json", "csv", "tsv"],
+                     default="table", help="vertical: one column per line (wide rows such as "
+                     "first_screen); json is strict: NaN and Inf become null")
     sql.set_defaults(func=cmd_sql)
+
+    runs = sub.add_parser("runs", help="list the runs in the store, one row per run")
+    runs.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    runs.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    runs.set_defaults(func=cmd_runs)
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
@@ -436,8 +477,10 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age-s", type=float, default=60.0)
     health.set_defaults(func=cmd_health)
 
-    report = sub.add_parser("report", help="write the first screen of a run as HTML and PNG")
-    report.add_argument("--run", required=True, help="run id")
+    report = sub.add_parser("report", help="write runs as one interactive HTML page (runs "
+                                           "overlaid) and a PNG first screen per run")
+    report.add_argument("--run", required=True, action="append",
+                        help="run id (repeat to compare runs on one axis)")
     report.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     report.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     report.add_argument("--out", default="probewire-report", help="output directory")
@@ -467,6 +510,10 @@ def _terminate(signum: int, _frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import logging.config
+
+    level = getattr(args, "loglevel", None) or "warning"
+    logging.config.dictConfig(logging_config(args.log_format, level, args.command))
     if args.command != "worker":  # the Faust worker installs its own handlers
         signal.signal(signal.SIGTERM, _terminate)
     try:

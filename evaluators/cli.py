@@ -61,8 +61,9 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     from .records import EvaluationError
     from .service import EvaluatorOptions, EvaluatorService, ServiceError
 
-    logging.basicConfig(level=args.loglevel.upper(),
+    logging.basicConfig(level=args.loglevel.upper(),  # a no-op where the CLI set it up
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.loglevel.upper())
     try:
         setup = args.evaluator_setup(getattr(args, "config", None))
         if not setup.config.enabled:

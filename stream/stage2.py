@@ -31,6 +31,7 @@ from typing import Any
 
 from .errors import check
 from .lifecycle import RunEvent, RunLifecycle
+from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
 from .pages import Episode
 from .records import ReducedStep
@@ -105,7 +106,7 @@ def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
     who = f", {f.culprit}" if f.culprit and f.culprit != record["culprit"] else ""
     return {**record, "ranks": sorted(set(record["ranks"]) | set(f.ranks)),
             "message": f"{first} | episode: {episode.count} events, the latest at step "
-                       f"{step} ({f.kind} {f.value:.4g}{z}{who})"}
+                       f"{step} ({f.kind} {describe_value(f.signal, f.kind, f.value)}{z}{who})"}
 
 
 class RunPipeline:
@@ -258,15 +259,12 @@ class RunPipeline:
         return episode.record
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:
-        baseline = "n/a" if f.baseline is None else f"{f.baseline:.4g}"
-        z = "" if f.z is None else f", z={f.z:.1f}"
-        culprit = f"; carried by {f.culprit}" if f.culprit else ""
         return {"run_id": self.run_id, "step": step, "signal": f.signal, "severity": "page",
                 "culprit": f.culprit,
                 "value": f.value, "baseline": f.baseline, "z": f.z, "tokens": self.tokens,
                 "ranks": list(f.ranks),
-                "message": f"{f.signal} {f.kind} at step {step}: {f.value:.4g} against "
-                           f"baseline {baseline}{z}{culprit}",
+                "message": alert_message(f.signal, f.kind, step, f.value, f.baseline, f.z,
+                                         f.culprit),
                 "next_steps": next_steps(f.category)}
 
     def _run_row(self, status: str) -> dict[str, Any]:

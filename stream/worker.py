@@ -69,6 +69,7 @@ class Worker:
         self.sink: ClickHouseSink | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
         self._write_lock = asyncio.Lock()
+        self._flushing: asyncio.Task | None = None  # the background write flush_soon started
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -133,7 +134,7 @@ class Worker:
                 if out.rows or out.promote or out.controls or out.refused:
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
-        await self.flush_if_due()
+        self.flush_soon()
         self.write_heartbeat()
 
     # -- stage 1 ------------------------------------------------------------------------------
@@ -273,6 +274,15 @@ class Worker:
     async def flush_if_due(self) -> None:
         if self.batch.due():
             await self.flush()
+
+    def flush_soon(self) -> asyncio.Task | None:
+        """Start writing a due batch in the background (one write at a time) and return at
+        once: a timer that awaited the store write ran longer than its own interval, and
+        mode logged "Timer ... is overlapping" at every slow write."""
+        if not self.batch.due() or (self._flushing is not None and not self._flushing.done()):
+            return None
+        self._flushing = asyncio.ensure_future(self.flush())
+        return self._flushing
 
     async def flush(self) -> None:
         """Write the batch: rows, promotions, states; dead-letter rows the store refuses;

@@ -1,21 +1,22 @@
-"""The first-screen report of a recorded run: nine raw panels, anomalies marked, one HTML file."""
+"""The report of recorded runs: the PNG first screen (nine raw panels, anomalies marked) and
+the self-contained interactive HTML page (plotly inlined, runs overlaid on one axis)."""
 
 from __future__ import annotations
 
-import base64
+import json
 import re
 
 import numpy as np
 import pytest
 
 from probewire.deploy.cli import main
-from probewire.deploy.report import (PANELS, RunNotFound, load_first_screen,
-                                     render_first_screen, write_report)
-from probewire.sinks import ClickHouseSink
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.deploy.report import (CHARTS, PANELS, RunNotFound, load_first_screen,
+                                     render_first_screen, write_report)
+from probewire.sinks import ClickHouseSink
 
-RUN = "report-run"
+RUN, OTHER = "report-run", "report-other"
 
 
 @pytest.fixture()
@@ -24,12 +25,24 @@ def store(ch_client, ch_database):
     sink.migrate()
     write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
         LayerExplosion(layer=2, step=130, scale=50.0),)))
+    write_simulated_run(sink, simulated_run(OTHER, steps=100, seed=1,
+                                            sources=(("web", 0.5), ("code", 0.5))))
     return ch_client, ch_database
 
 
 def _panels(fig) -> dict:
     return {ax.get_label()[len("panel:"):]: ax for ax in fig.axes
             if ax.get_label().startswith("panel:")}
+
+
+def _charts(html: str) -> dict[str, dict]:
+    found = re.findall(r"<div class='pw-chart' id='chart-([a-z]+)'[^>]*>"
+                       r"<script type='application/json'>(.*?)</script></div>", html, re.S)
+    return {key: json.loads(spec.replace("<\\/", "</")) for key, spec in found}
+
+
+def _raw(chart: dict, run: str) -> list[dict]:
+    return [t for t in chart["data"] if t["meta"]["role"] == "raw" and t["meta"]["run"] == run]
 
 
 def test_the_figure_has_nine_panels_of_raw_values_against_tokens(store) -> None:
@@ -62,21 +75,73 @@ def test_anomalies_are_marked_on_their_panels_at_their_tokens(store) -> None:
                for ax in panels.values())  # the page is a line across every panel
 
 
-def test_write_report_produces_a_png_and_a_self_contained_html(store, tmp_path) -> None:
-    html_path, png_path = write_report(*store, RUN, tmp_path / "out")
-    png = png_path.read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    html = html_path.read_text()
-    [embedded] = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
-    assert base64.b64decode(embedded) == png
-    assert "http://" not in html and "https://" not in html
+def test_source_legend_shows_each_sources_share_of_the_runs_tokens(store) -> None:
     client, db = store
-    [(alerts, anomalies)] = client.query(
-        f"SELECT (SELECT count() FROM {db}.alerts FINAL), "
-        f"(SELECT count() FROM {db}.anomalies FINAL)").result_rows
-    assert alerts >= 1 and anomalies >= 3
-    assert f"Alerts ({alerts})" in html and f"Anomalies ({anomalies})" in html
-    assert "cospike at step 130" in html  # the page's message
+    rows = client.query(f"SELECT source, sum(tokens) FROM {db}.source_metrics FINAL "
+                        "WHERE run_id = {r:String} GROUP BY source",
+                        parameters={"r": OTHER}).result_rows
+    total = float(sum(n for _, n in rows))
+    reference = {s: 100 * float(n) / total for s, n in rows}  # ≈ 50 / 50
+    assert all(abs(v - 50) < 1 for v in reference.values())
+    labels = {line.get_label() for line in _panels(render_first_screen(
+        load_first_screen(client, db, OTHER)))["source"].get_lines()}
+    assert labels == {f"{s} ({v:.0f}% of tokens)" for s, v in reference.items()}
+    assert labels == {"code (50% of tokens)", "web (50% of tokens)"}
+
+
+def test_a_run_without_cospikes_draws_its_count_from_zero(store) -> None:
+    data = load_first_screen(*store, OTHER)
+    assert np.nanmax(data.steps["cospike_count"]) == 0
+    ax = _panels(render_first_screen(data))["cospike"]
+    low, high = ax.get_ylim()
+    assert low == 0 and high >= 1 and all(float(t).is_integer() for t in ax.get_yticks())
+
+
+def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path) -> None:
+    client, db = store
+    html_path, pngs = write_report(client, db, [RUN, OTHER], tmp_path / "out")
+    assert html_path.name == f"{RUN}-vs-{OTHER}.html"
+    assert [p.name for p in pngs] == [f"{RUN}.png", f"{OTHER}.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    html = html_path.read_text()
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=", html)  # nothing fetched
+    assert "Plotly.newPlot" in html and len(html) > 3_000_000  # plotly.js is inlined
+    charts = _charts(html)
+    assert list(charts) == [c.key for c in CHARTS]
+    for run in (RUN, OTHER):
+        data = load_first_screen(client, db, run)
+        [L] = [t for t in _raw(charts["loss"], run) if t["meta"]["label"] == "L"]
+        for axis in ("tokens", "flops", "step"):  # every axis of the switch, raw values
+            np.testing.assert_array_equal(np.array(L["meta"]["x"][axis], dtype=float),
+                                          data.steps[axis])
+        np.testing.assert_array_equal(np.array(L["y"], dtype=float), data.steps["loss"])
+        for key in ("source", "grad", "time", "throughput", "memory", "eval", "cospike"):
+            assert _raw(charts[key], run), (key, run)
+    smooth = [t for t in charts["loss"]["data"] if t["meta"]["role"] == "smooth"]
+    assert smooth and all(t["visible"] is False for t in smooth)  # smoothing starts off
+    assert charts["lr"]["layout"]["meta"]["drawn"] is False  # no learning rate stored: not measured
+    assert "not measured" in json.dumps(charts["lr"]["layout"]["annotations"])
+    ranges = charts["cospike"]["layout"]["yaxis"]["range"]
+    assert ranges[0] == 0
+    marks = [t for t in charts["grad"]["data"] if t["meta"]["role"] == "anomaly"]
+    assert [m["meta"]["run"] for m in marks] == [RUN] and marks[0]["meta"]["x"]["step"] == [130]
+    assert "cospike at step 130" in html and "cospike cospike" not in html  # a page's message
+    assert "nats/token</td>" in html  # anomaly values of losses carry their unit
+
+
+def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None:
+    client, db = store
+    client.command(f"ALTER TABLE {db}.step_metrics UPDATE lr = 1e-3 * (1 + step) WHERE 1",
+                   settings={"mutations_sync": 2})
+    ClickHouseSink(client, db).write("runs", [
+        {"run_id": RUN, "world_size": 4, "config": json.dumps({"lr": 3e-3, "seed": 0})},
+        {"run_id": OTHER, "world_size": 4, "config": json.dumps({"lr": 1e-3, "seed": 0})}])
+    html = write_report(client, db, [RUN, OTHER], tmp_path)[0].read_text()
+    [lr] = _raw(_charts(html)["lr"], OTHER)
+    np.testing.assert_allclose(np.array(lr["y"], dtype=float), 1e-3 * (1 + np.arange(100)))
+    config = re.search(r"<table class='pw-config'>(.*?)</table>", html, re.S).group(1)
+    assert "<td>lr</td><td>yes</td><td>0.003</td><td>0.001</td>" in config
+    assert "<td>seed</td><td></td><td>0</td><td>0</td>" in config
 
 
 def test_a_missing_run_is_a_clear_error_naming_the_runs_that_exist(store, tmp_path) -> None:
@@ -89,12 +154,37 @@ def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_pat
                                                        capsys) -> None:
     _, database = store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
-    assert main(["report", "--run", RUN, "--clickhouse-url", store_url,
+    assert main(["report", "--run", RUN, "--run", OTHER, "--clickhouse-url", store_url,
                  "--out", str(tmp_path)]) == 0
-    assert (tmp_path / f"{RUN}.html").is_file() and (tmp_path / f"{RUN}.png").is_file()
+    assert (tmp_path / f"{RUN}-vs-{OTHER}.html").is_file()
+    assert (tmp_path / f"{RUN}.png").is_file() and (tmp_path / f"{OTHER}.png").is_file()
     assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url,
                  "--format", "json"]) == 0
     out = capsys.readouterr().out
     assert '"first": "cospike_count"' in out and '"signal": "cospike"' in out
     assert main(["report", "--run", "nope", "--clickhouse-url", store_url]) == 2
     assert "has no steps" in capsys.readouterr().err
+    assert main(["report", "--run", RUN, "--run", RUN, "--clickhouse-url", store_url]) == 2
+    assert "named twice" in capsys.readouterr().err
+
+
+def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(store, store_url,
+                                                                   monkeypatch, capsys) -> None:
+    client, database = store
+    monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
+    sink = ClickHouseSink(client, database)
+    for status in ("running", "finished"):  # two versions of one run's row, not merged yet
+        sink.write("runs", [{"run_id": RUN, "world_size": 4, "status": status}])
+    [(versions,)] = client.query(f"SELECT count() FROM {database}.runs WHERE run_id = "
+                                 "{r:String}", parameters={"r": RUN}).result_rows
+    assert versions >= 2
+    assert main(["runs", "--clickhouse-url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert out.count(RUN) == 1 and out.count(OTHER) == 1 and "finished" in out
+    assert main(["sql", "--clickhouse-url", store_url, "--format", "vertical",
+                 f"SELECT * FROM {database}.first_screen WHERE run_id = '{RUN}' "
+                 "ORDER BY step LIMIT 1 OFFSET 20"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    loss = load_first_screen(client, database, RUN).steps["loss"][20]
+    assert all(len(line) <= 80 for line in lines) and len(lines) > 20
+    assert f"loss  {loss:.6g}" in [line.strip() for line in lines]  # name, value beside it

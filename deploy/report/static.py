@@ -1,0 +1,182 @@
+"""The first screen of one run as a PNG, for chat and tickets.
+
+Nine panels, one per P0 signal of the first screen (seeds 001 §1), drawn from the
+``first_screen`` and ``loss_by_source`` views and the ``evaluations`` table: raw values,
+never smoothed, against cumulative tokens (runs are compared by tokens, not steps).
+Anomalies from the ``anomalies`` table are red triangles on the panel of their signal;
+pages from the ``alerts`` table are dashed red lines across every panel.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, MaxNLocator
+
+from probewire.deploy.report.load import FirstScreenData, source_shares
+
+__all__ = ["PANELS", "Panel", "png", "render_first_screen"]
+
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    """One of the nine panels: the first_screen columns it plots and the signals it marks.
+
+    ``right`` columns go on a second y axis; ``scale`` divides values for display.
+    """
+
+    key: str
+    title: str
+    ylabel: str
+    columns: tuple[tuple[str, str], ...] = ()       # (column, legend label)
+    right: tuple[tuple[str, str], ...] = ()
+    right_label: str = ""
+    signals: frozenset[str] = frozenset()
+    log: bool = False
+    scale: float = 1.0
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("loss", "Loss: mean L and worst rank L_max", "nats/token",
+          (("loss", "L"), ("loss_worst_rank", "L_max")),
+          signals=frozenset({"loss", "loss_worst_rank"})),
+    Panel("source", "Loss by source (own history)", "nats/token",
+          signals=frozenset({"loss_by_source"})),
+    Panel("grad", "Gradient norm G2 and clip rate", "G2 (pre-clip)",
+          (("grad_norm", "G2"),), (("clip_rate", "clip rate"),), "clip rate",
+          frozenset({"grad_norm", "clip_rate"}), log=True),
+    Panel("cospike", "Co-spikes (cumulative)", "count",
+          (("cospike_count", "co-spikes"),), signals=frozenset({"cospike"})),
+    Panel("time", "Step time and throughput", "step time (s)",
+          (("step_time_s", "step time"),), (("tokens_per_s", "tokens/s"),), "tokens/s",
+          frozenset({"step_time", "step_time_s", "tokens_per_s", "straggler_score",
+                     "compute_rate"})),
+    Panel("memory", "Peak memory, max over ranks", "GiB",
+          (("peak_memory_bytes", "peak"),),
+          signals=frozenset({"peak_memory", "peak_memory_bytes"}),
+          scale=_GIB),
+    Panel("experts", "Expert balance: MaxVio", "MaxVio",
+          (("moe_maxvio", "MaxVio (worst layer)"),),
+          signals=frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"})),
+    Panel("output", "Output |x|max", "|x|max",
+          (("output_absmax", "|x|max"),), signals=frozenset({"output_absmax"}), log=True),
+    Panel("eval", "Held-out bits per byte", "bits/byte", signals=frozenset({"bpb"})),
+)
+
+
+def _panel_of(anomaly: dict[str, Any]) -> str | None:
+    """The panel an anomaly is marked on (a co-spike on its own panel); None: no panel."""
+    if anomaly["kind"] == "cospike":
+        return "cospike"
+    return next((p.key for p in PANELS if anomaly["signal"] in p.signals), None)
+
+
+def _anomaly_y(anomaly: dict[str, Any], panel: Panel, data: FirstScreenData) -> float:
+    """Where to put the marker: on the panel's first curve at that step, else the value."""
+    if panel.columns:
+        column = panel.columns[0][0]
+        steps = data.steps["step"]
+        hit = np.flatnonzero(steps == anomaly["step"])
+        if hit.size and np.isfinite(data.steps[column][hit[0]]):
+            return float(data.steps[column][hit[0]]) / panel.scale
+    return float(anomaly["value"]) / panel.scale
+
+
+def _tokens_at(data: FirstScreenData, steps: np.ndarray) -> np.ndarray:
+    """Cumulative tokens of the run at ``steps`` (NaN where the step is not stored)."""
+    lookup = dict(zip(data.steps["step"].tolist(), data.steps["tokens"].tolist()))
+    return np.array([lookup.get(s, np.nan) for s in steps.tolist()], dtype=np.float64)
+
+
+def _draw(ax: Any, x: np.ndarray, y: np.ndarray, label: str, **style: Any) -> bool:
+    keep = np.isfinite(x) & np.isfinite(y)
+    if not keep.any():
+        return False
+    ax.plot(x[keep], y[keep], label=label, linewidth=1.0, **style)
+    return True
+
+
+def render_first_screen(data: FirstScreenData) -> Figure:
+    """The nine panels on one figure (Agg, no pyplot state). Panel axes are labelled
+    ``panel:<key>``; anomaly markers carry gid ``anomaly``, alert lines gid ``alert``."""
+    fig = Figure(figsize=(16, 11), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 3).ravel()
+    tokens = data.steps["tokens"]
+    tick = EngFormatter(sep="")
+    pages = sorted({(a["step"], a["tokens"]) for a in data.alerts if a["severity"] == "page"})
+    for ax, panel in zip(axes, PANELS):
+        ax.set_label(f"panel:{panel.key}")
+        ax.set_title(panel.title, fontsize=11)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(panel.ylabel)
+        ax.xaxis.set_major_formatter(tick)
+        ax.grid(True, alpha=0.3)
+        drawn = False
+        for column, label in panel.columns:
+            drawn |= _draw(ax, tokens, data.steps[column] / panel.scale, label,
+                           drawstyle="steps-post" if column == "cospike_count" else "default")
+        if panel.key == "source":
+            shares = source_shares(data.sources)
+            for source, (step, loss, _) in sorted(data.sources.items()):
+                share = shares[source]
+                share_text = f" ({100 * share:.0f}% of tokens)" if np.isfinite(share) else ""
+                drawn |= _draw(ax, _tokens_at(data, step), loss, f"{source}{share_text}")
+        if panel.key == "eval":
+            for ev in sorted(data.evals, key=lambda e: e.name):
+                if ev.metric == "bpb":
+                    drawn |= _draw(ax, ev.tokens, ev.value,
+                                   f"{ev.suite} ({ev.stream})"
+                                   + (" [reference]" if ev.reference else ""), marker="o",
+                                   markersize=3, linestyle="-" if ev.reference else "--")
+        right = [(c, label) for c, label in panel.right if np.isfinite(data.steps[c]).any()]
+        if right:
+            twin = ax.twinx()
+            twin.set_ylabel(panel.right_label)
+            for column, label in right:
+                drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray",
+                               alpha=0.7)
+            twin.legend(loc="upper right", fontsize=8)
+        if not drawn:
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center",
+                    va="center", color="gray", gid="not-measured")
+            continue
+        if panel.key == "cospike":  # a count: from 0, integer ticks, never a ±0.04 axis
+            ax.set_ylim(0, max(1.0, float(np.nanmax(data.steps["cospike_count"]))) * 1.1)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if panel.log and all(np.nanmin(data.steps[c]) > 0 for c, _ in panel.columns
+                             if np.isfinite(data.steps[c]).any()):
+            ax.set_yscale("log")
+        marks = [a for a in data.anomalies if _panel_of(a) == panel.key
+                 and a["tokens"] is not None]
+        if marks:
+            ax.plot([a["tokens"] for a in marks], [_anomaly_y(a, panel, data) for a in marks],
+                    linestyle="none", marker="v", markersize=9, color="red",
+                    markeredgecolor="black", label="anomaly", gid="anomaly", zorder=5)
+        for _step, x in pages:
+            if x is not None:
+                ax.axvline(x, color="red", linestyle="--", linewidth=0.8, alpha=0.6, gid="alert")
+        ax.legend(loc="upper left", fontsize=8)
+    run = data.run or {}
+    status = f", {run['status']}" if run.get("status") else ""
+    fig.suptitle(f"probewire first screen: run {data.run_id}{status} "
+                 f"(raw values vs cumulative tokens; red = anomaly, dashed = page)", fontsize=13)
+    return fig
+
+
+def png(fig: Figure) -> bytes:
+    """The figure as PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
