@@ -8,6 +8,7 @@ the same emitter the ranks use; ``expected`` gives the float64 reference for L a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -18,7 +19,9 @@ from probewire.instrument.catalog import Grad, Group, Loss, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.wire import Point, RankIdentity
 
-__all__ = ["SimRun", "send"]
+from .kafka import TopicConfig
+
+__all__ = ["SimRun", "own_topics", "send"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -76,3 +79,12 @@ def send(run: SimRun, bootstrap: str, topic: str, steps: Iterable[int],
     for emitter in emitters:
         emitter.close()
     return sent
+
+
+def own_topics(tag: str, partitions: int = 4) -> TopicConfig:
+    """Every topic name suffixed with ``tag``: a stack on a broker other tests share (one
+    per test session) reads none of their messages, dead letters or steps."""
+    default = TopicConfig()
+    names = {f.name: f"{getattr(default, f.name)}.{tag}" for f in dataclasses.fields(default)
+             if f.type in (str, "str")}
+    return TopicConfig(**names, partitions=partitions)

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from confluent_kafka import Producer
 
-from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings, TopicSettings
+from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 from probewire.instrument.catalog import Grad, Label, Loss, Moe, System, Tensor
 from probewire.instrument.wire import RANK_ATTR, Point, RankIdentity, WireEncoder, message_key
@@ -50,12 +50,9 @@ def settings_for(store: Path, **stream) -> Settings:
     stage2 = Stage2Config(detectors=DetectorConfig(window=10), retention_every_k=5,
                           retention_halo=2, warmup_steps=2, final_steps=2, max_wait_s=3.0,
                           run_idle_s=stream.pop("run_idle_s", 60.0))
-    tag = uuid.uuid4().hex[:8]
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/"), retry_max_s=1.0),
-        # its own dead-letter topic: the session's broker holds other tests' dead letters
-        topics=TopicSettings(deadletter=f"probewire.deadletter.{tag}"),
-        stream=StreamSettings(app_id=f"pw-grade-{tag}", deadline_s=2.0,
+        stream=StreamSettings(app_id=f"pw-grade-{uuid.uuid4().hex[:8]}", deadline_s=2.0,
                               stage2=stage2, health=HealthConfig(stall_s=6.0), **stream))
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings, TopicSettings
+from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack, stop_process
 from probewire.stream.retention import retained_steps
-from probewire.stream.testing import SimRun, send
+from probewire.stream.testing import SimRun, own_topics, send
 
 pytestmark = pytest.mark.integration
 
@@ -40,8 +40,7 @@ def settings_for(store: Path) -> Settings:
     tag = uuid.uuid4().hex[:8]
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")),
-        # its own dead-letter topic: the session's broker holds other tests' dead letters
-        topics=TopicSettings(deadletter=f"probewire.deadletter.{tag}"),
+        topics=own_topics(tag),  # the session's broker holds other tests' poison
         stream=StreamSettings(app_id=f"pw-test-{tag}", deadline_s=3.0,
                               stage2=Stage2Config(
                                   detectors=DetectorConfig(window=20),
@@ -88,9 +87,9 @@ def uninterrupted(kafka_bootstrap, tmp_path_factory, read_store):
     try:
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
-        send(run, kafka_bootstrap, "otlp_metrics", range(STEPS), duplicates=[(20, 3)])
+        send(run, kafka_bootstrap, stack.settings.topics.metrics, range(STEPS), duplicates=[(20, 3)])
         producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        producer.produce("otlp_metrics", key=f"{run.run_id}:999".encode(), value=b"not otlp")
+        producer.produce(stack.settings.topics.metrics, key=f"{run.run_id}:999".encode(), value=b"not otlp")
         producer.flush(10)
         wait_finished(stack, run.run_id)
         time.sleep(1.5)  # the dead-letter agent batches for up to 1 s
@@ -163,13 +162,13 @@ def test_restart_mid_run_stores_exactly_what_the_uninterrupted_run_stored(
     try:
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
-        send(run, kafka_bootstrap, "otlp_metrics", range(45), duplicates=[(20, 3)])
+        send(run, kafka_bootstrap, stack.settings.topics.metrics, range(45), duplicates=[(20, 3)])
         deadline = time.monotonic() + 60
         while stack.progress(run.run_id) < 35 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert stack.progress(run.run_id) >= 35
         stop_process(stack.worker, signal.SIGKILL)  # a crash: no flush, no clean leave
-        send(run, kafka_bootstrap, "otlp_metrics", range(45, STEPS))
+        send(run, kafka_bootstrap, stack.settings.topics.metrics, range(45, STEPS))
         stack.start_worker()
         wait_finished(stack, run.run_id)
     finally:
