@@ -86,7 +86,13 @@ class Monitor:
         self.config, self.identity = config, identity
         self._runs = runs
         self._ended = False
-        started = run_event(identity, "started", config=run_config or {})  # checked first
+        first = next(model.parameters(), None)
+        device = first.device if first is not None and first.is_cuda else None
+        self.scan_backend = (config.scan_backend if config.scan_backend != "auto"
+                             else "compiled" if device is not None else "eager")
+        # checked first; how the scans run is chosen once, here, and stored with the run
+        started = run_event(identity, "started", config={
+            **(run_config or {}), "probewire.scan_backend": self.scan_backend})
         self._state = StepState()
         self._schedule = Schedule(config.cadence)
         self._emitter = StepEmitter(identity, transport, queue_size=config.queue_size,
@@ -100,10 +106,6 @@ class Monitor:
         self.unhooked = _unhooked(model, registry, config)
         for message in self.unhooked:
             log.warning("probewire: %s", message)
-        first = next(model.parameters(), None)
-        device = first.device if first is not None and first.is_cuda else None
-        self.scan_backend = (config.scan_backend if config.scan_backend != "auto"
-                             else "compiled" if device is not None else "eager")
         tensors = TensorProbe(self._state, registry, chunk_elems=config.scan_chunk_elems,
                               mask_activations=config.mask_activations,
                               update_ratio=config.update_ratio,

@@ -66,8 +66,8 @@ def test_lightning_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
         assert row["lr"] == 3e-3
     [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
                             "WHERE run_id = 'pl1'")
-    assert run["status"] == "finished" and json.loads(run["config"]) == {"lr": 3e-3,
-                                                                         "width": 32}
+    assert run["status"] == "finished" and json.loads(run["config"]) == {
+        "lr": 3e-3, "width": 32, "probewire.scan_backend": "eager"}
 
 
 def test_an_exception_in_a_trainer_step_marks_the_run_crashed(scratch_dir: Path, e2e) -> None:

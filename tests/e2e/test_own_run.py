@@ -56,7 +56,8 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
                             "WHERE run_id = 'own1'")
     assert run["status"] == "finished"
-    assert json.loads(run["config"]) == {"lr": 3e-3, "steps": steps, "warmup": 10}
+    assert json.loads(run["config"]) == {"lr": 3e-3, "steps": steps, "warmup": 10,
+                                         "probewire.scan_backend": "eager"}
     rows = e2e.rows(store, "SELECT step, loss, lr, lr_groups FROM probewire.step_metrics "
                            "FINAL WHERE run_id = 'own1' ORDER BY step")
     own = [json.loads(line) for line in trace.read_text().splitlines()]

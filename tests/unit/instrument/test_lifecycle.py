@@ -98,7 +98,8 @@ def test_started_with_config_then_finished_with_lr_per_group_and_source_names():
     monitor.close()
     events = _events(runs)
     assert [e["event"] for e in events] == ["started", "finished"]
-    assert events[0]["config"] == {"batch": 2, "lr": 2e-3}
+    # the scans' backend, chosen once at attach, is stored with the run's own config
+    assert events[0]["config"] == {"batch": 2, "lr": 2e-3, "probewire.scan_backend": "eager"}
     for step, (key, value) in enumerate(metrics.messages):
         values = decode_rank_step(key, value).values
         lrs = {dict(labels)[Label.PARAM_GROUP]: v for (name, labels), v in values.items()
