@@ -32,7 +32,8 @@ KUBE_VERSION = kubernetes_validate.latest_version()
 # Kinds that come from CRDs, for which kubernetes-validate has no schema.
 CRD_KINDS = {"ServiceMonitor"}
 SENTINEL = "SENTINEL-"
-CASES = ["default", "sasl-kafka", "clickhouse-tls", "evaluator-off", "service-monitor"]
+CASES = ["default", "sasl-kafka", "clickhouse-tls", "evaluator-off", "service-monitor",
+         "grafana-datasource"]
 
 _BASE = {
     ("ConfigMap", "probewire-config"),
@@ -50,6 +51,7 @@ EXPECTED_OBJECTS = {
     "evaluator-off": _BASE - {("Deployment", "probewire-evaluator")},
     "service-monitor": _BASE | {("Service", "probewire-worker-metrics"),
                                 ("ServiceMonitor", "probewire-worker")},
+    "grafana-datasource": _BASE | {("ConfigMap", "probewire-datasource")},
 }
 
 
@@ -435,6 +437,31 @@ def test_dashboards_are_valid_json_for_the_grafana_sidecar(rendered: Rendered) -
     for name, text in configmap["data"].items():
         dashboard = json.loads(text)
         assert {"uid", "title", "schemaVersion", "panels"} <= set(dashboard), name
+
+
+def test_grafana_datasource_reads_the_store_over_http_with_the_password_from_env(
+        renderings: dict[str, Rendered]) -> None:
+    configmap = renderings["grafana-datasource"].get("ConfigMap", "probewire-datasource")
+    assert configmap["metadata"]["labels"]["grafana_datasource"] == "1"
+    [source] = yaml.safe_load(configmap["data"]["probewire-datasource.yaml"])["datasources"]
+    assert source["type"] == "grafana-clickhouse-datasource"
+    assert source["jsonData"] == {"host": "clickhouse.example.svc", "port": 8443,
+                                  "protocol": "http", "secure": True,
+                                  "defaultDatabase": "probewire", "username": "grafana_reader"}
+    assert source["secureJsonData"] == {"password": "${GRAFANA_CLICKHOUSE_PASSWORD}"}
+    default = renderings["default"]
+    assert ("ConfigMap", "probewire-datasource") not in {
+        (m["kind"], m["metadata"]["name"]) for m in default.manifests}
+
+
+def test_grafana_datasource_takes_the_port_of_the_url(chart: helm.Chart) -> None:
+    texts = _render(chart, {"settings": {"clickhouse": {"url": "http://ch.svc:18123"}},
+                            "dashboards": {"datasource": {"enabled": True, "passwordEnv": ""}}})
+    [text] = [t for path, t in texts.items() if path.endswith("datasource-configmap.yaml")]
+    data = yaml.safe_load(yaml.safe_load(text)["data"]["probewire-datasource.yaml"])
+    [source] = data["datasources"]
+    assert (source["jsonData"]["host"], source["jsonData"]["port"]) == ("ch.svc", 18123)
+    assert source["jsonData"]["secure"] is False and "secureJsonData" not in source
 
 
 def test_service_monitor_scrapes_the_worker_metrics_port(renderings: dict[str, Rendered]) -> None:

@@ -1,20 +1,24 @@
-"""The Grafana dashboard: nine P0 panels whose SQL runs on a migrated store."""
+"""The Grafana dashboards: the first screen's nine P0 panels, the one-rank and run-vs-run
+dashboards, their variables, and their SQL on a migrated store (rendered as Grafana renders
+it: ``tests/grafana_sql.py``; over the live HTTP reader: tests/integration/test_grafana_live.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+import yaml
 
+from grafana_sql import CHART_DASHBOARDS, DASHBOARD_DIR, DASHBOARDS, load, queries, render, resolve
+from grafana_sql import panels as _panels
+from probewire.instrument.catalog import CATALOG, Comm, Loss, Memory, Output, System
 from probewire.sinks import ClickHouseSink
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 
-ROOT = Path(__file__).resolve().parents[3]
-DASHBOARD = ROOT / "deploy" / "grafana" / "probewire-first-screen.json"
-CHART_COPY = ROOT / "helm" / "probewire" / "files" / "dashboards" / "probewire-first-screen.json"
+DASHBOARD = DASHBOARD_DIR / "probewire-first-screen.json"
+PROVISIONING = DASHBOARD_DIR / "provisioning"
 RUN = "grafana-run"
 
 P0_TITLES = ("Loss: mean L and worst rank L_max", "Loss by source", "Gradient norm G2",
@@ -24,15 +28,11 @@ P0_TITLES = ("Loss: mean L and worst rank L_max", "Loss by source", "Gradient no
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
+    return load(DASHBOARD)
 
 
 def _all_panels(dashboard: dict) -> list[dict]:
-    out = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out
+    return list(_panels(dashboard))
 
 
 def _first_screen(dashboard: dict) -> list[dict]:
@@ -41,29 +41,6 @@ def _first_screen(dashboard: dict) -> list[dict]:
     assert top[0]["type"] == "row" and "First screen" in top[0]["title"]
     end = next(i for i, p in enumerate(top[1:], 1) if p["type"] == "row")
     return top[1:end]
-
-
-def _concrete(sql: str, db: str) -> str:
-    """Grafana variables and plugin macros replaced by what they expand to."""
-    sql = (sql.replace("${database}", db).replace("${run_id:singlequote}", f"'{RUN}'")
-              .replace("${rank_metric:singlequote}", "'step_time_s'")
-              .replace("${tensor_kind:singlequote}", "'bwd'"))
-    sql = re.sub(r"\$__timeFilter\(([^)]+)\)",
-                 r"(\1 >= toDateTime64('2000-01-01 00:00:00', 3) AND "
-                 r"\1 <= toDateTime64('2100-01-01 00:00:00', 3))", sql)
-    assert "$" not in sql, sql
-    return sql
-
-
-def _queries(dashboard: dict) -> list[tuple[str, str]]:
-    """(where, SQL) of every panel target, annotation and variable query."""
-    found = [(f"panel {p['id']} {t['refId']}", t["rawSql"])
-             for p in _all_panels(dashboard) for t in p.get("targets", [])]
-    found += [(f"annotation {a['name']}", a["target"]["rawSql"])
-              for a in dashboard["annotations"]["list"] if "target" in a]
-    found += [(f"variable {v['name']}", v["query"]["rawSql"])
-              for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
-    return found
 
 
 def test_the_first_row_holds_the_nine_p0_panels_against_tokens(dashboard) -> None:
@@ -94,10 +71,45 @@ def test_annotations_come_from_the_anomalies_and_alerts_tables(dashboard) -> Non
 
 def test_run_id_is_a_template_variable_used_by_every_panel(dashboard) -> None:
     names = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "database", "run_id"} <= names
-    for where, sql in _queries(dashboard):
-        if not where.startswith("variable run_id"):
-            assert "${run_id:singlequote}" in sql, where
+    assert {"datasource", "database", "run_id", "rank", "source", "layer"} <= names
+    for where, sql in queries(dashboard):
+        assert "${run_id:singlequote}" in sql, where
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_multi_value_variables_are_always_formatted_and_components_never_listed(path) -> None:
+    """A multi-value variable renders as a list only with a format (singlequote, csv); no
+    variable lists a metric's components, and every component a query names is one the
+    catalog defines."""
+    board = load(path)
+    multi = {v["name"] for v in board["templating"]["list"] if v.get("multi")}
+    sqls = [sql for _, sql in queries(board)] + [v["query"]["rawSql"]
+                                                   for v in board["templating"]["list"]
+                                                   if isinstance(v.get("query"), dict)]
+    for sql in sqls:
+        for name, fmt in re.findall(r"\$\{(\w+)(?::(\w+))?\}", sql):
+            assert name not in multi or fmt in ("singlequote", "csv"), (path.name, name, sql)
+        components = re.findall(r"'([a-z_]+\.[a-z_0-9]+)'", sql)
+        assert set(components) <= set(CATALOG), (path.name, components)
+    for var in board["templating"]["list"]:
+        assert "DISTINCT metric" not in var.get("definition", ""), var["name"]
+
+
+def test_the_rank_dashboard_forms_its_series_from_catalog_components() -> None:
+    sql = " ".join(s for _, s in queries(load(DASHBOARD_DIR / "probewire-rank.json")))
+    assert set(re.findall(r"'([a-z_]+\.[a-z_0-9]+)'", sql)) == {
+        System.STEP_TIME, Comm.WAIT, Loss.SUM, Loss.TOKENS, Memory.PEAK_ALLOCATED,
+        Memory.PEAK_RSS, Output.LOGITS_ABS_MAX}
+
+
+def test_every_dashboard_has_its_own_uid_and_links_to_the_others() -> None:
+    boards = [load(p) for p in DASHBOARDS]
+    assert {b["uid"] for b in boards} == {"probewire-first-screen", "probewire-rank",
+                                          "probewire-compare"}
+    for board in boards:
+        assert "probewire" in board["tags"]
+        assert any(link["type"] == "dashboards" and link["tags"] == ["probewire"]
+                   for link in board["links"])
 
 
 def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
@@ -106,8 +118,9 @@ def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
     sink.migrate()
     write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
         LayerExplosion(layer=1, step=130, scale=50.0),)))
-    results = {where: ch_client.query(_concrete(sql, ch_database))
-               for where, sql in _queries(dashboard)}
+    selected, listed = resolve(dashboard, lambda sql: ch_client.query(sql).result_rows,
+                               choose={"database": ch_database})
+    results = {where: ch_client.query(render(sql, selected)) for where, sql in queries(dashboard)}
     for panel in _first_screen(dashboard):
         main = results[f"panel {panel['id']} A"]
         assert "tokens" in main.column_names and main.row_count > 0, panel["title"]
@@ -119,11 +132,29 @@ def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
     assert marked["Gradient norm G2 and clip rate"] >= 1
     assert marked["Co-spikes (cumulative count)"] == 1
     assert results["annotation Anomalies"].row_count >= 2
-    assert results["variable run_id"].result_rows == [(RUN,)]
+    assert listed["run_id"] == [RUN]
+    assert listed["rank"] == ["0", "1", "2", "3"] and listed["tensor_kind"] == ["bwd", "grad"]
     layer_walk = results["panel 13 A"]
     first = dict(zip(layer_walk.column_names, layer_walk.result_rows[0]))
     assert first["tensor"] == "output"  # the walk starts at the output
 
 
-def test_the_chart_ships_the_same_dashboard() -> None:
-    assert CHART_COPY.read_bytes() == DASHBOARD.read_bytes()
+def test_the_chart_ships_the_same_dashboards() -> None:
+    assert sorted(p.name for p in CHART_DASHBOARDS.glob("*.json")) == [p.name for p in DASHBOARDS]
+    for path in DASHBOARDS:
+        assert (CHART_DASHBOARDS / path.name).read_bytes() == path.read_bytes()
+
+
+def test_provisioning_points_grafana_at_the_reader_over_http_and_at_these_dashboards() -> None:
+    [source] = yaml.safe_load((PROVISIONING / "datasources" / "probewire.yaml").read_text())[
+        "datasources"]
+    assert source["type"] == "grafana-clickhouse-datasource"
+    assert source["jsonData"]["protocol"] == "http"
+    assert source["jsonData"]["port"] == "${PROBEWIRE_SQL_PORT}"
+    assert source["jsonData"]["host"] == "127.0.0.1"
+    [provider] = yaml.safe_load((PROVISIONING / "dashboards" / "probewire.yaml").read_text())[
+        "providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] == "${PROBEWIRE_DASHBOARDS}"
+    for path in DASHBOARDS:  # the data source variable lists the provisioned source's type
+        [var] = [v for v in load(path)["templating"]["list"] if v["type"] == "datasource"]
+        assert var["query"] == source["type"]
