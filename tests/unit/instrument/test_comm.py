@@ -3,7 +3,6 @@ sampled step, nothing on an unsampled one, the originals restored on close."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -11,16 +10,6 @@ import torch.distributed as dist
 
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.wire import decode_rank_step
-
-
-@pytest.fixture()
-def gloo_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_collectives_issued_by_the_loop_are_counted_and_timed(gloo_world):

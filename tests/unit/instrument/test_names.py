@@ -6,7 +6,6 @@ rank's message in production."""
 from __future__ import annotations
 
 import ast
-import socket
 from pathlib import Path
 
 import pytest
@@ -76,16 +75,6 @@ NEEDS_CUDA = {"memory.peak_allocated", "memory.peak_reserved",
               "device.memory_used", "device.power", "device.temperature",
               "device.clock_mhz"}
 OPTIONAL = {"host.cpu_pressure"} if not Path("/proc/pressure/cpu").exists() else set()
-
-
-@pytest.fixture()
-def gloo_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_every_name_every_probe_emits_is_in_the_catalog_and_every_entry_is_emitted(gloo_world):
