@@ -13,6 +13,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -105,7 +106,13 @@ def _draw(ax: Any, x: np.ndarray, y: np.ndarray, label: str, **style: Any) -> bo
 
 def render_first_screen(data: FirstScreenData) -> Figure:
     """The nine panels on one figure (Agg, no pyplot state). Panel axes are labelled
-    ``panel:<key>``; anomaly markers carry gid ``anomaly``, alert lines gid ``alert``."""
+    ``panel:<key>``; anomaly markers carry gid ``anomaly``, alert lines gid ``alert``.
+    Every text is plain text: a `$` in a run id or a source name is not mathtext."""
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _render(data)
+
+
+def _render(data: FirstScreenData) -> Figure:
     fig = Figure(figsize=(16, 11), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(3, 3).ravel()

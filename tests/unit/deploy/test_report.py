@@ -188,3 +188,18 @@ def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(store, store_u
     loss = load_first_screen(client, database, RUN).steps["loss"][20]
     assert all(len(line) <= 80 for line in lines) and len(lines) > 20
     assert f"loss  {loss:.6g}" in [line.strip() for line in lines]  # name, value beside it
+
+
+def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(ch_client, ch_database,
+                                                                   tmp_path) -> None:
+    """Issue 14: a `$` in a label was read as matplotlib mathtext and the report crashed."""
+    sink = ClickHouseSink(ch_client, ch_database)
+    sink.migrate()
+    run = "price$run$1"
+    write_simulated_run(sink, simulated_run(run, steps=30, sources=(("a$b", 0.5),
+                                                                    ("$\\frac{$", 0.5))))
+    html, [png] = write_report(ch_client, ch_database, [run], tmp_path)
+    assert png.stat().st_size > 0 and "a$b" in html.read_text()
+    labels = {line.get_label() for line in _panels(render_first_screen(
+        load_first_screen(ch_client, ch_database, run)))["source"].get_lines()}
+    assert labels == {"a$b (50% of tokens)", "$\\frac{$ (50% of tokens)"}
