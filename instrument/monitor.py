@@ -88,7 +88,7 @@ class Monitor:
         self._ended = False
         started = run_event(identity, "started", config=run_config or {})  # checked first
         self._state = StepState()
-        self._schedule = Schedule(config.cadence)
+        self._schedule = Schedule(config.cadence, config.ring_every)
         self._emitter = StepEmitter(identity, transport, queue_size=config.queue_size,
                                     ring_steps=config.ring_steps)
         self._events = events
@@ -208,7 +208,8 @@ class Monitor:
         self._schedule.densify(steps)
 
     def dump(self) -> None:
-        """Re-send the ring buffer's step records through the emitter (thread-safe)."""
+        """Send the ring buffer's unsent scan-tier detail once, marked as a replay
+        (thread-safe); a second dump sends only what was held since."""
         self._emitter.dump()
 
     @property
