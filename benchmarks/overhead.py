@@ -4,8 +4,9 @@ Configuration (printed on stderr): TinyLM(TinyConfig()) — 2 layers, d=64, 4 he
 sequence 64, byte vocabulary — AdamW, global-norm clipping at 1.0, 2 micro-batches of
 4 padded rows per step (the demo's defaults), one intra-op thread (as each demo rank),
 pre-built batches, a null transport that counts bytes (the broker is not measured).
-Three identical model copies train on the same batches: probes off (the null monitor),
-P0 every step (P1/P2 off), and P0 every step + P1 every 100 steps. After a warm-up, blocks
+Four identical model copies train on the same batches: probes off (the null monitor),
+P0 every step (P1/P2 off), P0 every step + P1 every 100 steps, and that with the ring
+buffer measuring P1 every 10th step (``ring_every=10``). After a warm-up, blocks
 of 20 steps run for each variant in turn, so drift and noise from other processes hit all
 three alike; medians keep one disturbed step from moving a figure.
 
@@ -23,6 +24,12 @@ Figures (stdout, one line each, machine-readable):
                 several repeats each, with the monitor's chunk size; goal <= 1.3
   scan ratio compiled X  the same for the compiled one-pass scan (scan_backend="compiled",
                 the default on CUDA); the compile itself is not timed
+  ring ratio X  amortised cost of the ring buffer (``ring_every`` 10: the scan tier
+                measured for the ring on every 10th step, sent only on a dump) on top of
+                P0 + P1: (median step of the ring variant off its held steps + median
+                extra time of a held step / 10) / median unsampled step of P0 + P1
+  ring step X   a held step's time over the ring variant's other steps (what
+                ``ring_every`` 1 would cost per step)
   emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
@@ -49,6 +56,7 @@ from probewire.instrument.scan import fused_scan, scan
 WARMUP_STEPS = 60
 BLOCK_STEPS = 20
 BLOCKS = 40       # 800 steps per variant: 8 sampled P1 steps
+RING = 10         # the ring variant's ring_every
 SCAN_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 
 
@@ -231,15 +239,18 @@ def main() -> None:
     common = dict(clip_threshold=1.0, sources=SOURCES)
     p0_config = ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
     p1_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, **common)
+    ring_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, ring_every=RING,
+                              **common)
     off, _, _ = _variant("off", None, batches)
     p0, p0_monitor, p0_transport = _variant("p0", p0_config, batches)
     p1, p1_monitor, _ = _variant("p1", p1_config, batches)
-    for run in (off, p0, p1):
+    ring, ring_monitor, _ = _variant("ring", ring_config, batches)
+    for run in (off, p0, p1, ring):
         run(WARMUP_STEPS)
     emit_before = (p0_monitor.emit_time_s, p0_monitor.emitted_steps)
-    times: dict[str, list[float]] = {"off": [], "p0": [], "p1": []}
+    times: dict[str, list[float]] = {"off": [], "p0": [], "p1": [], "ring": []}
     for _ in range(BLOCKS):
-        for name, run in (("off", off), ("p0", p0), ("p1", p1)):
+        for name, run in (("off", off), ("p0", p0), ("p1", p1), ("ring", ring)):
             times[name] += run(BLOCK_STEPS)
     emit_s = p0_monitor.emit_time_s - emit_before[0]
     emit_n = p0_monitor.emitted_steps - emit_before[1]
@@ -249,7 +260,12 @@ def main() -> None:
     unsampled = statistics.median(t for i, t in enumerate(times["p1"]) if (first + i) % 100)
     extra = statistics.median(t - unsampled for t in sampled)
     p1_ratio = (unsampled + extra / 100) / t_p0
-    for monitor in (p0_monitor, p1_monitor):
+    held = [t for i, t in enumerate(times["ring"])
+            if (first + i) % 100 and (first + i) % RING == 0]
+    other = statistics.median(t for i, t in enumerate(times["ring"]) if (first + i) % RING)
+    held_extra = statistics.median(t - other for t in held)
+    ring_ratio = (other + held_extra / RING) / unsampled
+    for monitor in (p0_monitor, p1_monitor, ring_monitor):
         monitor.close()
     worst, per_size = scan_ratio(p0_config.scan_chunk_elems)
     print(f"# tiny model, 1 thread, {BLOCKS} x {BLOCK_STEPS} steps per variant; median step: "
@@ -261,6 +277,8 @@ def main() -> None:
     sys.stderr.flush()
     print(f"p0 ratio {t_p0 / t_off:.4f}")
     print(f"p1 ratio {p1_ratio:.4f}")
+    print(f"ring ratio {ring_ratio:.4f}")
+    print(f"ring step {(other + held_extra) / other:.4f}")
     print(f"scan ratio {worst:.2f}")
     compiled, per_size_compiled = scan_ratio(None, compiled=True)
     print(f"# compiled scan per size { {n: round(r, 2) for n, r in per_size_compiled.items()} }",

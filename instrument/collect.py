@@ -64,6 +64,7 @@ class SealedStep:
     layout: list[tuple[Decoder, list[tuple[int, Any]]]]
     points: list[Point]
     late: list[Late] = field(default_factory=list)
+    held: bool = False   # the scan-tier points stay in the ring buffer (``export``)
 
     def resolve(self) -> list[Point]:
         if self.event is not None:
@@ -114,7 +115,8 @@ class StepCollector:
     def clear(self) -> None:
         self._slots = {}
 
-    def seal(self, step: int, points: list[Point], late: list[Late]) -> SealedStep:
+    def seal(self, step: int, points: list[Point], late: list[Late], *,
+             held: bool = False) -> SealedStep:
         """Concatenate on the device, start the one device-to-host copy, hand over."""
         vectors: list[torch.Tensor] = []
         layout: list[tuple[Decoder, list[tuple[int, Any]]]] = []
@@ -140,6 +142,6 @@ class StepCollector:
                 if cuda:
                     event = torch.cuda.Event()
                     event.record()
-        sealed = SealedStep(step, host, event, layout, points, late)
+        sealed = SealedStep(step, host, event, layout, points, late, held)
         self.clear()
         return sealed

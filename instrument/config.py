@@ -76,7 +76,16 @@ class ProbeConfig:
     clip_threshold: float | None = None
     """The loop's global-norm clip threshold c (grad.clipped); None: not reported."""
     ring_steps: int = 16
-    """Step records kept on the rank for a ``dump`` control message."""
+    """Steps of unsent scan-tier detail kept on the rank (the ring buffer) for a ``dump``
+    control message, which sends them once."""
+    ring_every: int = 0
+    """Steps between scan-tier measurements taken for the ring only: on a step ``t`` with
+    ``t % ring_every == 0`` where the scan tier is not due, its probes run all the same and
+    their points (the catalog's scan-tier metrics) stay in the ring instead of being sent,
+    so an anomaly between two scan steps can get the detail of the steps before it
+    (001 §12: a detector cannot recover expensive measurements from before the event).
+    0: off. It costs a scan step's work on each such step (``benchmarks/overhead.py``,
+    ring ratio)."""
     queue_size: int = 256
     """Steps the export queue holds before it drops (and counts) one."""
     module_names: tuple[str, ...] = DEFAULT_MODULE_NAMES
@@ -148,6 +157,11 @@ class ProbeConfig:
                              f"got {self.clip_threshold!r}")
         if self.ring_steps < 0:
             raise ValueError(f"ProbeConfig.ring_steps: must be >= 0, got {self.ring_steps}")
+        if not isinstance(self.ring_every, int) or self.ring_every < 0:
+            raise ValueError(f"ProbeConfig.ring_every: must be an int >= 0, got {self.ring_every!r}")
+        if self.ring_every and not self.ring_steps:
+            raise ValueError("ProbeConfig.ring_every: needs ring_steps >= 1 (the ring that "
+                             "keeps what it measures)")
         if self.queue_size < 1:
             raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
         if self.scan_backend not in ("auto", "compiled", "eager"):

@@ -3,9 +3,16 @@
 The training thread only enqueues a step record (a bounded queue; what it cannot hold is
 counted, never blocks). One background thread per rank owns everything else: it resolves
 the record (waits for the device-to-host copy of the step's statistics, turns them into
-points), keeps the last ``ring_steps`` records in a ring buffer, encodes OTLP (see
-``wire``) and hands the bytes to a transport (Kafka, key ``<run_id>:<step>``).
-Nothing here keeps state per step beyond the bounded queue and ring.
+points), encodes OTLP (see ``wire``) and hands the bytes to a transport (Kafka, key
+``<run_id>:<step>``).
+
+The ring buffer holds what was measured and **not** sent: on a step measured for the ring
+only (``ProbeConfig.ring_every``, a record with ``held``), the catalog's scan-tier points
+stay in the ring and the rest of the step is sent. The ring keeps the last ``ring_steps``
+such steps (a deque with a maximum length: its memory is bounded by ``ring_steps`` steps of
+scan points). A ``dump`` (control topic) sends each held step once, as a message marked
+replay (``wire.REPLAY_ATTR``), and empties the ring: a second dump sends nothing already
+sent. Nothing here keeps state per step beyond the bounded queue and ring.
 """
 
 from __future__ import annotations
@@ -17,12 +24,23 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
-from .catalog import Export
+from .catalog import CATALOG, Export, Tier
 from .wire import Point, RankIdentity, WireEncoder, message_key
 
-__all__ = ["KafkaTransport", "StepEmitter", "StepRecord", "Transport"]
+__all__ = ["KafkaTransport", "StepEmitter", "StepRecord", "Transport", "split_held"]
 
 log = logging.getLogger(__name__)
+
+_SCAN_TIER = frozenset(name for name, s in CATALOG.items() if s.tier is Tier.SCAN)
+
+
+def split_held(points: Sequence[Point]) -> tuple[list[Point], list[Point]]:
+    """(sent, held) of a step measured for the ring: held = the catalog's scan-tier points."""
+    sent: list[Point] = []
+    held: list[Point] = []
+    for point in points:
+        (held if point[0] in _SCAN_TIER else sent).append(point)
+    return sent, held
 
 class Transport(Protocol):
     """Where encoded messages go. ``send`` never raises; it returns False on failure."""
@@ -42,6 +60,7 @@ class StepRecord(Protocol):
     """
 
     step: int
+    held: bool   # scan-tier points go to the ring instead of the transport
 
     def resolve(self) -> list[Point]: ...
 
@@ -50,6 +69,7 @@ class StepRecord(Protocol):
 class _Ready:
     step: int
     points: list[Point]
+    held: bool = False
 
     def resolve(self) -> list[Point]:
         return self.points
@@ -127,9 +147,9 @@ class StepEmitter:
         self.dropped = 0      # steps the training thread could not enqueue
         self.sent = 0
         self.errors = 0
-        self.replayed = 0     # messages re-sent from the ring buffer
+        self.replayed = 0     # held steps sent from the ring buffer on a dump
         self.ring: collections.deque[tuple[int, list[Point]]] = collections.deque(
-            maxlen=max(ring_steps, 1))
+            maxlen=max(ring_steps, 1))   # held (unsent) scan-tier points of the last steps
         self._keep_ring = ring_steps > 0
         self._encoder = WireEncoder(identity.resource_attributes())
         self._closed = False
@@ -137,9 +157,10 @@ class StepEmitter:
         self._thread.start()
 
     # ------------------------------------------------------------------ training thread
-    def emit(self, step: int, points: Iterable[Point]) -> None:
-        """Enqueue ready points and return. A full queue drops the step and counts it."""
-        self.submit(_Ready(int(step), list(points)))
+    def emit(self, step: int, points: Iterable[Point], held: bool = False) -> None:
+        """Enqueue ready points and return. A full queue drops the step and counts it.
+        ``held``: the scan-tier points go to the ring buffer, the rest is sent."""
+        self.submit(_Ready(int(step), list(points), held))
 
     def submit(self, record: StepRecord) -> None:
         """Enqueue a step record (resolved on the emitter thread). Never blocks."""
@@ -158,18 +179,20 @@ class StepEmitter:
 
     # ------------------------------------------------------------------ any thread
     def dump(self) -> None:
-        """Ask the emitter thread to re-send the ring buffer (the stream dedups)."""
+        """Ask the emitter thread to send the ring buffer's held steps, once each."""
         self._dump_requests += 1
         self._wake.set()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every record submitted so far is sent; True when drained in time."""
+        """Wait until every record submitted and every dump asked for so far is sent; True
+        when drained in time."""
         deadline = time.monotonic() + timeout_s
         self._wake.set()
-        while (self._pending or self._busy) and time.monotonic() < deadline:
+        while ((self._pending or self._dump_requests or self._busy)
+               and time.monotonic() < deadline):
             time.sleep(0.005)
             self._wake.set()
-        return not self._pending
+        return not (self._pending or self._dump_requests)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Drain what is pending, flush the transport, stop the thread. Safe to call twice."""
@@ -186,9 +209,10 @@ class StepEmitter:
     _busy = False
 
     def _send(self, step: int, points: Sequence[Point], replay: bool = False) -> None:
+        if not replay:
+            points = [*points, Point(Export.DROPPED, float(self.dropped))]
         try:
-            payload = self._encoder.encode(
-                step, [*points, Point(Export.DROPPED, float(self.dropped))], replay=replay)
+            payload = self._encoder.encode(step, points, replay=replay)
         except Exception:  # contained: a broken batch must never reach the training loop
             self.errors += 1
             log.exception("probewire: could not encode step %d", step)
@@ -208,12 +232,15 @@ class StepEmitter:
                 self.errors += 1
                 log.exception("probewire: could not resolve step %s", getattr(record, "step", "?"))
                 continue
-            if self._keep_ring:
-                self.ring.append((record.step, points))
+            if getattr(record, "held", False) and self._keep_ring:
+                points, held = split_held(points)
+                if held:
+                    self.ring.append((record.step, held))
             self._send(record.step, points)
         while self._dump_requests:
             self._dump_requests -= 1
-            for step, points in list(self.ring):
+            while self.ring:  # each held step leaves the ring as it is sent: once
+                step, points = self.ring.popleft()
                 self._send(step, points, replay=True)
                 self.replayed += 1
 

@@ -94,7 +94,7 @@ class Monitor:
         started = run_event(identity, "started", config={
             **(run_config or {}), "probewire.scan_backend": self.scan_backend})
         self._state = StepState()
-        self._schedule = Schedule(config.cadence)
+        self._schedule = Schedule(config.cadence, config.ring_every)
         self._emitter = StepEmitter(identity, transport, queue_size=config.queue_size,
                                     ring_steps=config.ring_steps)
         self._events = events
@@ -210,7 +210,8 @@ class Monitor:
         self._schedule.densify(steps)
 
     def dump(self) -> None:
-        """Re-send the ring buffer's step records through the emitter (thread-safe)."""
+        """Send the ring buffer's unsent scan-tier detail once, marked as a replay
+        (thread-safe); a second dump sends only what was held since."""
         self._emitter.dump()
 
     @property

@@ -5,8 +5,9 @@ inputs the loop described (``micro_batch``), the device parts waiting for the st
 transfer, the tensors waiting for the step's batched scan, the gradient measurements —
 and is reset when the step closes. It also carries the few counters that span steps
 (guard events since the last emitted step, timing of the last step). ``Schedule`` decides
-which tiers are due at a step: each tier's interval (``ProbeConfig.cadence``), and the
-steps a control message densified.
+which tiers are due at a step: each tier's interval (``ProbeConfig.cadence``), the steps a
+control message densified, and the steps whose scan tier is measured for the ring buffer
+only (``ProbeConfig.ring_every``: ``held``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class Schedule:
     densified: on the demo MoE, densified forensics raised the rank's peak RSS by ~115 MiB
     and paged peak_memory on the monitor's own allocations."""
 
-    def __init__(self, every: Mapping[Tier, int]) -> None:
+    def __init__(self, every: Mapping[Tier, int], ring_every: int = 0) -> None:
         self._every = tuple(int(every[tier]) for tier in Tier)
+        self._ring_every = int(ring_every)
         self._dense_until = -1
         self._commands: queue.SimpleQueue[int] = queue.SimpleQueue()
 
@@ -48,6 +50,12 @@ class Schedule:
         on[Tier.STEP] |= dense
         on[Tier.SCAN] |= dense
         return on
+
+    def held(self, step: int, due: Mapping[Tier, bool]) -> bool:
+        """Whether step ``step`` measures the scan tier for the ring only (``ring_every``):
+        the scan tier is not due to be sent, and the ring's interval says measure."""
+        every = self._ring_every
+        return every > 0 and not due[Tier.SCAN] and step % every == 0
 
 
 _NOTHING_DUE = {tier: False for tier in Tier}
@@ -70,7 +78,7 @@ class Entry:
 class StepState:
     """What the current step has seen; every hook's first line reads ``due``."""
 
-    __slots__ = ("step", "due", "t0", "collector", "mask", "source", "modality", "positions",
+    __slots__ = ("step", "due", "held", "t0", "collector", "mask", "source", "modality", "positions",
                  "_mask_count", "entries", "scan_rows", "grad_norm", "grad_rows", "clip",
                  "pending_bwd", "comm_waits", "guard", "last_step_time_s", "emit_time_s",
                  "emitted_steps")
@@ -83,8 +91,8 @@ class StepState:
         self.emitted_steps = 0
         self.reset()
 
-    def open(self, step: int, due: dict[Tier, bool], t0: float) -> None:
-        self.step, self.due, self.t0 = step, due, t0
+    def open(self, step: int, due: dict[Tier, bool], t0: float, held: bool = False) -> None:
+        self.step, self.due, self.t0, self.held = step, due, t0, held
 
     @property
     def sampled(self) -> bool:
@@ -95,6 +103,7 @@ class StepState:
         """Back to "no step open": every hook then returns at its first line."""
         self.step: int | None = None
         self.due: dict[Tier, bool] = _NOTHING_DUE
+        self.held = False  # the scan tier runs for the ring only (not sent unless dumped)
         self.t0 = 0.0
         # what the loop described with micro_batch (references: read on the emitter thread)
         self.mask: torch.Tensor | None = None

@@ -79,7 +79,11 @@ class StepContext:
     def __enter__(self) -> "StepContext":
         state, probes = self._state, self._probes
         step = self._next
-        state.open(step, self._schedule.due(step), 0.0)
+        due = self._schedule.due(step)
+        held = self._schedule.held(step, due)
+        if held:  # the scan probes run; their points go to the ring (``export``)
+            due = {**due, Tier.SCAN: True}
+        state.open(step, due, 0.0, held)
         probes.tensors.open(state)
         probes.comm.open(state)
         probes.system.open(state)
@@ -107,7 +111,7 @@ class StepContext:
                     probes.optim.close(state, points)
                 probes.grads.close(state, points)
                 probes.comm.close(state, late)
-                self._submit(state.collector.seal(step, points, late))
+                self._submit(state.collector.seal(step, points, late, held=state.held))
                 state.emit_time_s += time.perf_counter() - start
                 state.emitted_steps += 1
             if not ok and self._on_error is not None:

@@ -280,6 +280,7 @@ class RankStep:
     host: str
     coords: dict[str, int]
     values: dict[SeriesKey, float]
+    replay: bool = False   # sent from the rank's ring buffer on a dump (``REPLAY_ATTR``)
 
 
 _unpack_double = _DOUBLE.unpack_from
@@ -456,7 +457,7 @@ def _decode(key: bytes | None, buf: bytes) -> RankStep:
             raise DecodeError(f"key {key!r} does not match content {expected!r}")
     return RankStep(run_id=run_id, step=step, rank=speaker.rank,
                     world_size=speaker.world_size, host=speaker.host,
-                    coords=dict(speaker.coords), values=values)
+                    coords=dict(speaker.coords), values=values, replay=speaker.replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +469,7 @@ class _Speaker:
     world_size: int
     host: str
     coords: tuple[tuple[str, int], ...]
+    replay: bool = False
 
     @classmethod
     def parse(cls, resource: Mapping[str, str | int | float | bool]) -> "_Speaker":
@@ -487,7 +489,7 @@ class _Speaker:
                 coords.append((group, index))
         host = resource.get(HOST_ATTR, "")
         return cls(run_id, rank, world_size, host if isinstance(host, str) else str(host),
-                   tuple(coords))
+                   tuple(coords), resource.get(REPLAY_ATTR) is True)
 
 
 _SPEAKERS: dict[bytes, _Speaker] = {}

@@ -7,6 +7,12 @@ there will not report the earlier one; across partitions there is no such order.
 The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
 representatives. Means and ratios are formed later from the reduced components.
+
+A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
+scan-tier detail of a step whose other points were sent at the time) gathers apart from
+the step's own messages, by the same rules (every rank, or the deadline), and is reduced
+into a step with ``complete_reason = "replay"``: detail of a step that may be long
+complete. Each rank's replay of a step is counted once.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from probewire.instrument.wire import RankStep, SeriesKey
 
 from .records import ReducedStep
 
-__all__ = ["AddResult", "StepAssembler", "reduce_step"]
+__all__ = ["REPLAY", "AddResult", "StepAssembler", "reduce_step"]
+
+REPLAY = "replay"
 
 _GROUP_ORDER = tuple(g.value for g in Group)
 
@@ -103,8 +111,9 @@ class StepAssembler:
         if deadline_s <= 0:
             raise ValueError("deadline_s must be > 0")
         self.deadline_s = deadline_s
-        self._pending: dict[tuple[str, int], _Pending] = {}
-        self._done: OrderedDict[tuple[str, int], frozenset[int]] = OrderedDict()
+        # keys (run, step) of the steps' own messages, (run, step, REPLAY) of replays
+        self._pending: dict[tuple, _Pending] = {}
+        self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
         self._remember = remember_steps
 
     @property
@@ -112,6 +121,8 @@ class StepAssembler:
         return len(self._pending)
 
     def add(self, record: RankStep, now: float, partition: int = 0) -> AddResult:
+        if record.replay:
+            return self._add_replay(record, now, partition)
         key = (record.run_id, record.step)
         done = self._done.get(key)
         if done is not None:
@@ -126,21 +137,37 @@ class StepAssembler:
             return AddResult(completed=[])
         completed = [self._emit(key, "all_ranks")]
         earlier = sorted(k for k, p in self._pending.items() if k[0] == record.run_id
-                         and k[1] < record.step and p.partition == pending.partition)
+                         and len(k) == 2 and k[1] < record.step
+                         and p.partition == pending.partition)
         completed = [self._emit(k, "later_step") for k in earlier] + completed
         return AddResult(completed=completed)
 
+    def _add_replay(self, record: RankStep, now: float, partition: int) -> AddResult:
+        key = (record.run_id, record.step, REPLAY)
+        done = self._done.get(key)
+        pending = None if done is not None else self._pending.setdefault(
+            key, _Pending(record.world_size, now, partition))
+        if pending is None or record.rank in pending.records:
+            return AddResult(completed=[], duplicate=True)  # this rank's replay is counted
+        pending.records[record.rank] = record
+        if len(pending.records) < pending.world_size:
+            return AddResult(completed=[])
+        return AddResult(completed=[self._emit(key, REPLAY)])
+
     def expire(self, now: float) -> list[ReducedStep]:
         """Emit every pending step whose deadline has passed, in (run, step) order."""
-        due = sorted(k for k, p in self._pending.items() if now - p.first_seen >= self.deadline_s)
+        due = sorted((k for k, p in self._pending.items()
+                      if now - p.first_seen >= self.deadline_s), key=lambda k: k[:2])
         return [self._emit(k, "deadline") for k in due]
 
     def flush(self) -> list[ReducedStep]:
         """Emit everything pending (shutdown)."""
-        return [self._emit(k, "deadline") for k in sorted(self._pending)]
+        return [self._emit(k, "deadline") for k in sorted(self._pending, key=lambda k: k[:2])]
 
-    def _emit(self, key: tuple[str, int], reason: str) -> ReducedStep:
+    def _emit(self, key: tuple, reason: str) -> ReducedStep:
         pending = self._pending.pop(key)
+        if len(key) == 3:
+            reason = REPLAY
         self._done[key] = frozenset(pending.records)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)

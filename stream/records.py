@@ -44,7 +44,7 @@ class ReducedStep:
     per_rank: dict[int, dict[SeriesKey, float]]
     hosts: dict[int, str] = field(default_factory=dict)
     coords: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> {dp: i, ...}
-    complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late"
+    complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late", "replay"
 
     def to_bytes(self) -> bytes:
         """Compact wire form: a JSON header naming the series once, then float64 arrays.

@@ -17,6 +17,9 @@ Nothing a run does makes this module raise or drop a step:
   detectors, whose windows hold the run's steps in order: its row carries the P0 view but
   no detector fields. It counts in the run's cumulative tokens and FLOPs from then on.
   A re-delivered step (at or below the newest, and not skipped) is dropped.
+- a replay (``complete_reason = "replay"``: the ranks' ring buffers sent on a dump, the
+  scan-tier detail of a past step) writes that detail to the look-back tables and
+  promotes its step; the step's own row and the detectors are untouched.
 - a step whose components break the rules of ``derive`` (which stage 1's bounds rule
   out; only another writer of the steps topic could send one) is refused before any state
   moves: ``Stage2Output.refused`` names it and the reason, and the worker dead-letters it.
@@ -29,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .assemble import REPLAY
 from .errors import check
 from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
@@ -145,6 +149,12 @@ class RunPipeline:
             out = Stage2Output()
             out.rows["rank_metrics_recent"] += _detail_rows(item)["rank_metrics"]
             out.promote.append(item.step)
+            return out
+        if item.complete_reason == REPLAY:  # the ranks' ring buffers: a past step's detail
+            out = Stage2Output()
+            for table, rows in _detail_rows(item).items():
+                out.rows[f"{table}_recent"] += rows
+            out.promote.append(item.step)  # into the detail tables, the step's P0 row untouched
             return out
         return self._process(self.orderer.offer(item, now))
 

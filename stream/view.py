@@ -210,7 +210,9 @@ def _sources(red: dict[SeriesKey, float], tokens: float) -> dict[str, tuple[floa
 
 def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
     base = {"run_id": item.run_id, "step": item.step}
-    run_id, step, late = item.run_id, item.step, int(item.complete_reason == "late")
+    # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
+    run_id, step = item.run_id, item.step
+    late = int(item.complete_reason in ("late", "replay"))
     texts: dict[tuple, str] = {}  # every rank sends the same label sets: join each once
     for vals in item.per_rank.values():
         for _, lab in vals:

@@ -26,7 +26,7 @@ from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavai
 from probewire.sinks.retained import load_state
 
 from .alerting import AlertmanagerWebhook
-from .assemble import StepAssembler
+from .assemble import REPLAY, StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
 from .health import Heartbeat, Progress
@@ -59,8 +59,8 @@ class Worker:
         self.before_event = before_event  # a test hook (fault injection), a no-op otherwise
         self.assembler = StepAssembler(config.deadline_s)
         self.validator = StepValidator(config.bounds)
-        self.waiting: dict[tuple[str, int], list[Any]] = {}  # unacked rank messages per step
-        self.waiting_since: dict[tuple[str, int], float] = {}
+        self.waiting: dict[tuple, list[Any]] = {}  # unacked rank messages per step (_wait_key)
+        self.waiting_since: dict[tuple, float] = {}
         self.runs: dict[str, RunPipeline] = {}
         self.batch = StoreBatch(config.batch)
         self.progress = Progress(config.health)
@@ -170,7 +170,7 @@ class Worker:
             self.waiting.setdefault((record.run_id, record.step, "late"), []).append(event)
             await self.publish_step(late, key=(record.run_id, record.step, "late"))
             return
-        key = (record.run_id, record.step)
+        key = _wait_key(record.run_id, record.step, record.replay)
         self.waiting.setdefault(key, []).append(event)
         self.waiting_since.setdefault(key, now)
         for reduced in result.completed:
@@ -185,7 +185,8 @@ class Worker:
     async def publish_step(self, reduced: ReducedStep, key: Any = None) -> None:
         """Publish a reduced step (split to fit the message limit), then acknowledge the
         rank messages behind it; a step that can never be published is dead-lettered."""
-        key = key or (reduced.run_id, reduced.step)
+        key = key or _wait_key(reduced.run_id, reduced.step,
+                               reduced.complete_reason == REPLAY)
         try:
             for part, data in split_step(reduced, self.config.max_message_bytes):
                 await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
@@ -361,6 +362,12 @@ class Worker:
         if left:
             log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)
         self._writer.shutdown(wait=True)
+
+
+def _wait_key(run_id: str, step: int, replay: bool) -> tuple:
+    """The key of the rank messages waiting for one reduced step: a replay (the ranks' ring
+    buffers) waits apart from the step's own messages."""
+    return (run_id, step, REPLAY) if replay else (run_id, step)
 
 
 def _origin(what: str, content: bytes) -> dict[str, Any]:

@@ -145,21 +145,23 @@ class HostTelemetry:
 
 
 class DeviceTelemetry:
-    """NVML through torch.cuda's wrappers (which map CUDA_VISIBLE_DEVICES); needs pynvml.
+    """NVML (the ``pynvml`` module of the declared ``nvidia-ml-py``) through torch.cuda's
+    wrappers, which map CUDA_VISIBLE_DEVICES; ``pynvml`` is imported here, lazily.
 
-    ``available`` is False without CUDA or without the optional ``pynvml`` package, and
-    after the first failing query (logged once); then ``sample`` returns nothing.
+    ``available`` is False without a CUDA device or without ``pynvml`` (one info line says
+    which), and after the first failing query (one warning); then ``sample`` returns nothing.
     """
 
     def __init__(self, device: torch.device | None) -> None:
         self._device = device
         self.available = False
         if device is None or device.type != "cuda":
+            log.info("probewire: no CUDA device; device.* telemetry off")
             return
         try:
-            import pynvml  # noqa: F401  (optional dependency: nvidia-ml-py)
+            import pynvml  # noqa: F401  (nvidia-ml-py; torch.cuda's NVML wrappers use it)
         except ImportError:
-            log.info("probewire: pynvml not installed; device.* telemetry off")
+            log.info("probewire: pynvml (nvidia-ml-py) not installed; device.* telemetry off")
             return
         self.available = True
         self._queries: list[tuple[str, Callable[[], float]]] = [

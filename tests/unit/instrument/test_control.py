@@ -14,6 +14,7 @@ from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.evaluators.records import CheckpointEvent
 from probewire.instrument import (ControlListener, KafkaTransport, MemoryTransport, ProbeConfig,
                                   RankIdentity, attach, checkpoint_event)
+from probewire.instrument.catalog import Tensor
 from probewire.instrument.wire import decode_rank_step
 
 
@@ -114,8 +115,8 @@ def test_densify_and_dump_over_the_real_control_topic(kafka_bootstrap):
     control = ControlListener({"bootstrap.servers": kafka_bootstrap}, run_id=run_id, rank=0)
     monitor = attach(model, opt, transport=transport, control=control,
                      identity=RankIdentity(run_id=run_id, rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"scan": 0}, ring_steps=2, telemetry=False,
-                                        comm=False))
+                     config=ProbeConfig(cadence={"scan": 0}, ring_steps=2, ring_every=1,
+                                        telemetry=False, comm=False))
     assert control.ready.wait(20), "listener never got its partitions"
     tiny_step(monitor, model, opt, 0)
     produce(kafka_bootstrap, "probewire.control", run_id.encode(),
@@ -132,9 +133,11 @@ def test_densify_and_dump_over_the_real_control_topic(kafka_bootstrap):
         time.sleep(0.05)
     monitor.close()
     steps = [decode_rank_step(k, v) for k, v in transport.messages]
-    dense = {r.step for r in steps if any(n == "tensor.n" for n, _ in r.values)}
-    assert dense == {1, 2}
-    assert [r.step for r in steps] == [0, 1, 2, 3, 2, 3]  # the ring (2 steps) re-sent
+    scanned = {(r.step, r.replay) for r in steps if any(n == Tensor.N for n, _ in r.values)}
+    # densified steps 1, 2 sent their scans; 0 and 3 kept theirs in the ring until the dump
+    assert scanned == {(1, False), (2, False), (0, True), (3, True)}
+    assert [(r.step, r.replay) for r in steps] == [(0, False), (1, False), (2, False),
+                                                    (3, False), (0, True), (3, True)]
 
 
 @pytest.mark.integration

@@ -1,5 +1,5 @@
 """The emitter and the OTLP message: stock proto decoding, non-finite values, bounded
-memory over 100k emits, counted drops, ring-buffer re-sends."""
+memory over 100k emits, counted drops, the ring buffer's held steps sent once."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, Point, ProbeConfig, RankIdentity, attach
+from probewire.instrument.catalog import Tensor
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.testing import ProtoEncoder, SdkEncoder
 from probewire.instrument.wire import WireEncoder
@@ -221,16 +222,19 @@ def test_a_full_queue_drops_steps_counts_them_and_exports_the_count():
     assert len(transport.messages) + emitter.dropped == 11
 
 
-def test_dump_resends_the_ring_buffer_marked_as_replay():
+def test_dump_sends_the_held_steps_once_marked_as_replay():
     transport = MemoryTransport()
     emitter = StepEmitter(IDENTITY, transport, ring_steps=3)
     for step in range(5):
-        emitter.emit(step, POINTS)
+        emitter.emit(step, POINTS, held=step != 1)  # step 1 sent whole: never in the ring
     assert emitter.flush(5.0)
     emitter.dump()
+    emitter.dump()  # a second dump: nothing left to send
     emitter.close()
-    steps = [decode_rank_step(k, v).step for k, v in transport.messages]
-    assert steps == [0, 1, 2, 3, 4, 2, 3, 4]
+    steps = [decode_rank_step(k, v) for k, v in transport.messages]
+    assert [r.step for r in steps] == [0, 1, 2, 3, 4, 2, 3, 4]
+    assert [set(n for n, _ in r.values) for r in steps[5:]] == [{Tensor.ABS_MAX}] * 3
+    assert Tensor.ABS_MAX not in {n for n, _ in steps[0].values}
     resources = [ExportMetricsServiceRequest.FromString(v).resource_metrics[0].resource
                  for _, v in transport.messages]
     replay = [attrs(r.attributes).get("probewire.replay", False) for r in resources]

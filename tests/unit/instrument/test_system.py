@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 
+import pytest
 import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
@@ -52,6 +54,13 @@ def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked
     assert not quiet & {"net.rx", "net.tx"}
 
 
-def test_device_telemetry_is_off_without_cuda():
-    telemetry = DeviceTelemetry(None)
-    assert telemetry.available is False and telemetry.sample() == []
+@pytest.mark.parametrize("device", [None, torch.device("cpu")])
+def test_device_telemetry_is_off_without_cuda_with_one_info_line(device, caplog):
+    import pynvml  # the declared binding (nvidia-ml-py) is installed; no GPU here
+
+    assert hasattr(pynvml, "nvmlInit")
+    with caplog.at_level(logging.DEBUG, logger="probewire.instrument.probes.system"):
+        telemetry = DeviceTelemetry(device)
+        assert telemetry.available is False and telemetry.sample() == []
+    records = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert records == [(logging.INFO, "probewire: no CUDA device; device.* telemetry off")]

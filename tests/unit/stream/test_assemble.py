@@ -91,3 +91,36 @@ def test_reduced_step_wire_round_trip_keeps_nonfinite():
     back = ReducedStep.from_bytes(out.to_bytes())
     assert back.step == 3 and back.ranks_missing == [1] and math.isinf(back.reduced[LOSS])
     assert back.per_rank[0][TOK] == 2.0
+
+
+def scan_rec(rank: int, step: int, world: int, abs_max: float, n: float) -> RankStep:
+    labels = {"tensor": "blocks.0", "kind": "fwd"}
+    return RankStep(run_id="r", step=step, rank=rank, world_size=world, host="h",
+                    coords={"tp": rank}, replay=True,
+                    values={series_key("tensor.abs_max", labels): abs_max,
+                            series_key("tensor.n", labels): n})
+
+
+def test_a_replay_of_a_completed_step_is_reduced_apart_once():
+    asm = StepAssembler(deadline_s=30)
+    for r in range(2):
+        asm.add(rec(r, step=7, world=2, loss=1.0, tok=1.0), now=0)
+    assert asm.add(rec(1, step=8, world=2, loss=1.0, tok=1.0), now=0).completed == []
+    # the ranks' ring buffers: step 7's scan detail, after step 7 completed
+    assert asm.add(scan_rec(0, 7, 2, abs_max=3.0, n=10.0), now=1).completed == []
+    assert asm.add(scan_rec(0, 7, 2, abs_max=3.0, n=10.0), now=1).duplicate
+    (done,) = asm.add(scan_rec(1, 7, 2, abs_max=5.0, n=6.0), now=1).completed
+    assert (done.step, done.complete_reason, done.ranks_missing) == (7, "replay", [])
+    labels = {"tensor": "blocks.0", "kind": "fwd"}
+    assert done.reduced == {series_key("tensor.abs_max", labels): 5.0,
+                            series_key("tensor.n", labels): 16.0}
+    # a second dump's copy of the same rank's replay is counted once, and step 8 still waits
+    again = asm.add(scan_rec(1, 7, 2, abs_max=5.0, n=6.0), now=2)
+    assert again.duplicate and again.completed == [] and asm.pending == 1
+
+
+def test_a_replay_with_a_missing_rank_is_reduced_at_the_deadline():
+    asm = StepAssembler(deadline_s=5)
+    asm.add(scan_rec(0, 3, 2, abs_max=1.0, n=4.0), now=0)
+    (done,) = asm.expire(now=5)
+    assert done.complete_reason == "replay" and done.ranks_missing == [1]

@@ -272,3 +272,25 @@ def test_a_step_whose_components_break_the_rules_is_refused_before_any_state_mov
     assert state(run) == before
     out = run.accept(records(2, [(3.0, 1.0), (2.0, 1.0)]), 0.2)
     assert [r["step"] for r in out.rows["step_metrics"]] == [2] and run.last_step == 2
+
+
+def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
+    run = RunPipeline("run", small_config())
+    outs = [run.accept(records(s, [(2.0, 1.0), (2.0, 1.0)]), now=float(s)) for s in range(6)]
+    stored = [r for o in outs for r in o.rows["step_metrics"]]
+    labels = {"tensor": "blocks.0", "kind": "fwd"}
+    values = {"n": 16.0, "sum": 4.0, "sum_sq": 8.0, "abs_sum": 6.0, "abs_max": 5.0,
+              "zeros": 1.0, "nonfinite": 0.0}
+    replay = [RankStep(run_id="run", step=4, rank=r, world_size=2, host="h", coords={"dp": r},
+                       replay=True, values={series_key(f"tensor.{k}", labels): v / 2
+                                            for k, v in values.items()})
+              for r in range(2)]
+    out = run.accept(reduce_step("run", 4, 2, replay, "replay"), now=7.0)
+    assert out.promote == [4] and not out.rows["step_metrics"] and not out.rows["anomalies"]
+    (row,) = out.rows["tensor_stats_recent"]
+    assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
+    assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
+    assert {r["late"] for r in out.rows["rank_metrics_recent"]} == {1}
+    # the run's own rows did not move: a later step continues the counters
+    nxt = run.accept(records(6, [(2.0, 1.0), (2.0, 1.0)]), now=8.0).rows["step_metrics"]
+    assert nxt[0]["tokens"] == stored[-1]["tokens"] + 2
