@@ -102,17 +102,24 @@ def check_broker(client_config: dict[str, str], timeout_s: float = 8.0) -> set[s
                          f"{hint}") from None
 
 
+KAFKA_MESSAGE_BYTES = 1_048_588
+"""Kafka's default max.message.bytes (1 MiB plus the record batch header)."""
+
+
 def create_topics(bootstrap: str | dict[str, str], partitions: dict[str, int],
                   timeout_s: float = 30.0) -> None:
     """Create topics with explicit partition counts; existing topics are left alone.
-    ``bootstrap`` is an address or a whole client config (SASL/TLS)."""
+    ``bootstrap`` is an address or a whole client config (SASL/TLS). Each states Kafka's
+    default ``max.message.bytes``, so the worker's start-up check can read it (Tansu states
+    only what a topic was created with)."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
     config = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
     existing = check_broker(config, timeout_s)
     admin = AdminClient({**config, "log_level": 0})
-    wanted = [NewTopic(n, p, 1) for n, p in partitions.items() if n not in existing]
+    wanted = [NewTopic(n, p, 1, config={"max.message.bytes": str(KAFKA_MESSAGE_BYTES)})
+              for n, p in partitions.items() if n not in existing]
     for name, future in (admin.create_topics(wanted) if wanted else {}).items():
         try:
             future.result(timeout_s)
