@@ -43,10 +43,11 @@ from probewire.instrument.export import StepEmitter
 from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.instrument.testing import MemoryTransport
 from probewire.sinks.clickhouse import ClickHouseSink, connect
-from probewire.sinks.retained import promote, save_state
 from probewire.stream.assemble import StepAssembler
+from probewire.stream.batching import Batch
 from probewire.stream.records import ReducedStep
 from probewire.stream.stage2 import RunPipeline, Stage2Output
+from probewire.stream.store import write_batch
 from probewire.stream.testing import SimRun
 
 TENSORS = [f"block{i}.{part}" for i in range(3) for part in ("attn", "mlp")]
@@ -153,10 +154,8 @@ def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 
             for payload in payloads[i:i + batch]:
                 out.extend(pipeline.accept(ReducedStep.from_bytes(payload), time.monotonic()))
             t1 = time.perf_counter()
-            for table, rows in out.rows.items():
-                sink.write(table, rows)
-            promote(sink, run.run_id, sorted(set(out.promote)))
-            save_state(sink, run.run_id, "stage2", pipeline.last_step, pipeline.to_state())
+            write_batch(sink, Batch(outputs={run.run_id: out}, states={
+                run.run_id: (pipeline.last_step, pipeline.to_state())}))
             times["stage 2"] += t1 - t0
             times["store"] += time.perf_counter() - t1
         total = sum(times.values())

@@ -9,11 +9,14 @@ on with identical results.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .rolling import sorted_median, sorted_median_mad, sorted_quantile
 
 __all__ = [
     "MIN_SPREAD",
@@ -111,6 +114,7 @@ class RobustSpikeDetector:
     eps: float = 1e-8
     min_spread: float = MIN_SPREAD
     _history: deque[float] = field(init=False, repr=False, compare=False)
+    _sorted: list[float] = field(init=False, repr=False, compare=False)  # _history, ascending
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -125,6 +129,7 @@ class RobustSpikeDetector:
         _positive_finite("eps", self.eps)
         _positive_finite("min_spread", self.min_spread)
         self._history = deque(maxlen=self.window)
+        self._sorted = []
 
     @property
     def history_len(self) -> int:
@@ -143,16 +148,15 @@ class RobustSpikeDetector:
             )
         u = math.log(x + self.eps)
         if warmup:
-            self._history.append(u)
+            self._add(u)
             return SpikeResult(
                 x=x, u=u, median=None, mad=None, z=None, direction=0,
                 spike=False, warmup=True, nonfinite=False,
             )
-        values = np.fromiter(self._history, dtype=np.float64, count=len(self._history))
-        q, d = median_mad(values)
+        q, d = sorted_median_mad(self._sorted)
         z = abs(robust_z(u - q, d, self.min_spread))
         direction = (u > q) - (u < q)
-        self._history.append(u)
+        self._add(u)
         return SpikeResult(
             x=x, u=u, median=q, mad=d, z=z, direction=direction,
             spike=direction > 0 and z > self.threshold, warmup=False, nonfinite=False,
@@ -160,18 +164,26 @@ class RobustSpikeDetector:
 
     def peek(self, x: float) -> SpikeResult:
         """Score ``x`` against the window as ``update`` would, without adding it."""
-        saved = self._history.copy()
+        saved = self._history.copy(), self._sorted.copy()
         try:
             return self.update(x)
         finally:
-            self._history = saved
+            self._history, self._sorted = saved
 
     def push(self, x: float) -> None:
         """Add ``x`` to the window without scoring it (a value that is not examined at this
         step, but is history for later ones); non-finite values are left out."""
         x = float(x)
         if math.isfinite(x) and x + self.eps > 0.0:
-            self._history.append(math.log(x + self.eps))
+            self._add(math.log(x + self.eps))
+
+    def _add(self, u: float) -> None:
+        """Append u to the window, dropping the oldest value when it is full, and keep the
+        ascending copy in step (O(window) moves, no sort)."""
+        if len(self._history) == self.window:
+            del self._sorted[bisect_left(self._sorted, self._history[0])]
+        self._history.append(u)
+        insort(self._sorted, u)
 
     def to_state(self) -> dict[str, object]:
         """Configuration and window as plain JSON types."""
@@ -202,6 +214,7 @@ class RobustSpikeDetector:
         if not all(math.isfinite(u) for u in history):
             raise ValueError("history must contain only finite u-values")
         detector._history.extend(history)
+        detector._sorted = sorted(history)
         return detector
 
 
@@ -362,6 +375,7 @@ class RankLevels:
     _recent: dict[int, deque[tuple[int, float]]] = field(init=False, repr=False,
                                                          compare=False)
     _history: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
+    _sorted: dict[int, list[float]] = field(init=False, repr=False, compare=False)
     _step: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -374,7 +388,7 @@ class RankLevels:
         if not 3 <= self.min_history <= self.window:
             raise ValueError(
                 f"min_history must be in [3, window={self.window}], got {self.min_history!r}")
-        self._recent, self._history, self._step = {}, {}, None
+        self._recent, self._history, self._sorted, self._step = {}, {}, {}, None
 
     def update(self, step: int, ratios: Mapping[int, float]) -> None:
         """Add one step's ratios rho_r (finite, > 0; others are not measurements)."""
@@ -386,8 +400,19 @@ class RankLevels:
             recent = self._recent.setdefault(rank, deque())
             recent.append((step, math.log(rho)))
             while len(recent) > self.recent:
-                self._history.setdefault(rank, deque(maxlen=self.window)).append(
-                    recent.popleft()[1])
+                self._retire(rank, recent.popleft()[1])
+
+    def _retire(self, rank: int, u: float) -> None:
+        """Move u from the rank's recent span into its history (and the ascending copy)."""
+        history = self._history.get(rank)
+        if history is None:
+            history = self._history[rank] = deque(maxlen=self.window)
+            self._sorted[rank] = []
+        ordered = self._sorted[rank]
+        if len(history) == self.window:
+            del ordered[bisect_left(ordered, history[0])]
+        history.append(u)
+        insort(ordered, u)
 
     def baseline(self, rank: int) -> float | None:
         """exp(b_r): the ratio the rank usually holds, at least ``floor`` (parity by
@@ -395,11 +420,10 @@ class RankLevels:
         not against its own speed, so the others' history, distorted while a third rank
         straggled, does not make them stragglers when it recovers); None while its history
         is short."""
-        history = self._history.get(rank)
-        if history is None or len(history) < self.min_history:
+        ordered = self._sorted.get(rank)
+        if ordered is None or len(ordered) < self.min_history:
             return None
-        return max(self.floor, math.exp(float(np.median(np.fromiter(history,
-                                                                    dtype=np.float64)))))
+        return max(self.floor, math.exp(sorted_median(ordered)))
 
     def held(self, rank: int, steps: int, quantile: float) -> float | None:
         """exp(quantile of u_r - b_r over the last ``steps`` consecutive steps); None in
@@ -410,11 +434,11 @@ class RankLevels:
         recent = self._recent.get(rank)
         if base is None or not recent or len(recent) < steps or self._step is None:
             return None
-        last = list(recent)[-steps:]
-        if last[-1][0] != self._step or last[-1][0] - last[0][0] != steps - 1:
+        first = recent[len(recent) - steps][0]
+        if recent[-1][0] != self._step or recent[-1][0] - first != steps - 1:
             return None
-        u = np.array([v for _, v in last], dtype=np.float64)
-        return math.exp(float(np.quantile(u, quantile)) - math.log(base))
+        u = sorted([v for _, v in recent][-steps:])
+        return math.exp(sorted_quantile(u, quantile) - math.log(base))
 
     def latest(self, rank: int) -> float | None:
         """rho_r at the latest step, None when the rank had no value there."""
@@ -444,9 +468,8 @@ class RankLevels:
             if len(recent) > levels.recent or len(saved["history"]) > levels.window:
                 raise ValueError(f"rank {rank}: more values than recent/window hold")
             levels._recent[int(rank)] = deque(recent)
-            if saved["history"]:
-                levels._history[int(rank)] = deque((float(u) for u in saved["history"]),
-                                                   maxlen=levels.window)
+            for u in saved["history"]:
+                levels._retire(int(rank), float(u))
         return levels
 
 

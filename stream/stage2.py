@@ -42,7 +42,7 @@ from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .formed import grad_group_rows
-from .view import GUARD_STEP, _detail_rows, p0_view, rank_series
+from .view import GUARD_STEP, detail_rows, p0_view, rank_columns, rank_series
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
@@ -85,20 +85,49 @@ class Stage2Config:
 
 @dataclass(slots=True)
 class Stage2Output:
-    """Rows by table (detail goes to the ``*_recent`` tables), steps to promote, controls,
-    and the steps refused with their reason (to dead-letter)."""
+    """Rows by table (detail goes to the ``*_recent`` tables), column batches by table (the
+    per-rank detail, hundreds of values a step: built and stored column-wise, no dict per
+    value), steps to promote, controls, and the steps refused with their reason (to
+    dead-letter)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    columns: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     promote: list[int] = field(default_factory=list)
     controls: list[dict[str, Any]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
 
+    def add_columns(self, table: str, columns: dict[str, list[Any]]) -> None:
+        """Append a column batch (the same columns as the table's earlier ones)."""
+        held = self.columns.get(table)
+        if held is None:
+            self.columns[table] = {name: list(values) for name, values in columns.items()}
+            return
+        if held.keys() != columns.keys():
+            raise ValueError(f"{table}: column batch {sorted(columns)} after {sorted(held)}")
+        for name, values in columns.items():
+            held[name] += values
+
     def extend(self, other: "Stage2Output") -> None:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
+        for table, columns in other.columns.items():
+            self.add_columns(table, columns)
         self.promote += other.promote
         self.controls += other.controls
         self.refused += other.refused
+
+
+def column_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """A column batch as row dicts (to find, row by row, what the store refuses)."""
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def _add_detail(out: Stage2Output, item: ReducedStep) -> None:
+    """A step's detail into the look-back tables: per-rank values as a column batch, the
+    tensor and expert statistics as rows."""
+    out.add_columns("rank_metrics_recent", rank_columns(item))
+    for table, rows in detail_rows(item).items():
+        out.rows[f"{table}_recent"] += rows
 
 
 def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
@@ -142,18 +171,16 @@ class RunPipeline:
         self.finished = False  # a step after an idle expiry reopens the run
         if item.complete_reason == "detail":  # part of a step split for the broker's limit
             out = Stage2Output()
-            for table, rows in _detail_rows(item).items():
-                out.rows[f"{table}_recent"] += rows
+            _add_detail(out, item)
             return out  # promoted with its step (the main part comes after it)
         if item.complete_reason == "late":  # data after its step's deadline: kept as detail
             out = Stage2Output()
-            out.rows["rank_metrics_recent"] += _detail_rows(item)["rank_metrics"]
+            out.add_columns("rank_metrics_recent", rank_columns(item))
             out.promote.append(item.step)
             return out
         if item.complete_reason == REPLAY:  # the ranks' ring buffers: a past step's detail
             out = Stage2Output()
-            for table, rows in _detail_rows(item).items():
-                out.rows[f"{table}_recent"] += rows
+            _add_detail(out, item)
             out.promote.append(item.step)  # into the detail tables, the step's P0 row untouched
             return out
         return self._process(self.orderer.offer(item, now))
@@ -233,8 +260,7 @@ class RunPipeline:
         out.rows["source_metrics"] += [
             {"run_id": self.run_id, "step": item.step, "source": s, "loss": loss,
              "token_share": share, "tokens": int(n)} for s, (loss, share, n) in sources.items()]
-        for table, rows in _detail_rows(item).items():
-            out.rows[f"{table}_recent"] += rows
+        _add_detail(out, item)
         for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
             alert = self._page(item.step, finding) if finding.page else None

@@ -20,7 +20,7 @@ from .formed import formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
-__all__ = ["GUARD_STEP", "PER_RANK", "p0_view", "rank_series"]
+__all__ = ["GUARD_STEP", "PER_RANK", "detail_rows", "p0_view", "rank_columns", "rank_series"]
 
 GUARD_STEP = {Guard.SKIPPED: "skipped_step", Guard.REPLAYED: "replayed_step",
               Guard.REPLAY_MISMATCH: "replay_mismatch_step"}
@@ -208,19 +208,32 @@ def _sources(red: dict[SeriesKey, float], tokens: float) -> dict[str, tuple[floa
     return loss_by_group(sums, counts, total_tokens=tokens)
 
 
-def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
-    base = {"run_id": item.run_id, "step": item.step}
+def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
+    """The step's per-rank values as ``rank_metrics`` columns (one entry per rank, metric
+    and label set), built with list extends: hundreds of values a step, no dict per value."""
     # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
-    run_id, step = item.run_id, item.step
     late = int(item.complete_reason in ("late", "replay"))
     texts: dict[tuple, str] = {}  # every rank sends the same label sets: join each once
-    for vals in item.per_rank.values():
-        for _, lab in vals:
-            if lab not in texts:
-                texts[lab] = "|".join(f"{k}={v}" for k, v in lab)
-    ranks = [{"run_id": run_id, "step": step, "rank": r, "metric": name, "labels": texts[lab],
-              "value": value, "late": late}
-             for r, vals in item.per_rank.items() for (name, lab), value in vals.items()]
+    keys: list[SeriesKey] = []
+    ranks: list[int] = []
+    values: list[float] = []
+    for rank, vals in item.per_rank.items():
+        keys += vals.keys()
+        values += vals.values()
+        ranks += [rank] * len(vals)
+    for _, lab in keys:
+        if lab not in texts:
+            texts[lab] = "|".join(f"{k}={v}" for k, v in lab)
+    n = len(keys)
+    return {"run_id": [item.run_id] * n, "step": [item.step] * n, "rank": ranks,
+            "metric": [name for name, _ in keys], "labels": [texts[lab] for _, lab in keys],
+            "value": values, "late": [late] * n}
+
+
+def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
+    """The step's ``tensor_stats`` rows (one per tensor and kind with an element count) and
+    ``expert_stats`` rows."""
+    base = {"run_id": item.run_id, "step": item.step}
     tensors: dict[tuple, dict[str, Any]] = {}
     experts = []
     for (name, labels), value in item.reduced.items():
@@ -236,5 +249,4 @@ def _detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
             experts.append({**base, "layer": lab[Label.LAYER], "expert": int(lab[Label.EXPERT]),
                             "tokens": value, "shard": int(lab.get(Label.SHARD, 0))})
     n = TENSOR_FIELDS[0]  # a tensor's row needs its element count
-    return {"rank_metrics": ranks, "tensor_stats": [t for t in tensors.values() if n in t],
-            "expert_stats": experts}
+    return {"tensor_stats": [t for t in tensors.values() if n in t], "expert_stats": experts}

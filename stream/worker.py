@@ -131,7 +131,7 @@ class Worker:
         if self.sink is not None:
             for run_id, run in list(self.runs.items()):
                 out = run.expire(now)
-                if out.rows or out.promote or out.controls or out.refused:
+                if out.rows or out.columns or out.promote or out.controls or out.refused:
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
         self.flush_soon()

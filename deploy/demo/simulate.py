@@ -112,7 +112,7 @@ def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: in
     from probewire.stream.assemble import reduce_step
     from probewire.instrument.wire import RankStep, series_key
     from probewire.stream.signals import DetectorConfig
-    from probewire.stream.stage2 import RunPipeline, Stage2Config
+    from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
 
     rng = np.random.default_rng(seed)
     faults = _faults(faults)
@@ -201,6 +201,8 @@ def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: in
         out = pipeline.accept(reduced, float(t))
         for table, rows in out.rows.items():
             tables[table] += rows
+        for table, columns in out.columns.items():  # the per-rank detail
+            tables[table] += column_rows(columns)
         run.promote += out.promote
         last_row = out.rows["step_metrics"][-1] if out.rows.get("step_metrics") else last_row
         if t % eval_every == 0 and t > 0:

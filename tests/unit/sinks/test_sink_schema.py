@@ -41,9 +41,26 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 4
+    assert sink.migrate() == 5
     assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations "
-                            "ORDER BY version") == [(1,), (2,), (3,), (4,)]
+                            "ORDER BY version") == [(1,), (2,), (3,), (4,), (5,)]
+
+
+def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
+    """Migration 5: 50,000 rows of the wide table go into one compact part (one data file),
+    not a wide part of one or two files per column, and read back unchanged."""
+    sink.migrate()
+    n = 50_000
+    sink.write_columns("step_metrics", {"run_id": ["c"] * n, "step": list(range(n)),
+                                        "tokens": [10 * i for i in range(n)],
+                                        "loss": [None if i % 7 == 0 else i / 8 for i in range(n)]})
+    db = sink.database
+    assert _rows(ch_client, f"SELECT part_type, rows FROM system.parts WHERE database = '{db}' "
+                            "AND table = 'step_metrics' AND active") == [("Compact", n)]
+    assert _rows(ch_client, f"SELECT count(), sum(tokens), sum(loss), countIf(loss IS NULL) "
+                            f"FROM {db}.step_metrics") == [
+        (n, sum(10 * i for i in range(n)), sum(i / 8 for i in range(n) if i % 7),
+         len(range(0, n, 7)))]
 
 
 def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
@@ -67,7 +84,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
             ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) "
                       "VALUES ('r', 7, 10, 2.5)")
-    assert ClickHouseSink(ch_client, db).migrate() == 4
+    assert ClickHouseSink(ch_client, db).migrate() == 5
     got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
                            "AND table = 'step_metrics' ORDER BY position")
     assert got == [(c.name, c.type) for c in table.columns]

@@ -9,7 +9,7 @@ from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.records import ReducedStep
 from probewire.stream.split import DETAIL, OversizeStep, split_step
-from probewire.stream.stage2 import RunPipeline, Stage2Config
+from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
 from probewire.stream.view import p0_view
 
 
@@ -33,6 +33,8 @@ def rows(parts) -> dict[str, list]:
         got = run.accept(ReducedStep.from_bytes(data), now=0.0)
         for table, table_rows in got.rows.items():
             out.setdefault(table, []).extend(table_rows)
+        for table, columns in got.columns.items():
+            out.setdefault(table, []).extend(column_rows(columns))
     return out
 
 

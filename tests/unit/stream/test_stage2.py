@@ -290,7 +290,7 @@ def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
     (row,) = out.rows["tensor_stats_recent"]
     assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
     assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
-    assert {r["late"] for r in out.rows["rank_metrics_recent"]} == {1}
+    assert set(out.columns["rank_metrics_recent"]["late"]) == {1}
     # the run's own rows did not move: a later step continues the counters
     nxt = run.accept(records(6, [(2.0, 1.0), (2.0, 1.0)]), now=8.0).rows["step_metrics"]
     assert nxt[0]["tokens"] == stored[-1]["tokens"] + 2
