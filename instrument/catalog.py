@@ -397,11 +397,16 @@ _GUARD = (
            "every rank, reduction max; the stream accumulates the count.",
        seed="001 §4 (skip and replay counters)"),
     _m(Guard.REPLAYED, P1, 1, MAX, "{step}", rep=_ALL, point=_GUARD_POINT,
-       doc="Times this step was replayed. Identical on every rank; reduction max.",
+       doc="Replays counted at this step: the loop's own check inside the step "
+           "(StepContext.replayed), or Monitor.replay of an earlier kept step, counted with "
+           "the next emitted step. Identical on every rank; reduction max.",
        seed="001 §4 (skip and replay counters)"),
     _m(Guard.REPLAY_MISMATCH, P1, 1, MAX, "{step}", rep=_ALL, point=_GUARD_POINT,
-       doc="Replays of this step whose loss differed from the original on identical inputs "
-           "(points at hardware, not data). Identical on every rank; reduction max.",
+       doc="Replays counted at this step (as guard.replayed) whose loss (and, for "
+           "Monitor.replay, gradient norm) differed from the original on identical inputs: "
+           "verdict hardware (the device or non-deterministic kernels, not the batch); a "
+           "replay that reproduced (replayed − mismatch) says data. Identical on every rank; "
+           "reduction max.",
        seed="001 §4 (skip and replay counters)"),
 )
 

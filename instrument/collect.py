@@ -65,6 +65,7 @@ class SealedStep:
     points: list[Point]
     late: list[Late] = field(default_factory=list)
     held: bool = False   # the scan-tier points stay in the ring buffer (``export``)
+    replay: bool = False  # a replay's record: its scan-tier points go out marked replay
 
     def resolve(self) -> list[Point]:
         if self.event is not None:
@@ -112,11 +113,16 @@ class StepCollector:
             slot[1].append(parts)
             slot[2].append(meta)
 
+    def parts(self, key: str) -> list[tuple[torch.Tensor, ...]]:
+        """The tensors added under ``key`` so far, one tuple per ``add``."""
+        slot = self._slots.get(key)
+        return [] if slot is None else list(slot[1])
+
     def clear(self) -> None:
         self._slots = {}
 
     def seal(self, step: int, points: list[Point], late: list[Late], *,
-             held: bool = False) -> SealedStep:
+             held: bool = False, replay: bool = False) -> SealedStep:
         """Concatenate on the device, start the one device-to-host copy, hand over."""
         vectors: list[torch.Tensor] = []
         layout: list[tuple[Decoder, list[tuple[int, Any]]]] = []
@@ -142,6 +148,6 @@ class StepCollector:
                 if cuda:
                     event = torch.cuda.Event()
                     event.record()
-        sealed = SealedStep(step, host, event, layout, points, late, held)
+        sealed = SealedStep(step, host, event, layout, points, late, held, replay)
         self.clear()
         return sealed

@@ -86,6 +86,9 @@ class ProbeConfig:
     (001 §12: a detector cannot recover expensive measurements from before the event).
     0: off. It costs a scan step's work on each such step (``benchmarks/overhead.py``,
     ring ratio)."""
+    replay_steps: int = 4
+    """Sampled steps whose loss and gradient-norm tensors the rank keeps (references: no
+    copy) so that ``Monitor.replay`` can judge a re-run of one of them. 0: replay off."""
     queue_size: int = 256
     """Steps the export queue holds before it drops (and counts) one."""
     module_names: tuple[str, ...] = DEFAULT_MODULE_NAMES
@@ -162,6 +165,9 @@ class ProbeConfig:
         if self.ring_every and not self.ring_steps:
             raise ValueError("ProbeConfig.ring_every: needs ring_steps >= 1 (the ring that "
                              "keeps what it measures)")
+        if not isinstance(self.replay_steps, int) or self.replay_steps < 0:
+            raise ValueError(f"ProbeConfig.replay_steps: must be an int >= 0, "
+                             f"got {self.replay_steps!r}")
         if self.queue_size < 1:
             raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
         if self.scan_backend not in ("auto", "compiled", "eager"):

@@ -12,7 +12,9 @@ stay in the ring and the rest of the step is sent. The ring keeps the last ``rin
 such steps (a deque with a maximum length: its memory is bounded by ``ring_steps`` steps of
 scan points). A ``dump`` (control topic) sends each held step once, as a message marked
 replay (``wire.REPLAY_ATTR``), and empties the ring: a second dump sends nothing already
-sent. Nothing here keeps state per step beyond the bounded queue and ring.
+sent. A replay's record (``Monitor.replay``) sends its scan-tier points the same way,
+marked replay, and nothing else. Nothing here keeps state per step beyond the bounded
+queue and ring.
 """
 
 from __future__ import annotations
@@ -231,6 +233,11 @@ class StepEmitter:
             except Exception:  # contained, as above
                 self.errors += 1
                 log.exception("probewire: could not resolve step %s", getattr(record, "step", "?"))
+                continue
+            if getattr(record, "replay", False):  # a replay's detail (``step.ReplayContext``)
+                _, detail = split_held(points)
+                if detail:
+                    self._send(record.step, detail, replay=True)
                 continue
             if getattr(record, "held", False) and self._keep_ring:
                 points, held = split_held(points)

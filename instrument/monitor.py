@@ -67,7 +67,7 @@ from .probes.tensors import TensorProbe
 from .parallel import coords_from_mesh, data_group, verify_replicas
 from .registry import build_registry
 from .state import Schedule, StepState
-from .step import NullStepContext, Probes, ProbeSet, StepContext
+from .step import NullReplayContext, NullStepContext, Probes, ProbeSet, ReplayContext, StepContext
 from .wire import RankIdentity
 
 __all__ = ["Monitor", "NullMonitor", "attach"]
@@ -133,7 +133,8 @@ class Monitor:
             comm=comm, sets=sets,
             optim=OptimProbe(optimizer) if optimizer is not None else None)
         self._ctx = StepContext(self._state, self._schedule, self._probes, self._emitter.submit,
-                                on_error=self._step_failed)
+                                on_error=self._step_failed, replay_steps=config.replay_steps)
+        self._params = list(model.parameters())  # a replay sets their gradients aside
         self._handles: list[Any] = []
         if registry.logits is not None and registry.logits.report:
             self._handles.append(registry.logits.module.register_forward_hook(
@@ -154,6 +155,20 @@ class Monitor:
     def step(self, step: int) -> StepContext:
         """The context of optimizer step ``step``; enter it before loading the batch."""
         return self._ctx.at(step)
+
+    def replay(self, step: int, *, rtol: float = 0.0) -> ReplayContext:
+        """Re-run kept step ``step`` under dense probes and judge it (``step.ReplayContext``)::
+
+            replay = monitor.replay(step)          # after step ``step`` closed, no update
+            with replay as s:                      # the step's own batch, marked as before
+                s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE)
+                losses = F.cross_entropy(..., reduction="none"); s.loss(losses)
+                (losses.sum() / n_valid).backward(); s.gradients()
+            replay.verdict.verdict                 # "data": reproduced; "hardware": not
+
+        ``rtol``: relative tolerance of the loss sum and gradient norm; 0 (the default) is
+        bit-exact, right for the same device and deterministic kernels."""
+        return self._ctx.replay(step, self._params, rtol)
 
     @property
     def last_step_time_s(self) -> float:
@@ -274,6 +289,9 @@ class NullMonitor:
 
     def densify(self, steps: int) -> None:
         return None
+
+    def replay(self, step: int, *, rtol: float = 0.0) -> NullReplayContext:
+        return NullReplayContext()
 
     def dump(self) -> None:
         return None

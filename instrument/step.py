@@ -4,10 +4,15 @@ norm, collective waits, spike-guard events). It records them into the rank's
 ``StepState`` through the probe homes, and at the step's end seals the step's device parts
 into one transfer and hands the record to the emitter. Every method is a no-op on a step
 where its probe is not due, so the loop never branches.
+
+A sampled step also keeps references to its loss and gradient-norm tensors (``Kept``, the
+last ``replay_steps`` steps; no copy, no kernel) so that ``ReplayContext`` can re-run it
+under dense probes after it closed and judge the replay (``replay``).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import time
@@ -20,13 +25,19 @@ from .catalog import Tier
 from .collect import SealedStep
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
+from .probes.loss import KEY as LOSS_KEY
 from .probes.loss import LossProbe
 from .probes.optim import OptimProbe
 from .probes.system import SystemProbe
 from .probes.tensors import TensorProbe
+from .replay import Kept, ReplayVerdict, judge, loss_parts, totals
 from .state import Schedule, StepState
 
-__all__ = ["NullStepContext", "ProbeSet", "Probes", "StepContext"]
+__all__ = ["NullReplayContext", "NullStepContext", "ProbeSet", "Probes", "ReplayContext",
+           "StepContext"]
+
+_DENSE = {tier: tier in (Tier.STEP, Tier.SCAN) for tier in Tier}
+"""A replay's tiers: what ``densify`` runs (forensics, the demand tier, never densify)."""
 
 
 class ProbeSet(Protocol):
@@ -59,14 +70,20 @@ class Probes:
 class StepContext:
     """Marks one optimizer step (see the module docstring); reused step after step."""
 
-    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next", "_on_error")
+    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next", "_on_error", "_kept",
+                 "_kept_max", "_replay")
 
     def __init__(self, state: StepState, schedule: Schedule, probes: Probes,
                  submit: Callable[[SealedStep], None],
-                 on_error: Callable[[int | None, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[int | None, BaseException], None] | None = None,
+                 replay_steps: int = 0) -> None:
         self._state, self._schedule, self._probes, self._submit = state, schedule, probes, submit
         self._next = 0
         self._on_error = on_error  # an exception left the step: the run crashed
+        # the last sampled steps' loss and gradient-norm tensors (references), by step
+        self._kept: collections.OrderedDict[int, Kept] = collections.OrderedDict()
+        self._kept_max = replay_steps
+        self._replay: Kept | None = None  # the open step is a replay of this kept step
 
     def at(self, step: int) -> "StepContext":
         """This context, for optimizer step ``step`` (enter it before loading the batch)."""
@@ -75,10 +92,31 @@ class StepContext:
         self._next = int(step)
         return self
 
+    def replay(self, step: int, params: list[torch.Tensor], rtol: float = 0.0
+               ) -> "ReplayContext":
+        """A context that re-runs kept step ``step`` under dense probes (``ReplayContext``)."""
+        if self._state.step is not None:
+            raise RuntimeError(f"replay of step {step} opened inside step {self._state.step}; "
+                               "replay a step after its step context closed")
+        kept = self._kept.get(int(step))
+        if kept is None:
+            held = ", ".join(map(str, self._kept)) or "none"
+            raise ValueError(f"replay of step {step}: not kept (the monitor keeps the last "
+                             f"ProbeConfig.replay_steps={self._kept_max} steps whose step tier "
+                             f"ran; kept: {held})")
+        if not rtol >= 0:
+            raise ValueError(f"replay of step {step}: rtol must be >= 0, got {rtol!r}")
+        return ReplayContext(self, int(step), kept, params, float(rtol))
+
     # ------------------------------------------------------------------ boundaries
     def __enter__(self) -> "StepContext":
         state, probes = self._state, self._probes
         step = self._next
+        if self._replay is not None:  # dense probes; no system, collective or optimizer probe
+            state.open(step, dict(_DENSE), 0.0)
+            probes.tensors.open(state)
+            state.t0 = time.perf_counter()
+            return self
         due = self._schedule.due(step)
         held = self._schedule.held(step, due)
         if held:  # the scan probes run; their points go to the ring (``export``)
@@ -100,6 +138,10 @@ class StepContext:
                 for probe_set in probes.sets:
                     probe_set.finish(state)
                 probes.tensors.close(state)  # the step's scans, in one batch
+            if self._replay is not None:
+                if ok and step is not None:
+                    self._close_replay(state, step)
+                return False
             elapsed = time.perf_counter() - state.t0
             state.last_step_time_s = elapsed
             if ok and state.sampled and step is not None:
@@ -111,6 +153,7 @@ class StepContext:
                     probes.optim.close(state, points)
                 probes.grads.close(state, points)
                 probes.comm.close(state, late)
+                self._keep(step, state)
                 self._submit(state.collector.seal(step, points, late, held=state.held))
                 state.emit_time_s += time.perf_counter() - start
                 state.emitted_steps += 1
@@ -121,6 +164,30 @@ class StepContext:
             probes.comm.active = False
             state.reset()
         return False
+
+    def _kept_of(self, state: StepState) -> Kept:
+        return Kept(loss_parts(state.collector.parts(LOSS_KEY)), state.grad_norm,
+                    state.due[Tier.SCAN] and not state.held)
+
+    def _keep(self, step: int, state: StepState) -> None:
+        """Keep this step's loss and gradient-norm tensors (references) for a replay."""
+        if self._kept_max and state.collector.parts(LOSS_KEY):
+            self._kept[step] = self._kept_of(state)
+            self._kept.move_to_end(step)
+            while len(self._kept) > self._kept_max:
+                self._kept.popitem(last=False)
+
+    def _close_replay(self, state: StepState, step: int) -> None:
+        """A replay's end: its record (scan-tier detail, sent marked replay unless the step
+        already sent its own) and its ``Kept`` for the verdict (``ReplayContext``)."""
+        probes = self._probes
+        points: list = []
+        probes.grads.close(state, points)
+        original = self._replay
+        self._replay = self._kept_of(state)  # handed to ReplayContext.__exit__
+        sealed = state.collector.seal(step, points, [], replay=True)
+        if original is not None and not original.scanned:
+            self._submit(sealed)
 
     # ------------------------------------------------------------------ what the loop tells
     @property
@@ -195,9 +262,79 @@ class StepContext:
 
     def replayed(self, *, reproduced: bool) -> None:
         """The step was replayed; ``reproduced`` False when the replay's loss differed."""
-        self._state.guard[1] += 1
-        if not reproduced:
-            self._state.guard[2] += 1
+        _count_replay(self._state, reproduced)
+
+
+def _count_replay(state: StepState, reproduced: bool) -> None:
+    """The guard's replay counters (guard.replayed, guard.replay_mismatch), sent with the
+    next emitted step."""
+    state.guard[1] += 1
+    if not reproduced:
+        state.guard[2] += 1
+
+
+class ReplayContext:
+    """Re-runs kept step ``step`` under dense probes (the step and scan tiers; build it with
+    ``Monitor.replay``). Enter it after step ``step`` closed, with the parameters as they
+    were (an update the guard skipped, or before any update), and run the step's forward
+    and backward on the same batch inside it, marking it as the step did (``micro_batch``,
+    ``loss``, ``gradients`` or ``clip_grad_norm_``); never step the optimizer in it. The
+    parameters' gradients are set aside on entry and put back on exit, so the replay's own
+    gradients are dropped. On exit the replay is judged against what the step kept
+    (``replay.judge``; ``verdict``), counted in the guard's counters (sent with the next
+    emitted step: guard.replayed, and guard.replay_mismatch when not reproduced), and its
+    scan-tier detail is sent once, marked replay, when the step did not send its own."""
+
+    __slots__ = ("_ctx", "step", "_kept", "_params", "_rtol", "_grads", "verdict")
+
+    def __init__(self, ctx: StepContext, step: int, kept: Kept, params: list[torch.Tensor],
+                 rtol: float) -> None:
+        self._ctx, self.step, self._kept, self._params, self._rtol = ctx, step, kept, params, rtol
+        self._grads: list[Any] = []
+        self.verdict: ReplayVerdict | None = None
+
+    def __enter__(self) -> StepContext:
+        ctx = self._ctx
+        self._grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        ctx._next, ctx._replay = self.step, self._kept
+        try:
+            return ctx.__enter__()
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        ctx = self._ctx
+        try:
+            ctx.__exit__(exc_type, exc, tb)
+            replayed = ctx._replay
+        finally:
+            ctx._replay = None
+            self._restore()
+        if exc_type is None and replayed is not None:
+            self.verdict = judge(self.step, totals(self._kept), totals(replayed), self._rtol)
+            _count_replay(ctx._state, self.verdict.reproduced)
+        return False
+
+    def _restore(self) -> None:
+        for p, g in zip(self._params, self._grads):
+            p.grad = g
+        self._grads = []
+
+
+class NullReplayContext:
+    """The disabled monitor's replay: runs the block, judges nothing (``verdict`` None)."""
+
+    __slots__ = ()
+    verdict = None
+
+    def __enter__(self) -> "NullStepContext":
+        return NullStepContext()
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
 
 
 class NullStepContext:

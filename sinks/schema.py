@@ -242,6 +242,17 @@ TENSOR_STATS = Table("tensor_stats", "one-pass tensor statistics reduced across 
     _inserted_at(),
 ), key=("run_id", "kind", "tensor", "step"))
 
+TENSOR_NAMES = Table("tensor_names", "each tensor label a run reported, written once (the "
+                     "first time) with its bounded dimensions: block, role, expert", (
+    _RUN, _name("tensor", "the tensor label of tensor_stats: the full module or parameter name"),
+    Column("layer", "Nullable(Int32)", "NULL", "block index; NULL outside the blocks"),
+    _name("role", "the name inside its block, expert index removed (the whole name outside "
+                  "the blocks; block: the block output)"),
+    Column("expert", "Nullable(Int32)", "NULL", "expert index; NULL when not one expert's"),
+    Column("first_step", "UInt64", comment="the step whose detail first carried it"),
+    _inserted_at(),
+), key=("run_id", "tensor"))
+
 GRAD_GROUP_STATS = Table("grad_group_stats", "G_mean, G_max, Z_g per parameter group, every step", (
     _RUN, _STEP, _name("group", "embedding, expert or other"),
     Column("elements", "UInt64", comment="P: gradient elements of the group"),
@@ -342,8 +353,8 @@ RECENT_TABLES: tuple[Table, ...] = tuple(_recent(t) for t in (RANK_METRICS, TENS
                                                                EXPERT_STATS))
 
 TABLES: tuple[Table, ...] = (RUNS, STEP_METRICS, SOURCE_METRICS, RANK_METRICS, TENSOR_STATS,
-                             EXPERT_STATS, GRAD_GROUP_STATS, ANOMALIES, ALERTS, EVALUATIONS, DEAD_LETTERS,
-                             STREAM_STATE, *RECENT_TABLES)
+                             EXPERT_STATS, GRAD_GROUP_STATS, TENSOR_NAMES, ANOMALIES, ALERTS,
+                             EVALUATIONS, DEAD_LETTERS, STREAM_STATE, *RECENT_TABLES)
 
 
 def sensitive_artifacts(ttl_days: int) -> Table:
@@ -402,6 +413,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               # still write wide parts above the limit; no stored value changes
               ("ALTER TABLE {db}.step_metrics MODIFY SETTING "
                f"min_bytes_for_wide_part = {256 << 20}",)),
+    Migration(6, "tensor_names: each tensor label of a run once, with its block, role and "
+                 "expert", (TENSOR_NAMES.ddl("{db}"),)),
 )
 
 

@@ -20,6 +20,9 @@ Nothing a run does makes this module raise or drop a step:
 - a replay (``complete_reason = "replay"``: the ranks' ring buffers sent on a dump, the
   scan-tier detail of a past step) writes that detail to the look-back tables and
   promotes its step; the step's own row and the detectors are untouched.
+- the first time a run's detail carries a tensor label, its ``tensor_names`` row (block,
+  role, expert: ``dimensions``) is written, once; the names seen are part of the state
+  (bounded by ``validate``'s ``max_label_values`` distinct tensor labels per run).
 - a step whose components break the rules of ``derive`` (which stage 1's bounds rule
   out; only another writer of the steps topic could send one) is refused before any state
   moves: ``Stage2Output.refused`` names it and the reason, and the worker dead-letters it.
@@ -41,6 +44,7 @@ from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
+from .dimensions import tensor_dimensions
 from .formed import grad_group_rows
 from .view import GUARD_STEP, detail_rows, p0_view, rank_columns, rank_series
 
@@ -164,9 +168,25 @@ class RunPipeline:
         self.finished = False
         self.last_control = -10**9
         self.lifecycle = RunLifecycle()   # what the run said: config, finished, crashed
+        self.tensors: set[str] = set()    # tensor labels with a tensor_names row
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
+        return self._name_tensors(self._accept(item, now))
+
+    def _name_tensors(self, out: Stage2Output) -> Stage2Output:
+        """A ``tensor_names`` row for each tensor label the run's detail carries first here."""
+        for row in out.rows.get("tensor_stats_recent", ()):
+            name = row["tensor"]
+            if name and name not in self.tensors:
+                self.tensors.add(name)
+                layer, role, expert = tensor_dimensions(name)
+                out.rows["tensor_names"].append({
+                    "run_id": self.run_id, "tensor": name, "layer": layer, "role": role,
+                    "expert": expert, "first_step": row["step"]})
+        return out
+
+    def _accept(self, item: ReducedStep, now: float) -> Stage2Output:
         self.last_arrival = now
         self.finished = False  # a step after an idle expiry reopens the run
         if item.complete_reason == "detail":  # part of a step split for the broker's limit
@@ -186,7 +206,7 @@ class RunPipeline:
         return self._process(self.orderer.offer(item, now))
 
     def expire(self, now: float) -> Stage2Output:
-        out = self._process(self.orderer.expire(now))
+        out = self._name_tensors(self._process(self.orderer.expire(now)))
         if not self.finished and self.last_step >= 0 and not self.orderer.held \
                 and now - self.last_arrival >= self.config.run_idle_s:
             out.extend(self.finish())
@@ -319,7 +339,7 @@ class RunPipeline:
                 "first_step": self.first_step, "finished": self.finished,
                 "last_control": self.last_control, "lifecycle": self.lifecycle.to_state(),
                 "detectors": self.detectors.to_state(), "retention": self.retention.to_state(),
-                "orderer": self.orderer.to_state()}
+                "orderer": self.orderer.to_state(), "tensors": sorted(self.tensors)}
 
     @classmethod
     def from_state(cls, run_id: str, config: Stage2Config, state: dict[str, Any],
@@ -335,5 +355,6 @@ class RunPipeline:
         run.detectors = SignalDetectors.from_state(config.detectors, state["detectors"])
         run.retention = RetentionPolicy.from_state(state["retention"])
         run.orderer = StepOrderer.from_state(state["orderer"], config.max_wait_s, now)
+        run.tensors = set(state.get("tensors", ()))  # absent: a state saved before the names
         run.last_arrival = now
         return run

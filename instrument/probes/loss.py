@@ -21,9 +21,10 @@ from ..state import StepState
 from ..wire import Labels, Point
 from .common import F64
 
-__all__ = ["LossProbe", "loss_components", "loss_decoder"]
+__all__ = ["KEY", "LossProbe", "loss_components", "loss_decoder"]
 
 TIER = tier_of(Loss.SUM, Loss.TOKENS)
+KEY = "loss"  # the step collector's key of the loss parts (a replay reads them too)
 
 
 def _expand_ids(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -163,7 +164,7 @@ class LossProbe:
         ids = ((_ids(source, self._sources, rows, "source"), 0),
                (_ids(modality, self._modalities, rows, "modality"), self._n_sources))
         vec, meta = loss_components(losses, mask, ids, self._n_labels)
-        state.collector.add("loss", vec, self._decode, meta)
+        state.collector.add(KEY, vec, self._decode, meta)
 
     def record_totals(self, state: StepState, loss_sum: Any, valid_tokens: Any) -> None:
         """A fused loss's Σ m·ℓ and Σ m for one micro-batch."""
@@ -174,4 +175,4 @@ class LossProbe:
         parts = [v.detach().reshape(1) if isinstance(v, torch.Tensor)  # no copy: a fill kernel
                  else torch.full((1,), float(v), dtype=F64, device=device)
                  for v in (loss_sum, valid_tokens)]
-        state.collector.add("loss", parts, self._decode, (1, (), False, self._n_labels))
+        state.collector.add(KEY, parts, self._decode, (1, (), False, self._n_labels))

@@ -17,7 +17,7 @@ LAYERS = {
     "wire": 1, "config": 1, "batchscan": 1, "series": 1,
     "seed_map": 2,
     "collect": 2, "parallel": 2, "export": 2, "testing": 2,
-    "state": 3, "registry": 3, "lifecycle": 3,
+    "state": 3, "registry": 3, "lifecycle": 3, "replay": 3,
     "discover": 4,
     "probes": 5,
     "step": 6,

@@ -10,7 +10,7 @@ import pytest
 
 from probewire.sinks import TABLE_COLUMNS, TABLES, VIEWS, ClickHouseSink
 from probewire.sinks.schema import (_STEP_METRICS_V2, _STEP_METRICS_V3, _STEP_METRICS_V4,
-                                    GRAD_GROUP_STATS)
+                                    GRAD_GROUP_STATS, TENSOR_NAMES)
 from probewire.stream import derive
 from probewire.deploy.demo.simulate import simulated_run
 
@@ -41,9 +41,9 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 5
+    assert sink.migrate() == 6
     assert _rows(ch_client, f"SELECT version FROM {sink.database}.schema_migrations "
-                            "ORDER BY version") == [(1,), (2,), (3,), (4,), (5,)]
+                            "ORDER BY version") == [(1,), (2,), (3,), (4,), (5,), (6,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
@@ -66,8 +66,8 @@ def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) ->
 def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
                                                                     ch_database) -> None:
     """A store migrated before version 2 (step_metrics without the structure columns, the
-    learning rates of version 3 and the formed series of version 4, no grad_group_stats)
-    gets them, in the declared order, and keeps its rows."""
+    learning rates of version 3 and the formed series of version 4, no grad_group_stats, no
+    tensor_names of version 5) gets them, in the declared order, and keeps its rows."""
     db = ch_database + "_v1"
     table = next(t for t in TABLES if t.name == "step_metrics")
     later = {c.name for c in (*_STEP_METRICS_V2, *_STEP_METRICS_V3, *_STEP_METRICS_V4)}
@@ -80,11 +80,11 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
     ch_client.command(f"INSERT INTO {db}.schema_migrations (version, description) "
                       "VALUES (1, 'v1')")
     for t in TABLES:
-        if t is not GRAD_GROUP_STATS:
+        if t not in (GRAD_GROUP_STATS, TENSOR_NAMES):
             ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) "
                       "VALUES ('r', 7, 10, 2.5)")
-    assert ClickHouseSink(ch_client, db).migrate() == 5
+    assert ClickHouseSink(ch_client, db).migrate() == 6
     got = _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
                            "AND table = 'step_metrics' ORDER BY position")
     assert got == [(c.name, c.type) for c in table.columns]
@@ -93,6 +93,9 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client,
     assert _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
                            "AND table = 'grad_group_stats' ORDER BY position") == [
         (c.name, c.type) for c in GRAD_GROUP_STATS.columns]
+    assert _rows(ch_client, f"SELECT name, type FROM system.columns WHERE database = '{db}' "
+                           "AND table = 'tensor_names' ORDER BY position") == [
+        (c.name, c.type) for c in TENSOR_NAMES.columns]
 
 
 def test_sensitive_artifacts_exist_only_when_opted_in_with_their_ttl(ch_client, sink) -> None:
@@ -206,3 +209,15 @@ def test_a_row_the_store_refuses_is_bisected_out_and_the_rest_stored(ch_client, 
     got = _rows(ch_client, f"SELECT step, expert FROM {sink.database}.expert_stats FINAL "
                            "ORDER BY step, expert")
     assert got == [(r["step"], r["expert"]) for r in rows]
+
+
+def test_stage2s_tensor_names_rows_are_stored_once_per_run_and_tensor(ch_client, sink) -> None:
+    """What a simulated run's stage 2 writes to tensor_names lands with its dimensions; a
+    re-delivery of a row leaves one row per (run, tensor)."""
+    run = simulated_run("names", steps=12, retain_every=5)
+    rows = run.tables["tensor_names"]
+    assert rows and len({r["tensor"] for r in rows}) == len(rows)
+    sink.write("tensor_names", rows + rows[:1])
+    got = _rows(ch_client, f"SELECT tensor, layer, role, expert FROM {sink.database}"
+                           ".tensor_names FINAL WHERE run_id = 'names' ORDER BY tensor")
+    assert got == sorted((r["tensor"], r["layer"], r["role"], r["expert"]) for r in rows)

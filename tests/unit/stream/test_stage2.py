@@ -294,3 +294,33 @@ def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
     # the run's own rows did not move: a later step continues the counters
     nxt = run.accept(records(6, [(2.0, 1.0), (2.0, 1.0)]), now=8.0).rows["step_metrics"]
     assert nxt[0]["tokens"] == stored[-1]["tokens"] + 2
+
+
+def with_tensors(item, names: list[str]):
+    """Reduced one-pass scans of ``names`` (kind fwd) added to a reduced step."""
+    for name in names:
+        labels = {"tensor": name, "kind": "fwd"}
+        for field, v in {"n": 4.0, "sum": 1.0, "sum_sq": 2.0, "abs_sum": 2.0, "abs_max": 1.0,
+                         "zeros": 0.0, "nonfinite": 0.0}.items():
+            item.reduced[series_key(f"tensor.{field}", labels)] = v
+    return item
+
+
+def test_each_tensor_label_gets_one_tensor_names_row_per_run_across_a_restart():
+    names = ["embed", "blocks.0", "blocks.0.moe.experts.1.w1.weight", "blocks.1.attn.qkv.q"]
+    run = RunPipeline("run", small_config())
+    first = run.accept(with_tensors(records(0, [(2.0, 1.0)]), names[:3]), now=0.0)
+    assert first.rows["tensor_names"] == [
+        {"run_id": "run", "tensor": "embed", "layer": None, "role": "embed", "expert": None,
+         "first_step": 0},
+        {"run_id": "run", "tensor": "blocks.0", "layer": 0, "role": "block", "expert": None,
+         "first_step": 0},
+        {"run_id": "run", "tensor": "blocks.0.moe.experts.1.w1.weight", "layer": 0,
+         "role": "moe.experts.w1.weight", "expert": 1, "first_step": 0}]
+    again = run.accept(with_tensors(records(1, [(2.0, 1.0)]), names[:3]), now=1.0)
+    assert not again.rows.get("tensor_names") and again.rows["tensor_stats_recent"]
+    restored = RunPipeline.from_state("run", small_config(),
+                                      json.loads(json.dumps(run.to_state())), now=2.0)
+    out = restored.accept(with_tensors(records(2, [(2.0, 1.0)]), names), now=2.0)
+    assert [(r["tensor"], r["layer"], r["role"], r["first_step"])
+            for r in out.rows["tensor_names"]] == [("blocks.1.attn.qkv.q", 1, "attn.qkv.q", 2)]
