@@ -250,11 +250,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.config, overrides={"stream": {"role": args.role}}
                              if args.role else None)
+    heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
+    _preflight(settings, heartbeat)  # a broker that answers, and the topics, first
     topics = settings.topics
     check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
         settings.kafka.client_config(), [topics.steps, topics.deadletter]))
-    heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
-    _preflight(settings, heartbeat)
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings, read_port=args.sql_port),
                      heartbeat, crash_hook())

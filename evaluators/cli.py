@@ -85,11 +85,11 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
             context_len=context_len or None, batch_size=pick(args.batch_size, ev.batch_size),
             device=pick(args.device, ev.device),
             show_progress=sys.stderr.isatty() if args.progress is None else args.progress)
-        service = EvaluatorService(setup, options)
+        service = EvaluatorService(setup, options, preflight=lambda: args.evaluator_preflight(
+            getattr(args, "config", None)))
     except (EvaluationError, ConfigError) as exc:
         print(f"probewire: error: {exc}", file=sys.stderr)
         return 2
-    args.evaluator_preflight(getattr(args, "config", None))
     try:
         stats = service.run(once=args.once)
     except (EvaluationError, ServiceError) as exc:

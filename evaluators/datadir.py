@@ -30,7 +30,7 @@ from .suites import (
     Suite,
 )
 
-__all__ = ["DATA_FILES", "DEFAULT_SUITES", "SUITE_NAMES", "build_suites",
+__all__ = ["DATA_FILES", "DEFAULT_SUITES", "SUITE_NAMES", "build_suites", "check_suite_names",
            "ensure_demo_datasets"]
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,18 @@ def _load(kind: str, path: Path) -> list:
         raise EvaluationError(f"{kind} data: {exc}") from None
 
 
-def build_suites(names: Sequence[str], data_dir: str | Path) -> list[Suite]:
-    """The named suites (``SUITE_NAMES``) with their default parameters, fed from
-    ``data_dir``. Raises ``EvaluationError`` for an unknown name or unusable data."""
+def check_suite_names(names: Sequence[str]) -> None:
+    """``EvaluationError`` unless ``names`` is a non-empty list of ``SUITE_NAMES``."""
     unknown = [n for n in names if n not in SUITE_NAMES]
     if unknown or not names:
         raise EvaluationError(f"unknown suite(s) {unknown or list(names)}; known: "
                               f"{', '.join(SUITE_NAMES)}")
+
+
+def build_suites(names: Sequence[str], data_dir: str | Path) -> list[Suite]:
+    """The named suites (``SUITE_NAMES``) with their default parameters, fed from
+    ``data_dir``. Raises ``EvaluationError`` for an unknown name or unusable data."""
+    check_suite_names(names)
     root = Path(data_dir)
     cache: dict[str, list] = {}
 

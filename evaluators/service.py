@@ -35,7 +35,7 @@ from probewire.stream.health import Heartbeat, default_heartbeat_path
 
 from .cadence import Cadence
 from .config import EvaluatorSetup
-from .datadir import DEFAULT_SUITES, build_suites, ensure_demo_datasets
+from .datadir import DEFAULT_SUITES, build_suites, check_suite_names, ensure_demo_datasets
 from .lm import Tokenizer, resolve_callable
 from .records import CheckpointEvent, EvalRecord, EvaluationError
 from .runner import (
@@ -132,7 +132,11 @@ class EvaluatorService:
     are written where files are missing) and are not empty.
     """
 
-    def __init__(self, setup: EvaluatorSetup, options: EvaluatorOptions | None = None) -> None:
+    def __init__(self, setup: EvaluatorSetup, options: EvaluatorOptions | None = None,
+                 preflight: Callable[[], None] = lambda: None) -> None:
+        """Checks the configuration (tokenizer, model factory, suites), then runs
+        ``preflight`` (what the service needs outside itself, the broker), then writes
+        missing demo data sets: a mistake is one line before anything is written."""
         self.setup = setup
         self.options = options = options or EvaluatorOptions()
         cfg = setup.config
@@ -144,6 +148,8 @@ class EvaluatorService:
         self.loader = CheckpointLoader(factory=cfg.model_factory, tokenizer=tokenizer,
                                        context_len=options.context_len,
                                        batch_size=options.batch_size, device=options.device)
+        check_suite_names(options.suites)
+        preflight()
         ensure_demo_datasets(self.data_dir)
         self.suites = build_suites(options.suites, self.data_dir)
         self.cadence = Cadence(cfg.every_fraction)

@@ -134,7 +134,7 @@ def broker_message_limit(client_config: dict[str, str], topics: Sequence[str],
     for resource, future in futures.items():
         try:
             entry = future.result(timeout_s).get("max.message.bytes")
-        except KafkaException as exc:
+        except (KafkaException, TimeoutError) as exc:
             log.warning("probewire: cannot read %s's message limit: %s", resource.name, exc)
             continue
         if entry is not None and str(entry.value).isdigit():

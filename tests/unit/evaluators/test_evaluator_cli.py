@@ -57,6 +57,9 @@ def test_start_up_mistakes_exit_2_with_one_line(env: dict[str, str], args: list[
 def test_empty_dataset_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "heldout.jsonl").write_text("")
+    # data sets are read after the broker check, and the unit tier has no broker (that
+    # order, broker first, is tests/integration/test_cli_errors.py's)
+    monkeypatch.setattr("probewire.deploy.cli._preflight", lambda settings, heartbeat: None)
     monkeypatch.setenv("PROBEWIRE_EVALUATOR__SUITES", "heldout,bleu")  # the flag wins
     assert main(["evaluator", "--data-dir", str(tmp_path), "--suites", "heldout"]) == 2
     err = "".join(line for line in capsys.readouterr().err.splitlines(keepends=True)
