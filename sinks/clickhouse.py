@@ -11,6 +11,7 @@ wrong type) raise at once instead of being retried.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -51,7 +52,11 @@ def connect(url: str, *, username: str = "default", password_env: str = "") -> A
     """
     if url.startswith("chdb:///"):
         os.makedirs(url[len("chdb://"):], exist_ok=True)
-        return clickhouse_connect.get_client(dsn=url)
+        client = clickhouse_connect.get_client(dsn=url)
+        # an embedded connection still open at interpreter exit can crash the process in
+        # the engine's static teardown (SIGSEGV after all work is done: chdb-core#177)
+        atexit.register(client.close)
+        return client
     parsed = urlparse(url)
     if parsed.username or parsed.password:
         return clickhouse_connect.get_client(dsn=url)

@@ -153,6 +153,8 @@ class ReadServer:
             pass
         self._http.shutdown()
         self._http.server_close()
+        with self._lock:  # an embedded connection left open can crash the process at exit
+            self._conn.close()
 
 
 def _identifier(name: str) -> str:

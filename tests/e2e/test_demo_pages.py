@@ -39,8 +39,10 @@ RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
 def pages(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("pages")
     with Gallery(base, window=WINDOW, database=DB, bootstrap=os.environ.get("KAFKA_BOOTSTRAP"),
+                 # idle 20 s: a run's final steps are released while the next runs train
+                 # (at the default 120 s, on a fast host the later runs end sooner)
                  stage2={"retention_halo": HALO, "retention_every_k": EVERY_K,
-                         "warmup_steps": EDGE, "final_steps": EDGE}) as g:
+                         "warmup_steps": EDGE, "final_steps": EDGE, "run_idle_s": 20.0}) as g:
         for run_id, (ranks, steps, faults, extra, burner) in RUNS.items():
             result = g.run(run_id, ranks=ranks, steps=steps, burner=burner,
                            train_args=demo_train_args(faults) + extra)

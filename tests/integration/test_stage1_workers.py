@@ -13,7 +13,7 @@ import pytest
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
-from probewire.stream.testing import SimRun, send
+from probewire.stream.testing import SimRun, own_topics, send
 
 pytestmark = pytest.mark.integration
 
@@ -21,9 +21,10 @@ RUNS, STEPS = 4, 40
 
 
 def settings_for(store) -> Settings:
+    tag = uuid.uuid4().hex[:8]
     return Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")),
-                    stream=StreamSettings(app_id=f"pw-split-{uuid.uuid4().hex[:8]}",
-                                          deadline_s=3.0))
+                    topics=own_topics(tag),  # the session's broker holds other tests' steps
+                    stream=StreamSettings(app_id=f"pw-split-{tag}", deadline_s=3.0))
 
 
 def _stage1_outputs(heartbeat) -> int:
@@ -41,12 +42,18 @@ def test_two_workers_one_stage1_only_store_every_step_once_exactly(
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
         stack.start_stage1_workers(1)
-        for run in runs:
-            send(run, kafka_bootstrap, "otlp_metrics", range(STEPS))
+        # the steps over ~10 s: the group's rebalance that hands the second worker its
+        # partitions can end after a burst has been read by the first
+        for start in range(0, STEPS, 4):
+            for run in runs:
+                send(run, kafka_bootstrap, stack.settings.topics.metrics,
+                     range(start, start + 4))
+            time.sleep(1.0)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and \
                 min(stack.progress(r.run_id) for r in runs) < STEPS:
             time.sleep(0.3)
+        time.sleep(1.5)  # the heartbeats count stage-1 outputs once a second
         outputs = {"owner": _stage1_outputs(stack.heartbeat_path),
                    "stage1": _stage1_outputs(base / "run" / "worker-stage1-0.heartbeat")}
     finally:
