@@ -68,6 +68,11 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
         web_enabled=False,
         web_bind=config.web_bind,
         consumer_auto_offset_reset="earliest",
+        # messages are held unacknowledged on purpose (a step's rank messages until its last
+        # rank, a batch until it is stored), and redelivery is harmless (stores dedupe):
+        # Faust's default waits for every held message before a rebalance or a stop, so a
+        # step that never completes held the worker until it was killed
+        stream_wait_empty=False,
         consumer_max_fetch_size=config.max_message_bytes + 65_536,
         topic_partitions=topics.partitions,
         topic_allow_declare=False,

@@ -48,12 +48,15 @@ RANKS = 4
 
 def settings_for(store: Path, **stream) -> Settings:
     stage2 = Stage2Config(detectors=DetectorConfig(window=10), retention_every_k=5,
-                          retention_halo=2, warmup_steps=2, final_steps=2, max_wait_s=3.0,
+                          retention_halo=2, warmup_steps=2, final_steps=2,
+                          max_wait_s=stream.pop("max_wait_s", 3.0),
                           run_idle_s=stream.pop("run_idle_s", 60.0))
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/"), retry_max_s=1.0),
-        stream=StreamSettings(app_id=f"pw-grade-{uuid.uuid4().hex[:8]}", deadline_s=2.0,
-                              stage2=stage2, health=HealthConfig(stall_s=6.0), **stream))
+        stream=StreamSettings(app_id=f"pw-grade-{uuid.uuid4().hex[:8]}",
+                              deadline_s=stream.pop("deadline_s", 2.0),
+                              stage2=stage2, health=HealthConfig(stall_s=max(6.0, stage2.max_wait_s + 1.0)),
+                              **stream))
 
 
 def encode(run: SimRun, step: int, extra=(), identity=None,
@@ -156,6 +159,30 @@ def test_a_pause_longer_than_run_idle_s_then_resume_stores_every_step(
     s.stop()
     assert s.worker.returncode in (0, -15, 143)
     assert_exact(read_store, scratch_dir / "store", run, list(range(20)))
+
+
+def test_a_worker_stopped_while_it_holds_a_partial_step_exits_and_the_step_is_not_lost(
+        stack, kafka_bootstrap, read_store, scratch_dir):
+    """SIGTERM while rank messages wait unacknowledged for their step's last rank: the worker
+    stops by itself (Faust's default waited for them until the stack killed it), and a
+    restarted worker gets them again and stores the step once it is complete."""
+    s = stack(deadline_s=30.0, max_wait_s=40.0)  # the partial step is not published as late
+    run = SimRun(run_id=f"held-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
+    produce(kafka_bootstrap, [m for step in range(5) for m in encode(run, step)]
+            + encode(run, 5, ranks=range(RANKS - 1)))
+    wait_for(s, run.run_id, 5)
+    time.sleep(1.0)  # step 5's messages reach the worker, which holds them
+    os.killpg(s.worker.pid, signal.SIGTERM)
+    assert s.worker.wait(timeout=20) in (0, -15, 143)  # not killed by the stack's timeout
+    s.start_worker()  # the same group: resumes at its committed offsets
+    produce(kafka_bootstrap, encode(run, 5, ranks=range(RANKS - 1, RANKS)))
+    deadline = time.monotonic() + 90  # (the heartbeat counts this process's writes)
+    while s.progress(run.run_id, "last_step") < 5 and time.monotonic() < deadline:
+        assert s.worker.poll() is None, "the worker exited"
+        time.sleep(0.2)
+    s.stop()
+    rows = assert_exact(read_store, scratch_dir / "store", run, list(range(6)))
+    assert rows[5]["complete_reason"] == rows[0]["complete_reason"]  # complete, not late
 
 
 def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
