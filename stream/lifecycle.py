@@ -21,18 +21,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from probewire.instrument.wire import DecodeError
+
 __all__ = ["EventError", "RunEvent", "RunLifecycle", "parse_event"]
 
 EVENTS = ("started", "finished", "crashed")
 MAX_EVENT_BYTES = 128 * 1024
 
 
-class EventError(ValueError):
+class EventError(DecodeError):
     """Bytes that are not a run event; ``reason`` goes to the dead letter."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
