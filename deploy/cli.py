@@ -516,6 +516,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.config.dictConfig(logging_config(args.log_format, level, args.command))
     if args.command != "worker":  # the Faust worker installs its own handlers
         signal.signal(signal.SIGTERM, _terminate)
+        # a background job of a shell script starts with SIGINT ignored, and Python then
+        # keeps it ignored: `kill -INT` (Ctrl-C's signal) would not stop demo, up or run
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every stack
     try:
         return args.func(args)
     except (UserError, SettingsError) as exc:

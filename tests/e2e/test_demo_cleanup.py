@@ -13,15 +13,19 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import finish
 
 pytestmark = pytest.mark.integration
 
 
-def _demo(work: Path, steps: int) -> subprocess.Popen:
+def _demo(work: Path, steps: int, sigint_ignored: bool = False) -> subprocess.Popen:
+    """``sigint_ignored``: started as a shell script's background job is (SIGINT ignored)."""
     return subprocess.Popen(
         [sys.executable, "-m", "probewire.deploy.cli", "demo", "--steps", str(steps),
          "--store", str(work / "store"), "--work-dir", str(work / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
+        else None)
 
 
 def _started(work: Path) -> list[dict]:
@@ -64,7 +68,7 @@ def _assert_clean(started: list[dict]) -> None:
 
 def test_success_prints_the_table_and_stops_everything(scratch_dir: Path) -> None:
     proc = _demo(scratch_dir, steps=20)
-    out, err = proc.communicate(timeout=300)
+    out, err = finish(proc, 300)
     assert proc.returncode == 0, err
     assert "L_max" in out and "last 10 of 20 steps" in out.replace("\n", " ")
     # the result: status, pages and the next commands with the run id and store filled in
@@ -80,18 +84,20 @@ def test_a_failing_rank_is_an_error_and_stops_everything(scratch_dir: Path) -> N
     rank1 = next(p["pid"] for p in started if p["what"] == "rank1")
     time.sleep(2.0)  # let training start
     os.kill(rank1, signal.SIGKILL)
-    out, err = proc.communicate(timeout=180)
+    out, err = finish(proc, 180)
     assert proc.returncode == 2
     assert "training rank exited" in err and "Traceback" not in err
     _assert_clean(_started(scratch_dir))
 
 
 def test_ctrl_c_stops_everything(scratch_dir: Path) -> None:
-    proc = _demo(scratch_dir, steps=100_000)
+    """Also when started as a script's background job (CI's runner may start it so): Python
+    would leave the inherited SIGINT ignored and the demo ran on."""
+    proc = _demo(scratch_dir, steps=100_000, sigint_ignored=True)
     _wait_for(scratch_dir, "rank1")
     time.sleep(2.0)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=180)
+    out, err = finish(proc, 180)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     _assert_clean(_started(scratch_dir))

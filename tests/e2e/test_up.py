@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import finish
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +81,7 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
         assert up.poll() is None
     finally:
         up.send_signal(signal.SIGINT)
-        _, err = up.communicate(timeout=120)
+        _, err = finish(up, 120)
     assert up.returncode == 130 and "interrupted" in err and "Traceback" not in err
     started = json.loads((scratch_dir / ".probewire-store" / "processes.json").read_text())
     assert {p["what"] for p in started} == {"broker", "worker"}
