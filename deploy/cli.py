@@ -508,6 +508,17 @@ def _terminate(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # run the `finally` blocks that stop child processes
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack to stderr (a command that will not
+    stop says where it waits); not where stderr is no file (the CLI called in-process)."""
+    import faulthandler
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import logging.config
@@ -519,9 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a background job of a shell script starts with SIGINT ignored, and Python then
         # keeps it ignored: `kill -INT` (Ctrl-C's signal) would not stop demo, up or run
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: every stack
+    _stacks_on_sigusr1()
     try:
         return args.func(args)
     except (UserError, SettingsError) as exc:
