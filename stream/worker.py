@@ -43,6 +43,10 @@ __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
+MAX_IN_FLIGHT = 256
+"""Reduced steps stage 1 has handed to the broker and not yet seen confirmed; at this many
+the agent waits (memory stays bounded while the broker is slow)."""
+
 
 class Worker:
     """Stage 1, stage 2, dead letters and evaluations of one worker process."""
@@ -70,6 +74,8 @@ class Worker:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
         self._write_lock = asyncio.Lock()
         self._flushing: asyncio.Task | None = None  # the background write flush_soon started
+        self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
+        self._unconfirmed: dict[asyncio.Task, tuple[int, float]] = {}  # (messages, since)
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -113,8 +119,11 @@ class Worker:
         self.progress.agent_stopped(name)
 
     def write_heartbeat(self, status: str | None = None) -> None:
-        self.progress.waiting("stage1", sum(map(len, self.waiting.values())),
-                              min(self.waiting_since.values(), default=None))
+        unconfirmed = self._unconfirmed.values()
+        self.progress.waiting("stage1", sum(map(len, self.waiting.values()))
+                              + sum(n for n, _ in unconfirmed),
+                              min([*self.waiting_since.values(), *(t for _, t in unconfirmed)],
+                                  default=None))
         self.progress.waiting("stage2", self.batch.waiting, self.batch.oldest_at)
         try:
             self.heartbeat.beat(status, self.progress.report())
@@ -183,23 +192,41 @@ class Worker:
             await self.publish_step(reduced)
 
     async def publish_step(self, reduced: ReducedStep, key: Any = None) -> None:
-        """Publish a reduced step (split to fit the message limit), then acknowledge the
-        rank messages behind it; a step that can never be published is dead-lettered."""
+        """Hand a reduced step to the broker and return: the agent goes on with the next
+        message while the broker confirms (one round trip per step bounded stage 1 at
+        ~120 steps/s). Up to ``MAX_IN_FLIGHT`` steps wait for confirmation at once."""
         key = key or _wait_key(reduced.run_id, reduced.step,
                                reduced.complete_reason == REPLAY)
+        events = self.waiting.pop(key, [])
+        since = self.waiting_since.pop(key, time.monotonic())
+        await self._in_flight.acquire()
+        task = asyncio.ensure_future(self._deliver(reduced, events))
+        self._unconfirmed[task] = (len(events), since)  # still waiting, for health
+        task.add_done_callback(self._unconfirmed.pop)
+
+    async def _deliver(self, reduced: ReducedStep, events: list[Any]) -> None:
+        """Publish the step (split to fit the message limit; parts in order, P0 last), then
+        acknowledge the rank messages behind it; a step that can never be published is
+        dead-lettered. Unconfirmed, nothing is acknowledged: a restart reads it again."""
         try:
-            for part, data in split_step(reduced, self.config.max_message_bytes):
-                await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
-        except (OversizeStep, PublishError) as exc:
-            reason = str(exc)
-            log.error("probewire: step %d of run %s not published: %s", reduced.step,
-                      reduced.run_id, reason)
-            for event in self.waiting.get(key, []):
-                await self.dead_letter(event, f"reduced step not published: {reason}")
-        for event in self.waiting.pop(key, []):
-            event.ack()
-        self.waiting_since.pop(key, None)
-        self.progress.output("stage1")
+            try:
+                for part, data in split_step(reduced, self.config.max_message_bytes):
+                    await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
+            except (OversizeStep, PublishError) as exc:
+                reason = str(exc)
+                log.error("probewire: step %d of run %s not published: %s", reduced.step,
+                          reduced.run_id, reason)
+                for event in events:
+                    await self.dead_letter(event, f"reduced step not published: {reason}")
+            for event in events:
+                event.ack()
+            self.progress.output("stage1")
+        except Exception as exc:  # a bug: the step's messages stay unacknowledged
+            log.exception("probewire: step %d of run %s: delivery failed", reduced.step,
+                          reduced.run_id)
+            self.progress.failed("stage1", f"delivery of step {reduced.step} failed: {exc}")
+        finally:
+            self._in_flight.release()
 
     # -- stage 2 ------------------------------------------------------------------------------
     async def on_reduced_step(self, event: Any) -> None:
