@@ -105,7 +105,8 @@ def worst_rank_loss(
     ranks = np.flatnonzero(counts > 0)
     if ranks.size == 0:
         return None
-    means = sums[ranks] / counts[ranks]
+    with np.errstate(over="ignore"):  # a huge finite sum over few tokens is +-inf: worst
+        means = sums[ranks] / counts[ranks]
     nan_at = np.flatnonzero(np.isnan(means))
     best = int(nan_at[0]) if nan_at.size else int(np.argmax(means))
     return float(means[best]), int(ranks[best])
