@@ -68,6 +68,32 @@ def _sync() -> None:
         torch.cuda.synchronize()  # step times end where the device finished the step
 
 
+def _timed_steps(model, optimizer, monitor, batches, state: dict, steps: int) -> list[float]:
+    """``steps`` monitored training steps from ``state["step"]``; each one's wall time."""
+    times = []
+    for _ in range(steps):
+        step = state["step"]
+        micro = batches[step % len(batches)]
+        n_valid = sum(int(b.targets.ne(IGNORE).sum()) for b in micro)
+        t0 = time.perf_counter()
+        with monitor.step(step) as s:
+            for b in micro:
+                s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
+                logits = model(b.tokens)
+                losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                         b.targets.reshape(-1), ignore_index=IGNORE,
+                                         reduction="none").view_as(b.targets)
+                s.loss(losses)
+                (losses.sum() / n_valid).backward()
+            s.clip_grad_norm_(model.parameters(), 1.0)  # measures, then clips
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        _sync()
+        times.append(time.perf_counter() - t0)
+        state["step"] += 1
+    return times
+
+
 def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
     torch.manual_seed(seed)
     cfg = TinyConfig()
@@ -80,28 +106,7 @@ def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
     state = {"step": 0}
 
     def run(steps: int) -> list[float]:
-        times = []
-        for _ in range(steps):
-            step = state["step"]
-            micro = batches[step % len(batches)]
-            n_valid = sum(int(b.targets.ne(IGNORE).sum()) for b in micro)
-            t0 = time.perf_counter()
-            with monitor.step(step) as s:
-                for b in micro:
-                    s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
-                    logits = model(b.tokens)
-                    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             b.targets.reshape(-1), ignore_index=IGNORE,
-                                             reduction="none").view_as(b.targets)
-                    s.loss(losses)
-                    (losses.sum() / n_valid).backward()
-                s.clip_grad_norm_(model.parameters(), 1.0)  # measures, then clips
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            _sync()
-            times.append(time.perf_counter() - t0)
-            state["step"] += 1
-        return times
+        return _timed_steps(model, optimizer, monitor, batches, state, steps)
 
     return run, monitor, transport
 
@@ -171,25 +176,7 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
         monitors[name] = monitor
 
         def run(steps, model=model, opt=opt, monitor=monitor, state={"step": 0}):
-            times = []
-            for _ in range(steps):
-                step = state["step"]
-                micro = batches[step % len(batches)]
-                n_valid = sum(int(b.targets.ne(IGNORE).sum()) for b in micro)
-                t0 = time.perf_counter()
-                with monitor.step(step) as s:
-                    for i, b in enumerate(micro):
-                        s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
-                        losses = F.cross_entropy(model(b.tokens).transpose(1, 2), b.targets,
-                                                 ignore_index=IGNORE, reduction="none")
-                        s.loss(losses)
-                        (losses.sum() / n_valid).backward()
-                    s.clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                times.append(time.perf_counter() - t0)
-                state["step"] += 1
-            return times
+            return _timed_steps(model, opt, monitor, batches, state, steps)
 
         runs[name] = run
     for run in runs.values():
