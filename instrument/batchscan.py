@@ -5,7 +5,11 @@ dozen kernel launches, not the bytes. Transformers repeat shapes (every layer's 
 every block's output, every layer's weights), so ``scan_many`` stacks the tensors of one
 size into a [k, n] matrix and runs ``scan``'s own sequence of reductions along dim 1:
 a dozen kernels per distinct size instead of per tensor. Tensors above ``SMALL_ELEMS``,
-and sizes seen once, go through ``scan`` itself. Fields, dtypes and conventions are
+and sizes seen once, go through ``scan`` itself.
+
+Where only totals per group are wanted (the gradient's every-step group statistics), not a
+row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes
+and scans each concatenation once: a dozen kernels per group. Fields, dtypes and conventions are
 ``scan``'s (``ScanFields``): float32 work (float64 for float64 inputs or with moments),
 sums over finite elements, NONFINITE counts the others, ABS_MAX over finite elements.
 """
@@ -18,7 +22,7 @@ import torch
 
 from .scan import BASE_FIELDS, MOMENT_FIELDS, scan
 
-__all__ = ["SMALL_ELEMS", "scan_many"]
+__all__ = ["SMALL_ELEMS", "scan_groups", "scan_many"]
 
 SMALL_ELEMS = 1 << 16
 """Tensors up to this many elements are batched with others of their size."""
@@ -28,11 +32,19 @@ STACK_ELEMS = 1 << 22
 F64 = torch.float64
 
 
+def _work_dtype(tensors: Sequence[torch.Tensor], moments: bool) -> torch.dtype:
+    return F64 if moments or any(t.dtype == F64 for t in tensors) else torch.float32
+
+
 def _rows(tensors: Sequence[torch.Tensor], moments: bool) -> torch.Tensor:
     """[k, fields] of k same-sized tensors: ``scan``'s chunk arithmetic along dim 1."""
-    n = tensors[0].numel()
-    dtype = F64 if moments or any(t.dtype == F64 for t in tensors) else torch.float32
-    work = torch.stack([t.detach().reshape(-1) for t in tensors]).to(dtype)  # a fresh copy
+    work = torch.stack([t.detach().reshape(-1) for t in tensors])  # a fresh copy
+    return _fields(work.to(_work_dtype(tensors, moments)), moments)
+
+
+def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
+    """[k, fields] of the rows of ``work`` [k, n], a fresh copy this function overwrites."""
+    n = work.shape[1]
     # counts as float sums of 0/1 (exact below 2**24 elements per row; rows are far
     # smaller): x − x is 0 for a finite x and NaN otherwise; sign() is 0 only at 0.
     # (count_nonzero along a dim is several times slower on CPU.)
@@ -54,6 +66,48 @@ def _rows(tensors: Sequence[torch.Tensor], moments: bool) -> torch.Tensor:
     count = torch.full_like(total, float(n), dtype=F64)
     columns = [count, total, sum_sq, sum_abs, abs_max, n - nonzero - nonfinite, nonfinite, *extra]
     return torch.stack([c.to(F64) for c in columns], dim=1)
+
+
+def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
+                moments: bool = False, chunk_elems: int | None = None
+                ) -> tuple[torch.Tensor, list[int]]:
+    """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
+
+    ``groups[i]`` is ``tensors[i]``'s group. Returns ``[R, fields]`` float64 rows and each
+    row's group. The small floating tensors of one group (and device) are concatenated,
+    up to ``STACK_ELEMS`` per block, and each block is one row; other tensors get their
+    own ``scan``. Empty tensors give no row (their all-zero row combines to nothing).
+    """
+    width = MOMENT_FIELDS if moments else BASE_FIELDS
+    rows: list[torch.Tensor] = []
+    row_groups: list[int] = []
+    blocks: dict[tuple, list[torch.Tensor]] = {}
+    for t, group in zip(tensors, groups):
+        n = t.numel()
+        if n == 0:
+            continue
+        if n <= SMALL_ELEMS and t.is_floating_point() and not t.is_complex():
+            blocks.setdefault((group, t.device), []).append(t)
+        else:
+            rows.append(scan(t, moments=moments, chunk_elems=chunk_elems).unsqueeze(0))
+            row_groups.append(group)
+    for (group, _), members in blocks.items():
+        start = 0
+        while start < len(members):
+            block, elems = [], 0
+            while start < len(members) and (not block or elems + members[start].numel()
+                                            <= STACK_ELEMS):
+                block.append(members[start])
+                elems += members[start].numel()
+                start += 1
+            dtype = _work_dtype(block, moments)
+            work = torch.cat([t.detach().reshape(-1).to(dtype) for t in block])  # a fresh copy
+            rows.append(_fields(work.unsqueeze(0), moments))
+            row_groups.append(group)
+    if not rows:
+        device = tensors[0].device if tensors else None
+        return torch.zeros(0, width, dtype=F64, device=device), []
+    return torch.cat(rows), row_groups
 
 
 def scan_many(tensors: Sequence[torch.Tensor], *, moments: bool = False,

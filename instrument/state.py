@@ -116,7 +116,7 @@ class StepState:
         self.scan_rows: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
         # gradients: the P0 norm [1], the group rows of the detail scan, the clipping norm
         self.grad_norm: torch.Tensor | None = None
-        self.grad_rows: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        self.grad_rows: tuple[torch.Tensor, list[int], tuple[int, ...]] | None = None
         self.clip: torch.Tensor | float | None = None
         self.pending_bwd: dict[str, int] = {}  # forwards whose backward hook waits (recompute)
         self.comm_waits: dict[str, float] = {}  # a new dict: a late sampler may hold the last

@@ -6,10 +6,12 @@ removed, before clipping.
 G2 comes from one fused multi-tensor norm per (device, dtype), combined exactly as
 ``clip_grad_norm_`` combines them, so it reproduces the clipping norm; through
 ``StepContext.clip_grad_norm_`` the very norm that clips is the measurement. The group
-statistics are per-tensor one-pass scans (``scan_many``, no copies: they are taken before
-the clip runs) combined by group; on scan steps the per-tensor rows are also emitted as
-tensor.*{kind=grad}. Parameters that another rank reports (a replica outside the stream's
-dedup groups) are left out of this rank's sums (``registry``).
+statistics are taken before the clip runs: on steps without the scan tier each group's
+small tensors are scanned as one concatenation (``scan_groups``), on scan steps each tensor
+is scanned (``scan_many``) and its row is also emitted as tensor.*{kind=grad}; either way
+the rows are combined by group on the host, off the training thread. Parameters that
+another rank reports (a replica outside the stream's dedup groups) are left out of this
+rank's sums (``registry``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import numpy as np
 import torch
 
 from ..catalog import GRAD_GROUPS, Grad, Label, tier_of
-from ..collect import host_values
 from ..parallel import LayoutError, is_dtensor, local
 from ..registry import ParamInfo
 from ..scan import ScanFields
@@ -32,7 +33,7 @@ from .tensors import TIER as SCAN_TIER
 from .tensors import TensorProbe
 
 __all__ = ["GradProbe", "decode_clipped", "decode_grad_detail", "decode_norms", "grad_norms",
-           "group_rows", "inverse_scale"]
+           "inverse_scale"]
 
 NORM_TIER = tier_of(Grad.NORM_SQ, Grad.CLIPPED)
 DETAIL_TIER = tier_of(Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
@@ -66,19 +67,6 @@ def grad_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | float | 
     if inv_scale is not None:
         total = total.to(F64) * inv_scale
     return total  # float32 is fine: the step's one ``cat`` promotes every part to float64
-
-
-def group_rows(rows: torch.Tensor, groups: Sequence[int]) -> torch.Tensor:
-    """[all, embedding, expert, other] combined gradient scan rows, flattened."""
-    index = host_values(groups, rows.device)
-    out = torch.zeros(len(GRAD_GROUPS), rows.shape[1], dtype=F64, device=rows.device)
-    out.index_add_(0, index, rows)
-    maxima = torch.zeros(len(GRAD_GROUPS), dtype=F64, device=rows.device)
-    out[:, ScanFields.ABS_MAX] = maxima.scatter_reduce_(0, index, rows[:, ScanFields.ABS_MAX],
-                                                        "amax", include_self=True)
-    total = out.sum(dim=0, keepdim=True)
-    total[0, ScanFields.ABS_MAX] = out[:, ScanFields.ABS_MAX].amax()
-    return torch.cat([total, out]).reshape(-1)
 
 
 def inverse_scale(scaler: Any, scale: Any) -> Any:
@@ -124,17 +112,22 @@ def decode_clipped(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
 
 
 def decode_grad_detail(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
-    """Rows [all, embedding, expert, other] of combined per-tensor gradient scans; meta
-    (groups present, scan width). Each group also gets its grad.norm_sq from the scans'
-    Σg² (finite elements; the unlabelled grad.norm_sq is the clipping norm)."""
-    values, (present, width) = parts[0]
-    v = values.tolist()
+    """Gradient scan rows combined by group: the unlabelled totals and one set per group
+    present; meta (each row's group, groups present, scan width). Every field adds except
+    ABS_MAX, the maximum. Each group also gets its grad.norm_sq from the scans' Σg² (finite
+    elements; the unlabelled grad.norm_sq is the clipping norm)."""
+    values, (row_groups, present, width) = parts[0]
+    rows = values.reshape(-1, width)
+    of_row = np.asarray(row_groups, dtype=np.int64)
     out = []
-    for row, labels in ((0, ()), *((1 + g, _GROUP_LABELS[g]) for g in present)):
-        base = row * width
-        out += [Point(name, v[base + f], labels) for name, f in _DETAIL]
+    for labels, selected in (((), rows), *((_GROUP_LABELS[g], rows[of_row == g])
+                                           for g in present)):
+        combined = selected.sum(axis=0)
+        combined[ScanFields.ABS_MAX] = selected[:, ScanFields.ABS_MAX].max(initial=0.0)
+        v = combined.tolist()
+        out += [Point(name, v[f], labels) for name, f in _DETAIL]
         if labels:
-            out.append(Point(Grad.NORM_SQ, v[base + ScanFields.SUM_SQ], labels))
+            out.append(Point(Grad.NORM_SQ, v[ScanFields.SUM_SQ], labels))
     return out
 
 
@@ -167,16 +160,20 @@ class GradProbe:
         if state.due[NORM_TIER] and norm:
             state.grad_norm = grad_norms(grads, inv)
         groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
-        if groups_due or tensors_due:
+        groups = [i.group for i in infos]
+        if tensors_due:  # a row per tensor (and fused part), combined by group too
             entries = []
             for info, grad in zip(infos, grads):  # scanned now: the clip has not run yet
                 entries += self._tensors.parameter_entries(
-                    "grad", [(info.param, grad)], emit=tensors_due,
-                    group=info.group)
+                    "grad", [(info.param, grad)], emit=True, group=info.group)
             rows = self._tensors.scan_entries(state, entries, inv)
-            if groups_due:
-                groups = [e.group for e in entries]
-                state.grad_rows = (group_rows(rows, groups), tuple(sorted(set(groups))))
+            row_groups = [e.group for e in entries]
+        elif groups_due:  # group totals only: each group's small tensors in one scan
+            rows, row_groups = self._tensors.scan_groups(state, grads, groups, inv)
+        else:
+            return
+        if groups_due:  # combined by group on the host (``decode_grad_detail``)
+            state.grad_rows = (rows, row_groups, tuple(sorted(set(groups))))
 
     def clip_grad_norm_(self, state: StepState, parameters: Any, max_norm: float,
                         norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
@@ -219,6 +216,6 @@ class GradProbe:
             else:
                 points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))
         if state.grad_rows is not None:
-            rows, present = state.grad_rows
-            width = rows.shape[0] // (len(GRAD_GROUPS) + 1)
-            collector.add("grad.detail", rows, decode_grad_detail, (present, width))
+            rows, row_groups, present = state.grad_rows
+            collector.add("grad.detail", rows, decode_grad_detail,
+                          (row_groups, present, rows.shape[1]))

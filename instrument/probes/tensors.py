@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..batchscan import SMALL_ELEMS, scan_many
+from ..batchscan import SMALL_ELEMS, scan_groups, scan_many
 from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
 from ..parallel import local
@@ -276,6 +276,16 @@ class TensorProbe:
             state.scan_rows.append((keys, rows if len(emitted) == len(entries)
                                     else rows[host_values(emitted, rows.device)]))
         return rows
+
+    def scan_groups(self, state: StepState, tensors: Sequence[torch.Tensor],
+                    groups: Sequence[int], inv_scale: Any = None
+                    ) -> tuple[torch.Tensor, list[int]]:
+        """Rows to combine per group (``batchscan.scan_groups``), nothing emitted per tensor."""
+        rows, row_groups = scan_groups(tensors, groups, moments=state.due[MOMENTS_TIER],
+                                       chunk_elems=self._chunk)
+        if inv_scale is not None:
+            rows = scale_scan(rows, inv_scale)
+        return rows, row_groups
 
     # -- hooks --------------------------------------------------------------------------
     def _forward_hook(self, obs: ObservedModule) -> Callable:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from probewire.instrument.batchscan import SMALL_ELEMS, scan_many
+from probewire.instrument import batchscan
+from probewire.instrument.batchscan import SMALL_ELEMS, scan_groups, scan_many
 from probewire.instrument.scan import ScanFields as F
 from probewire.instrument.scan import scan
 
@@ -47,3 +48,45 @@ def test_rows_against_a_float64_reference():
 
 def test_no_tensor_gives_an_empty_matrix():
     assert scan_many([]).shape == (0, 7)
+
+
+def combined(rows: np.ndarray) -> np.ndarray:
+    out = rows.sum(axis=0)
+    out[F.ABS_MAX] = rows[:, F.ABS_MAX].max(initial=0.0)
+    return out
+
+
+@pytest.mark.parametrize("moments", [False, True])
+@pytest.mark.parametrize("stack", [None, 200])
+def test_group_rows_combine_to_the_per_tensor_rows_of_each_group(monkeypatch, moments, stack):
+    """Groups of mixed sizes and dtypes, non-finite and zero elements, an empty tensor, one
+    tensor above SMALL_ELEMS; with ``stack`` a group's concatenation splits into blocks."""
+    if stack is not None:
+        monkeypatch.setattr(batchscan, "STACK_ELEMS", stack)
+    xs = tensors()
+    groups = [i % 3 for i in range(len(xs))]
+    rows, row_groups = scan_groups(xs, groups, moments=moments)
+    per_tensor = scan_many(xs, moments=moments).numpy()
+    got, want = rows.numpy(), per_tensor
+    assert rows.dtype == torch.float64 and len(row_groups) == len(got)
+    if stack is not None:
+        assert len(got) > 6  # several blocks per group
+    for g in set(groups):
+        mine = combined(got[np.asarray(row_groups) == g])
+        theirs = combined(want[np.asarray(groups) == g])
+        a = np.concatenate([x.to(torch.float64).numpy().ravel()
+                            for x, k in zip(xs, groups) if k == g])
+        f = a[np.isfinite(a)]
+        assert mine[F.N] == a.size and mine[F.ZEROS] == np.count_nonzero(a == 0)
+        assert mine[F.NONFINITE] == np.count_nonzero(~np.isfinite(a))
+        assert mine[F.ABS_MAX] == pytest.approx(np.abs(f).max(), rel=1e-7)
+        assert mine[F.SUM_ABS] == pytest.approx(np.abs(f).sum(), rel=1e-5)
+        assert mine[F.SUM_SQ] == pytest.approx((f * f).sum(), rel=1e-5)
+        assert mine[F.SUM] == pytest.approx(f.sum(), abs=1e-5 * np.abs(f).sum())
+        assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_no_tensor_or_only_empty_ones_give_no_group_row():
+    for xs, groups in (([], []), ([torch.zeros(0), torch.zeros(0, 3)], [0, 2])):
+        rows, row_groups = scan_groups(xs, groups)
+        assert rows.shape == (0, 7) and row_groups == []

@@ -374,3 +374,53 @@ def test_an_extension_shares_the_step_and_is_told_its_boundaries():
         train_step(monitor, model, opt, step, make_batches(step))
     monitor.close()
     assert calls == [("on_gradients", None), ("finish",), ("remove",)]  # step 1 unsampled
+
+
+def group_reference(grads: dict[str, np.ndarray], names) -> dict[str, float]:
+    """float64 per-group gradient statistics: finite sums and maximum, counts."""
+    a = np.concatenate([grads[n].ravel() for n in names])
+    f = a[np.isfinite(a)]
+    return {"grad.abs_sum": np.abs(f).sum(), "grad.abs_max": np.abs(f).max(initial=0.0),
+            "grad.zeros": np.count_nonzero(a == 0), "grad.elements": a.size,
+            "grad.nonfinite": np.count_nonzero(~np.isfinite(a)), "grad.norm_sq": (f * f).sum()}
+
+
+@pytest.mark.parametrize("small, stack", [(None, None), (500, 40)])
+def test_every_step_gradient_groups_match_a_float64_reference(monkeypatch, small, stack):
+    """P0 only (no scan step): each group's small gradients are scanned as concatenations
+    (split into several blocks, and larger tensors scanned alone, in the second case); with
+    non-finite elements and a loss scale the per-group values equal the float64 reference."""
+    from probewire.instrument import batchscan
+    if small is not None:
+        monkeypatch.setattr(batchscan, "SMALL_ELEMS", small)
+        monkeypatch.setattr(batchscan, "STACK_ELEMS", stack)
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
+        cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET))
+    scale = 1024.0
+    poisoned = dict(model.named_parameters())["blocks.1.mlp.up.weight"]
+    poisoned.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan"))
+                           .index_fill(0, torch.tensor([3]), float("-inf")))
+    tokens, targets, _ = make_batches(3, rows=(2,))[0]
+    with monitor.step(0) as s:
+        s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+        losses = token_losses(model(tokens), targets)
+        s.loss(losses)
+        (losses.sum() * scale).backward()
+        grads = {n: p.grad.double().numpy() / scale for n, p in model.named_parameters()}
+        s.gradients(scale=scale)
+    monitor.close()
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    embedding = [n for n in grads if n.startswith(("embed", "pos"))]
+    other = [n for n in grads if n not in embedding]
+    assert embedding and other
+    for labels, names in (({}, list(grads)), ({"group": "embedding"}, embedding),
+                          ({"group": "other"}, other)):
+        for name, want in group_reference(grads, names).items():
+            if name == "grad.norm_sq" and not labels:
+                assert math.isnan(value(rec, name))  # the clipping norm: NaN propagates
+                continue
+            assert value(rec, name, **labels) == pytest.approx(want, rel=1e-5), (name, labels)
+    assert ("grad.abs_sum", (("group", "expert"),)) not in rec.values
