@@ -54,14 +54,19 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+Slots = dict[str, tuple[Decoder, list[tuple[torch.Tensor, ...]], list[Any]]]
+"""key -> (decoder, the tensors of each ``add``, the meta of each ``add``)"""
+
+
 @dataclass(slots=True)
 class SealedStep:
-    """What the emitter thread receives: host (or pending) values plus how to decode them."""
+    """What the emitter thread receives: the step's parts, their host values (or pending
+    copy) and how to decode them; the layout is read off the parts on the emitter thread."""
 
     step: int
-    host: torch.Tensor | list[torch.Tensor] | None   # pinned buffer, or CPU parts
+    slots: Slots
+    host: torch.Tensor | None   # the device parts' copy (pinned); None: CPU parts, read as is
     event: Any
-    layout: list[tuple[Decoder, list[tuple[int, Any]]]]
     points: list[Point]
     late: list[Late] = field(default_factory=list)
     held: bool = False   # the scan-tier points stay in the ring buffer (``export``)
@@ -71,19 +76,22 @@ class SealedStep:
         if self.event is not None:
             self.event.synchronize()  # emitter thread: waits for the device copy only
         points = list(self.points)
-        if self.host is not None:
-            if isinstance(self.host, list):  # CPU: read the parts where they are
-                values = np.concatenate([t.detach().numpy().reshape(-1) for t in self.host])
-                values = values.astype(np.float64, copy=False)
-            else:
+        if self.slots:
+            if self.host is not None:
                 values = self.host.numpy()
+            else:  # CPU: read the parts where they are
+                values = np.concatenate([t.detach().numpy().reshape(-1)
+                                         for _, parts, _ in self.slots.values()
+                                         for tensors in parts for t in tensors])
+                values = values.astype(np.float64, copy=False)
             offset = 0
-            for decode, widths in self.layout:
-                parts = []
-                for width, meta in widths:
-                    parts.append((values[offset:offset + width], meta))
+            for decode, parts, metas in self.slots.values():
+                arrays = []
+                for tensors, meta in zip(parts, metas):
+                    width = sum(t.numel() for t in tensors)
+                    arrays.append((values[offset:offset + width], meta))
                     offset += width
-                points += decode(parts)
+                points += decode(arrays)
         for sample in self.late:
             try:
                 points += sample()
@@ -95,10 +103,11 @@ class SealedStep:
 class StepCollector:
     """Accumulates one step's device vectors; reused step after step by one monitor."""
 
-    __slots__ = ("_slots",)
+    __slots__ = ("_slots", "_on_device")
 
     def __init__(self) -> None:
-        self._slots: dict[str, tuple[Decoder, list[tuple[torch.Tensor, ...]], list[Any]]] = {}
+        self._slots: Slots = {}
+        self._on_device = False   # a part lives off the host: seal gathers and copies
 
     def add(self, key: str, tensors: torch.Tensor | Sequence[torch.Tensor], decode: Decoder,
             meta: Any = None) -> None:
@@ -106,6 +115,8 @@ class StepCollector:
         ``cat`` flattens them and promotes them to float64, so a part costs no kernel of its
         own). The decoder sees the part as one array, the tensors in order."""
         parts = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if not self._on_device:
+            self._on_device = any(t.device.type != "cpu" for t in parts)
         slot = self._slots.get(key)
         if slot is None:
             self._slots[key] = (decode, [parts], [meta])
@@ -118,36 +129,30 @@ class StepCollector:
         slot = self._slots.get(key)
         return [] if slot is None else list(slot[1])
 
+    def has(self, key: str) -> bool:
+        return key in self._slots
+
     def clear(self) -> None:
         self._slots = {}
+        self._on_device = False
 
     def seal(self, step: int, points: list[Point], late: list[Late], *,
              held: bool = False, replay: bool = False) -> SealedStep:
-        """Concatenate on the device, start the one device-to-host copy, hand over."""
-        vectors: list[torch.Tensor] = []
-        layout: list[tuple[Decoder, list[tuple[int, Any]]]] = []
-        for decode, parts, metas in self._slots.values():
-            widths = []
-            for tensors, meta in zip(parts, metas):
-                vectors += tensors
-                widths.append((sum(t.numel() for t in tensors), meta))
-            layout.append((decode, widths))
-        host: torch.Tensor | list[torch.Tensor] | None = None
-        event = None
-        if vectors:
-            device = vectors[0].device
-            if device.type == "cpu" and all(v.device.type == "cpu" for v in vectors):
-                host = vectors
-            else:
-                if not any(v.dtype == torch.float64 for v in vectors):
-                    vectors[0] = vectors[0].to(torch.float64)  # cat promotes every part to it
-                flat = torch.cat([to_device(v, device).reshape(-1) for v in vectors])
-                cuda = device.type == "cuda"
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=cuda)
-                host.copy_(flat, non_blocking=cuda)
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-        sealed = SealedStep(step, host, event, layout, points, late, held, replay)
+        """Hand the step's parts over. On CPU nothing else happens here (the emitter thread
+        reads them); with a part on a device, concatenate there and start the one
+        device-to-host copy."""
+        slots, host, event = self._slots, None, None
+        if self._on_device:
+            vectors = [t for _, parts, _ in slots.values() for tensors in parts for t in tensors]
+            device = next(v.device for v in vectors if v.device.type != "cpu")
+            if not any(v.dtype == torch.float64 for v in vectors):
+                vectors[0] = vectors[0].to(torch.float64)  # cat promotes every part to it
+            flat = torch.cat([to_device(v, device).reshape(-1) for v in vectors])
+            cuda = device.type == "cuda"
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=cuda)
+            host.copy_(flat, non_blocking=cuda)
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
         self.clear()
-        return sealed
+        return SealedStep(step, slots, host, event, points, late, held, replay)

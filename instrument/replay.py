@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DATA", "HARDWARE", "Kept", "ReplayVerdict", "Totals", "judge", "loss_parts", "totals"]
+__all__ = ["DATA", "HARDWARE", "Kept", "ReplayVerdict", "Totals", "judge", "totals"]
 
 DATA = "data"
 HARDWARE = "hardware"
@@ -35,10 +35,11 @@ HARDWARE = "hardware"
 @dataclass(frozen=True, slots=True)
 class Kept:
     """What a sampled step keeps to judge a replay of it: device references, read only on a
-    replay. ``loss`` holds (row loss sums, row valid counts) per micro-batch; ``scanned``
+    replay. ``loss`` holds the loss probe's collector parts, one per micro-batch, whose first
+two tensors are the row loss sums and row valid counts; ``scanned``
     says the step's scan tier was sent (a replay then sends no detail of its own)."""
 
-    loss: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    loss: Sequence[tuple[torch.Tensor, ...]]
     grad_norm: torch.Tensor | None
     scanned: bool
 
@@ -71,7 +72,7 @@ def totals(kept: Kept) -> Totals:
     """Host values of a ``Kept`` record (one read per tensor; exact float64 sums)."""
     sums: list[float] = []
     counts: list[float] = []
-    for row_sums, row_counts in kept.loss:
+    for row_sums, row_counts, *_ in kept.loss:  # ``loss_components`` or a fused [sum, count]
         sums += row_sums.detach().double().cpu().reshape(-1).tolist()
         counts += row_counts.detach().double().cpu().reshape(-1).tolist()
     norm = None if kept.grad_norm is None else float(kept.grad_norm.detach().double().cpu()
@@ -101,9 +102,3 @@ def judge(step: int, original: Totals, replayed: Totals, rtol: float = 0.0) -> R
         same = same and _agree(original.grad_norm, replayed.grad_norm, rtol)
     return ReplayVerdict(step, DATA if same else HARDWARE, original, replayed, float(rtol))
 
-
-def loss_parts(parts: Sequence[tuple[torch.Tensor, ...]]
-               ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """(row sums, row counts) of the loss probe's collector parts (``loss_components`` or a
-    fused loss's [sum, count]): the first two tensors of each part."""
-    return tuple((p[0], p[1]) for p in parts)

@@ -30,7 +30,7 @@ from .probes.loss import LossProbe
 from .probes.optim import OptimProbe
 from .probes.system import SystemProbe
 from .probes.tensors import TensorProbe
-from .replay import Kept, ReplayVerdict, judge, loss_parts, totals
+from .replay import Kept, ReplayVerdict, judge, totals
 from .state import Schedule, StepState
 
 __all__ = ["NullReplayContext", "NullStepContext", "ProbeSet", "Probes", "ReplayContext",
@@ -166,16 +166,17 @@ class StepContext:
         return False
 
     def _kept_of(self, state: StepState) -> Kept:
-        return Kept(loss_parts(state.collector.parts(LOSS_KEY)), state.grad_norm,
+        return Kept(state.collector.parts(LOSS_KEY), state.grad_norm,
                     state.due[Tier.SCAN] and not state.held)
 
     def _keep(self, step: int, state: StepState) -> None:
         """Keep this step's loss and gradient-norm tensors (references) for a replay."""
-        if self._kept_max and state.collector.parts(LOSS_KEY):
-            self._kept[step] = self._kept_of(state)
-            self._kept.move_to_end(step)
-            while len(self._kept) > self._kept_max:
-                self._kept.popitem(last=False)
+        if self._kept_max and state.collector.has(LOSS_KEY):
+            kept = self._kept
+            kept.pop(step, None)  # a step run again replaces its record, newest last
+            kept[step] = self._kept_of(state)
+            if len(kept) > self._kept_max:
+                kept.popitem(last=False)
 
     def _close_replay(self, state: StepState, step: int) -> None:
         """A replay's end: its record (scan-tier detail, sent marked replay unless the step
