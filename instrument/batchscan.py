@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .scan import BASE_FIELDS, MOMENT_FIELDS, scan
+from .scan import BASE_FIELDS, MOMENT_FIELDS, fused_scan, scan
 
 __all__ = ["SMALL_ELEMS", "scan_groups", "scan_many"]
 
@@ -69,7 +69,7 @@ def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
 
 
 def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
-                moments: bool = False, chunk_elems: int | None = None
+                moments: bool = False, chunk_elems: int | None = None, fused: bool = False
                 ) -> tuple[torch.Tensor, list[int]]:
     """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
 
@@ -77,7 +77,10 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
     row's group. The small floating tensors of one group (and device) are concatenated,
     up to ``STACK_ELEMS`` per block, and each block is one row; other tensors get their
     own ``scan``. Empty tensors give no row (their all-zero row combines to nothing).
+    ``fused`` (without moments): each large tensor and block through the compiled one-pass
+    ``fused_scan`` instead of the eager reductions.
     """
+    one_pass = fused and not moments
     width = MOMENT_FIELDS if moments else BASE_FIELDS
     rows: list[torch.Tensor] = []
     row_groups: list[int] = []
@@ -89,7 +92,8 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
         if n <= SMALL_ELEMS and t.is_floating_point() and not t.is_complex():
             blocks.setdefault((group, t.device), []).append(t)
         else:
-            rows.append(scan(t, moments=moments, chunk_elems=chunk_elems).unsqueeze(0))
+            vec = fused_scan(t) if one_pass else scan(t, moments=moments, chunk_elems=chunk_elems)
+            rows.append(vec.unsqueeze(0))
             row_groups.append(group)
     for (group, _), members in blocks.items():
         start = 0
@@ -102,7 +106,8 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
                 start += 1
             dtype = _work_dtype(block, moments)
             work = torch.cat([t.detach().reshape(-1).to(dtype) for t in block])  # a fresh copy
-            rows.append(_fields(work.unsqueeze(0), moments))
+            rows.append(fused_scan(work).unsqueeze(0) if one_pass
+                        else _fields(work.unsqueeze(0), moments))
             row_groups.append(group)
     if not rows:
         device = tensors[0].device if tensors else None

@@ -128,7 +128,8 @@ class ProbeConfig:
     telemetry: bool = True
     comm: bool = True
     scan_backend: str = "auto"
-    """How large activations are scanned: "compiled" (``scan.fused_scan``, one fused pass;
+    """How large activations and the every-step gradient groups are scanned: "compiled"
+    (``scan.fused_scan``, one fused pass per large tensor or block of small ones;
     ``torch.compile`` once per process), "eager" (``scan.scan``, chunked), or "auto":
     compiled on a CUDA device, eager on CPU (where the compile's 10-20 s would dominate a
     short run). The choice is made once at attach (``Monitor.scan_backend``)."""

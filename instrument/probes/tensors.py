@@ -182,7 +182,7 @@ class TensorProbe:
                  fused: bool = False) -> None:
         self._state = state
         self._chunk = chunk_elems
-        self._fused = fused  # large activations through the compiled one-pass scan
+        self._fused = fused  # large activations and gradient groups: the compiled one-pass scan
         self._mask_activations = mask_activations
         self._update_ratio = update_ratio
         self._persistent = persistent_hooks
@@ -282,7 +282,7 @@ class TensorProbe:
                     ) -> tuple[torch.Tensor, list[int]]:
         """Rows to combine per group (``batchscan.scan_groups``), nothing emitted per tensor."""
         rows, row_groups = scan_groups(tensors, groups, moments=state.due[MOMENTS_TIER],
-                                       chunk_elems=self._chunk)
+                                       chunk_elems=self._chunk, fused=self._fused)
         if inv_scale is not None:
             rows = scale_scan(rows, inv_scale)
         return rows, row_groups

@@ -45,3 +45,65 @@ def test_masked_fused_scan_covers_valid_positions_only():
     got = masked_scan(x, mask, None, moments=False, chunk_elems=None, fused=True)
     want = masked_scan(x, mask, None, moments=False, chunk_elems=None)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-6)
+
+
+def test_gradient_groups_through_the_fused_scan_equal_the_float64_reference(monkeypatch):
+    """scan_groups(fused=True): large tensors and small-tensor blocks each through the one
+    compiled pass; combined per group they give the float64 values (non-finite elements,
+    zeros, bfloat16, an empty tensor, several blocks)."""
+    from probewire.instrument import batchscan
+    monkeypatch.setattr(batchscan, "STACK_ELEMS", 300)
+    g = torch.Generator().manual_seed(2)
+    xs = [*cases().values(), *(torch.randn(s, generator=g) for s in (100, 250, 17, 64, 3))]
+    groups = [i % 2 for i in range(len(xs))]
+    rows, row_groups = batchscan.scan_groups(xs, groups, fused=True)
+    eager, eager_groups = batchscan.scan_groups(xs, groups)
+    assert row_groups == eager_groups and len(row_groups) > len(set(groups)) + 2
+    for group in (0, 1):
+        mine = rows.numpy()[np.asarray(row_groups) == group]
+        a = np.concatenate([x.double().numpy().ravel() for x, k in zip(xs, groups) if k == group])
+        f = a[np.isfinite(a)]
+        assert mine[:, F.N].sum() == a.size and mine[:, F.ZEROS].sum() == np.count_nonzero(a == 0)
+        assert mine[:, F.NONFINITE].sum() == np.count_nonzero(~np.isfinite(a))
+        assert mine[:, F.ABS_MAX].max() == pytest.approx(np.abs(f).max(), rel=1e-7)
+        assert mine[:, F.SUM_ABS].sum() == pytest.approx(np.abs(f).sum(), rel=2e-6)
+        assert mine[:, F.SUM_SQ].sum() == pytest.approx((f * f).sum(), rel=2e-6)
+        np.testing.assert_allclose(mine, eager.numpy()[np.asarray(eager_groups) == group],
+                                   rtol=2e-6, atol=1e-3)
+
+
+def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(monkeypatch):
+    import torch.nn.functional as F_
+
+    from probewire.instrument import batchscan
+
+    from probewire.deploy.demo.model import TinyConfig, TinyLM
+    from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
+    from probewire.instrument.wire import decode_rank_step
+
+    def grad_points(backend: str) -> dict:
+        torch.manual_seed(0)
+        model = TinyLM(TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2))
+        transport = MemoryTransport()
+        monitor = attach(model, None, transport=transport,
+                         identity=RankIdentity(run_id="t", rank=0, world_size=1),
+                         config=ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0},
+                                            scan_backend=backend, telemetry=False, comm=False))
+        tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+        with monitor.step(0) as s:
+            logits = model(tokens)
+            F_.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)).backward()
+            s.gradients()
+        monitor.close()
+        [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+        return {key: v for key, v in rec.values.items() if key[0].startswith("grad.")}
+
+    calls = []
+    monkeypatch.setattr(batchscan, "fused_scan", lambda x: calls.append(x) or fused_scan(x))
+    eager = grad_points("eager")
+    assert not calls
+    compiled = grad_points("compiled")
+    assert len(calls) >= 2  # every step's gradient groups went through the compiled pass
+    assert eager.keys() == compiled.keys() and len(eager) >= 16
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=2e-6), key
