@@ -63,9 +63,9 @@ def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
     abs_max = work.amax(dim=1)
     if not moments:
         sum_sq = work.square_().sum(dim=1)
-    count = torch.full_like(total, float(n), dtype=F64)
+    count = torch.full_like(total, float(n))  # counts are exact in the work dtype here
     columns = [count, total, sum_sq, sum_abs, abs_max, n - nonzero - nonfinite, nonfinite, *extra]
-    return torch.stack([c.to(F64) for c in columns], dim=1)
+    return torch.stack(columns, dim=1).to(F64)
 
 
 def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
