@@ -32,6 +32,8 @@ Figures (stdout, one line each, machine-readable):
                 ``ring_every`` 1 would cost per step)
   emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
+  p0 ratio gpt X  the p0 ratio on an independent model with a ~90 ms step (``StockGPT``:
+                torch's own transformer layers, d=256, 4 layers, sequence 256); goal <= 1.01
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
                 and a monitored DDP copy in alternating blocks); goal <= 1.01
   ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
@@ -49,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from probewire.deploy.demo.data import SOURCES, load_corpus
-from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
+from probewire.deploy.demo.model import IGNORE, VOCAB, TinyConfig, TinyLM
 from probewire.instrument import NullTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.scan import fused_scan, scan
 
@@ -142,6 +144,67 @@ def _on_device(batch):
     return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(DEVICE)
                                          for f in dataclasses.fields(batch)
                                          if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+class StockGPT(torch.nn.Module):
+    """An independent model for the ``p0 ratio gpt`` line: a causal byte-level LM from
+    torch's own ``TransformerEncoderLayer`` (pre-norm, GELU), tied head, d=256, 4 layers,
+    8 heads, sequence 256 — a step of ~80-100 ms on one CPU thread, where the probes'
+    fixed per-step cost weighs as it would on a small real run."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 128, layers: int = 4, heads: int = 4,
+                 seq: int = 128) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(seq, d)
+        layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
+                                                 batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        x = self.blocks(x, mask=self.causal[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+GPT_SEQ = 128
+GPT_BLOCKS = 8
+GPT_BLOCK_STEPS = 5
+
+
+def gpt_ratio(corpus, common: dict) -> tuple[float, float]:
+    """(P0 / off median step time, median off step in s) on ``StockGPT``, blocks interleaved."""
+    rng = np.random.default_rng(1)
+    batches = [[_on_device(corpus.batch(rng, 4, GPT_SEQ, min_len=32)) for _ in range(2)]
+               for _ in range(10)]
+    runs = {}
+    for name, config in (("off", None), ("p0", ProbeConfig(
+            cadence={"step": 1, "scan": 0, "demand": 0}, **common))):
+        torch.manual_seed(0)
+        model = StockGPT(seq=GPT_SEQ).to(DEVICE)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        monitor = attach(model, optimizer, identity=RankIdentity(run_id=f"gpt-{name}", rank=0,
+                                                                 world_size=1),
+                         config=config or ProbeConfig(enabled=False), transport=NullTransport())
+        state = {"step": 0}
+        runs[name] = (lambda steps, m=model, o=optimizer, mon=monitor, st=state:
+                      _timed_steps(m, o, mon, batches, st, steps), monitor)
+    for run, _ in runs.values():
+        run(3)
+    times: dict[str, list[float]] = {"off": [], "p0": []}
+    for _ in range(GPT_BLOCKS):
+        for name, (run, _) in runs.items():
+            times[name] += run(GPT_BLOCK_STEPS)
+    for _, monitor in runs.values():
+        monitor.close()
+    off = statistics.median(times["off"])
+    return statistics.median(times["p0"]) / off, off
 
 
 DDP_RANKS = 4
@@ -272,6 +335,12 @@ def main() -> None:
           file=sys.stderr)
     print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
+    sys.stdout.flush()
+    gpt, gpt_off = gpt_ratio(corpus, common)
+    print(f"# StockGPT (torch TransformerEncoderLayer, d=256, 4 layers, sequence {GPT_SEQ}), "
+          f"{GPT_BLOCKS} x {GPT_BLOCK_STEPS} steps per variant; median step off "
+          f"{gpt_off * 1e3:.1f} ms", file=sys.stderr)
+    print(f"p0 ratio gpt {gpt:.4f}")
     sys.stdout.flush()
     if DEVICE.type != "cpu":
         return  # the DDP figures are gloo ranks on CPU cores
