@@ -188,7 +188,7 @@ class GradProbe:
             owned = {id(i.param) for i in self._params if i.param.grad is not None}
             plain = not any(is_dtensor(g) for g in grads)
             if plain and norm_type == 2.0 and owned == {id(p) for p in params if p.grad is not None}:
-                state.grad_norm = total.detach().reshape(1)  # the clipping norm is this rank's
+                state.grad_norm = total.detach()  # the clipping norm is this rank's
             else:  # a subset, another norm, or replicas this rank does not count: measure
                 self.record(state, None, None, detail=False, notify=False)
             state.clip = total.detach()
@@ -202,7 +202,7 @@ class GradProbe:
                     raise LayoutError("clipped(total_norm): pass total_norm.full_tensor(), the "
                                       "global norm, not a Partial DTensor")
                 total_norm = local(total_norm)
-            state.clip = total_norm
+            state.clip = total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm
 
     def close(self, state: StepState, points: list[Point]) -> None:
         threshold, collector = self._threshold, state.collector
@@ -211,8 +211,7 @@ class GradProbe:
             collector.add("grad.norms", state.grad_norm, decode_norms, derive)
         if state.clip is not None and threshold is not None:
             if isinstance(state.clip, torch.Tensor):
-                collector.add("grad.clip", state.clip.detach().reshape(1), decode_clipped,
-                              threshold)
+                collector.add("grad.clip", state.clip, decode_clipped, threshold)
             else:
                 points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))
         if state.grad_rows is not None:
