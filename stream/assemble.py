@@ -6,7 +6,9 @@ when a later step of the same run completes in the same partition, whichever is 
 there will not report the earlier one; across partitions there is no such order.)
 The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
-representatives. Means and ratios are formed later from the reduced components.
+representatives. Means and ratios are formed later from the reduced components. A
+non-finite component stays visible: a NaN makes the reduced value NaN, and a sum of +inf
+and -inf is NaN, a sum past the float64 range ±inf (as NumPy's float64 sum).
 
 A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
 scan-tier detail of a step whose other points were sent at the time) gathers apart from
