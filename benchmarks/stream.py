@@ -5,7 +5,9 @@
 
 1. Throughput: 8 simulated ranks x N steps, ~50 points per message (loss, gradient and
    per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
-   and we time from its first stored step to its last. Prints ``N points/s``.
+   and we time from its start of consumption to its last stored step. Prints ``N points/s``
+   and the worker's CPU time over that window (all its threads): points per CPU-second
+   varies less than points/s on a machine busy with other work.
 2. Alert latency: a live run paced at ~40 steps/s with a co-spike every 25 steps; the
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
@@ -32,6 +34,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import psutil
 from confluent_kafka import Consumer, Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
@@ -85,12 +88,16 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
             producer.produce("otlp_metrics", key=key, value=value)
     producer.flush(60)
     stack.start_worker()
+    worker = psutil.Process(stack.worker.pid)
+    cpu0 = sum(worker.cpu_times()[:2])
     started = time.perf_counter()  # the worker is ready: it consumes from here on
     while stack.progress(run.run_id) < steps:
         time.sleep(0.05)
     elapsed = time.perf_counter() - started
+    cpu = sum(worker.cpu_times()[:2]) - cpu0
     print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
-          f"{elapsed:.2f}s from the worker's start of consumption to the last stored step")
+          f"{elapsed:.2f}s from the worker's start of consumption to the last stored step; "
+          f"worker CPU {cpu:.2f}s (all threads): {points / cpu:.0f} points per CPU-second")
     return points / elapsed
 
 

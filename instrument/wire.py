@@ -542,7 +542,10 @@ class _Points:
     write them, so they are taken as one byte string. When that string starts with the
     message's step attribute (as ``WireEncoder`` writes it), the rest — the labels — is
     looked up in ``_BLOCKS``, which survives across messages: a rank sends the same label
-    sets every step, so each is parsed once. Other layouts are parsed point by point."""
+    sets every step, so each is parsed once. A point that ends in ``WireEncoder``'s time and
+    value fields is not walked field by field: what precedes them is its attributes when it
+    parses as attribute fields exactly (``_Block.parse`` checks their framing); any other
+    point, or layout, is read field by field (``_point``)."""
 
     __slots__ = ("buf", "values", "steps", "prefix")
 
@@ -554,53 +557,51 @@ class _Points:
 
     def gauge(self, span: tuple[int, int], name: str) -> None:
         buf, values, prefix = self.buf, self.values, self.prefix
-        blocks = _BLOCKS
+        blocks, unpack_double = _BLOCKS, _unpack_double
         allowed = _LABEL_KEYS[name]
         pos, end = span
         while pos < end:
             tag = buf[pos]
-            start, stop = _payload(buf, pos, end)
+            size = buf[pos + 1]
+            start = pos + 2
+            if size >= 0x80:
+                size, start = _read_varint(buf, pos + 1, end)
+            stop = start + size
+            if stop > end:
+                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
             if tag != _DATA_POINT_TAG:
                 pos = _skip(buf, pos, end)
                 continue
-            first = last = -1
-            parts: list[bytes] | None = None
-            value: float | None = None
-            p = start
-            while p < stop:
-                tag = buf[p]
-                if tag == _ATTR_TAG:
-                    size = buf[p + 1]
-                    q = p + 2 + size if size < 0x80 else sum(_read_varint(buf, p + 1, stop))
-                    if last == p:
-                        last = q
-                    elif first < 0:
-                        first, last = p, q
+            block = None
+            if size >= _TAIL and buf[stop - _TAIL] == _TIME_TAG_3 and \
+                    buf[stop - 9] == _AS_DOUBLE_TAG:
+                # WireEncoder's layout: attributes, then time and value; taken only where
+                # the attributes parse as exactly that, else as any point is
+                value: float | None = unpack_double(buf, stop - 8)[0]
+                raw = buf[start:stop - _TAIL]
+                stripped = raw.startswith(prefix)
+                if stripped:
+                    raw = raw[len(prefix):]
+                block = blocks.get(raw)
+                if block is None:
+                    try:
+                        block = _Block.parse(raw)
+                    except DecodeError:
+                        block = None
                     else:
-                        parts = (parts or [buf[first:last]]) + [buf[p:q]]
-                    p = q
-                elif tag == _AS_DOUBLE_TAG:
-                    value = _unpack_double(buf, p + 1)[0]
-                    p += 9
-                elif tag in _TIME_TAGS:
-                    p += 9
-                elif tag == _AS_INT_TAG:
-                    value = float(_signed(_unpack_fixed64(buf, p + 1)[0]))
-                    p += 9
-                else:  # exemplars, flags, fields added later
-                    p = _skip(buf, p, stop)
-            if p != stop:
-                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
-            raw = b"".join(parts) if parts is not None else buf[first:last] if first >= 0 \
-                else b""
-            stripped = raw.startswith(prefix)
-            if stripped:  # the message's step, then labels: look the labels up
-                raw = raw[len(prefix):]
-            block = blocks.get(raw)
+                        if len(blocks) >= _BLOCKS_MAX:
+                            blocks.clear()
+                        blocks[raw] = block
             if block is None:
-                if len(blocks) >= _BLOCKS_MAX:
-                    blocks.clear()
-                block = blocks[raw] = _Block.parse(raw)
+                raw, value = _point(buf, start, stop)
+                stripped = raw.startswith(prefix)
+                if stripped:  # the message's step, then labels: look the labels up
+                    raw = raw[len(prefix):]
+                block = blocks.get(raw)
+                if block is None:
+                    if len(blocks) >= _BLOCKS_MAX:
+                        blocks.clear()
+                    block = blocks[raw] = _Block.parse(raw)
             if block.step is not None:
                 self.steps.add(block.step)
                 if block.step_field and not stripped:
@@ -616,6 +617,45 @@ class _Points:
                 raise DecodeError(f"point of {name!r} has no value")
             values[(name, block.labels)] = value
             pos = stop
+
+
+_TIME_TAG_3 = _TIME_TAGS[1]
+_TAIL = 18  # time_unix_nano and as_double, tag and fixed64 each
+
+
+def _point(buf: bytes, start: int, stop: int) -> tuple[bytes, float | None]:
+    """A NumberDataPoint in any field order: its attribute fields as one byte string, and
+    its value (None without one)."""
+    first = last = -1
+    parts: list[bytes] | None = None
+    value: float | None = None
+    p = start
+    while p < stop:
+        tag = buf[p]
+        if tag == _ATTR_TAG:
+            size = buf[p + 1]
+            q = p + 2 + size if size < 0x80 else sum(_read_varint(buf, p + 1, stop))
+            if last == p:
+                last = q
+            elif first < 0:
+                first, last = p, q
+            else:
+                parts = (parts or [buf[first:last]]) + [buf[p:q]]
+            p = q
+        elif tag == _AS_DOUBLE_TAG:
+            value = _unpack_double(buf, p + 1)[0]
+            p += 9
+        elif tag in _TIME_TAGS:
+            p += 9
+        elif tag == _AS_INT_TAG:
+            value = float(_signed(_unpack_fixed64(buf, p + 1)[0]))
+            p += 9
+        else:  # exemplars, flags, fields added later
+            p = _skip(buf, p, stop)
+    if p != stop:
+        raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+    raw = b"".join(parts) if parts is not None else buf[first:last] if first >= 0 else b""
+    return raw, value
 
 
 def _payload(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -710,6 +750,8 @@ def _key_values(raw: bytes) -> list[tuple[str, str | int | float | bool]]:
         if size >= 0x80:
             size, start = _read_varint(raw, pos + 1, end)
         stop = start + size
+        if stop > end:
+            raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated attribute")
         item = raw[start:stop]
         kv = cache.get(item)
         if kv is None:

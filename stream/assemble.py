@@ -6,7 +6,9 @@ when a later step of the same run completes in the same partition, whichever is 
 there will not report the earlier one; across partitions there is no such order.)
 The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
-representatives. Means and ratios are formed later from the reduced components.
+representatives. Means and ratios are formed later from the reduced components. A
+non-finite component stays visible: a NaN makes the reduced value NaN, and a sum of +inf
+and -inf is NaN, a sum past the float64 range ±inf (as NumPy's float64 sum).
 
 A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
 scan-tier detail of a step whose other points were sent at the time) gathers apart from
@@ -46,11 +48,23 @@ def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]
     return tuple(coords.get(g, 0) for g in groups)
 
 
+@functools.lru_cache(maxsize=None)
+def _plan(name: str) -> tuple[Reduction, tuple[str, ...]]:
+    """A metric's reduction and the groups whose coordinates make its replica classes."""
+    spec = CATALOG[name]
+    return spec.reduction, _distinguishing(spec.replicated_over)
+
+
 def _apply(reduction: Reduction, values: list[float]) -> float:
-    if any(math.isnan(v) for v in values):
+    if reduction is Reduction.SUM:  # fsum: exact, so the ranks' order cannot change it
+        try:
+            return math.fsum(values)  # NaN in, NaN out
+        except OverflowError:  # finite parts past the float64 range: ±inf, as NumPy sums
+            return sum(values)
+        except ValueError:  # +inf and -inf: no sum
+            return math.nan
+    if any(v != v for v in values):
         return math.nan  # a non-finite component stays visible after reduction
-    if reduction is Reduction.SUM:
-        return math.fsum(values)
     if reduction is Reduction.MAX:
         return max(values)
     if reduction is Reduction.MIN:
@@ -64,22 +78,32 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
                 reason: str) -> ReducedStep:
     """Reduce one step's per-rank records with the catalog's rules."""
     records = sorted(records, key=lambda r: r.rank)
-    keys: set[SeriesKey] = set().union(*(r.values.keys() for r in records)) if records else set()
+    values = [r.values for r in records]
+    keys: set[SeriesKey] = set().union(*values)
+    everywhere = set(values[0]).intersection(*values[1:]) if values else set()
     reduced: dict[SeriesKey, float] = {}
     classes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # groups -> class per record
+    firsts: dict[tuple[str, ...], list[int]] = {}  # groups -> first record of each class
     for key in sorted(keys):
-        spec = CATALOG[key[0]]
-        if spec.reduction is Reduction.PER_RANK:
+        reduction, groups = _plan(key[0])
+        if reduction is Reduction.PER_RANK:
             continue
-        groups = _distinguishing(spec.replicated_over)
         if groups not in classes:
             classes[groups] = [_replica_class(r, groups) for r in records]
-        representatives: dict[tuple[int, ...], float] = {}
-        for record, cls in zip(records, classes[groups]):
-            # the lowest rank of each replica class that reported this series
-            if key in record.values:
-                representatives.setdefault(cls, record.values[key])
-        reduced[key] = _apply(spec.reduction, list(representatives.values()))
+            first: dict[tuple[int, ...], int] = {}
+            for i, cls in enumerate(classes[groups]):
+                first.setdefault(cls, i)
+            firsts[groups] = list(first.values())
+        # the lowest rank of each replica class that reported this series
+        if key in everywhere:
+            representatives = [values[i][key] for i in firsts[groups]]
+        else:
+            chosen: dict[tuple[int, ...], float] = {}
+            for record_values, cls in zip(values, classes[groups]):
+                if key in record_values:
+                    chosen.setdefault(cls, record_values[key])
+            representatives = list(chosen.values())
+        reduced[key] = _apply(reduction, representatives)
     reporting = [r.rank for r in records]
     return ReducedStep(
         run_id=run_id, step=step, world_size=world_size, ranks_reporting=reporting,

@@ -9,25 +9,37 @@ components the step lacks (not measured at this step's cadence) is None, never z
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Comm, Grad, Label, Modality, Moe,
                                           Output, System, Tensor)
-from probewire.instrument.wire import SeriesKey
+from probewire.instrument.wire import Labels, SeriesKey
 
 from .derive import (comm_wait_frac, dead_expert_ratio, grad_stats, ratio_from_components,
                      rms_from_components, update_ratio)
 from .records import ReducedStep
 
-__all__ = ["formed_series", "grad_group_rows"]
+__all__ = ["by_name", "formed_series", "grad_group_rows"]
 
 _GRAD = (Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
 
 
-def _sum(values: dict[SeriesKey, float], name: str) -> float | None:
+def by_name(values: Mapping[SeriesKey, float]) -> dict[str, dict[Labels, float]]:
+    """The values grouped by metric name, in one pass: each helper then looks its names up
+    instead of scanning every series of the step again."""
+    out: dict[str, dict[Labels, float]] = {}
+    for (name, labels), value in values.items():
+        found = out.get(name)
+        if found is None:
+            found = out[name] = {}
+        found[labels] = value
+    return out
+
+
+def _sum(names: dict[str, dict[Labels, float]], name: str) -> float | None:
     """Σ of ``name`` over all its label sets (layers, depths, ...); None when absent."""
-    found = [v for (n, _), v in values.items() if n == name]
-    return math.fsum(found) if found else None
+    found = names.get(name)
+    return math.fsum(found.values()) if found else None
 
 
 def _grad(values: dict[SeriesKey, float], labels: tuple) -> dict[str, Any]:
@@ -50,12 +62,12 @@ def grad_group_rows(item: ReducedStep) -> list[dict[str, Any]]:
     return rows
 
 
-def _update_ratio(values: dict[SeriesKey, float]) -> float | None:
+def _update_ratio(names: dict[str, dict[Labels, float]]) -> float | None:
     """ρ over the tensors scanned both as kind=param and kind=update at this step."""
     by_kind: dict[str, dict[str, float]] = {"param": {}, "update": {}}
-    for (name, labels), v in values.items():
+    for labels, v in names.get(Tensor.SUM_SQ, {}).items():
         lab = dict(labels)
-        if name == Tensor.SUM_SQ and lab.get(Label.KIND) in by_kind:
+        if lab.get(Label.KIND) in by_kind:
             by_kind[lab[Label.KIND]][lab.get(Label.TENSOR, "")] = v
     both = sorted(set(by_kind["param"]) & set(by_kind["update"]))
     if not both:
@@ -64,38 +76,39 @@ def _update_ratio(values: dict[SeriesKey, float]) -> float | None:
                         math.fsum(by_kind["param"][t] for t in both))
 
 
-def _expert_layers(values: dict[SeriesKey, float]) -> list[list[float]]:
+def _expert_layers(names: dict[str, dict[Labels, float]]) -> list[list[float]]:
     layers: dict[str, dict[int, float]] = {}
-    for (name, labels), v in values.items():
-        if name == Moe.EXPERT_TOKENS:
-            lab = dict(labels)
-            layers.setdefault(lab[Label.LAYER], {})[int(lab[Label.EXPERT])] = v
+    for labels, v in names.get(Moe.EXPERT_TOKENS, {}).items():
+        lab = dict(labels)
+        layers.setdefault(lab[Label.LAYER], {})[int(lab[Label.EXPERT])] = v
     return [[by.get(i, 0.0) for i in range(max(by) + 1)] for by in layers.values()]
 
 
 def formed_series(item: ReducedStep) -> dict[str, Any]:
     """The step's formed series (the step_metrics columns of migration 4)."""
     red = item.reduced
+    names = by_name(red)
     waits = {rank: math.fsum(v for (name, _), v in values.items() if name == Comm.WAIT)
              for rank, values in item.per_rank.items()
              if any(name == Comm.WAIT for name, _ in values)}
     positions = red.get((Output.POSITIONS, ()))
-    bos = rms_from_components(*(_sum(red, n) or 0.0 for n in (Attn.BOS_SUM_SQ, Attn.BOS_N)))
-    other = rms_from_components(*(_sum(red, n) or 0.0 for n in (Attn.VALUE_SUM_SQ, Attn.VALUE_N)))
+    bos = rms_from_components(*(_sum(names, n) or 0.0 for n in (Attn.BOS_SUM_SQ, Attn.BOS_N)))
+    other = rms_from_components(*(_sum(names, n) or 0.0
+                                  for n in (Attn.VALUE_SUM_SQ, Attn.VALUE_N)))
     logits = [red.get((n, ())) for n in (Output.LOGITS_SUM_SQ, Output.LOGITS_N)]
     return {
         **_grad(red, ()),
         "comm_wait_frac": comm_wait_frac(waits, red.get((System.STEP_TIME, ()))),
-        "update_ratio": _update_ratio(red),
+        "update_ratio": _update_ratio(names),
         "logits_rms": None if None in logits else rms_from_components(*logits),
         "top2_gap_mean": ratio_from_components(red.get((Output.TOP2_GAP_SUM, ())), positions),
         "top2_tie_frac": ratio_from_components(red.get((Output.TOP2_EQUAL, ())), positions),
-        "dead_expert_ratio": dead_expert_ratio(_expert_layers(red)),
+        "dead_expert_ratio": dead_expert_ratio(_expert_layers(names)),
         "encoder_grad_share": ratio_from_components(red.get((Modality.ENCODER_GRAD_SQ, ())),
                                                     red.get((Modality.ALL_GRAD_SQ, ()))),
-        "mtp_agreement": ratio_from_components(_sum(red, Output.MTP_AGREE),
-                                               _sum(red, Output.MTP_POSITIONS)),
+        "mtp_agreement": ratio_from_components(_sum(names, Output.MTP_AGREE),
+                                               _sum(names, Output.MTP_POSITIONS)),
         "bos_value_grad_rms": bos,
         "bos_value_grad_ratio": ratio_from_components(bos, other),
-        "ep_bias_abs_sum": _sum(red, Moe.BIAS_ABS_SUM),
+        "ep_bias_abs_sum": _sum(names, Moe.BIAS_ABS_SUM),
     }

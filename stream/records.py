@@ -22,13 +22,32 @@ class RecordError(ValueError):
 
 
 def _encode_key(key: SeriesKey) -> str:
-    name, labels = key
-    return name + "".join(f"|{k}={v}" for k, v in labels)
+    text = _KEY_TEXT.get(key)
+    if text is None:
+        name, labels = key
+        text = name + "".join(f"|{k}={v}" for k, v in labels)
+        if len(_KEY_TEXT) >= _CACHE_MAX:
+            _KEY_TEXT.clear()
+        _KEY_TEXT[key] = text
+    return text
 
 
 def _decode_key(text: str) -> SeriesKey:
-    name, *pairs = text.split("|")
-    return name, tuple(tuple(p.split("=", 1)) for p in pairs)  # type: ignore[misc]
+    key = _TEXT_KEY.get(text)
+    if key is None:
+        name, *pairs = text.split("|")
+        key = name, tuple(tuple(p.split("=", 1)) for p in pairs)  # type: ignore[assignment]
+        if len(_TEXT_KEY) >= _CACHE_MAX:
+            _TEXT_KEY.clear()
+        _TEXT_KEY[text] = key
+    return key
+
+
+_KEY_TEXT: dict[SeriesKey, str] = {}
+_TEXT_KEY: dict[str, SeriesKey] = {}
+_CACHE_MAX = 1 << 16
+"""Series keys and their text, both ways: a run sends the same series every step (so a
+step's keys are looked up, not formatted or parsed); bounded, emptied when full."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,19 +71,29 @@ class ReducedStep:
         Layout: u32 header length, header JSON, reduced values [K], their presence [K]
         (uint8), per-rank values [R, K], their presence [R, K]. NaN and ±Inf survive as is.
         """
-        keys = sorted(set(self.reduced).union(*(v.keys() for v in self.per_rank.values())))
+        per_rank = self.per_rank
+        ranks = sorted(per_rank)
+        first = tuple(per_rank[ranks[0]]) if ranks else ()
+        same = all(tuple(per_rank[r]) == first for r in ranks)  # the usual step
+        keys = sorted(set(self.reduced).union(first) if same else
+                      set(self.reduced).union(*(v.keys() for v in per_rank.values())))
         index = {k: i for i, k in enumerate(keys)}
-        ranks = sorted(self.per_rank)
         reduced = np.full(len(keys), np.nan)
         reduced_mask = np.zeros(len(keys), np.uint8)
-        for key, value in self.reduced.items():
-            reduced[index[key]], reduced_mask[index[key]] = value, 1
+        if self.reduced:
+            cols = [index[k] for k in self.reduced]
+            reduced[cols], reduced_mask[cols] = list(self.reduced.values()), 1
         values = np.full((len(ranks), len(keys)), np.nan)
         mask = np.zeros((len(ranks), len(keys)), np.uint8)
-        for i, rank in enumerate(ranks):
-            cols = [index[k] for k in self.per_rank[rank]]
-            values[i, cols] = list(self.per_rank[rank].values())
-            mask[i, cols] = 1
+        if same and ranks:  # one column order for every rank: one assignment
+            cols = [index[k] for k in first]
+            values[:, cols] = [list(per_rank[r].values()) for r in ranks]
+            mask[:, cols] = 1
+        else:
+            for i, rank in enumerate(ranks):
+                cols = [index[k] for k in per_rank[rank]]
+                values[i, cols] = list(per_rank[rank].values())
+                mask[i, cols] = 1
         header = json.dumps({
             "run_id": self.run_id, "step": self.step, "world_size": self.world_size,
             "ranks_reporting": self.ranks_reporting, "ranks_missing": self.ranks_missing,
@@ -99,12 +128,19 @@ class ReducedStep:
         offset += 9 * k
         values = np.frombuffer(payload, np.float64, r * k, offset).reshape(r, k)
         mask = np.frombuffer(payload, np.uint8, r * k, offset + 8 * r * k).reshape(r, k)
-        head["reduced"] = {keys[j]: v for j, v in zip(np.flatnonzero(reduced_mask).tolist(),
-                                                      reduced[reduced_mask == 1].tolist())}
-        head["per_rank"] = {
-            rank: {keys[j]: v for j, v in zip(np.flatnonzero(mask[i]).tolist(),
-                                              values[i, mask[i] == 1].tolist())}
-            for i, rank in enumerate(ranks)}
+        if reduced_mask.all():  # the usual step: every series reduced, every rank all
+            head["reduced"] = dict(zip(keys, reduced.tolist()))
+        else:
+            head["reduced"] = {keys[j]: v for j, v in zip(
+                np.flatnonzero(reduced_mask).tolist(), reduced[reduced_mask == 1].tolist())}
+        if mask.all():
+            head["per_rank"] = {rank: dict(zip(keys, row))
+                                for rank, row in zip(ranks, values.tolist())}
+        else:
+            head["per_rank"] = {
+                rank: {keys[j]: v for j, v in zip(np.flatnonzero(mask[i]).tolist(),
+                                                  values[i, mask[i] == 1].tolist())}
+                for i, rank in enumerate(ranks)}
         head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
         head["coords"] = {int(x): c for x, c in head["coords"].items()}
         return cls(**head)

@@ -66,6 +66,12 @@ class _Run:
     world_size: int
     newest_step: int
     labels: dict[str, set[str]] = field(default_factory=dict)
+    counted: set = field(default_factory=set)  # label sets whose every value is in labels
+
+
+_CHECKED_MAX = 1 << 16
+"""Label sets remembered as passing (per validator, and per run for cardinality): a rank
+sends the same label sets every step, so each is checked once; bounded, emptied when full."""
 
 
 class StepValidator:
@@ -74,6 +80,7 @@ class StepValidator:
     def __init__(self, bounds: Bounds) -> None:
         self.bounds = bounds
         self._runs: OrderedDict[str, _Run] = OrderedDict()
+        self._labels_ok: set = set()  # label sets that passed the length and index rules
 
     def check(self, record: RankStep) -> Checked:
         reason = self._refusal(record)
@@ -114,15 +121,21 @@ class StepValidator:
         for group, coord in record.coords.items():
             if not 0 <= coord < record.world_size:
                 return f"coordinate {group}={coord} outside world size {record.world_size}"
+        labels_ok = self._labels_ok
         for (name, labels), value in record.values.items():
             if name in _COUNTS and not (math.isfinite(value) and value >= 0):
                 return f"count {name} must be finite and >= 0, got {value!r}"
-            for key, text in labels:
-                if len(text) > b.max_label_length or "|" in text:
-                    return (f"label {key} of {name} must be at most {b.max_label_length} "
-                            f"characters without '|', got {text[:40]!r}")
-                if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
-                    return f"label {key} of {name} must be an index in 0..2^32-1, got {text!r}"
+            if labels not in labels_ok:  # a rank sends the same label sets every step
+                for key, text in labels:
+                    if len(text) > b.max_label_length or "|" in text:
+                        return (f"label {key} of {name} must be at most {b.max_label_length} "
+                                f"characters without '|', got {text[:40]!r}")
+                    if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
+                        return (f"label {key} of {name} must be an index in 0..2^32-1, "
+                                f"got {text!r}")
+                if len(labels_ok) >= _CHECKED_MAX:
+                    labels_ok.clear()
+                labels_ok.add(labels)
             if name == Loss.SUM:
                 tokens = record.values.get((Loss.TOKENS, labels))
                 if tokens is None or (tokens == 0 and value != 0):
@@ -132,8 +145,10 @@ class StepValidator:
 
     def _over_cardinality(self, record: RankStep, run: _Run) -> list[tuple[str, str]]:
         """Drop (in place) the points whose labels would pass ``max_label_values``."""
-        limit, dropped = self.bounds.max_label_values, []
+        limit, dropped, counted = self.bounds.max_label_values, [], run.counted
         for series in list(record.values):
+            if series[1] in counted:  # every value of this label set is counted already
+                continue
             for key, text in series[1]:
                 seen = run.labels.setdefault(key, set())
                 if text not in seen:
@@ -142,4 +157,8 @@ class StepValidator:
                         dropped.append((key, text))
                         break
                     seen.add(text)
+            else:
+                if len(counted) >= _CHECKED_MAX:
+                    counted.clear()
+                counted.add(series[1])
         return dropped

@@ -11,12 +11,12 @@ from typing import Any
 from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
                                           Memory, Modality, Moe, Optim, Output, Residual,
                                           System, Tensor)
-from probewire.instrument.wire import SeriesKey
+from probewire.instrument.wire import Labels, SeriesKey
 
 from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
                      mean_from_components, media_scale, own_time_ratios, own_times, rank_means,
                      shard_imbalance, straggler_score, tokens_per_s, worst_rank_loss)
-from .formed import formed_series
+from .formed import by_name, formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
@@ -41,8 +41,9 @@ def _get(values: dict[SeriesKey, float], name: str, **labels: str) -> float | No
     return values.get((name, tuple(sorted(labels.items()))))
 
 
-def _labelled(values: dict[SeriesKey, float], name: str) -> dict[tuple, float]:
-    return {labels: v for (n, labels), v in values.items() if n == name and labels}
+def _labelled(names: dict[str, dict[Labels, float]], name: str) -> dict[tuple, float]:
+    """``name``'s values with labels, from the step's values grouped by name (``by_name``)."""
+    return {labels: v for labels, v in names.get(name, {}).items() if labels}
 
 
 def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
@@ -93,10 +94,10 @@ def rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
                           if math.fsum(counts.get(s, ())) > 0})
 
 
-def _moe(item: ReducedStep) -> dict[str, Any]:
+def _moe(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
     """MaxVio / shard imbalance / H_norm from per-expert valid-token counts c_i (seeds §7)."""
     layers: dict[str, dict[int, float]] = defaultdict(dict)
-    for labels, count in _labelled(item.reduced, Moe.EXPERT_TOKENS).items():
+    for labels, count in _labelled(names, Moe.EXPERT_TOKENS).items():
         lab = dict(labels)
         layers[lab[Label.LAYER]][int(lab[Label.EXPERT])] = count
     out: dict[str, Any] = {"moe_maxvio": None, "moe_maxvio_layer": None,
@@ -121,12 +122,12 @@ def _moe(item: ReducedStep) -> dict[str, Any]:
     return out
 
 
-def _residual(item: ReducedStep) -> dict[str, Any]:
+def _residual(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
     """The weakest residual branch: the smallest token-mean R_b = Σ ratio_sum / Σ tokens over
     (layer, branch), with its mean stream norm N_s and branch norm N_b (seeds 001 §8)."""
     red = item.reduced
     weakest: tuple[float, tuple, float | None, float | None] | None = None
-    for labels, n in _labelled(red, Residual.TOKENS).items():
+    for labels, n in _labelled(names, Residual.TOKENS).items():
         ratio = red.get((_RATIO_SUM, labels))
         if not n > 0 or ratio is None or not math.isfinite(ratio):
             continue
@@ -145,10 +146,10 @@ def _residual(item: ReducedStep) -> dict[str, Any]:
             "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
 
 
-def _learning_rates(item: ReducedStep) -> dict[str, Any]:
+def _learning_rates(names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
     """η per parameter group (label param_group) and the largest of them (``lr``)."""
     groups = {dict(labels).get(Label.PARAM_GROUP, ""): v
-              for labels, v in _labelled(item.reduced, Optim.LR).items()}
+              for labels, v in _labelled(names, Optim.LR).items()}
     finite = [v for v in groups.values() if math.isfinite(v)]
     return {"lr": max(finite) if finite else (next(iter(groups.values())) if groups else None),
             "lr_groups": groups}
@@ -157,6 +158,7 @@ def _learning_rates(item: ReducedStep) -> dict[str, Any]:
 def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
     """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
     red = item.reduced
+    names = by_name(red)
     tokens = _get(red, Loss.TOKENS) or 0.0
     sums, counts = _per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)
     ranks = sorted(set(sums) & set(counts))
@@ -189,19 +191,20 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         "ranks_reporting": len(item.ranks_reporting),
         "ranks_missing": list(item.ranks_missing),
         "complete_reason": item.complete_reason,
-        **_learning_rates(item),
-        **_moe(item),
-        **_residual(item),
+        **_learning_rates(names),
+        **_moe(item, names),
+        **_residual(item, names),
         **formed_series(item),
     }
-    return view, _sources(red, tokens)
+    return view, _sources(names, tokens)
 
 
-def _sources(red: dict[SeriesKey, float], tokens: float) -> dict[str, tuple[float, float, float]]:
+def _sources(names: dict[str, dict[Labels, float]],
+             tokens: float) -> dict[str, tuple[float, float, float]]:
     """Per data source: (L_mu, pi_mu, N_mu) of the sources with valid tokens (seeds §3)."""
-    source_sums = _labelled(red, Loss.SUM)
+    source_sums = _labelled(names, Loss.SUM)
     sums, counts = {}, {}
-    for labels, count in _labelled(red, Loss.TOKENS).items():
+    for labels, count in _labelled(names, Loss.TOKENS).items():
         source = dict(labels).get(Label.SOURCE)
         if source is not None and count > 0 and labels in source_sums:
             sums[source], counts[source] = [source_sums[labels]], [count]

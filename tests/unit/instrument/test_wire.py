@@ -159,6 +159,34 @@ def test_attributes_after_the_value_and_an_integer_value_decode_too():
     assert record.values == {("loss.tokens", (("source", "web"),)): 7.0}
 
 
+def test_a_point_ending_in_time_and_value_after_other_fields_decodes_as_any_point():
+    """The decoder's fast path takes what precedes a point's trailing time and value as its
+    attributes; where something else precedes them (a start time here) it reads the point
+    field by field, as the stock classes do."""
+    request = ExportMetricsServiceRequest()
+    rm = request.resource_metrics.add()
+    for key, value in (("probewire.run_id", "r"), ("probewire.rank", 0),
+                       ("probewire.world_size", 1)):
+        kv = rm.resource.attributes.add(key=key)
+        if isinstance(value, str):
+            kv.value.string_value = value
+        else:
+            kv.value.int_value = value
+    metric = rm.scope_metrics.add().metrics.add(name="loss.tokens")
+    point = metric.gauge.data_points.add(start_time_unix_nano=1, time_unix_nano=2,
+                                         as_double=7.5)
+    point.attributes.add(key="step").value.int_value = 3
+    point.attributes.add(key="source").value.string_value = "web"
+    payload = request.SerializeToString()
+    body = point.SerializeToString()  # start time, time, value, attributes (field order)
+    attrs = body[body.index(b"\x3a"):]
+    reordered = body[:9] + attrs + body[9:body.index(b"\x3a")]  # start, attrs, time, value
+    assert reordered[-18] == 0x19 and reordered[-9] == 0x21 and len(reordered) == len(body)
+    payload = payload.replace(body, reordered)
+    record = decode_rank_step(b"r:3", payload)
+    assert record.values == {("loss.tokens", (("source", "web"),)): 7.5} == stock_decode(payload)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_damaged_bytes_are_a_decode_error_and_nothing_else(seed):
     """Truncations, flipped bytes and junk: the decoder raises DecodeError or returns."""

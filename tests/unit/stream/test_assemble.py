@@ -124,3 +124,30 @@ def test_a_replay_with_a_missing_rank_is_reduced_at_the_deadline():
     asm.add(scan_rec(0, 3, 2, abs_max=1.0, n=4.0), now=0)
     (done,) = asm.expire(now=5)
     assert done.complete_reason == "replay" and done.ranks_missing == [1]
+
+
+@pytest.mark.parametrize("parts", [
+    [math.inf, -math.inf, 1.0],   # a blown-up tensor: no sum (fsum raises on these)
+    [1e308, 1e308, -1.0],         # finite parts past float64 (fsum overflows)
+    [-1e308, -1e308, 5.0],
+    [math.inf, 2.0, 3.0],
+    [math.nan, math.inf, -math.inf],
+])
+def test_non_finite_and_overflowing_sums_reduce_as_numpy_sums(parts):
+    """A sum (grad.norm_sq: replicated over no group, so every rank is its own class) whose parts
+    are ±inf or overflow reduces like NumPy's float64 sum instead of raising."""
+    records = [rec(r, g2=v, world=3) for r, v in enumerate(parts)]
+    with np.errstate(all="ignore"):
+        expected = float(np.sum(np.array(parts, dtype=np.float64)))
+    got = reduce_step("r", 0, 3, records, "all_ranks").reduced[G2]
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
+
+
+def test_series_some_ranks_lack_reduce_over_the_ranks_that_sent_them():
+    """Rank 1 lacks the loss, rank 3 lacks the step time: each series' representatives are
+    the ranks that sent it (the general path beside the every-rank one)."""
+    sums, taus = [1.0, None, 4.0, 8.0], [0.5, 0.25, 0.75, None]
+    records = [rec(r, loss=sums[r], tau=taus[r]) for r in range(4)]
+    out = reduce_step("r", 0, 4, records, "all_ranks")
+    assert out.reduced[LOSS] == float(np.sum([1.0, 4.0, 8.0]))
+    assert out.reduced[TAU] == float(np.max([0.5, 0.25, 0.75]))

@@ -67,3 +67,24 @@ def test_runs_are_forgotten_oldest_first():
     for run in ("a", "b", "c"):
         v.check(rank_step(run_id=run))
     assert v.check(rank_step(run_id="a", world_size=8)).record is not None  # forgotten
+
+
+def test_label_sets_checked_once_still_meet_every_rule():
+    """A label set is checked once per validator (and counted once per run): what passed
+    before still passes, a refused one is refused again, counts stay per run."""
+    v = StepValidator(Bounds(max_label_values=1))
+    bad = {series_key(Loss.TOKENS, {Label.SOURCE: "a|b"}): 1.0}
+    assert "'|'" in v.check(rank_step(values=bad)).reason
+    assert "'|'" in v.check(rank_step(values=bad)).reason  # not remembered as passing
+    src_a = {series_key(Loss.SUM, {Label.SOURCE: "a"}): 2.0,
+             series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0}
+    assert v.check(rank_step(run_id="x", values=src_a)).reason is None
+    # the label set passed before; the loss rule still applies to its sum
+    lone_sum = {series_key(Loss.SUM, {Label.SOURCE: "a"}): 2.0}
+    assert "needs its loss.tokens" in v.check(rank_step(run_id="x", values=lone_sum)).reason
+    # run y counts its own values: source b fills its cap, so source a (counted in run x) is
+    # over it there
+    assert v.check(rank_step(run_id="y", values={
+        series_key(Loss.TOKENS, {Label.SOURCE: "b"}): 1.0})).reason is None
+    checked = v.check(rank_step(run_id="y", values=dict(src_a)))
+    assert checked.record is not None and "2 point(s) dropped" in checked.reason
