@@ -32,8 +32,8 @@ Figures (stdout, one line each, machine-readable):
                 ``ring_every`` 1 would cost per step)
   emit_us X     training-thread time per step to seal and enqueue a P0 step (the device
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
-  p0 ratio gpt X  the p0 ratio on an independent model with a ~90 ms step (``StockGPT``:
-                torch's own transformer layers, d=256, 4 layers, sequence 256); goal <= 1.01
+  p0 ratio gpt X  the p0 ratio on an independent model with a ~80-100 ms step (``StockGPT``:
+                torch's own transformer layers, d=128, 4 layers, sequence 128); goal <= 1.01
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
                 and a monitored DDP copy in alternating blocks); goal <= 1.01
   ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
@@ -148,9 +148,9 @@ def _on_device(batch):
 
 class StockGPT(torch.nn.Module):
     """An independent model for the ``p0 ratio gpt`` line: a causal byte-level LM from
-    torch's own ``TransformerEncoderLayer`` (pre-norm, GELU), tied head, d=256, 4 layers,
-    8 heads, sequence 256 — a step of ~80-100 ms on one CPU thread, where the probes'
-    fixed per-step cost weighs as it would on a small real run."""
+    torch's own ``TransformerEncoderLayer`` (pre-norm, GELU), tied head, d=128, 4 layers,
+    4 heads, sequence 128, two micro-batches of 4 rows — a step of ~80-100 ms on one CPU
+    thread, where the probes' fixed per-step cost weighs as on a small real run."""
 
     def __init__(self, vocab: int = VOCAB, d: int = 128, layers: int = 4, heads: int = 4,
                  seq: int = 128) -> None:
@@ -337,7 +337,7 @@ def main() -> None:
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
     gpt, gpt_off = gpt_ratio(corpus, common)
-    print(f"# StockGPT (torch TransformerEncoderLayer, d=256, 4 layers, sequence {GPT_SEQ}), "
+    print(f"# StockGPT (torch TransformerEncoderLayer, d=128, 4 layers, sequence {GPT_SEQ}), "
           f"{GPT_BLOCKS} x {GPT_BLOCK_STEPS} steps per variant; median step off "
           f"{gpt_off * 1e3:.1f} ms", file=sys.stderr)
     print(f"p0 ratio gpt {gpt:.4f}")
