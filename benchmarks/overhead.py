@@ -34,6 +34,8 @@ Figures (stdout, one line each, machine-readable):
                 gather + hand-off; probe arithmetic is in the ratios); goal <= 50
   p0 ratio gpt X  the p0 ratio on an independent model with a ~80-100 ms step (``StockGPT``:
                 torch's own transformer layers, d=128, 4 layers, sequence 128); goal <= 1.01
+  p0 ratio gpt compiled X  the same with ``scan_backend="compiled"`` (the gradient groups'
+                scans in one compiled pass each; the default on a GPU)
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
                 and a monitored DDP copy in alternating blocks); goal <= 1.01
   ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
@@ -174,18 +176,20 @@ class StockGPT(torch.nn.Module):
 
 
 GPT_SEQ = 128
-GPT_BLOCKS = 8
+GPT_BLOCKS = 16
 GPT_BLOCK_STEPS = 5
 
 
-def gpt_ratio(corpus, common: dict) -> tuple[float, float]:
-    """(P0 / off median step time, median off step in s) on ``StockGPT``, blocks interleaved."""
+def gpt_ratios(corpus, common: dict) -> tuple[float, float, float]:
+    """(P0 / off, P0 with the compiled scan backend / off, median off step in s) of median
+    step times on ``StockGPT``, blocks interleaved; the compile runs in the warm-up."""
     rng = np.random.default_rng(1)
     batches = [[_on_device(corpus.batch(rng, 4, GPT_SEQ, min_len=32)) for _ in range(2)]
                for _ in range(10)]
+    p0 = dict(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
     runs = {}
-    for name, config in (("off", None), ("p0", ProbeConfig(
-            cadence={"step": 1, "scan": 0, "demand": 0}, **common))):
+    for name, config in (("off", None), ("p0", ProbeConfig(**p0, scan_backend="eager")),
+                         ("compiled", ProbeConfig(**p0, scan_backend="compiled"))):
         torch.manual_seed(0)
         model = StockGPT(seq=GPT_SEQ).to(DEVICE)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -197,14 +201,15 @@ def gpt_ratio(corpus, common: dict) -> tuple[float, float]:
                       _timed_steps(m, o, mon, batches, st, steps), monitor)
     for run, _ in runs.values():
         run(3)
-    times: dict[str, list[float]] = {"off": [], "p0": []}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(GPT_BLOCKS):
         for name, (run, _) in runs.items():
             times[name] += run(GPT_BLOCK_STEPS)
     for _, monitor in runs.values():
         monitor.close()
     off = statistics.median(times["off"])
-    return statistics.median(times["p0"]) / off, off
+    return (statistics.median(times["p0"]) / off, statistics.median(times["compiled"]) / off,
+            off)
 
 
 DDP_RANKS = 4
@@ -336,11 +341,12 @@ def main() -> None:
     print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
-    gpt, gpt_off = gpt_ratio(corpus, common)
+    gpt, gpt_compiled, gpt_off = gpt_ratios(corpus, common)
     print(f"# StockGPT (torch TransformerEncoderLayer, d=128, 4 layers, sequence {GPT_SEQ}), "
           f"{GPT_BLOCKS} x {GPT_BLOCK_STEPS} steps per variant; median step off "
           f"{gpt_off * 1e3:.1f} ms", file=sys.stderr)
     print(f"p0 ratio gpt {gpt:.4f}")
+    print(f"p0 ratio gpt compiled {gpt_compiled:.4f}")
     sys.stdout.flush()
     if DEVICE.type != "cpu":
         return  # the DDP figures are gloo ranks on CPU cores
