@@ -14,6 +14,8 @@ peak counters of the current device are reset when the monitor's step context op
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 import resource
@@ -201,21 +203,26 @@ class SystemProbe:
         if state.due[TIER]:
             reset_peaks(self._device)
 
+    def _step_points(self, elapsed_s: float, positions: int, guard: list[int]) -> list[Point]:
+        """The step's bookkeeping as points, made on the emitter thread from its numbers."""
+        out = [Point(System.STEP_TIME, elapsed_s)]
+        if positions:
+            out += [Point(System.POSITIONS, float(positions)),
+                    Point(System.FLOPS, self._flops_per_token * positions)]
+        skipped, replayed, mismatch = guard
+        out += [Point(Guard.SKIPPED, skipped), Point(Guard.REPLAYED, replayed),
+                Point(Guard.REPLAY_MISMATCH, mismatch)]
+        if self._clip_threshold is not None:
+            out.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
+        return out
+
     def close(self, state: StepState, elapsed_s: float, points: list[Point],
               late: list[Late]) -> None:
         if state.due[TIER]:
-            points.append(Point(System.STEP_TIME, elapsed_s))
-            if state.positions:
-                points += [Point(System.POSITIONS, float(state.positions)),
-                           Point(System.FLOPS, self._flops_per_token * state.positions)]
-            points += peak_memory_points(self._device)
-            late.append(peak_rss_points)
-            skipped, replayed, mismatch = state.guard
-            points += [Point(Guard.SKIPPED, skipped), Point(Guard.REPLAYED, replayed),
-                       Point(Guard.REPLAY_MISMATCH, mismatch)]
+            points += peak_memory_points(self._device)  # the device's counters at the step's end
+            late += (functools.partial(self._step_points, elapsed_s, state.positions,
+                                       state.guard), peak_rss_points)
             state.guard = [0, 0, 0]
-            if self._clip_threshold is not None:
-                points.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
         if state.due[TELEMETRY_TIER]:
             if self._host is not None:
                 late.append(self._host.sample)
