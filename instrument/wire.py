@@ -562,18 +562,12 @@ class _Points:
         pos, end = span
         while pos < end:
             tag = buf[pos]
-            size = buf[pos + 1]
-            start = pos + 2
-            if size >= 0x80:
-                size, start = _read_varint(buf, pos + 1, end)
-            stop = start + size
-            if stop > end:
-                raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated field")
+            start, stop = _payload(buf, pos, end)
             if tag != _DATA_POINT_TAG:
                 pos = _skip(buf, pos, end)
                 continue
             block = None
-            if size >= _TAIL and buf[stop - _TAIL] == _TIME_TAG_3 and \
+            if stop - start >= _TAIL and buf[stop - _TAIL] == _TIME_TAG_3 and \
                     buf[stop - 9] == _AS_DOUBLE_TAG:
                 # WireEncoder's layout: attributes, then time and value; taken only where
                 # the attributes parse as exactly that, else as any point is

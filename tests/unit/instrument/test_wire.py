@@ -134,8 +134,8 @@ def test_the_wire_decoder_reads_what_the_stock_classes_read(seed, encoder):
                                {"dp": seed % 7, "tp": seed % 2})
 
 
-def test_attributes_after_the_value_and_an_integer_value_decode_too():
-    """Another producer may order a point's fields differently or send as_int."""
+def one_gauge_request(name: str):
+    """A stock-built request from rank 0 of run "r" with one (empty) gauge metric ``name``."""
     request = ExportMetricsServiceRequest()
     rm = request.resource_metrics.add()
     for key, value in (("probewire.run_id", "r"), ("probewire.rank", 0),
@@ -145,7 +145,12 @@ def test_attributes_after_the_value_and_an_integer_value_decode_too():
             kv.value.string_value = value
         else:
             kv.value.int_value = value
-    metric = rm.scope_metrics.add().metrics.add(name="loss.tokens")
+    return request, rm.scope_metrics.add().metrics.add(name=name)
+
+
+def test_attributes_after_the_value_and_an_integer_value_decode_too():
+    """Another producer may order a point's fields differently or send as_int."""
+    request, metric = one_gauge_request("loss.tokens")
     point = metric.gauge.data_points.add(as_int=7)
     point.attributes.add(key="step").value.int_value = 3
     point.attributes.add(key="source").value.string_value = "web"
@@ -163,16 +168,7 @@ def test_a_point_ending_in_time_and_value_after_other_fields_decodes_as_any_poin
     """The decoder's fast path takes what precedes a point's trailing time and value as its
     attributes; where something else precedes them (a start time here) it reads the point
     field by field, as the stock classes do."""
-    request = ExportMetricsServiceRequest()
-    rm = request.resource_metrics.add()
-    for key, value in (("probewire.run_id", "r"), ("probewire.rank", 0),
-                       ("probewire.world_size", 1)):
-        kv = rm.resource.attributes.add(key=key)
-        if isinstance(value, str):
-            kv.value.string_value = value
-        else:
-            kv.value.int_value = value
-    metric = rm.scope_metrics.add().metrics.add(name="loss.tokens")
+    request, metric = one_gauge_request("loss.tokens")
     point = metric.gauge.data_points.add(start_time_unix_nano=1, time_unix_nano=2,
                                          as_double=7.5)
     point.attributes.add(key="step").value.int_value = 3
