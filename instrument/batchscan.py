@@ -8,9 +8,10 @@ a dozen kernels per distinct size instead of per tensor. Tensors above ``SMALL_E
 and sizes seen once, go through ``scan`` itself.
 
 Where only totals per group are wanted (the gradient's every-step group statistics), not a
-row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes
-and scans each concatenation once: a dozen kernels per group. Fields, dtypes and conventions are
-``scan``'s (``ScanFields``): float32 work (float64 for float64 inputs or with moments),
+row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes,
+in blocks of up to one ``scan`` chunk, and scans each block once: a dozen kernels per block.
+
+Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for float64 inputs or with moments),
 sums over finite elements, NONFINITE counts the others, ABS_MAX over finite elements.
 """
 
@@ -75,10 +76,10 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
     """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
 
     ``groups[i]`` is ``tensors[i]``'s group. Returns ``[R, fields]`` float64 rows and each
-    row's group. The small floating tensors of one group (and device) are concatenated,
-    block by block, and each block is one row; other tensors get their
-    own ``scan``; a block holds at most ``chunk_elems`` (``scan``'s default chunk) elements.
-    Empty tensors give no row (their all-zero row combines to nothing).
+    row's group. The small floating tensors of one group (and device) are concatenated in
+    blocks of at most ``chunk_elems`` elements (``scan``'s default chunk), each block one
+    row; other tensors get their own ``scan``. Empty tensors give no row (their all-zero
+    row combines to nothing).
     ``fused`` (without moments): each large tensor and block through the compiled one-pass
     ``fused_scan`` instead of the eager reductions.
     """
