@@ -11,8 +11,9 @@ Where only totals per group are wanted (the gradient's every-step group statisti
 row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes,
 in blocks of up to one ``scan`` chunk, and scans each block once: a dozen kernels per block.
 
-Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for float64 inputs or with moments),
-sums over finite elements, NONFINITE counts the others, ABS_MAX over finite elements.
+Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for
+float64 inputs or with moments), sums over finite elements, NONFINITE counts the others,
+ABS_MAX over finite elements.
 """
 
 from __future__ import annotations
