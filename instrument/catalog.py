@@ -304,8 +304,10 @@ class MetricSpec:
 
     @property
     def nonnegative(self) -> bool:
-        """A count, a size or a duration: a negative value cannot be a measurement."""
-        return self.unit.startswith("{") or self.unit in ("By", "s")
+        """A count, a size or a duration: a negative or non-finite value cannot be a
+        measurement. A loss sum (nats) is not one: NaN or inf there is what a diverging
+        run measures, and must reach the store."""
+        return (self.unit.startswith("{") and self.unit != "{nat}") or self.unit in ("By", "s")
 
     @property
     def tier(self) -> "Tier":

@@ -6,7 +6,8 @@ plausible step of its run", with bounds from settings (``Bounds``):
 - step in ``0..max_step`` and at most ``max_step_ahead`` beyond the newest step of its run;
 - ``1 <= world_size <= max_world_size``, ``0 <= rank < world_size``, parallel coordinates
   in ``0..world_size-1``; every rank of a run reports the world size its first message did;
-- counts (tokens, elements, bytes, steps, FLOPs, ...) and times finite and >= 0;
+- counts (tokens, elements, bytes, steps, FLOPs, ...) and times finite and >= 0 (a loss
+  sum is not one: its NaN or ±inf is what a diverging rank measures, and is kept);
 - a loss sum comes with its token count (same labels), and is 0 where that count is 0;
 - label values at most ``max_label_length`` characters without ``|`` (the label-text
   separator); expert and shard indices decimal integers that fit the store's UInt32;

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -250,6 +251,44 @@ def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
     kept = read_store(store, "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
                              f"WHERE run_id = '{run.run_id}' GROUP BY step")
     assert [(r["step"], r["n"]) for r in kept] == [(6, 20)]
+
+
+def test_sums_past_the_float64_range_or_of_opposite_infinities_are_stored_as_numpy_sums(
+        stack, kafka_bootstrap, read_store, scratch_dir):
+    """Step 3's loss sums are +inf on rank 0 and -inf on rank 1 (Σ: NaN); step 4's are
+    1e308 on every rank (Σ past float64's range: +inf). Stage 1 once crashed on both (an
+    exact sum raises on them); now each step is stored with the value NumPy's float64 sum
+    gives, and every other step exactly, with the worker still running."""
+    s = stack()
+    run = SimRun(run_id=f"range-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=4)
+    odd = {3: {0: math.inf, 1: -math.inf}, 4: {r: 1e308 for r in range(RANKS)}}
+    messages = []
+    for step in range(8):
+        for rank in range(RANKS):
+            parts = run.components(step, rank) | (
+                {Loss.SUM: odd[step][rank]} if rank in odd.get(step, {}) else {})
+            who = RankIdentity(run_id=run.run_id, rank=rank, world_size=RANKS, host=f"h{rank}")
+            messages.append((message_key(run.run_id, step), WireEncoder(
+                who.resource_attributes()).encode(step, [Point(n, v) for n, v in parts.items()])))
+    produce(kafka_bootstrap, messages)
+    wait_for(s, run.run_id, 8)
+    assert s.worker.poll() is None, "the worker exited"
+    s.stop()
+    # JSON has no NaN or inf: the non-finite ones are read back by name
+    rows = read_store(scratch_dir / "store", "SELECT step, loss AS value, toString(loss) AS "
+                      "text FROM probewire.step_metrics FINAL WHERE run_id = "
+                      f"'{run.run_id}' ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(8))
+    for row in rows:
+        step = row["step"]
+        row["loss"] = float(row["text"]) if row["value"] is None else row["value"]
+        sums = np.array([odd.get(step, {}).get(r, run.components(step, r)[Loss.SUM])
+                         for r in range(RANKS)], dtype=np.float64)
+        tokens = np.array([run.components(step, r)[Loss.TOKENS] for r in range(RANKS)])
+        with np.errstate(over="ignore", invalid="ignore"):
+            expected = float(np.sum(sums) / np.sum(tokens))
+        assert row["loss"] == pytest.approx(expected, rel=1e-9, abs=0, nan_ok=True), step
+    assert math.isnan(rows[3]["loss"]) and rows[4]["loss"] == math.inf
 
 
 def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everything(

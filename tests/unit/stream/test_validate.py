@@ -35,6 +35,18 @@ def test_out_of_bounds_messages_are_refused_with_a_reason(record, reason):
     assert checked.record is None and reason in checked.reason
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_loss_sum_is_kept_it_is_what_a_diverging_rank_measures(value):
+    """A count is refused when not finite; a loss sum is not a count: a rank whose loss went
+    NaN must reach the store with it (refused, its whole message was dropped and the step
+    reduced without the rank: a healthy-looking loss)."""
+    values = {series_key(Loss.SUM): value, series_key(Loss.TOKENS): 4.0}
+    checked = StepValidator(Bounds()).check(rank_step(values=dict(values)))
+    assert checked.reason is None and checked.record.values.keys() == values.keys()
+    assert math.isnan(checked.record.values[series_key(Loss.SUM)]) if math.isnan(value) \
+        else checked.record.values[series_key(Loss.SUM)] == value
+
+
 def test_ranks_that_disagree_on_world_size_are_refused():
     v = StepValidator(Bounds())
     assert v.check(rank_step(rank=0, world_size=4)).record is not None
