@@ -51,13 +51,24 @@ def _set_fetch_wait(ms: int) -> None:
     aiokafka.AIOKafkaConsumer = Consumer
 
 
+class _App(faust.App):
+    """Faust runs ``app.task``s only once the consumer group has its first assignment
+    (seconds on a fresh group); the store opens as the app starts, while the group forms."""
+
+    probewire_worker: Worker
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        self.add_future(self.probewire_worker.open())
+
+
 def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
                open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
                before_event: Callable[[str], None] = lambda agent: None) -> faust.App:
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
     _set_fetch_wait(config.fetch_max_wait_ms)
-    app = faust.App(
+    app = _App(
         config.app_id,
         broker=f"kafka://{kafka.bootstrap}",
         broker_credentials=broker_credentials(kafka),
@@ -83,11 +94,7 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     client_config = kafka.client_config()  # a missing SASL password fails here, at build
     worker = Worker(config, topics, lambda: Publisher(client_config, config.max_message_bytes),
                     open_store, heartbeat_path, before_event)
-    app.probewire_worker = worker  # type: ignore[attr-defined]
-
-    @app.task
-    async def open_store_task() -> None:
-        await worker.open()
+    app.probewire_worker = worker
 
     @app.agent(app.topic(topics.metrics))
     async def assemble(stream):

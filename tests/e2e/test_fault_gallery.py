@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 FAULT_STEP = 120
 STEPS = 150
-HEALTHY_STEPS = 2000
+HEALTHY_STEPS = 800
 WINDOW = 50          # detector window: short runs, the detectors are warm by FAULT_STEP
 DB = "probewire"
 HEALTHY = "healthy"
