@@ -7,7 +7,9 @@
    per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
    and we time from its start of consumption to its last stored step. Prints ``N points/s``
    and the worker's CPU time over that window (all its threads): points per CPU-second
-   varies less than points/s on a machine busy with other work.
+   varies less than points/s on a machine busy with other work, and the 1-minute load
+   average at its start (other work on a 2-core machine moved both rates by 2x and more: compare
+   builds only in interleaved runs at a similar load).
 2. Alert latency: a live run paced at ~40 steps/s with a co-spike every 25 steps; the
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 import uuid
@@ -87,6 +90,7 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
         for key, value in step_messages:
             producer.produce("otlp_metrics", key=key, value=value)
     producer.flush(60)
+    load = os.getloadavg()[0]
     stack.start_worker()
     worker = psutil.Process(stack.worker.pid)
     cpu0 = sum(worker.cpu_times()[:2])
@@ -97,7 +101,8 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
     cpu = sum(worker.cpu_times()[:2]) - cpu0
     print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
           f"{elapsed:.2f}s from the worker's start of consumption to the last stored step; "
-          f"worker CPU {cpu:.2f}s (all threads): {points / cpu:.0f} points per CPU-second")
+          f"worker CPU {cpu:.2f}s (all threads): {points / cpu:.0f} points per CPU-second; "
+          f"load average {load:.2f} at its start")
     return points / elapsed
 
 
