@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from probewire.deploy.demo.faults import FAULTS, Straggler, demo_train_args, parse_fault
+from probewire.deploy.demo.faults import FAULTS, BadRank, Straggler, demo_train_args, parse_fault
 from probewire.deploy.demo.gallery import Explain, Gallery, read_gallery
 
 pytestmark = pytest.mark.integration
@@ -143,6 +143,18 @@ def test_explain_names_the_culprit(name: str, gallery):
     assert ok, f"{name}: explain's {fault.explain_stage} stage does not name {expected!r}" \
                f"{' as moved since the fault' if fault.explain_moves else ''}: {named}; " \
                f"headline: {explanation['headline']}"
+
+
+def test_explains_headline_at_the_bad_rank_page_names_the_loss_and_the_rank(gallery):
+    fault, _, _, explanation, _ = gallery[BadRank.name]
+    assert explanation["step"] == FAULT_STEP
+    headline = explanation["headline"]
+    assert headline.startswith(f"Paged at step {FAULT_STEP}: loss_worst_rank (loss)"), headline
+    assert f"carried by rank {fault.rank}" in headline, headline
+    assert explanation["first"] == "loss_worst_rank"
+
+
+test_explains_headline_at_the_bad_rank_page_names_the_loss_and_the_rank.run = BadRank.name  # type: ignore
 
 
 def test_straggler_comm_wait_names_the_slow_rank(gallery):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import socket
 import time
 import uuid
@@ -25,6 +26,16 @@ from probewire.deploy.stack import LocalStack
 pytestmark = pytest.mark.integration
 
 LAYOUTS = tuple(pr.WORLD)
+
+# The ranks fork from a server that imported torch, its parallel APIs and probewire once;
+# spawned, each rank imported them again (~3 s of CPU each on a 2-core host).
+multiprocessing.set_forkserver_preload([
+    "parallel_ranks", "probewire.instrument", "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel", "torch.distributed.pipelining"])
+
+
+def _ranks(fn, args: tuple, nprocs: int) -> None:
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _port() -> int:
@@ -47,9 +58,8 @@ def runs(scratch_module: Path, read_store):
             trace_dir = scratch_module / layout
             trace_dir.mkdir()
             world = pr.WORLD[layout]
-            mp.start_processes(pr.train, args=(world, _port(), layout, run_ids[layout], bootstrap,
-                                               str(trace_dir)), nprocs=world, join=True,
-                               start_method="spawn")
+            _ranks(pr.train, (world, _port(), layout, run_ids[layout], bootstrap,
+                              str(trace_dir)), world)
             traces[layout] = {r: {rec["step"]: rec for rec in map(json.loads, (
                 trace_dir / f"rank{r}.jsonl").read_text().splitlines())} for r in range(world)}
         deadline = time.monotonic() + 120
@@ -144,8 +154,7 @@ def test_expert_parallel_counts_each_expert_once(runs):
 def test_a_shard_declared_a_replica_is_refused_naming_the_parameter(tmp_path, case, name):
     """The old failure mode: shards taken for DDP replicas would keep only dp=0's part.
     Declared by hand against what the model is, attach refuses in one line instead."""
-    mp.start_processes(pr.refused, args=(2, _port(), case, str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
+    _ranks(pr.refused, (2, _port(), case, str(tmp_path)), 2)
     for rank in (0, 1):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert f"parameter {name!r}" in message and "\n" not in message
