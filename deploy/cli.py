@@ -409,7 +409,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="inject a real training fault (repeatable): bad-rank, "
                            "source-regression, poisoned-batch, layer-explosion, straggler, "
                            "memory-creep, flaky-replay, routing-collapse, ignored-media, "
-                           "bf16-swallow; easy-batch (must page nothing)")
+                           "bf16-swallow, nan-weight; easy-batch (must page nothing)")
     demo.set_defaults(func=cmd_demo)
 
     for name, text in (("up", "start the local stack for your own training script; Ctrl-C "

@@ -23,8 +23,9 @@ from .model import IGNORE, PRESETS
 from .structure_faults import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
 __all__ = ["FAULTS", "SCENARIOS", "BadRank", "Bf16Swallow", "EasyBatch", "Fault", "FaultError",
-           "FlakyReplay", "IgnoredMedia", "LayerExplosion", "MemoryCreep", "PoisonedBatch",
-           "RoutingCollapse", "SourceRegression", "Straggler", "demo_train_args", "parse_fault"]
+           "FlakyReplay", "IgnoredMedia", "LayerExplosion", "MemoryCreep", "NanWeight",
+           "PoisonedBatch", "RoutingCollapse", "SourceRegression", "Straggler",
+           "demo_train_args", "parse_fault"]
 
 
 @dataclass(kw_only=True)
@@ -309,9 +310,42 @@ class FlakyReplay(Fault):
         return step == self.step
 
 
+@dataclass(kw_only=True)
+class NanWeight(Fault):
+    """At ``step`` one weight of rank ``rank``'s copy of block ``layer``'s MLP output
+    becomes NaN (one rank's memory silently corrupted): that rank's loss is NaN, DDP's
+    all-reduce carries its NaN gradients to every rank, and the clipped update makes every
+    weight NaN, so from ``step + 1`` on every rank's loss is NaN.
+
+    Signature (measured, window 50, fault at 120): `loss` pages at exactly ``step`` as
+    non-finite (NaN), with no culprit on the alert; `grad_norm` and `output_absmax` page
+    non-finite at the same step; nothing else pages, and no later step pages again within
+    the episode. L_max is NaN on rank ``rank`` at ``step`` (a NaN rank mean counts as the
+    worst). explain's headline names the loss "carried by rank {rank}", and its loss stage
+    names ``rank {rank}`` (loss_worst_rank moved, onset ``step``). The rank reaches the
+    store with its NaN: a non-finite loss sum is a measurement, not a refused message."""
+
+    name: ClassVar[str] = "nan-weight"
+    signal: ClassVar[str] = "loss"
+    culprit: ClassVar[str] = "rank"
+    also_pages: ClassVar[tuple[str, ...]] = ("grad_norm", "output_absmax")
+    explain_stage: ClassVar[str] = "loss"
+    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    rank: int = 1
+    layer: int = 1
+
+    def explain_culprit(self) -> str:
+        return f"rank {self.rank}"
+
+    def on_step_start(self, step, rank, model, optimizer) -> None:
+        if step == self.step and rank == self.rank:
+            with torch.no_grad():
+                _core(model).blocks[self.layer].mlp.down.weight[0, 0] = float("nan")
+
+
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
     BadRank, SourceRegression, PoisonedBatch, LayerExplosion, Straggler, MemoryCreep,
-    RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay)}
+    RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay, NanWeight)}
 """The fault gallery: each fault pages its ``signal``. Scenario faults that must page
 nothing (``easy-batch``) are in ``SCENARIOS``; ``parse_fault`` knows both."""
 
