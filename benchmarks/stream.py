@@ -4,12 +4,14 @@
     python benchmarks/stream.py --workers 2 --runs 4 [--steps 600]
 
 1. Throughput: 8 simulated ranks x N steps, ~50 points per message (loss, gradient and
-   per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts
-   and we time from its start of consumption to its last stored step. Prints ``N points/s``
-   and the worker's CPU time over that window (all its threads): points per CPU-second
-   varies less than points/s on a machine busy with other work, and the 1-minute load
-   average at its start (other work on a 2-core machine moved both rates by 2x and more: compare
-   builds only in interleaved runs at a similar load).
+   per-tensor statistics), pre-published to ``otlp_metrics``; one worker process starts,
+   and the time runs from the moment 10 % of the steps are stored to the moment 90 % are
+   (sustained: the worker's start, its group join and its first and last store batches
+   fall outside). Prints ``N points/s`` and the worker's CPU time over that window (all
+   its threads): points per CPU-second varies less than points/s on a machine busy with
+   other work; and the 1-minute load average at its start (other work on a 2-core machine
+   moved both rates by 2x and more: compare builds only in interleaved runs at a similar
+   load).
 2. Alert latency: a live run paced at ~40 steps/s with a co-spike every 25 steps; the
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
@@ -51,6 +53,7 @@ from probewire.instrument.testing import MemoryTransport
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.stream.assemble import StepAssembler
 from probewire.stream.batching import Batch
+from probewire.stream.health import read_heartbeat
 from probewire.stream.records import ReducedStep
 from probewire.stream.stage2 import RunPipeline, Stage2Output
 from probewire.stream.store import write_batch
@@ -93,17 +96,29 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
     load = os.getloadavg()[0]
     stack.start_worker()
     worker = psutil.Process(stack.worker.pid)
-    cpu0 = sum(worker.cpu_times()[:2])
-    started = time.perf_counter()  # the worker is ready: it consumes from here on
-    while stack.progress(run.run_id) < steps:
+
+    def stored_at_least(n: int) -> tuple[int, float, float]:
+        while (stored := stack.progress(run.run_id)) < n:
+            time.sleep(0.02)
+        return stored, time.perf_counter(), sum(worker.cpu_times()[:2])
+
+    # the window runs between stored steps (10 % and 90 % of the run): neither the worker's
+    # start (ready, its consumer group still forming) nor its first and last batches count
+    first, t0, cpu0 = stored_at_least(steps // 10)
+    # stage 1's head start, from the heartbeat (written once a second): steps it had
+    # reduced when the window opened. Near ``steps``, the window measured stage 2 alone
+    reduced = (read_heartbeat(stack.heartbeat_path) or {}).get("stages", {}).get(
+        "stage1", {}).get("outputs", 0)
+    last, t1, cpu1 = stored_at_least(steps * 9 // 10)
+    window = (last - first) * points / steps
+    print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points; steps "
+          f"{first}..{last} stored in {t1 - t0:.2f}s (stage 1 had reduced ~{reduced} steps "
+          f"when the window opened), worker CPU {cpu1 - cpu0:.2f}s (all threads): "
+          f"{window / (cpu1 - cpu0):.0f} points per CPU-second; load average {load:.2f} at "
+          f"its start")
+    while stack.progress(run.run_id) < steps:  # every step stored before the next phase
         time.sleep(0.05)
-    elapsed = time.perf_counter() - started
-    cpu = sum(worker.cpu_times()[:2]) - cpu0
-    print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points, "
-          f"{elapsed:.2f}s from the worker's start of consumption to the last stored step; "
-          f"worker CPU {cpu:.2f}s (all threads): {points / cpu:.0f} points per CPU-second; "
-          f"load average {load:.2f} at its start")
-    return points / elapsed
+    return window / (t1 - t0)
 
 
 def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int,
