@@ -106,6 +106,20 @@ def stored(stack: LocalStack, run_id: str) -> int:
     return stack.progress(run_id)
 
 
+def warm_up(stack: LocalStack, tensors: int) -> None:
+    """Store a 5-step run first: a ready worker's consumer group may still be forming, and
+    the first offered rate would count that wait as lag."""
+    warm = Ranks(SimRun(run_id=f"warm-{uuid.uuid4().hex[:6]}", world_size=8), tensors)
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for step in range(5):
+        for key, value in warm.messages(step):
+            producer.produce("otlp_metrics", key=key, value=value)
+    producer.flush(30)
+    deadline = time.monotonic() + 120
+    while stored(stack, warm.run.run_id) < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def offer(stack: LocalStack, ranks: Ranks, rate: float, seconds: float) -> Window:
     """Produce ``rate`` steps/s for ``seconds`` while sampling lag and RSS once a second."""
     window = Window(rate)
@@ -208,6 +222,7 @@ def main() -> None:
         with LocalStack(settings, Path(tmp, "run")) as stack:
             stack.start_broker()
             stack.start_worker()
+            warm_up(stack, tensors)
             rate, kept_up = args.rate, None
             while time.monotonic() - began + args.seconds <= args.budget_s:
                 run = SimRun(run_id=f"load-{args.ranks}x{per_message}-{rate:.2f}",
