@@ -26,6 +26,7 @@ import faust
 from probewire.sinks.clickhouse import ClickHouseSink
 
 from .config import StreamConfig
+from .consumer import Consumer, use_fetch_wait
 from .kafka import KafkaConfig, TopicConfig, broker_credentials
 from .publish import Publisher
 from .worker import Worker, dead_letter_row
@@ -33,29 +34,17 @@ from .worker import Worker, dead_letter_row
 __all__ = ["create_app"]
 
 
-def _set_fetch_wait(ms: int) -> None:
-    """Faust hard-codes aiokafka's ``fetch_max_wait_ms=1500``. Tansu (measured) answers a
-    waiting fetch only at that deadline even when data arrives, adding up to 1.5 s per hop;
-    a short wait costs a few idle fetches per second instead. Applies to this process."""
-    import aiokafka
-
-    base = getattr(aiokafka.AIOKafkaConsumer, "_probewire_base", aiokafka.AIOKafkaConsumer)
-
-    class Consumer(base):  # type: ignore[misc, valid-type]
-        _probewire_base = base
-
-        def __init__(self, *topics: str, **kwargs: Any) -> None:
-            kwargs["fetch_max_wait_ms"] = ms
-            super().__init__(*topics, **kwargs)
-
-    aiokafka.AIOKafkaConsumer = Consumer
-
-
 class _App(faust.App):
     """Faust runs ``app.task``s only once the consumer group has its first assignment
-    (seconds on a fresh group); the store opens as the app starts, while the group forms."""
+    (seconds on a fresh group); the store opens as the app starts, while the group forms.
+    Its consumer is ``consumer.Consumer``."""
 
     probewire_worker: Worker
+
+    def _new_transport(self) -> Any:
+        transport = super()._new_transport()
+        transport.Consumer = Consumer
+        return transport
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -67,7 +56,7 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
                before_event: Callable[[str], None] = lambda agent: None) -> faust.App:
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
-    _set_fetch_wait(config.fetch_max_wait_ms)
+    use_fetch_wait(config.fetch_max_wait_ms)
     app = _App(
         config.app_id,
         broker=f"kafka://{kafka.bootstrap}",
