@@ -30,7 +30,10 @@ HEAVY = ["--batch-size", "16", "--micro-batches", "4"]
 RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
     "two-cospikes": (2, 170, ["poisoned-batch@120:repeat_after=30"], [], 0),
     "easy-batch": (2, 150, ["easy-batch@120:rank=0"], [], 0),
-    "ddp-straggler": (3, 260, ["straggler@150:rank=1,factor=1.5,duration=80"], HEAVY, 0),
+    # 120 slow steps: the held rule needs 9 in 10 of 40 slow steps above its line, and on
+    # the shared host a rank's ratio dips under it on ~10 % of them (measured: paged 30-36
+    # steps in, idle or beside a CPU burner; one CI run of the 80-step stretch paged nothing)
+    "ddp-straggler": (3, 300, ["straggler@150:rank=1,factor=1.5,duration=120"], HEAVY, 0),
     "loaded-host": (3, 260, [], HEAVY, 1),
 }
 
@@ -105,9 +108,9 @@ def test_a_ddp_rank_slowed_by_half_its_step_pages_step_time_naming_it(pages):
     print("ddp-straggler pages:", [(a["step"], a["message"]) for a in alerts])
     assert alerts and {(a["signal"], a["culprit"]) for a in alerts} == {("step_time", "rank 1")}, \
         seen(alerts)
-    assert all(150 < a["step"] < 230 for a in alerts), seen(alerts)
+    assert all(150 < a["step"] < 270 for a in alerts), seen(alerts)
     steps = {r["step"]: r["straggler_rank"] for r in rows(pages, "steps", "ddp-straggler")}
-    slow = [steps[s] for s in range(150, 230)]
+    slow = [steps[s] for s in range(150, 270)]
     assert slow.count(1) > 0.6 * len(slow)  # the largest own time on most slow steps (noise)
 
 
