@@ -90,3 +90,19 @@ def test_no_tensor_or_only_empty_ones_give_no_group_row():
     for xs, groups in (([], []), ([torch.zeros(0), torch.zeros(0, 3)], [0, 2])):
         rows, row_groups = scan_groups(xs, groups)
         assert rows.shape == (0, 7) and row_groups == []
+
+
+@pytest.mark.parametrize("block", [
+    [torch.tensor([3e38, 3e38, -1.0, 0.0])],               # finite, but Σx overflows
+    [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([float("nan"), 0.0, -3.0])],
+    [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4.0, 0.0, -3.0])],
+])
+def test_a_block_with_and_without_non_finite_elements_gives_the_single_tensor_scan(block):
+    """On CPU an all-finite block skips the non-finite clean-up (``_fields``); a block whose
+    finite elements overflow Σx, or that holds a NaN, takes the full path."""
+    got = scan_many(block)
+    want = torch.stack([scan(x) for x in block])
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-12, atol=0)
+    assert got[:, F.NONFINITE].tolist() == [float((~x.isfinite()).sum()) for x in block]
+    assert got[:, F.ZEROS].tolist() == [float((x == 0).sum()) for x in block]
