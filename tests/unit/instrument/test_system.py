@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import mmap
+import time
 
 import pytest
 import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument.probes.system import (DeviceTelemetry, HostTelemetry, default_flops_per_token,
-                                         peak_memory_points, peak_rss_points,
-                                         transformer_flops_per_token)
+                                         net_dev_totals, peak_memory_points, peak_rss_points,
+                                         psi_some_avg10, transformer_flops_per_token)
 
 
 def test_flop_estimator_is_6n_plus_the_attention_term():
@@ -52,6 +53,52 @@ def test_host_telemetry_counts_since_the_previous_sample_and_net_only_when_asked
     assert second["host.interval"] >= 0 and second["net.rx"] >= 0
     quiet = {p.name for p in HostTelemetry(read_network=False).sample()}
     assert not quiet & {"net.rx", "net.tx"}
+
+
+def test_the_cpu_share_is_the_process_cpu_time_over_the_interval_as_psutil_reads_it():
+    """Against psutil's ``Process.cpu_percent`` over the same busy 0.3 s (it counts 10 ms
+    ticks: within 4 % of one core of each other, allowing a tick each way and a sample's skew)."""
+    import psutil
+
+    host, reference = HostTelemetry(read_network=False), psutil.Process()
+    host.sample()
+    reference.cpu_percent(None)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    ours = {p.name: p.value for p in host.sample()}["host.cpu_percent"]
+    theirs = reference.cpu_percent(None)
+    assert 50.0 < ours < 200.0 and abs(ours - theirs) < 8.0, (ours, theirs)
+
+
+NET_DEV = b"""Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo: 9000000    1000    0    0    0     0          0         0  9000000    1000    0    0    0     0       0          0
+  eth0: 123456789  20000    0    0    0     0          0         0 987654  15000    0    0    0     0       0          0
+veth1a2b:    42       1    0    0    0     0          0         0      7       1    0    0    0     0       0          0
+"""
+
+
+def test_network_totals_leave_out_loopback_and_match_psutil_on_this_host():
+    assert net_dev_totals(NET_DEV) == (123456789 + 42, 987654 + 7)
+    import psutil
+
+    def psutil_totals() -> tuple[int, int]:
+        nics = psutil.net_io_counters(pernic=True)
+        return (sum(c.bytes_recv for n, c in nics.items() if n != "lo"),
+                sum(c.bytes_sent for n, c in nics.items() if n != "lo"))
+
+    before = psutil_totals()
+    with open("/proc/net/dev", "rb") as handle:
+        ours = net_dev_totals(handle.read())
+    after = psutil_totals()
+    assert before[0] <= ours[0] <= after[0] and before[1] <= ours[1] <= after[1]
+
+
+def test_cpu_pressure_is_the_first_lines_avg10():
+    text = b"some avg10=1.25 avg60=0.50 avg300=0.10 total=123\nfull avg10=9.00 avg60=0 avg300=0 total=0\n"
+    assert psi_some_avg10(text) == 1.25
+    assert psi_some_avg10(b"some total=1\n") is None
 
 
 @pytest.mark.parametrize("device", [None, torch.device("cpu")])
