@@ -48,16 +48,16 @@ def _rows(tensors: Sequence[torch.Tensor], moments: bool) -> torch.Tensor:
 def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
     """[k, fields] of the rows of ``work`` [k, n], a fresh copy this function overwrites."""
     n = work.shape[1]
-    total = work.sum(dim=1)
     # counts as float sums of 0/1 (exact below 2**24 elements per row; rows are far
     # smaller): x − x is 0 for a finite x and NaN otherwise; sign() is 0 only at 0.
     # (count_nonzero along a dim is several times slower on CPU.)
-    if work.device.type == "cpu" and bool(torch.isfinite(total).all()):
-        # a NaN or ±inf element makes its row's Σx non-finite, so every element is finite:
-        # no non-finite count and no clean-up (four passes of ~11; on a device reading the
-        # flag would synchronise, so there the clean-up always runs)
+    total = work.sum(dim=1) if work.device.type == "cpu" else None
+    if total is not None and bool(torch.isfinite(total).all()):
+        # on CPU: a NaN or ±inf element makes its row's Σx non-finite, so every element is
+        # finite: no non-finite count and no clean-up (four passes of ~11; on a device
+        # reading the flag would synchronise, so there the clean-up always runs)
         nonfinite = torch.zeros_like(total)
-    else:  # non-finite elements, or finite ones whose Σx overflowed
+    else:  # a device; or non-finite elements, or finite ones whose Σx overflowed
         nonfinite = (work - work).nan_to_num_(nan=1.0).sum(dim=1)
         work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         total = work.sum(dim=1)
