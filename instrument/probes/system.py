@@ -82,12 +82,13 @@ def peak_memory_points(device: torch.device | None) -> list[Point]:
             Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device)))]
 
 
-def peak_rss_points() -> list[Point]:
-    """The process's resident high-water mark (``getrusage``). Read on the emitter thread: on
-    a DDP rank the call stalled the training thread 2-4 ms right after a step (it walks the
-    process's threads, gloo's included)."""
-    return [Point(Memory.PEAK_RSS,
-                  float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT))]
+def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
+    """The process's resident high-water mark (``getrusage``, or ``usage`` already read).
+    Read on the emitter thread: on a DDP rank the call stalled the training thread 2-4 ms
+    right after a step (it walks the process's threads, gloo's included)."""
+    if usage is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+    return [Point(Memory.PEAK_RSS, float(usage.ru_maxrss * _RSS_UNIT))]
 
 
 def _read_proc(path: str) -> bytes | None:
@@ -160,9 +161,13 @@ class HostTelemetry:
         tx = sum(c.bytes_sent for nic, c in counters.items() if nic != "lo")
         return rx, tx
 
-    def sample(self) -> list[Point]:
+    def sample(self, usage: resource.struct_rusage | None = None) -> list[Point]:
+        """The counters since the previous sample; ``usage``: this moment's ``getrusage``,
+        when the caller already read it."""
         now = time.monotonic()
-        usage, last = resource.getrusage(resource.RUSAGE_SELF), self._last_usage
+        if usage is None:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+        last = self._last_usage
         interval = now - self._last_time
         cpu_s = (usage.ru_utime - last.ru_utime) + (usage.ru_stime - last.ru_stime)
         points = [
@@ -257,13 +262,26 @@ class SystemProbe:
 
     def close(self, state: StepState, elapsed_s: float, points: list[Point],
               late: list[Late]) -> None:
+        host = self._host if state.due[TELEMETRY_TIER] else None
         if state.due[TIER]:
             points += peak_memory_points(self._device)  # the device's counters at the step's end
-            late += (functools.partial(self._step_points, elapsed_s, state.positions,
-                                       state.guard), peak_rss_points)
+            late.append(functools.partial(self._step_points, elapsed_s, state.positions,
+                                          state.guard))
             state.guard = [0, 0, 0]
-        if state.due[TELEMETRY_TIER]:
-            if self._host is not None:
-                late.append(self._host.sample)
-            if self._gpu is not None and self._gpu.available:
-                late.append(self._gpu.sample)
+        if state.due[TIER] or host is not None:
+            late.append(functools.partial(_usage_points, state.due[TIER], host))
+        if state.due[TELEMETRY_TIER] and self._gpu is not None and self._gpu.available:
+            late.append(self._gpu.sample)
+
+
+def _usage_points(peak_rss: bool, host: HostTelemetry | None) -> list[Point]:
+    """memory.peak_rss and the host telemetry from one ``getrusage`` (a call that walks the
+    process's threads: once a step, not twice); a failing host sample keeps the peak."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    points = peak_rss_points(usage) if peak_rss else []
+    if host is not None:
+        try:
+            points += host.sample(usage)
+        except Exception:  # as the collector treats a failing sampler
+            log.exception("probewire: host telemetry failed")
+    return points

@@ -111,3 +111,24 @@ def test_device_telemetry_is_off_without_cuda_with_one_info_line(device, caplog)
         assert telemetry.available is False and telemetry.sample() == []
     records = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert records == [(logging.INFO, "probewire: no CUDA device; device.* telemetry off")]
+
+
+def test_peak_rss_and_host_telemetry_share_one_getrusage_and_a_failing_host_keeps_the_peak(
+        monkeypatch, caplog):
+    from probewire.instrument.probes import system
+
+    calls = []
+    real = system.resource.getrusage
+    monkeypatch.setattr(system.resource, "getrusage", lambda who: calls.append(who) or real(who))
+    host = HostTelemetry(read_network=False)
+    calls.clear()
+    names = [p.name for p in system._usage_points(True, host)]
+    assert len(calls) == 1 and names[0] == "memory.peak_rss" and "host.cpu_percent" in names
+
+    class Broken:
+        def sample(self, usage):
+            raise RuntimeError("psutil went away")
+
+    with caplog.at_level(logging.ERROR):
+        assert [p.name for p in system._usage_points(True, Broken())] == ["memory.peak_rss"]
+    assert "host telemetry failed" in caplog.text
