@@ -13,6 +13,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -437,7 +438,7 @@ class RankLevels:
         first = recent[len(recent) - steps][0]
         if recent[-1][0] != self._step or recent[-1][0] - first != steps - 1:
             return None
-        u = sorted([v for _, v in recent][-steps:])
+        u = sorted(v for _, v in islice(recent, len(recent) - steps, None))
         return math.exp(sorted_quantile(u, quantile) - math.log(base))
 
     def latest(self, rank: int) -> float | None:

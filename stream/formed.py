@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Comm, Grad, Label, Modality, Moe,
+from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Grad, Label, Modality, Moe,
                                           Output, System, Tensor)
 from probewire.instrument.wire import Labels, SeriesKey
 
@@ -84,13 +84,12 @@ def _expert_layers(names: dict[str, dict[Labels, float]]) -> list[list[float]]:
     return [[by.get(i, 0.0) for i in range(max(by) + 1)] for by in layers.values()]
 
 
-def formed_series(item: ReducedStep) -> dict[str, Any]:
-    """The step's formed series (the step_metrics columns of migration 4)."""
+def formed_series(item: ReducedStep, names: dict[str, dict[Labels, float]],
+                  waits: Mapping[int, float]) -> dict[str, Any]:
+    """The step's formed series (the step_metrics columns of migration 4), from its reduced
+    values, those grouped by name (``by_name``), and the exposed collective wait of each rank
+    that reported one (``comm.wait_s`` summed over ops)."""
     red = item.reduced
-    names = by_name(red)
-    waits = {rank: math.fsum(v for (name, _), v in values.items() if name == Comm.WAIT)
-             for rank, values in item.per_rank.items()
-             if any(name == Comm.WAIT for name, _ in values)}
     positions = red.get((Output.POSITIONS, ()))
     bos = rms_from_components(*(_sum(names, n) or 0.0 for n in (Attn.BOS_SUM_SQ, Attn.BOS_N)))
     other = rms_from_components(*(_sum(names, n) or 0.0

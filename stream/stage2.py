@@ -46,7 +46,7 @@ from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .dimensions import tensor_dimensions
 from .formed import grad_group_rows
-from .view import GUARD_STEP, detail_rows, p0_view, rank_columns, rank_series
+from .view import GUARD_STEP, P0View, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
@@ -250,10 +250,9 @@ class RunPipeline:
             out.rows["runs"].append(self._run_row("running"))
         return out
 
-    def _step(self, item: ReducedStep, p0: tuple[dict[str, Any], dict[str, Any]],
-              after_gap: bool) -> Stage2Output:
+    def _step(self, item: ReducedStep, p0: P0View, after_gap: bool) -> Stage2Output:
         out = Stage2Output()
-        view, sources = p0
+        view, sources = p0.view, p0.sources
         self.world_size = max(self.world_size, item.world_size)
         self.first_step = item.step if self.first_step is None else self.first_step
         self.tokens += view["step_tokens"]
@@ -267,8 +266,7 @@ class RunPipeline:
             view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
         else:
             derived, findings = self.detectors.observe(
-                item.step, view, {s: loss for s, (loss, _, _) in sources.items()},
-                rank_series(item, view["loss_worst_rank_id"]))
+                item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks)
             view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
         row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,

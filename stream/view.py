@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
                                           Memory, Modality, Moe, Optim, Output, Residual,
@@ -20,7 +21,8 @@ from .formed import by_name, formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
-__all__ = ["GUARD_STEP", "PER_RANK", "detail_rows", "p0_view", "rank_columns", "rank_series"]
+__all__ = ["GUARD_STEP", "PER_RANK", "P0View", "RankReads", "detail_rows", "p0_view", "rank_columns",
+           "rank_reads", "rank_waits"]
 
 GUARD_STEP = {Guard.SKIPPED: "skipped_step", Guard.REPLAYED: "replayed_step",
               Guard.REPLAY_MISMATCH: "replay_mismatch_step"}
@@ -46,52 +48,62 @@ def _labelled(names: dict[str, dict[Labels, float]], name: str) -> dict[tuple, f
     return {labels: v for labels, v in names.get(name, {}).items() if labels}
 
 
-def _per_rank(item: ReducedStep, name: str) -> dict[int, float]:
-    return {r: v[(name, ())] for r, v in item.per_rank.items() if (name, ()) in v}
+RankReads = dict[str, dict[Labels, dict[int, float]]]
+"""A step's per-rank values of the view's metrics (``PER_RANK``) by name, label set and rank."""
 
 
-def _own_times(item: ReducedStep) -> dict[int, float]:
-    """Per rank, its own time: step time minus the exposed collective wait it reported
-    (``comm.wait_s``, summed over ops), the wait clamped into [0, step time] and the own
-    time floored (``derive.own_times``).
-
-    Under synchronous data parallelism every rank's step time carries the slowest rank's
-    delay (the others wait for it in the gradient all-reduce); their own time does not."""
-    taus = _per_rank(item, System.STEP_TIME)
-    waits = {rank: math.fsum(v for (name, _), v in values.items()
-                             if name == Comm.WAIT and math.isfinite(v))
-             for rank, values in item.per_rank.items()}
-    return own_times(taus, waits)
+def rank_reads(item: ReducedStep) -> RankReads:
+    """One pass over the step's per-rank values: the view, the formed series and the
+    detectors' rank series then look their metrics up instead of walking every value of
+    every rank again (hundreds a step; the rest are detail only)."""
+    out: RankReads = {}
+    for rank, values in item.per_rank.items():
+        for (name, labels), value in values.items():
+            if name in PER_RANK:
+                out.setdefault(name, {}).setdefault(labels, {})[rank] = value
+    return out
 
 
-def _straggler(item: ReducedStep) -> tuple[int | None, float | None]:
-    """The rank with the largest own time, and its own time / the median own time of the
-    other ranks (leave-one-out; None with a single rank)."""
-    own = _own_times(item)
+def _per_rank(reads: RankReads, name: str) -> dict[int, float]:
+    """``name``'s unlabelled value per rank that reported it."""
+    return reads.get(name, {}).get((), {})
+
+
+def rank_waits(reads: RankReads) -> dict[int, list[float]]:
+    """The exposed collective waits (``comm.wait_s``, one per op) of each rank reporting any."""
+    waits: dict[int, list[float]] = {}
+    for by_rank in reads.get(Comm.WAIT, {}).values():
+        for rank, value in by_rank.items():
+            waits.setdefault(rank, []).append(value)
+    return waits
+
+
+def _straggler(own: dict[int, float], ratios: dict[int, float]
+               ) -> tuple[int | None, float | None]:
+    """The rank with the largest own time (``derive.own_times``), and its own-time ratio
+    (``derive.own_time_ratios``: over the median of the others; None with a single rank)."""
     if not own:
         return None, None
     rank = max(sorted(own), key=own.__getitem__)  # ties: the lowest rank
-    return rank, own_time_ratios(own).get(rank)
+    return rank, ratios.get(rank)
 
 
-def rank_series(item: ReducedStep, worst: int | None) -> RankSeries:
+def _rank_series(reads: RankReads, ratios: dict[int, float], worst: int | None) -> RankSeries:
     """Each rank's local mean loss L_r and own-time ratio, and each source's loss over the
     ranks other than ``worst``, for the detectors' culprit rules."""
-    sums: dict[str, list[float]] = defaultdict(list)
-    counts: dict[str, list[float]] = defaultdict(list)
-    for rank, values in item.per_rank.items():
-        if rank == worst:
-            continue
-        for (name, labels), value in values.items():
-            source = dict(labels).get(Label.SOURCE) if name in (Loss.SUM, Loss.TOKENS) \
-                else None
+    by_source: dict[str, tuple[list[float], list[float]]] = {}
+    for index, name in enumerate((Loss.SUM, Loss.TOKENS)):
+        for labels, by_rank in reads.get(name, {}).items():
+            source = dict(labels).get(Label.SOURCE)
             if source is not None:
-                (sums if name == Loss.SUM else counts)[source].append(value)
-    return RankSeries(loss=rank_means(_per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)),
-                      own_ratio=own_time_ratios(_own_times(item)),
+                by_source.setdefault(source, ([], []))[index].extend(
+                    v for r, v in by_rank.items() if r != worst)
+    return RankSeries(loss=rank_means(_per_rank(reads, Loss.SUM), _per_rank(reads, Loss.TOKENS)),
+                      own_ratio=ratios,
                       source_loss_without_worst={  # sum, then divide (seeds 001 §3)
-                          s: math.fsum(sums[s]) / math.fsum(counts[s]) for s in sums
-                          if math.fsum(counts.get(s, ())) > 0})
+                          s: math.fsum(sums) / math.fsum(counts)
+                          for s, (sums, counts) in by_source.items()
+                          if sums and math.fsum(counts) > 0})
 
 
 def _moe(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
@@ -155,24 +167,41 @@ def _learning_rates(names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
             "lr_groups": groups}
 
 
-def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, float, float]]]:
-    """The step's P0 values from its reduced components, and per-source (loss, share, tokens)."""
+class P0View(NamedTuple):
+    """A step's P0 view (``view``: the step_metrics columns it forms), per data source
+    (loss, share, tokens) (``sources``), and the per-rank series the detectors' culprit
+    rules read (``ranks``)."""
+
+    view: dict[str, Any]
+    sources: dict[str, tuple[float, float, float]]
+    ranks: RankSeries
+
+
+def p0_view(item: ReducedStep) -> P0View:
+    """The step's P0 values from its reduced components and the ranks' values."""
     red = item.reduced
     names = by_name(red)
+    reads = rank_reads(item)
+    waits = rank_waits(reads)
     tokens = _get(red, Loss.TOKENS) or 0.0
-    sums, counts = _per_rank(item, Loss.SUM), _per_rank(item, Loss.TOKENS)
+    sums, counts = _per_rank(reads, Loss.SUM), _per_rank(reads, Loss.TOKENS)
     ranks = sorted(set(sums) & set(counts))
     worst = worst_rank_loss([sums[r] for r in ranks], [counts[r] for r in ranks])
+    worst_id = None if worst is None else ranks[worst[1]]
     tau = _get(red, System.STEP_TIME)
-    straggler_rank, own_ratio = _straggler(item)
-    taus = _per_rank(item, System.STEP_TIME)
+    taus = _per_rank(reads, System.STEP_TIME)
+    # own time: the step time less the rank's exposed wait (its finite waits summed)
+    own = own_times(taus, {r: math.fsum(w for w in ws if math.isfinite(w))
+                           for r, ws in waits.items()})
+    ratios = own_time_ratios(own)
+    straggler_rank, own_ratio = _straggler(own, ratios)
     flops = _get(red, System.FLOPS)
-    memory = _per_rank(item, Memory.PEAK_ALLOCATED) or _per_rank(item, Memory.PEAK_RSS)
+    memory = _per_rank(reads, Memory.PEAK_ALLOCATED) or _per_rank(reads, Memory.PEAK_RSS)
     view: dict[str, Any] = {
         "step_tokens": int(tokens),
         "loss": global_mean_loss([_get(red, Loss.SUM) or 0.0], [tokens]),
         "loss_worst_rank": None if worst is None else worst[0],
-        "loss_worst_rank_id": None if worst is None else ranks[worst[1]],
+        "loss_worst_rank_id": worst_id,
         "grad_norm": grad_norm(_get(red, Grad.NORM_SQ)),
         "clipped": _get(red, Grad.CLIPPED),
         "step_time_s": tau,
@@ -194,9 +223,9 @@ def p0_view(item: ReducedStep) -> tuple[dict[str, Any], dict[str, tuple[float, f
         **_learning_rates(names),
         **_moe(item, names),
         **_residual(item, names),
-        **formed_series(item),
+        **formed_series(item, names, {r: math.fsum(ws) for r, ws in waits.items()}),
     }
-    return view, _sources(names, tokens)
+    return P0View(view, _sources(names, tokens), _rank_series(reads, ratios, worst_id))
 
 
 def _sources(names: dict[str, dict[Labels, float]],
@@ -211,12 +240,14 @@ def _sources(names: dict[str, dict[Labels, float]],
     return loss_by_group(sums, counts, total_tokens=tokens)
 
 
+_NAME, _LABELS = itemgetter(0), itemgetter(1)
+
+
 def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
     """The step's per-rank values as ``rank_metrics`` columns (one entry per rank, metric
     and label set), built with list extends: hundreds of values a step, no dict per value."""
     # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
     late = int(item.complete_reason in ("late", "replay"))
-    texts: dict[tuple, str] = {}  # every rank sends the same label sets: join each once
     keys: list[SeriesKey] = []
     ranks: list[int] = []
     values: list[float] = []
@@ -224,12 +255,11 @@ def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
         keys += vals.keys()
         values += vals.values()
         ranks += [rank] * len(vals)
-    for _, lab in keys:
-        if lab not in texts:
-            texts[lab] = "|".join(f"{k}={v}" for k, v in lab)
+    labels = list(map(_LABELS, keys))  # every rank sends the same label sets: join each once
+    texts = {lab: "|".join(f"{k}={v}" for k, v in lab) for lab in set(labels)}
     n = len(keys)
     return {"run_id": [item.run_id] * n, "step": [item.step] * n, "rank": ranks,
-            "metric": [name for name, _ in keys], "labels": [texts[lab] for _, lab in keys],
+            "metric": list(map(_NAME, keys)), "labels": list(map(texts.__getitem__, labels)),
             "value": values, "late": [late] * n}
 
 

@@ -56,7 +56,7 @@ def test_forcing_the_router_moves_h_norm_before_the_imbalance_threshold():
                         ProbeConfig(cadence={"scan": 0}, telemetry=False, comm=False))
     series = []
     for rec in recs:
-        view, _ = p0_view(reduce_step("d", rec.step, 1, [rec], "complete"))
+        view, _, _ = p0_view(reduce_step("d", rec.step, 1, [rec], "complete"))
         counts = [rec.values[("moe.expert_tokens", (("expert", str(e)), ("layer", "0")))]
                   for e in range(cfg.n_experts)]
         assert expert_balance(counts).entropy_norm == pytest.approx(view["moe_h_norm"])

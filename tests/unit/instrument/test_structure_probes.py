@@ -341,7 +341,7 @@ def test_a_rank_without_media_sends_no_media_measurement_and_gamma_reduces_exact
                                                              modality="media")
     assert has(recs[1], "modality.text_n")
     reduced = reduce_step("s", 0, 2, recs, "complete")
-    view, _ = p0_view(reduced)
+    view, _, _ = p0_view(reduced)
     media_sq, media_n = refs[0][0], refs[0][1]
     text_sq, text_n = refs[0][2] + refs[1][2], refs[0][3] + refs[1][3]
     gamma = math.sqrt(media_sq / media_n) / (math.sqrt(text_sq / text_n) + 1e-12)

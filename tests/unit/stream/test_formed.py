@@ -15,11 +15,18 @@ from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Comm, Grad, Label, 
                                           Output, System, Tensor)
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
-from probewire.stream.formed import formed_series, grad_group_rows
+from probewire.instrument.series import FORMED
+from probewire.stream.formed import by_name, formed_series, grad_group_rows
 from probewire.stream.view import p0_view
 
 RANKS = 4
 REL = 1e-12
+
+
+def formed(step) -> dict:
+    """The step's formed series as stage 2's P0 view holds them."""
+    view = p0_view(step).view
+    return {s.column: view[s.column] for s in FORMED if s.table == "step_metrics"}
 
 
 def _grad_components(g: np.ndarray, labels: tuple) -> dict:
@@ -118,7 +125,7 @@ def _g_ref(g: np.ndarray) -> tuple[float, float, float]:
 
 def test_gradient_mean_max_and_zero_fraction_over_all_and_per_group(ranks_and_step):
     ranks, step = ranks_and_step
-    out = formed_series(step)
+    out = formed(step)
     pooled = np.concatenate([g for c in ranks for g in c["grads"].values()])
     mean, mx, zero = _g_ref(pooled)
     assert out["grad_abs_mean"] == pytest.approx(mean, rel=REL)
@@ -140,7 +147,7 @@ def test_comm_wait_fraction_is_the_largest_rank_wait_over_tau(ranks_and_step):
     ranks, step = ranks_and_step
     waits = np.array([math.fsum(c["waits"].values()) for c in ranks], dtype=np.float64)
     tau = max(c["tau"] for c in ranks)
-    assert formed_series(step)["comm_wait_frac"] == pytest.approx(waits.max() / tau, rel=REL)
+    assert formed(step)["comm_wait_frac"] == pytest.approx(waits.max() / tau, rel=REL)
 
 
 def test_update_ratio_over_tensors_scanned_as_both_param_and_update(ranks_and_step):
@@ -148,14 +155,14 @@ def test_update_ratio_over_tensors_scanned_as_both_param_and_update(ranks_and_st
     w = np.concatenate([c["param"][t] for c in ranks for t in ("w0", "w1")])
     dw = np.concatenate([c["update"][t] for c in ranks for t in ("w0", "w1")])
     rho = np.sqrt(np.mean(dw ** 2)) / np.sqrt(np.mean(w ** 2))  # RMS(Δw)/RMS(w), seeds §6
-    assert formed_series(step)["update_ratio"] == pytest.approx(rho, rel=1e-9)
+    assert formed(step)["update_ratio"] == pytest.approx(rho, rel=1e-9)
 
 
 def test_output_logit_series_over_valid_positions(ranks_and_step):
     ranks, step = ranks_and_step
     z = np.concatenate([c["logits"][c["valid"]] for c in ranks])
     top = -np.sort(-z, axis=-1)
-    out = formed_series(step)
+    out = formed(step)
     assert out["logits_rms"] == pytest.approx(np.sqrt(np.mean(z ** 2)), rel=REL)
     assert out["top2_gap_mean"] == pytest.approx(np.mean(top[:, 0] - top[:, 1]), rel=REL)
     assert out["top2_tie_frac"] == pytest.approx(np.mean(top[:, 0] == top[:, 1]), rel=REL)
@@ -165,12 +172,12 @@ def test_output_logit_series_over_valid_positions(ranks_and_step):
 def test_dead_expert_ratio_skips_a_layer_without_tokens(ranks_and_step):
     ranks, step = ranks_and_step
     counts = np.sum([c["experts"]["0"] for c in ranks], axis=0)
-    assert formed_series(step)["dead_expert_ratio"] == pytest.approx(np.mean(counts == 0))
+    assert formed(step)["dead_expert_ratio"] == pytest.approx(np.mean(counts == 0))
 
 
 def test_encoder_share_mtp_agreement_bos_gradient_and_bias_sum(ranks_and_step):
     ranks, step = ranks_and_step
-    out = formed_series(step)
+    out = formed(step)
     enc = np.concatenate([c["enc"] for c in ranks])
     rest = np.concatenate([c["rest"] for c in ranks])
     assert out["encoder_grad_share"] == pytest.approx(
@@ -191,22 +198,21 @@ def test_a_step_without_the_components_measures_nothing():
     step = reduce_step("f", 1, 1, [RankStep(run_id="f", step=1, rank=0, world_size=1, host="h",
                                             coords={}, values={(System.STEP_TIME, ()): 1.0})],
                        "all_ranks")
-    out = formed_series(step)
+    out = formed(step)
     assert all(v is None for v in out.values()), out
     assert grad_group_rows(step) == []
-    view, _ = p0_view(step)
-    assert set(out) <= set(view)
 
 
 def test_the_registry_of_formed_series_is_the_schema_and_the_view():
     """``instrument.series.FORMED`` (README table, the demo's end-to-end check) names exactly
     the columns migration 4 added and ``formed_series`` / ``grad_group_rows`` fill."""
-    from probewire.instrument.series import FORMED
     from probewire.sinks.schema import _STEP_METRICS_V4, GRAD_GROUP_STATS
 
     step_columns = {s.column for s in FORMED if s.table == "step_metrics"}
     assert step_columns == {c.name for c in _STEP_METRICS_V4 if c.type == "Nullable(Float64)"}
-    assert step_columns == set(formed_series(reduce_step("f", 0, 1, [], "all_ranks")))
+    empty = reduce_step("f", 0, 1, [], "all_ranks")
+    assert step_columns == set(formed_series(empty, by_name(empty.reduced), {}))
+    assert step_columns <= set(p0_view(empty).view)
     assert {s.column for s in FORMED if s.table == GRAD_GROUP_STATS.name} == {
         c.name for c in GRAD_GROUP_STATS.columns if c.type == "Nullable(Float64)"}
     assert {s.table for s in FORMED} == {"step_metrics", GRAD_GROUP_STATS.name}

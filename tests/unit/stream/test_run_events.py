@@ -70,7 +70,7 @@ def test_a_malformed_event_is_refused_with_its_reason(payload, reason):
 
 
 def test_learning_rates_per_group_and_their_maximum():
-    view, _ = p0_view(step(0, {"0": 1e-3, "head": 5e-3}))
+    view, _, _ = p0_view(step(0, {"0": 1e-3, "head": 5e-3}))
     assert view["lr_groups"] == {"0": 1e-3, "head": 5e-3} and view["lr"] == 5e-3
-    view, _ = p0_view(step(0))
+    view, _, _ = p0_view(step(0))
     assert view["lr"] is None and view["lr_groups"] == {}

@@ -51,7 +51,7 @@ def test_p0_view_matches_numpy_reference():
                    sources={0: {"docs": (20.0, 8.0), "code": (10.0, 2.0)}, 1: {"docs": (8.0, 2.0)}},
                    memory=[100.0, 300.0, 200.0])
     with_experts(item, {("0", 0): 7.0, ("0", 1): 5.0})
-    view, sources = p0_view(item)
+    view, sources, _ = p0_view(item)
     assert view["loss"] == pytest.approx(38.0 / 12.0)
     assert view["loss_worst_rank"] == pytest.approx(4.0) and view["loss_worst_rank_id"] == 1
     assert view["grad_norm"] == pytest.approx(3.0)
@@ -72,7 +72,7 @@ def test_p0_view_matches_numpy_reference():
 
 def test_empty_expert_layer_records_nothing():
     item = with_experts(records(0, [(1.0, 1.0)]), {("0", 0): 0.0, ("0", 1): 0.0})
-    view, _ = p0_view(item)
+    view, _, _ = p0_view(item)
     assert view["moe_maxvio"] is None and view["moe_h_norm"] is None
 
 

@@ -45,7 +45,7 @@ def test_weakest_branch_is_the_token_weighted_mean_over_ranks():
             ratios = rng.uniform(1e-4, 0.5, int(n))
             comps[b] = (n, ratios.sum(), rng.uniform(1, 9) * n, rng.uniform(0.1, 1) * n)
         per_rank.append(comps)
-    view, _ = p0_view(residual_step(per_rank))
+    view, _, _ = p0_view(residual_step(per_rank))
     # reference: Σ over ranks of the sums / Σ of the token counts, per branch, in float64
     means = {}
     for b in BRANCHES:
@@ -60,7 +60,7 @@ def test_weakest_branch_is_the_token_weighted_mean_over_ranks():
 
 
 def test_no_residual_measurement_is_none_not_zero():
-    view, _ = p0_view(residual_step([{}, {}]))
+    view, _, _ = p0_view(residual_step([{}, {}]))
     assert view["residual_ratio_min"] is None and view["residual_ratio_branch"] is None
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from probewire.instrument.catalog import (Grad, Label, Loss, Modality, Residual, System)
+from probewire.instrument.catalog import (Comm, Grad, Label, Loss, Modality, Residual, System)
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
 from probewire.stream.view import p0_view
@@ -60,7 +60,7 @@ def record(r: int, c: dict) -> RankStep:
 def test_the_p0_view_matches_float64_references_of_the_ranks_components():
     ranks = rank_components()
     step = reduce_step("v", 0, RANKS, [record(r, c) for r, c in enumerate(ranks)], "all_ranks")
-    view, sources = p0_view(step)
+    view, sources, _ = p0_view(step)
 
     every = np.concatenate([x for c in ranks for x in c["losses"].values()])
     assert view["loss"] == pytest.approx(every.mean(), rel=1e-12)
@@ -98,11 +98,50 @@ def test_the_p0_view_matches_float64_references_of_the_ranks_components():
     assert view["residual_ratio_branch"] == f"layer 0 {weakest}"
 
 
+def test_the_rank_series_for_the_culprit_rules_match_float64_references():
+    """What the detectors score against each rank's history: every rank's local mean loss,
+    its own-time ratio (step time less its finite exposed waits, over the other ranks'
+    median), and each source's loss over the ranks other than the worst one."""
+    ranks = rank_components()
+    records = [record(r, c) for r, c in enumerate(ranks)]
+    waits = [{"ddp_allreduce": 0.3 * r / RANKS, "all_reduce": 0.05} for r in range(RANKS)]
+    waits[1]["all_reduce"] = math.nan  # a non-finite wait is not a measurement
+    waits[4] = {}                        # a rank that reported no collective
+    for rec, w in zip(records, waits):
+        rec.values.update({(Comm.WAIT, ((Label.OP, op),)): v for op, v in w.items()})
+    step = reduce_step("v", 0, RANKS, records, "all_ranks")
+    view, _, series = p0_view(step)
+
+    means = {r: np.concatenate(list(c["losses"].values())).mean() for r, c in enumerate(ranks)
+             if sum(x.size for x in c["losses"].values())}
+    assert series.loss.keys() == means.keys()
+    for r, mean in means.items():
+        assert series.loss[r] == pytest.approx(mean, rel=1e-12)
+
+    own = np.array([c["tau"] - sum(v for v in w.values() if math.isfinite(v))
+                    for c, w in zip(ranks, waits)], dtype=np.float64)
+    for r in range(RANKS):
+        assert series.own_ratio[r] == pytest.approx(own[r] / np.median(np.delete(own, r)),
+                                                    rel=1e-12)
+
+    worst = view["loss_worst_rank_id"]
+    assert worst == max(means, key=means.get)
+    assert series.source_loss_without_worst.keys() == set(SOURCES)
+    for s in SOURCES:
+        rest = np.concatenate([c["losses"][s] for r, c in enumerate(ranks) if r != worst])
+        assert series.source_loss_without_worst[s] == pytest.approx(rest.mean(), rel=1e-12)
+
+    # the formed exposed-wait share: the largest rank's summed waits (NaN kept: not finite)
+    finite = [sum(w.values()) for w in waits if w and all(map(math.isfinite, w.values()))]
+    assert view["comm_wait_frac"] == pytest.approx(max(finite) / max(c["tau"] for c in ranks),
+                                                   rel=1e-12)
+
+
 def test_what_no_rank_reported_is_not_measured():
     step = reduce_step("v", 0, 2, [RankStep(run_id="v", step=0, rank=r, world_size=2, host="h",
                                             coords={"dp": r}, values={}) for r in range(2)],
                        "all_ranks")
-    view, sources = p0_view(step)
+    view, sources, _ = p0_view(step)
     for name in ("loss", "loss_worst_rank", "grad_norm", "step_time_s", "tokens_per_s",
                  "compute_rate", "media_scale", "residual_ratio_min", "straggler_score"):
         assert view[name] is None, name
