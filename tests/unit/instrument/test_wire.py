@@ -14,8 +14,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from probewire.instrument.catalog import CATALOG
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.testing import MemoryTransport, ProtoEncoder
+from probewire.instrument import wire
 from probewire.instrument.wire import (DecodeError, Point, RankIdentity, WireEncoder,
-                                       decode_rank_step, series_key)
+                                       decode_rank_step, message_key, series_key)
 
 IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=2, host="n1", coords={"dp": 1})
 
@@ -256,3 +257,96 @@ def test_a_key_of_another_form_is_ignored_and_a_probewire_key_must_match():
     assert decode_rank_step(None, value).step == 7
     with pytest.raises(DecodeError, match="does not match"):
         decode_rank_step(b"run1:8", value)
+
+
+# ------------------------------------------------------------- a known layout, read at once
+def decode_both(key, payload):
+    """(decode_rank_step's outcome, the field-by-field reading's outcome): a RankStep or the
+    DecodeError's reason."""
+    outcomes = []
+    for decode in (decode_rank_step, wire._decode_fields):
+        try:
+            outcomes.append(decode(key, bytes(payload)))
+        except DecodeError as exc:
+            outcomes.append(exc.reason)
+    return outcomes
+
+
+def same_outcome(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    fields = ("run_id", "step", "rank", "world_size", "host", "coords", "replay")
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and \
+        a.values.keys() == b.values.keys() and all(same(a.values[k], b.values[k]) for k in a.values)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_a_message_of_a_learned_layout_reads_as_field_by_field(seed, monkeypatch):
+    """A rank's messages of the same series are read through the layout its first two of
+    one length taught (one unpack), and must give exactly what the field-by-field reading
+    gives: at steps whose varint grows, with new values (non-finite ones change the layout),
+    and as a replay; the field-by-field reading runs only where no layout serves."""
+    rng = random.Random(seed)
+    identity = RankIdentity(run_id=f"layout-{seed}", rank=seed % 5, world_size=5, host="h",
+                            coords={"dp": seed % 5})
+    names = [n for n in sorted(CATALOG) if not CATALOG[n].labels]
+    series = list({series_key(p.name, p.labels): p._replace(value=0.0) for p in (
+        [Point(n, 0.0) for n in rng.sample(names, rng.randint(1, 40))] + random_points(rng))
+    }.values())  # each series once
+    encoder = WireEncoder(identity.resource_attributes())
+    fields, read_fields = [], wire._decode_fields
+    monkeypatch.setattr(wire, "_decode_fields", lambda *a: fields.append(1) or read_fields(*a))
+    finite = [rng.gauss(0, 1e3), 0.0, -0.0, 1e308, 5e-324, float(rng.randint(-2**53, 2**53))]
+    for step in (5, 6, 127, 128, 129, 2**14 - 1, 2**14, 2**40):
+        for replay in (False, True):
+            points = [p._replace(value=rng.choice(finite)) for p in series]
+            payload = encoder.encode(step, points, replay=replay)
+            key = message_key(identity.run_id, step)
+            before = len(fields)
+            record = decode_rank_step(key, payload)
+            assert same_outcome(record, read_fields(key, payload))
+            assert record.values == {series_key(p.name, p.labels): p.value for p in points}
+            read_whole = len(fields) - before
+            # a sender's second message in a row of one length teaches the layout
+            assert read_whole == (step in (5, 6, 128, 129, 2**14, 2**40)), (step, replay)
+    points = [p._replace(value=math.nan) if i == 0 else p for i, p in enumerate(points)]
+    payload = encoder.encode(2**40, points, replay=True)  # a marker: another layout
+    assert same_outcome(*decode_both(message_key(identity.run_id, 2**40), payload))
+    assert math.isnan(decode_rank_step(None, payload).values[series_key(points[0].name,
+                                                                        points[0].labels)])
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
+    """Bytes changed inside a message of a learned layout (its length kept, so the layout
+    is looked up): whatever the field-by-field reading makes of it, a record or the reason
+    for a dead letter, the decoder makes of it too; a wrong key is refused as before."""
+    rng = random.Random(seed)
+    identity = RankIdentity(run_id=f"damaged-{seed}", rank=1, world_size=2, host="h",
+                            coords={"dp": 1})
+    encoder = WireEncoder(identity.resource_attributes())
+    series = [p._replace(value=1.0) for p in random_points(rng)]
+    for step in (299, 300):  # learned here
+        decode_rank_step(None, encoder.encode(step, series))
+    payload = encoder.encode(301, [p._replace(value=rng.gauss(0, 1)) for p in series])
+    assert same_outcome(*decode_both(message_key(identity.run_id, 301), payload))
+    assert decode_both(message_key(identity.run_id, 302), payload)[0] == \
+        f"key {message_key(identity.run_id, 302)!r} does not match content " \
+        f"{message_key(identity.run_id, 301)!r}"
+    one = encoder.encode(301, [Point("loss.tokens", 2.0)])
+    decode_rank_step(None, one)
+    decode_rank_step(None, one)  # learned
+    at = one.index(b"\x18" + wire._varint(301)) + 1
+    for byte in (0x2D, 0x80):  # the step's varint ends a byte early, or runs on
+        damaged = bytearray(one)
+        damaged[at] = byte
+        assert same_outcome(*decode_both(None, damaged))
+        damaged = bytearray(one)
+        damaged[at + 1] = byte
+        assert same_outcome(*decode_both(None, damaged))
+    for _ in range(60):
+        damaged = bytearray(payload)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        outcomes = decode_both(None, damaged)
+        assert same_outcome(*outcomes), outcomes
