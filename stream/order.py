@@ -27,6 +27,9 @@ class StepOrderer:
     max_wait_s: float = 40.0
     next_step: int | None = None
     held: dict[int, tuple[float, ReducedStep]] = field(default_factory=dict)
+    # held steps as saved (``to_state``), each encoded once: a run catching up on a backlog
+    # holds hundreds, and its state is saved with every store batch
+    _saved: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
 
     def offer(self, item: ReducedStep, now: float) -> list[ReducedStep]:
         if self.next_step is not None and item.step < self.next_step:
@@ -48,12 +51,16 @@ class StepOrderer:
         out: list[ReducedStep] = []
         while self.next_step is not None and self.next_step in self.held:
             out.append(self.held.pop(self.next_step)[1])
+            self._saved.pop(self.next_step, None)
             self.next_step += 1
         return out
 
     def to_state(self) -> dict[str, Any]:
-        return {"next_step": self.next_step,
-                "held": [base64.b64encode(item.to_bytes()).decode() for _, item in self.held.values()]}
+        saved = self._saved
+        for step, (_, item) in self.held.items():
+            if step not in saved:
+                saved[step] = base64.b64encode(item.to_bytes()).decode()
+        return {"next_step": self.next_step, "held": [saved[step] for step in self.held]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], max_wait_s: float, now: float) -> "StepOrderer":
