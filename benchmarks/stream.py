@@ -138,7 +138,7 @@ def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int
         stack.start_worker()
         stack.start_stage1_workers(workers - 1)
         producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 20,
-                             "log.connection.close": False})  # the broker stops first
+                             "log.connection.close": False})
         for step_messages in encode_run(warm, range(warm.steps))[0]:
             for key, value in step_messages:
                 producer.produce("otlp_metrics", key=key, value=value)
@@ -152,6 +152,7 @@ def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int
                     producer.produce("otlp_metrics", key=key, value=value)
                     producer.poll(0)
         producer.flush(60)
+        del producer  # before the broker stops: no reconnecting to it in the meantime
         while min(stack.progress(sim.run_id) for sim in sims) < steps:
             time.sleep(0.05)
         elapsed = time.perf_counter() - started
