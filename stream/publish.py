@@ -56,30 +56,12 @@ class Publisher:
         self.on_retry = on_retry or (lambda reason: None)
         self.retries = 0
         self._closed = threading.Event()
-        self._reports: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = []
-        self._reports_lock = threading.Lock()  # flush() in close() reports from its thread
         self._thread = threading.Thread(target=self._poll, name="probewire-publish", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
         while not self._closed.is_set():
-            self._producer.poll(0.05)  # runs the delivery callbacks: they gather reports
-            self._hand_over()
-        self._hand_over()
-
-    def _hand_over(self) -> None:
-        """The delivery reports gathered since the last call, to their event loop in one
-        call per loop: one wake-up of the loop for all the messages one poll confirmed."""
-        with self._reports_lock:
-            reports, self._reports = self._reports, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any]]] = {}
-        for loop, done, error in reports:
-            by_loop.setdefault(loop, []).append((done, error))
-        for loop, results in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve, results)
-            except RuntimeError:  # the loop is closed: nobody waits for these any more
-                pass
+            self._producer.poll(0.05)
 
     async def send(self, topic: str, key: bytes | None, value: bytes) -> None:
         """Publish and wait for the broker's acknowledgement (see the module docstring)."""
@@ -104,9 +86,8 @@ class Publisher:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
 
-        def report(err: KafkaError | None, _msg: Any) -> None:  # in poll() or flush()
-            with self._reports_lock:
-                self._reports.append((loop, done, err))
+        def report(err: KafkaError | None, _msg: Any) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(err))
         while True:
             try:
                 self._producer.produce(topic, value=value, key=key, on_delivery=report)
@@ -122,14 +103,7 @@ class Publisher:
         left = self._producer.flush(timeout_s)
         self._closed.set()
         self._thread.join(2.0)
-        self._hand_over()  # reports flush() gathered after the thread's last hand-over
         return left
-
-
-def _resolve(results: list[tuple[asyncio.Future, Any]]) -> None:
-    for done, error in results:
-        if not done.done():
-            done.set_result(error)
 
 
 _PERMANENT = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,

@@ -1,6 +1,5 @@
 """The worker's publisher on the real broker: every ``send`` returns once the broker holds its
-message (delivery reports reach the event loop in batches, one wake-up per poll), and what
-it confirmed is in the topic, once each, in order per partition."""
+message, and what it confirmed is in the topic, once each, in order per partition."""
 
 from __future__ import annotations
 
@@ -54,8 +53,8 @@ def test_concurrent_sends_all_return_once_the_broker_holds_them(kafka_bootstrap)
 
 
 def test_sends_from_two_event_loops_in_turn_each_return(kafka_bootstrap):
-    """Reports are handed to the loop that sent each message (a test or a restarted
-    worker makes a new loop; the publisher outlives it)."""
+    """Each report reaches the loop that sent its message (a test or a restarted worker
+    makes a new loop; the publisher outlives it)."""
     topic = f"pub-{uuid.uuid4().hex[:8]}"
     create_topics(kafka_bootstrap, {topic: 2})
     publisher = Publisher({"bootstrap.servers": kafka_bootstrap}, 100_000)
