@@ -333,6 +333,10 @@ def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
     assert decode_both(message_key(identity.run_id, 302), payload)[0] == \
         f"key {message_key(identity.run_id, 302)!r} does not match content " \
         f"{message_key(identity.run_id, 301)!r}"
+    for tail in (b"\xff", b"\x78\x01"):  # junk after the message; an unknown field 15
+        assert same_outcome(*decode_both(None, payload + tail))
+        for _ in range(2):
+            decode_rank_step(None, payload)  # the layout learned again
     one = encoder.encode(301, [Point("loss.tokens", 2.0)])
     decode_rank_step(None, one)
     decode_rank_step(None, one)  # learned
