@@ -421,18 +421,14 @@ def decode_rank_step(key: bytes | None, payload: bytes | None) -> RankStep:
 
 def _decode(key: bytes | None, buf: bytes) -> RankStep:
     sender = _sender(buf)
-    seen = _LAYOUTS.get(sender) if sender is not None else None
+    seen = _SENDERS.get(sender) if sender is not None else None
     if isinstance(seen, _Layout):
         record = seen.read(key, buf)
         if record is not None:
             return record
     record = _decode_fields(key, buf)
     if sender is not None:
-        # the sender's layout is learned from its second message in a row of one length
-        size = seen.size if isinstance(seen, _Layout) else seen
-        if len(_LAYOUTS) >= _BLOCKS_MAX:
-            _LAYOUTS.clear()
-        _LAYOUTS[sender] = (size == len(buf) and _Layout.learn(buf, record)) or len(buf)
+        _SENDERS.note(sender, seen, buf, record)
     return record
 
 
@@ -899,6 +895,34 @@ def _data_points(buf: bytes) -> Iterator[tuple[str, int, int]]:
                         yield name, point[0], point[1]
 
 
-_LAYOUTS: dict[bytes, _Layout | int] = {}
-"""Per sender (``_sender``), the layout of its messages, or the length of its last message
-while it has none (bounded: emptied when full)."""
+class _Senders:
+    """Per sender (``_sender``) the layout of its messages, or the length of its last
+    message while it has none. Bounded: emptied past ``max_senders`` senders or
+    ``max_bytes`` of messages with a layout (a layout holds ~4× its message's bytes)."""
+
+    def __init__(self, max_senders: int, max_bytes: int) -> None:
+        self.max_senders, self.max_bytes = max_senders, max_bytes
+        self._seen: dict[bytes, _Layout | int] = {}
+        self._bytes = 0  # of the messages of the layouts held
+
+    def get(self, sender: bytes) -> "_Layout | int | None":
+        return self._seen.get(sender)
+
+    def note(self, sender: bytes, seen: "_Layout | int | None", buf: bytes,
+             record: RankStep) -> None:
+        """After ``buf`` was read field by field: the sender's layout is learned from its
+        second message in a row of one length."""
+        size = seen.size if isinstance(seen, _Layout) else seen
+        layout = _Layout.learn(buf, record) if size == len(buf) else None
+        if isinstance(seen, _Layout):
+            self._bytes -= seen.size
+        if (sender not in self._seen and len(self._seen) >= self.max_senders) or \
+                self._bytes + (layout.size if layout else 0) > self.max_bytes:
+            self._seen.clear()
+            self._bytes = 0
+        self._seen[sender] = layout or len(buf)
+        self._bytes += layout.size if layout else 0
+
+
+_SENDERS = _Senders(max_senders=1 << 16, max_bytes=32 << 20)
+"""A 2,000-rank run's P0 messages of ~4 kB: 8 MB of messages, ~30 MB of layouts."""

@@ -354,3 +354,32 @@ def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
             damaged[rng.randrange(len(damaged))] = rng.randrange(256)
         outcomes = decode_both(None, damaged)
         assert same_outcome(*outcomes), outcomes
+
+
+def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
+    """More senders, or more bytes of layouts, than the bounds allow: the layouts are let go
+    (and learned again), and every message still reads as field by field."""
+    series = [Point(n, 1.0) for n in sorted(CATALOG) if not CATALOG[n].labels][:20]
+    encoders = [WireEncoder(RankIdentity(run_id="bounds", rank=r, world_size=6, host="h",
+                                         coords={"dp": r}).resource_attributes())
+                for r in range(6)]
+    size = len(encoders[0].encode(10, series))  # every sender's, at every step here
+    senders = wire._Senders(max_senders=4, max_bytes=int(3.5 * size))
+    monkeypatch.setattr(wire, "_SENDERS", senders)
+    held = []
+    for step in range(10, 16):
+        for encoder in encoders[: 2 + step % 5]:
+            payload = encoder.encode(step, series)
+            assert len(payload) == size
+            assert same_outcome(*decode_both(message_key("bounds", step), payload))
+            layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
+            assert senders._bytes == sum(x.size for x in layouts) <= 3.5 * size
+            assert len(senders._seen) <= 4
+            held.append(len(layouts))
+    assert max(held) == 3  # the byte bound let go of the fourth
+    for step in range(16, 20):  # senders whose series change: their layouts are replaced
+        for encoder in encoders[:2]:
+            payload = encoder.encode(step, series[: 10 + step // 2 % 2])
+            assert same_outcome(*decode_both(message_key("bounds", step), payload))
+            layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
+            assert senders._bytes == sum(x.size for x in layouts)
