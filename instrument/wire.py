@@ -924,5 +924,7 @@ class _Senders:
         self._bytes += layout.size if layout else 0
 
 
-_SENDERS = _Senders(max_senders=1 << 16, max_bytes=32 << 20)
-"""A 2,000-rank run's P0 messages of ~4 kB: 8 MB of messages, ~30 MB of layouts."""
+_SENDERS = _Senders(max_senders=1 << 16, max_bytes=16 << 20)
+"""A 2,000-rank run's P0 messages of ~4 kB: 8 MB of messages, ~30 MB of layouts. Past
+the bounds a sender's entry is mostly let go before its next message, so few layouts are
+learned and the messages are read field by field, as without layouts."""
