@@ -425,6 +425,7 @@ def _decode(key: bytes | None, buf: bytes) -> RankStep:
     if isinstance(seen, _Layout):
         record = seen.read(key, buf)
         if record is not None:
+            _SENDERS.used(sender)  # type: ignore[arg-type]
             return record
     record = _decode_fields(key, buf)
     if sender is not None:
@@ -897,34 +898,60 @@ def _data_points(buf: bytes) -> Iterator[tuple[str, int, int]]:
 
 class _Senders:
     """Per sender (``_sender``) the layout of its messages, or the length of its last
-    message while it has none. Bounded: emptied past ``max_senders`` senders or
-    ``max_bytes`` of messages with a layout (a layout holds ~4× its message's bytes)."""
+    message while it has none.
+
+    Bounded: layouts of at most ``max_bytes`` message bytes (a layout holds ~4× its
+    message). When a new one would not fit, the layouts not used since the last such sweep
+    are let go, at most once per as many messages as there are senders (each live sender
+    was heard from in between); if it still does not fit, that sender's messages are read
+    field by field. More than ``max_senders`` senders: all are let go."""
 
     def __init__(self, max_senders: int, max_bytes: int) -> None:
         self.max_senders, self.max_bytes = max_senders, max_bytes
         self._seen: dict[bytes, _Layout | int] = {}
-        self._bytes = 0  # of the messages of the layouts held
+        self._bytes = 0            # of the messages of the layouts held
+        self._used: set[bytes] = set()  # senders whose layout read a message since the sweep
+        self._messages = self._swept_at = 0
 
     def get(self, sender: bytes) -> "_Layout | int | None":
+        self._messages += 1
         return self._seen.get(sender)
+
+    def used(self, sender: bytes) -> None:
+        self._used.add(sender)
 
     def note(self, sender: bytes, seen: "_Layout | int | None", buf: bytes,
              record: RankStep) -> None:
         """After ``buf`` was read field by field: the sender's layout is learned from its
-        second message in a row of one length."""
-        size = seen.size if isinstance(seen, _Layout) else seen
-        layout = _Layout.learn(buf, record) if size == len(buf) else None
+        second message in a row of one length, where it fits."""
         if isinstance(seen, _Layout):
             self._bytes -= seen.size
-        if (sender not in self._seen and len(self._seen) >= self.max_senders) or \
-                self._bytes + (layout.size if layout else 0) > self.max_bytes:
+            seen = self._seen[sender] = seen.size
+        elif seen is None and len(self._seen) >= self.max_senders:
             self._seen.clear()
+            self._used.clear()
             self._bytes = 0
+        layout = None
+        if seen == len(buf):
+            if self._bytes + len(buf) > self.max_bytes:
+                self._sweep()
+            if self._bytes + len(buf) <= self.max_bytes:
+                layout = _Layout.learn(buf, record)
         self._seen[sender] = layout or len(buf)
-        self._bytes += layout.size if layout else 0
+        if layout:
+            self._bytes += layout.size
+            self._used.add(sender)  # new: kept through the next sweep
+
+    def _sweep(self) -> None:
+        if self._messages - self._swept_at < len(self._seen):
+            return
+        self._swept_at = self._messages
+        for sender, entry in self._seen.items():
+            if isinstance(entry, _Layout) and sender not in self._used:
+                self._seen[sender] = entry.size
+                self._bytes -= entry.size
+        self._used.clear()
 
 
 _SENDERS = _Senders(max_senders=1 << 16, max_bytes=16 << 20)
-"""A 2,000-rank run's P0 messages of ~4 kB: 8 MB of messages, ~30 MB of layouts. Past
-the bounds a sender's entry is mostly let go before its next message, so few layouts are
-learned and the messages are read field by field, as without layouts."""
+"""A 2,000-rank run's P0 messages of ~4 kB: 8 MB of messages, ~30 MB of layouts."""

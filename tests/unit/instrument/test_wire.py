@@ -356,30 +356,47 @@ def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
         assert same_outcome(*outcomes), outcomes
 
 
+def _check_counts(senders) -> list:
+    layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
+    assert senders._bytes == sum(x.size for x in layouts) <= senders.max_bytes
+    assert len(senders._seen) <= senders.max_senders
+    return layouts
+
+
 def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
-    """More senders, or more bytes of layouts, than the bounds allow: the layouts are let go
-    (and learned again), and every message still reads as field by field."""
+    """More senders than the layouts' bytes allow, heard from in turn: the layouts that fit
+    are kept and used, the others' messages are read field by field without learning a
+    layout again and again; when senders go quiet, a sweep lets their layouts go and new
+    senders' are learned; more senders than ``max_senders``: all let go. Every message
+    reads as field by field throughout."""
     series = [Point(n, 1.0) for n in sorted(CATALOG) if not CATALOG[n].labels][:20]
-    encoders = [WireEncoder(RankIdentity(run_id="bounds", rank=r, world_size=6, host="h",
+    encoders = [WireEncoder(RankIdentity(run_id="bounds", rank=r, world_size=10, host="h",
                                          coords={"dp": r}).resource_attributes())
-                for r in range(6)]
+                for r in range(10)]
     size = len(encoders[0].encode(10, series))  # every sender's, at every step here
-    senders = wire._Senders(max_senders=4, max_bytes=int(3.5 * size))
+    senders = wire._Senders(max_senders=8, max_bytes=int(3.5 * size))
     monkeypatch.setattr(wire, "_SENDERS", senders)
-    held = []
-    for step in range(10, 16):
-        for encoder in encoders[: 2 + step % 5]:
-            payload = encoder.encode(step, series)
-            assert len(payload) == size
-            assert same_outcome(*decode_both(message_key("bounds", step), payload))
-            layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
-            assert senders._bytes == sum(x.size for x in layouts) <= 3.5 * size
-            assert len(senders._seen) <= 4
-            held.append(len(layouts))
-    assert max(held) == 3  # the byte bound let go of the fourth
-    for step in range(16, 20):  # senders whose series change: their layouts are replaced
+    learned, learn = [], wire._Layout.learn
+    monkeypatch.setattr(wire._Layout, "learn",
+                        classmethod(lambda cls, *a: learned.append(1) or learn(*a)))
+
+    def hear(ranks, steps):
+        for step in steps:
+            for r in ranks:
+                payload = encoders[r].encode(step, series)
+                assert len(payload) == size
+                assert same_outcome(*decode_both(message_key("bounds", step), payload))
+                _check_counts(senders)
+
+    hear(range(5), range(10, 20))  # five senders, room for three layouts
+    assert len(_check_counts(senders)) == 3 and len(learned) == 3
+    hear(range(5, 7), range(20, 24))  # 0-4 go quiet, 5 and 6 start: theirs are learned
+    assert {s.rank for s in (x.speaker for x in _check_counts(senders))} >= {5, 6}
+    hear(range(10), range(24, 25))  # ten senders: past max_senders all are let go
+    assert len(senders._seen) <= 8
+    hear([0, 1], range(25, 29))  # senders whose series change: their layouts are replaced
+    for step in range(29, 33):
         for encoder in encoders[:2]:
             payload = encoder.encode(step, series[: 10 + step // 2 % 2])
             assert same_outcome(*decode_both(message_key("bounds", step), payload))
-            layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
-            assert senders._bytes == sum(x.size for x in layouts)
+            _check_counts(senders)
