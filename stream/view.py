@@ -21,8 +21,8 @@ from .formed import by_name, formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
-__all__ = ["GUARD_STEP", "PER_RANK", "P0View", "RankReads", "detail_rows", "p0_view", "rank_columns",
-           "rank_reads", "rank_waits"]
+__all__ = ["GUARD_STEP", "PER_RANK", "P0View", "RankReads", "detail_rows", "p0_view",
+           "rank_columns", "rank_reads"]
 
 GUARD_STEP = {Guard.SKIPPED: "skipped_step", Guard.REPLAYED: "replayed_step",
               Guard.REPLAY_MISMATCH: "replay_mismatch_step"}
@@ -69,7 +69,7 @@ def _per_rank(reads: RankReads, name: str) -> dict[int, float]:
     return reads.get(name, {}).get((), {})
 
 
-def rank_waits(reads: RankReads) -> dict[int, list[float]]:
+def _rank_waits(reads: RankReads) -> dict[int, list[float]]:
     """The exposed collective waits (``comm.wait_s``, one per op) of each rank reporting any."""
     waits: dict[int, list[float]] = {}
     for by_rank in reads.get(Comm.WAIT, {}).values():
@@ -182,7 +182,7 @@ def p0_view(item: ReducedStep) -> P0View:
     red = item.reduced
     names = by_name(red)
     reads = rank_reads(item)
-    waits = rank_waits(reads)
+    waits = _rank_waits(reads)
     tokens = _get(red, Loss.TOKENS) or 0.0
     sums, counts = _per_rank(reads, Loss.SUM), _per_rank(reads, Loss.TOKENS)
     ranks = sorted(set(sums) & set(counts))
