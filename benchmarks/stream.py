@@ -16,9 +16,10 @@
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
 3. ``--stages`` (instead of 1 and 2): the worker's stages in this process, without Kafka,
-   on the same messages: stage 1 (decode + reduce), then stage 2 + store writes + promotion
-   + saved state with the stage-2 batch at 40 and at 200 steps, side by side; each line
-   prints points/s, so the cost of small store batches shows as a ratio.
+   on the same messages: stage 1 (decode + reduce), the decode alone through the layouts
+   stage 1 learned and field by field (µs a message, side by side), then stage 2 + store
+   writes + promotion + saved state with the stage-2 batch at 40 and at 200 steps, side by
+   side; each line prints points/s, so the cost of small store batches shows as a ratio.
 4. ``--workers N --runs R`` (instead of 1 and 2): scale-out. R runs of ``--steps`` steps,
    first on 1 worker, then on N workers (the store owner plus N-1 ``--role stage1``
    workers, one consumer group), each on a fresh broker and store. The workers are started
@@ -48,6 +49,7 @@ from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack
 from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.export import StepEmitter
+from probewire.instrument import wire
 from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.instrument.testing import MemoryTransport
 from probewire.sinks.clickhouse import ClickHouseSink, connect
@@ -174,6 +176,17 @@ def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 
     payloads = [r.to_bytes() for r in reduced]
     print(f"  stage 1 (decode, reduce, serialise): {points / (time.perf_counter() - started):.0f} "
           "points/s")
+    flat = [message for step_messages in messages for message in step_messages]
+    spent = {}
+    for name, decode in (("learned layouts", decode_rank_step), ("field by field",
+                                                                 wire._decode_fields)):
+        started = time.perf_counter()
+        for key, value in flat:  # the layouts were learned in stage 1's pass above
+            decode(key, value)
+        spent[name] = (time.perf_counter() - started) / len(flat) * 1e6
+    print(f"  decode: {spent['learned layouts']:.1f} us a message through learned layouts, "
+          f"{spent['field by field']:.1f} us field by field ({points / len(flat):.0f} points "
+          "a message)")
     client = connect("chdb:///" + str(store).lstrip("/"))
     for batch in batches:
         sink = ClickHouseSink(client, f"stages_{batch}", 30.0)
