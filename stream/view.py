@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
@@ -240,27 +239,32 @@ def _sources(names: dict[str, dict[Labels, float]],
     return loss_by_group(sums, counts, total_tokens=tokens)
 
 
-_NAME, _LABELS = itemgetter(0), itemgetter(1)
-
-
 def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
     """The step's per-rank values as ``rank_metrics`` columns (one entry per rank, metric
-    and label set), built with list extends: hundreds of values a step, no dict per value."""
+    and label set), built with list extends: hundreds of values a step, no dict per value.
+    Ranks usually send the same series in the same order: their names and label texts are
+    made once and extended rank after rank."""
     # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
     late = int(item.complete_reason in ("late", "replay"))
-    keys: list[SeriesKey] = []
+    metrics: list[str] = []
+    labels: list[str] = []
     ranks: list[int] = []
     values: list[float] = []
+    series: tuple = ()
+    names: list[str] = []
+    texts: list[str] = []
     for rank, vals in item.per_rank.items():
-        keys += vals.keys()
+        if tuple(vals) != series:
+            series = tuple(vals)
+            names = [name for name, _ in series]
+            texts = ["|".join(f"{k}={v}" for k, v in lab) for _, lab in series]
+        metrics += names
+        labels += texts
         values += vals.values()
         ranks += [rank] * len(vals)
-    labels = list(map(_LABELS, keys))  # every rank sends the same label sets: join each once
-    texts = {lab: "|".join(f"{k}={v}" for k, v in lab) for lab in set(labels)}
-    n = len(keys)
+    n = len(values)
     return {"run_id": [item.run_id] * n, "step": [item.step] * n, "rank": ranks,
-            "metric": list(map(_NAME, keys)), "labels": list(map(texts.__getitem__, labels)),
-            "value": values, "late": [late] * n}
+            "metric": metrics, "labels": labels, "value": values, "late": [late] * n}
 
 
 def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:

@@ -11,6 +11,7 @@ import pytest
 from probewire.instrument.catalog import (Comm, Grad, Label, Loss, Modality, Residual, System)
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
+from probewire.stream import view as view_module
 from probewire.stream.view import p0_view
 
 RANKS = 6
@@ -153,3 +154,27 @@ def test_a_non_finite_gradient_stays_visible():
     step = reduce_step("v", 0, 1, [RankStep(run_id="v", step=0, rank=0, world_size=1, host="h",
                                             coords={"dp": 0}, values=values)], "all_ranks")
     assert math.isnan(p0_view(step)[0]["grad_norm"])
+
+
+def test_rank_columns_hold_every_rank_value_with_its_metric_and_labels():
+    """One rank_metrics entry per rank, metric and label set, whatever series each rank
+    sent (ranks usually send the same ones; here one sends others, in another order, and
+    one sends nothing), and the late flag of a step completed late."""
+    same = {(Loss.SUM, ()): 1.5, (Loss.TOKENS, ((Label.SOURCE, "web"),)): 3.0,
+            (Comm.WAIT, ((Label.OP, "all_reduce"),)): 0.25}
+    per_rank = {0: {}, 1: {k: v * 2 for k, v in same.items()},
+                2: {(Comm.WAIT, ((Label.OP, "ddp_allreduce"),)): 0.5, (Loss.SUM, ()): 7.0},
+                3: dict(same), 4: dict(same)}
+    records = [RankStep(run_id="c", step=9, rank=r, world_size=5, host="h", coords={"dp": r},
+                        values=values) for r, values in per_rank.items()]
+    for reason, late in (("all_ranks", 0), ("late", 1)):
+        step = reduce_step("c", 9, 5, records, reason)
+        columns = view_module.rank_columns(step)
+        rows = sorted(zip(*(columns[c] for c in ("rank", "metric", "labels", "value"))))
+        expected = sorted((r, name, "|".join(f"{k}={v}" for k, v in labels), value)
+                          for r, values in step.per_rank.items()
+                          for (name, labels), value in values.items())
+        assert rows == expected and len(rows) == 3 + 3 + 2 + 3
+        assert set(columns["run_id"]) == {"c"} and set(columns["step"]) == {9}
+        assert columns["late"] == [late] * len(rows)
+        assert ("|".join(["op=ddp_allreduce"]), 0.5) in zip(columns["labels"], columns["value"])
