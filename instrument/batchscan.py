@@ -18,6 +18,7 @@ ABS_MAX over finite elements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from .scan import (BASE_FIELDS, CPU_CHUNK_ELEMS, DEVICE_CHUNK_ELEMS, MOMENT_FIELDS, fused_scan,
                    scan)
 
-__all__ = ["SMALL_ELEMS", "scan_groups", "scan_many"]
+__all__ = ["SMALL_ELEMS", "GroupScan", "gather_groups", "scan_groups", "scan_many"]
 
 SMALL_ELEMS = 1 << 16
 """Tensors up to this many elements are batched with others of their size."""
@@ -78,35 +79,57 @@ def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
     return torch.stack(columns, dim=1).to(F64)
 
 
-def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
-                moments: bool = False, chunk_elems: int | None = None, fused: bool = False
-                ) -> tuple[torch.Tensor, list[int]]:
-    """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
+@dataclass(slots=True)
+class GroupScan:
+    """``scan_groups`` in two halves: ``gather_groups`` scanned the large tensors and copied
+    the small ones into blocks; ``rows`` reduces the blocks. The blocks are fresh copies, so
+    ``rows`` may run later, on another thread, after the tensors changed (a clip)."""
 
-    ``groups[i]`` is ``tensors[i]``'s group. Returns ``[R, fields]`` float64 rows and each
-    row's group. The small floating tensors of one group (and device) are concatenated in
-    blocks of at most ``chunk_elems`` elements (``scan``'s default chunk), each block one
-    row; other tensors get their own ``scan``. Empty tensors give no row (their all-zero
-    row combines to nothing).
-    ``fused`` (without moments): each large tensor and block through the compiled one-pass
-    ``fused_scan`` instead of the eager reductions.
-    """
+    rows_done: list[torch.Tensor]   # [1, fields] rows of the tensors scanned whole
+    blocks: list[torch.Tensor]      # [n] concatenations still to reduce, one row each
+    row_groups: list[int]           # the group of each row: rows_done's, then blocks'
+    moments: bool
+    fused: bool
+    device: torch.device | None
+
+    @property
+    def on_host(self) -> bool:
+        """Every row on the CPU and the eager reductions (``rows`` may run on any thread)."""
+        return (not (self.fused and not self.moments)
+                and all(t.device.type == "cpu" for t in (*self.rows_done, *self.blocks)))
+
+    def rows(self) -> torch.Tensor:
+        """``[R, fields]`` float64 rows, in the order of ``row_groups``."""
+        one_pass = self.fused and not self.moments
+        rows = self.rows_done + [fused_scan(work).unsqueeze(0) if one_pass
+                                 else _fields(work.unsqueeze(0), self.moments)
+                                 for work in self.blocks]
+        if not rows:
+            width = MOMENT_FIELDS if self.moments else BASE_FIELDS
+            return torch.zeros(0, width, dtype=F64, device=self.device)
+        return torch.cat(rows)
+
+
+def gather_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
+                  moments: bool = False, chunk_elems: int | None = None, fused: bool = False
+                  ) -> GroupScan:
+    """The first half of ``scan_groups``: large tensors scanned now, small ones copied."""
     one_pass = fused and not moments
-    width = MOMENT_FIELDS if moments else BASE_FIELDS
     rows: list[torch.Tensor] = []
     row_groups: list[int] = []
-    blocks: dict[tuple, list[torch.Tensor]] = {}
+    small: dict[tuple, list[torch.Tensor]] = {}
     for t, group in zip(tensors, groups):
         n = t.numel()
         if n == 0:
             continue
         if n <= SMALL_ELEMS and t.is_floating_point() and not t.is_complex():
-            blocks.setdefault((group, t.device), []).append(t)
+            small.setdefault((group, t.device), []).append(t)
         else:
             vec = fused_scan(t) if one_pass else scan(t, moments=moments, chunk_elems=chunk_elems)
             rows.append(vec.unsqueeze(0))
             row_groups.append(group)
-    for (group, device), members in blocks.items():
+    blocks: list[torch.Tensor] = []
+    for (group, device), members in small.items():
         # a block as large as one of scan's chunks, whose work buffer stays in cache while
         # the reductions re-read it (850k elements, caches flushed, one CPU core: 2.2-2.4 ms
         # in 256k-element blocks, 2.3-3.0 ms as one block)
@@ -120,15 +143,31 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
                 block.append(members[start])
                 elems += members[start].numel()
                 start += 1
-            dtype = _work_dtype(block, moments)
-            work = torch.cat([t.detach().reshape(-1).to(dtype) for t in block])  # a fresh copy
-            rows.append(fused_scan(work).unsqueeze(0) if one_pass
-                        else _fields(work.unsqueeze(0), moments))
+            parts = [t.detach() for t in block]
+            flat = torch._utils._flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]
+            # a fresh copy, which the reductions overwrite (one tensor's "flat" is itself)
+            blocks.append(flat.reshape(-1).to(_work_dtype(block, moments), copy=len(parts) == 1))
             row_groups.append(group)
-    if not rows:
-        device = tensors[0].device if tensors else None
-        return torch.zeros(0, width, dtype=F64, device=device), []
-    return torch.cat(rows), row_groups
+    device = tensors[0].device if tensors else None
+    return GroupScan(rows, blocks, row_groups, moments, fused, device)
+
+
+def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
+                moments: bool = False, chunk_elems: int | None = None, fused: bool = False
+                ) -> tuple[torch.Tensor, list[int]]:
+    """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
+
+    ``groups[i]`` is ``tensors[i]``'s group. Returns ``[R, fields]`` float64 rows and each
+    row's group. The small floating tensors of one group (and device) are concatenated in
+    blocks of at most ``chunk_elems`` elements (``scan``'s default chunk), each block one
+    row; other tensors get their own ``scan``. Empty tensors give no row (their all-zero
+    row combines to nothing).
+    ``fused`` (without moments): each large tensor and block through the compiled one-pass
+    ``fused_scan`` instead of the eager reductions.
+    """
+    gathered = gather_groups(tensors, groups, moments=moments, chunk_elems=chunk_elems,
+                             fused=fused)
+    return gathered.rows(), gathered.row_groups
 
 
 def scan_many(tensors: Sequence[torch.Tensor], *, moments: bool = False,

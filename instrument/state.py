@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -114,9 +114,11 @@ class StepState:
         # waiting for the step's batched scan, and scan rows already taken (tensor probes)
         self.entries: list[Entry] = []
         self.scan_rows: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
-        # gradients: the P0 norm [1], the group rows of the detail scan, the clipping norm
+        # gradients: the P0 norm [1], the group rows of the detail scan (on the host, the
+        # call that reduces them off the training thread), the clipping norm
         self.grad_norm: torch.Tensor | None = None
-        self.grad_rows: tuple[torch.Tensor, list[int], tuple[int, ...]] | None = None
+        self.grad_rows: tuple[torch.Tensor | Callable[[], torch.Tensor], list[int],
+                              tuple[int, ...]] | None = None
         self.clip: torch.Tensor | float | None = None
         self.pending_bwd: dict[str, int] = {}  # forwards whose backward hook waits (recompute)
         self.comm_waits: dict[str, float] = {}  # a new dict: a late sampler may hold the last

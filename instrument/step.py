@@ -151,7 +151,7 @@ class StepContext:
                 probes.system.close(state, elapsed, points, late)
                 if probes.optim is not None:
                     probes.optim.close(state, points)
-                probes.grads.close(state, points)
+                probes.grads.close(state, points, late)
                 probes.comm.close(state, late)
                 self._keep(step, state)
                 self._submit(state.collector.seal(step, points, late, held=state.held))
@@ -183,10 +183,11 @@ class StepContext:
         already sent its own) and its ``Kept`` for the verdict (``ReplayContext``)."""
         probes = self._probes
         points: list = []
-        probes.grads.close(state, points)
+        late: list = []
+        probes.grads.close(state, points, late)
         original = self._replay
         self._replay = self._kept_of(state)  # handed to ReplayContext.__exit__
-        sealed = state.collector.seal(step, points, [], replay=True)
+        sealed = state.collector.seal(step, points, late, replay=True)
         if original is not None and not original.scanned:
             self._submit(sealed)
 

@@ -16,13 +16,16 @@ rank's sums (``registry``).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from ..batchscan import GroupScan
 from ..catalog import GRAD_GROUPS, Grad, Label, tier_of
+from ..collect import Late
 from ..parallel import LayoutError, is_dtensor, local
 from ..registry import ParamInfo
 from ..scan import ScanFields
@@ -30,7 +33,7 @@ from ..state import StepState
 from ..wire import Labels, Point
 from .common import F64
 from .tensors import TIER as SCAN_TIER
-from .tensors import TensorProbe
+from .tensors import TensorProbe, scale_scan
 
 __all__ = ["GradProbe", "decode_clipped", "decode_grad_detail", "decode_norms", "grad_norms",
            "inverse_scale"]
@@ -131,6 +134,18 @@ def decode_grad_detail(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     return out
 
 
+def _group_rows(gathered: GroupScan, inv_scale: Any) -> torch.Tensor:
+    rows = gathered.rows()
+    return rows if inv_scale is None else scale_scan(rows, inv_scale)
+
+
+def _late_detail(finish: Callable[[], torch.Tensor], row_groups: list[int],
+                 present: tuple[int, ...]) -> list[Point]:
+    """``decode_grad_detail`` of rows reduced here, on the emitter thread."""
+    rows = finish()
+    return decode_grad_detail([(rows.numpy().reshape(-1), (row_groups, present, rows.shape[1]))])
+
+
 # ------------------------------------------------------------------ the probe
 class GradProbe:
     """The rank's gradient measurements; the probe sets in ``listeners`` (the structure
@@ -169,7 +184,11 @@ class GradProbe:
             rows = self._tensors.scan_entries(state, entries, inv)
             row_groups = [e.group for e in entries]
         elif groups_due:  # group totals only: each group's small tensors in one scan
-            rows, row_groups = self._tensors.scan_groups(state, grads, groups, inv)
+            gathered = self._tensors.gather_groups(state, grads, groups)
+            finish = functools.partial(_group_rows, gathered, inv)
+            # the small tensors are copies now (the clip runs next): on the host their
+            # reductions run on the emitter thread, on a device they join the step's transfer
+            rows, row_groups = (finish if gathered.on_host else finish()), gathered.row_groups
         else:
             return
         if groups_due:  # combined by group on the host (``decode_grad_detail``)
@@ -204,7 +223,7 @@ class GradProbe:
                 total_norm = local(total_norm)
             state.clip = total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm
 
-    def close(self, state: StepState, points: list[Point]) -> None:
+    def close(self, state: StepState, points: list[Point], late: list[Late]) -> None:
         threshold, collector = self._threshold, state.collector
         if state.grad_norm is not None:
             derive = threshold if (state.clip is None and self._whole) else None
@@ -216,5 +235,8 @@ class GradProbe:
                 points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))
         if state.grad_rows is not None:
             rows, row_groups, present = state.grad_rows
-            collector.add("grad.detail", rows, decode_grad_detail,
-                          (row_groups, present, rows.shape[1]))
+            if callable(rows):  # reduced on the emitter thread
+                late.append(functools.partial(_late_detail, rows, row_groups, present))
+            else:
+                collector.add("grad.detail", rows, decode_grad_detail,
+                              (row_groups, present, rows.shape[1]))

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..batchscan import SMALL_ELEMS, scan_groups, scan_many
+from ..batchscan import SMALL_ELEMS, GroupScan, gather_groups, scan_many
 from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
 from ..parallel import local
@@ -277,15 +277,12 @@ class TensorProbe:
                                     else rows[host_values(emitted, rows.device)]))
         return rows
 
-    def scan_groups(self, state: StepState, tensors: Sequence[torch.Tensor],
-                    groups: Sequence[int], inv_scale: Any = None
-                    ) -> tuple[torch.Tensor, list[int]]:
-        """Rows to combine per group (``batchscan.scan_groups``), nothing emitted per tensor."""
-        rows, row_groups = scan_groups(tensors, groups, moments=state.due[MOMENTS_TIER],
-                                       chunk_elems=self._chunk, fused=self._fused)
-        if inv_scale is not None:
-            rows = scale_scan(rows, inv_scale)
-        return rows, row_groups
+    def gather_groups(self, state: StepState, tensors: Sequence[torch.Tensor],
+                      groups: Sequence[int]) -> GroupScan:
+        """Rows to combine per group, half done (``batchscan.gather_groups``): the large
+        tensors scanned, the small ones copied; nothing emitted per tensor."""
+        return gather_groups(tensors, groups, moments=state.due[MOMENTS_TIER],
+                             chunk_elems=self._chunk, fused=self._fused)
 
     # -- hooks --------------------------------------------------------------------------
     def _forward_hook(self, obs: ObservedModule) -> Callable:

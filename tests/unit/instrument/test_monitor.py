@@ -328,6 +328,30 @@ def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
         float((embed_grad ** 2).sum()), rel=1e-6)  # the scans saw the unclipped gradient
 
 
+def test_every_step_gradient_groups_are_the_unclipped_gradient_reduced_after_the_clip():
+    """P0 only, on CPU: the group statistics are reduced on the emitter thread, after
+    ``clip_grad_norm_`` scaled the gradients in place; they are the copies taken before it."""
+    batches = make_batches(5)
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
+        cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET))
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    with monitor.step(0) as s:
+        for tokens, targets, _ in batches:
+            s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+            (token_losses(model(tokens), targets).sum() / n_valid).backward()
+        pre_clip = {n: p.grad.double().numpy().copy() for n, p in model.named_parameters()}
+        norm = float(s.clip_grad_norm_(model.parameters(), 1e-3))
+    monitor.close()
+    assert norm > 1e-2  # the clip scaled every gradient by less than 1/10
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    for name, want in group_reference(pre_clip, list(pre_clip)).items():
+        assert value(rec, name) == pytest.approx(want, rel=1e-5), name
+    assert math.sqrt(value(rec, "grad.norm_sq")) == norm
+
+
 def test_fused_loss_totals_and_a_stage_without_the_loss():
     torch.manual_seed(0)
     model = TinyLM(CFG)
