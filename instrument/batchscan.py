@@ -10,6 +10,8 @@ and sizes seen once, go through ``scan`` itself.
 Where only totals per group are wanted (the gradient's every-step group statistics), not a
 row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes,
 in blocks of up to one ``scan`` chunk, and scans each block once: a dozen kernels per block.
+It runs in two halves (``gather_groups``, then ``GroupScan.rows``): the blocks are copies,
+so the reductions may run later and on another thread (the gradient probe, on CPU).
 
 Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for
 float64 inputs or with moments), sums over finite elements, NONFINITE counts the others,

@@ -7,9 +7,10 @@ G2 comes from one fused multi-tensor norm per (device, dtype), combined exactly 
 ``clip_grad_norm_`` combines them, so it reproduces the clipping norm; through
 ``StepContext.clip_grad_norm_`` the very norm that clips is the measurement. The group
 statistics are taken before the clip runs: on steps without the scan tier each group's
-small tensors are scanned as one concatenation (``scan_groups``), on scan steps each tensor
-is scanned (``scan_many``) and its row is also emitted as tensor.*{kind=grad}; either way
-the rows are combined by group on the host, off the training thread. Parameters that
+small tensors are copied into one concatenation and scanned as one (``gather_groups``; on
+CPU the copies are reduced on the emitter thread), on scan steps each tensor is scanned
+(``scan_many``) and its row is also emitted as tensor.*{kind=grad}; either way the rows are
+combined by group on the host, off the training thread. Parameters that
 another rank reports (a replica outside the stream's dedup groups) are left out of this
 rank's sums (``registry``).
 """
