@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -32,12 +32,12 @@ DATA = "data"
 HARDWARE = "hardware"
 
 
-@dataclass(frozen=True, slots=True)
-class Kept:
+class Kept(NamedTuple):
     """What a sampled step keeps to judge a replay of it: device references, read only on a
     replay. ``loss`` holds the loss probe's collector parts, one per micro-batch, whose first
-two tensors are the row loss sums and row valid counts; ``scanned``
-    says the step's scan tier was sent (a replay then sends no detail of its own)."""
+    two tensors are the row loss sums and row valid counts; ``scanned`` says the step's scan
+    tier was sent (a replay then sends no detail of its own). A tuple: made at every sampled
+    step's end, on the training thread."""
 
     loss: Sequence[tuple[torch.Tensor, ...]]
     grad_norm: torch.Tensor | None

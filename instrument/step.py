@@ -12,7 +12,6 @@ under dense probes after it closed and judge the replay (``replay``).
 
 from __future__ import annotations
 
-import collections
 import math
 import numbers
 import time
@@ -81,7 +80,7 @@ class StepContext:
         self._next = 0
         self._on_error = on_error  # an exception left the step: the run crashed
         # the last sampled steps' loss and gradient-norm tensors (references), by step
-        self._kept: collections.OrderedDict[int, Kept] = collections.OrderedDict()
+        self._kept: dict[int, Kept] = {}  # oldest first
         self._kept_max = replay_steps
         self._replay: Kept | None = None  # the open step is a replay of this kept step
 
@@ -150,7 +149,7 @@ class StepContext:
                 late: list = []
                 probes.system.close(state, elapsed, points, late)
                 if probes.optim is not None:
-                    probes.optim.close(state, points)
+                    probes.optim.close(state, late)
                 probes.grads.close(state, points, late)
                 probes.comm.close(state, late)
                 self._keep(step, state)
@@ -176,7 +175,7 @@ class StepContext:
             kept.pop(step, None)  # a step run again replaces its record, newest last
             kept[step] = self._kept_of(state)
             if len(kept) > self._kept_max:
-                kept.popitem(last=False)
+                del kept[next(iter(kept))]
 
     def _close_replay(self, state: StepState, step: int) -> None:
         """A replay's end: its record (scan-tier detail, sent marked replay unless the step

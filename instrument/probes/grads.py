@@ -207,11 +207,11 @@ class GradProbe:
         if state.due[NORM_TIER] and grads:
             owned = {id(i.param) for i in self._params if i.param.grad is not None}
             plain = not any(is_dtensor(g) for g in grads)
+            state.clip = total.detach()
             if plain and norm_type == 2.0 and owned == {id(p) for p in params if p.grad is not None}:
-                state.grad_norm = total.detach()  # the clipping norm is this rank's
+                state.grad_norm = state.clip  # the clipping norm is this rank's: one part
             else:  # a subset, another norm, or replicas this rank does not count: measure
                 self.record(state, None, None, detail=False, notify=False)
-            state.clip = total.detach()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
@@ -226,10 +226,11 @@ class GradProbe:
 
     def close(self, state: StepState, points: list[Point], late: list[Late]) -> None:
         threshold, collector = self._threshold, state.collector
+        same = state.clip is state.grad_norm  # the clipping norm is the measured one
         if state.grad_norm is not None:
-            derive = threshold if (state.clip is None and self._whole) else None
+            derive = threshold if (same or (state.clip is None and self._whole)) else None
             collector.add("grad.norms", state.grad_norm, decode_norms, derive)
-        if state.clip is not None and threshold is not None:
+        if state.clip is not None and threshold is not None and not same:
             if isinstance(state.clip, torch.Tensor):
                 collector.add("grad.clip", state.clip, decode_clipped, threshold)
             else:

@@ -10,6 +10,7 @@ once).
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..catalog import Label, Optim, tier_of
+from ..collect import Late
 from ..state import StepState
 from ..wire import Point
 
@@ -47,6 +49,10 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> list[tuple[str, float]]:
     return rates
 
 
+def _rate_points(rates: list[tuple[str, float]]) -> list[Point]:
+    return [Point(Optim.LR, lr, ((Label.PARAM_GROUP, label),)) for label, lr in rates]
+
+
 class OptimProbe:
     """optim.lr per parameter group, for the steps where its tier is due."""
 
@@ -67,10 +73,10 @@ class OptimProbe:
         if self._state is not None and self._seen is None:
             self._seen = learning_rates(self._optimizer)
 
-    def close(self, state: StepState, points: list[Point]) -> None:
+    def close(self, state: StepState, late: list[Late]) -> None:
         if state.due[TIER]:
             rates = self._seen if self._seen is not None else learning_rates(self._optimizer)
-            points += [Point(Optim.LR, lr, ((Label.PARAM_GROUP, label),)) for label, lr in rates]
+            late.append(functools.partial(_rate_points, rates))  # points made off the thread
         self._state, self._seen = None, None
 
     def remove(self) -> None:
