@@ -21,7 +21,7 @@ ABS_MAX over finite elements.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -119,14 +119,12 @@ def gather_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
     one_pass = fused and not moments
     rows: list[torch.Tensor] = []
     row_groups: list[int] = []
-    small: dict[tuple, list[torch.Tensor]] = {}
+    small: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
     for t, group in zip(tensors, groups):
         n = t.numel()
-        if n == 0:
-            continue
-        if n <= SMALL_ELEMS and t.is_floating_point() and not t.is_complex():
-            small.setdefault((group, t.device), []).append(t)
-        else:
+        if 0 < n <= SMALL_ELEMS and t.is_floating_point():
+            small.setdefault((group, t.device), []).append((t, n))
+        elif n:
             vec = fused_scan(t) if one_pass else scan(t, moments=moments, chunk_elems=chunk_elems)
             rows.append(vec.unsqueeze(0))
             row_groups.append(group)
@@ -137,21 +135,36 @@ def gather_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
         # in 256k-element blocks, 2.3-3.0 ms as one block)
         limit = min(STACK_ELEMS, chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu"
                                                  else DEVICE_CHUNK_ELEMS))
-        start = 0
-        while start < len(members):
-            block, elems = [], 0
-            while start < len(members) and (not block or elems + members[start].numel()
-                                            <= limit):
-                block.append(members[start])
-                elems += members[start].numel()
-                start += 1
-            parts = [t.detach() for t in block]
-            flat = torch._utils._flatten_dense_tensors(parts) if len(parts) > 1 else parts[0]
-            # a fresh copy, which the reductions overwrite (one tensor's "flat" is itself)
-            blocks.append(flat.reshape(-1).to(_work_dtype(block, moments), copy=len(parts) == 1))
+        for block in _blocks(members, limit):
+            blocks.append(_flat_copy(block, moments))
             row_groups.append(group)
     device = tensors[0].device if tensors else None
     return GroupScan(rows, blocks, row_groups, moments, fused, device)
+
+
+def _blocks(members: list[tuple[torch.Tensor, int]], limit: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive members in blocks of at most ``limit`` elements (a larger one alone)."""
+    block: list[torch.Tensor] = []
+    elems = 0
+    for t, n in members:
+        if block and elems + n > limit:
+            yield block
+            block, elems = [], 0
+        block.append(t)
+        elems += n
+    if block:
+        yield block
+
+
+def _flat_copy(block: list[torch.Tensor], moments: bool) -> torch.Tensor:
+    """A fresh 1-D copy of the block in the work dtype, which the reductions overwrite."""
+    if any(t.requires_grad for t in block):
+        block = [t.detach() for t in block]
+    if len(block) == 1:  # flattening one tensor would give a view of it
+        return block[0].reshape(-1).to(_work_dtype(block, moments), copy=True)
+    flat = torch._utils._flatten_dense_tensors(block)  # promotes as the work dtype does
+    dtype = F64 if moments or flat.dtype == F64 else torch.float32
+    return flat if flat.dtype == dtype else flat.to(dtype)
 
 
 def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
