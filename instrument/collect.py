@@ -71,6 +71,7 @@ class SealedStep:
     late: list[Late] = field(default_factory=list)
     held: bool = False   # the scan-tier points stay in the ring buffer (``export``)
     replay: bool = False  # a replay's record: its scan-tier points go out marked replay
+    retired: Any = None   # let go of with this record, on the emitter thread (tensors' frees)
 
     def resolve(self) -> list[Point]:
         if self.event is not None:

@@ -152,8 +152,10 @@ class StepContext:
                     probes.optim.close(state, late)
                 probes.grads.close(state, points, late)
                 probes.comm.close(state, late)
-                self._keep(step, state)
-                self._submit(state.collector.seal(step, points, late, held=state.held))
+                retired = self._keep(step, state)
+                sealed = state.collector.seal(step, points, late, held=state.held)
+                sealed.retired = retired  # freed with the record, on the emitter thread
+                self._submit(sealed)
                 state.emit_time_s += time.perf_counter() - start
                 state.emitted_steps += 1
             if not ok and self._on_error is not None:
@@ -168,14 +170,16 @@ class StepContext:
         return Kept(state.collector.parts(LOSS_KEY), state.grad_norm,
                     state.due[Tier.SCAN] and not state.held)
 
-    def _keep(self, step: int, state: StepState) -> None:
-        """Keep this step's loss and gradient-norm tensors (references) for a replay."""
+    def _keep(self, step: int, state: StepState) -> Kept | None:
+        """Keep this step's loss and gradient-norm tensors (references) for a replay; returns
+        the record this one pushed out, if any (for the caller to free off this thread)."""
         if self._kept_max and state.collector.has(LOSS_KEY):
             kept = self._kept
             kept.pop(step, None)  # a step run again replaces its record, newest last
             kept[step] = self._kept_of(state)
             if len(kept) > self._kept_max:
-                del kept[next(iter(kept))]
+                return kept.pop(next(iter(kept)))
+        return None
 
     def _close_replay(self, state: StepState, step: int) -> None:
         """A replay's end: its record (scan-tier detail, sent marked replay unless the step

@@ -247,6 +247,13 @@ class SystemProbe:
         if state.due[TIER]:
             reset_peaks(self._device)
 
+    def _late_points(self, step: tuple[float, int, list[int]] | None,
+                     host: HostTelemetry | None) -> list[Point]:
+        """On the emitter thread: the step's bookkeeping from its numbers (elapsed, positions,
+        guard counters; None when the tier is not due), memory.peak_rss and host telemetry."""
+        out = [] if step is None else self._step_points(*step)
+        return out + _usage_points(step is not None, host)
+
     def _step_points(self, elapsed_s: float, positions: int, guard: list[int]) -> list[Point]:
         """The step's bookkeeping as points, made on the emitter thread from its numbers."""
         out = [Point(System.STEP_TIME, elapsed_s)]
@@ -263,13 +270,13 @@ class SystemProbe:
     def close(self, state: StepState, elapsed_s: float, points: list[Point],
               late: list[Late]) -> None:
         host = self._host if state.due[TELEMETRY_TIER] else None
+        step = None
         if state.due[TIER]:
             points += peak_memory_points(self._device)  # the device's counters at the step's end
-            late.append(functools.partial(self._step_points, elapsed_s, state.positions,
-                                          state.guard))
+            step = (elapsed_s, state.positions, state.guard)
             state.guard = [0, 0, 0]
-        if state.due[TIER] or host is not None:
-            late.append(functools.partial(_usage_points, state.due[TIER], host))
+        if step is not None or host is not None:
+            late.append(functools.partial(self._late_points, step, host))
         if state.due[TELEMETRY_TIER] and self._gpu is not None and self._gpu.available:
             late.append(self._gpu.sample)
 
