@@ -86,6 +86,37 @@ def test_group_rows_combine_to_the_per_tensor_rows_of_each_group(monkeypatch, mo
         assert np.allclose(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("moments", [False, True])
+def test_gathered_blocks_are_copies_reduced_later_to_the_rows_of_the_values_then(moments):
+    """``gather_groups`` copies the small tensors (a group of one tensor too, of mixed dtypes
+    too); tensors changed in place afterwards (a clip, the next step) leave ``rows`` as the
+    rows of the values at the gather, and the inputs are never written."""
+    xs = tensors()
+    groups = [0, 1, 1, 2, 1, 1, 1, 3, 3, 1, 1]  # group 0 and 2: one small tensor each
+    before = [x.clone() for x in xs]
+    want, want_groups = scan_groups(before, groups, moments=moments)
+    gathered = batchscan.gather_groups(xs, groups, moments=moments)
+    assert gathered.on_host
+    for x in xs:
+        x.mul_(0.5).add_(1.0)
+    for x in xs:
+        x.copy_(torch.ones_like(x))  # the reductions must not see these values
+    got = gathered.rows()
+    assert gathered.row_groups == want_groups
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    fresh = tensors()
+    for x, y in zip(xs, fresh):
+        x.copy_(y)
+    gathered.rows()  # reducing again overwrites only the copies
+    assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(xs, fresh))
+
+
+def test_a_compiled_or_device_group_scan_is_not_reduced_off_the_training_thread():
+    assert not batchscan.gather_groups([torch.ones(3)], [0], fused=True).on_host
+    assert batchscan.gather_groups([torch.ones(3)], [0], fused=True, moments=True).on_host
+
+
 def test_no_tensor_or_only_empty_ones_give_no_group_row():
     for xs, groups in (([], []), ([torch.zeros(0), torch.zeros(0, 3)], [0, 2])):
         rows, row_groups = scan_groups(xs, groups)
