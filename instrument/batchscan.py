@@ -20,6 +20,7 @@ ABS_MAX over finite elements.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -52,19 +53,17 @@ def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
     """[k, fields] of the rows of ``work`` [k, n], a fresh copy this function overwrites."""
     n = work.shape[1]
     # counts as float sums of 0/1 (exact below 2**24 elements per row; rows are far
-    # smaller): x − x is 0 for a finite x and NaN otherwise; sign() is 0 only at 0.
+    # smaller): x − x is 0 for a finite x and NaN otherwise; sign(|x|) is 1 except at 0.
     # (count_nonzero along a dim is several times slower on CPU.)
     total = work.sum(dim=1) if work.device.type == "cpu" else None
-    if total is not None and bool(torch.isfinite(total).all()):
-        # on CPU: a NaN or ±inf element makes its row's Σx non-finite, so every element is
-        # finite: no non-finite count and no clean-up (four passes of ~11; on a device
-        # reading the flag would synchronise, so there the clean-up always runs)
-        nonfinite = torch.zeros_like(total)
-    else:  # a device; or non-finite elements, or finite ones whose Σx overflowed
+    # on CPU: a NaN or ±inf element makes its row's Σx, and the rows' Σ, non-finite, so a
+    # finite Σ means every element is finite: no non-finite count and no clean-up (four
+    # passes of ~11; on a device reading the flag would synchronise, so the clean-up runs)
+    finite = total is not None and math.isfinite(total.sum().item())
+    if not finite:  # a device; or non-finite elements, or finite ones whose Σ overflowed
         nonfinite = (work - work).nan_to_num_(nan=1.0).sum(dim=1)
         work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         total = work.sum(dim=1)
-    nonzero = work.sign().abs_().sum(dim=1)
     extra: list[torch.Tensor] = []
     if moments:
         square = work * work
@@ -74,11 +73,15 @@ def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
     work.abs_()
     sum_abs = work.sum(dim=1)
     abs_max = work.amax(dim=1)
+    zeros = n - work.sign().sum(dim=1)  # the cleaned-up elements are zeros now too
+    if finite:
+        nonfinite = torch.zeros_like(total)
+    else:
+        zeros -= nonfinite
     if not moments:
         sum_sq = work.square_().sum(dim=1)
-    count = torch.full_like(total, float(n))  # counts are exact in the work dtype here
-    columns = [count, total, sum_sq, sum_abs, abs_max, n - nonzero - nonfinite, nonfinite, *extra]
-    return torch.stack(columns, dim=1).to(F64)
+    count = torch.full_like(total, float(n), dtype=F64)  # stack promotes to float64 exactly
+    return torch.stack([count, total, sum_sq, sum_abs, abs_max, zeros, nonfinite, *extra], dim=1)
 
 
 @dataclass(slots=True)
