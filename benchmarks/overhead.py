@@ -36,6 +36,10 @@ Figures (stdout, one line each, machine-readable):
                 torch's own transformer layers, d=128, 4 layers, sequence 128); goal <= 1.01
   p0 ratio gpt compiled X  the same with ``scan_backend="compiled"`` (the gradient groups'
                 scans in one compiled pass each; the default on a GPU)
+  p0 ratio 1k tensors X  the p0 ratio on a model of 1,000 small parameter tensors (250 x
+                Linear(32, 32) + LayerNorm(32), SGD, a ~20 ms step): the probes' per-tensor
+                Python (the gradient probe's passes over the parameters), which the tiny
+                model's 21 tensors hide; goal <= 1.01
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
                 and a monitored DDP copy in alternating blocks); goal <= 1.01
   ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
@@ -212,6 +216,55 @@ def gpt_ratios(corpus, common: dict) -> tuple[float, float, float]:
             off)
 
 
+MANY_BLOCKS = 250   # Linear + LayerNorm each: 1,000 parameter tensors
+MANY_ROUNDS = 40
+
+
+def many_tensors_ratio() -> tuple[float, float]:
+    """(P0 / off of median step times, median off step in s) on ``MANY_BLOCKS`` x
+    (Linear(32, 32), LayerNorm(32)) with SGD, blocks of 10 steps interleaved."""
+    x = torch.randn(8, 32, device=DEVICE)
+    runs = {}
+    for name, config in (("off", None), ("p0", ProbeConfig(
+            cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(layer for _ in range(MANY_BLOCKS) for layer in (
+            torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))).to(DEVICE)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        monitor = attach(model, optimizer, identity=RankIdentity(run_id=f"many-{name}", rank=0,
+                                                                 world_size=1),
+                         config=config or ProbeConfig(enabled=False), transport=NullTransport())
+        runs[name] = (model, optimizer, monitor, {"step": 0})
+
+    def run(name: str, steps: int) -> list[float]:
+        model, optimizer, monitor, state = runs[name]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            with monitor.step(state["step"]) as s:
+                loss = model(x).pow(2).mean()
+                s.loss_totals(loss.detach() * x.shape[0], x.shape[0])
+                loss.backward()
+                s.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            _sync()
+            times.append(time.perf_counter() - t0)
+            state["step"] += 1
+        return times
+
+    for name in runs:
+        run(name, 20)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(MANY_ROUNDS):
+        for name in runs:
+            times[name] += run(name, 10)
+    for _, _, monitor, _ in runs.values():
+        monitor.close()
+    off = statistics.median(times["off"])
+    return statistics.median(times["p0"]) / off, off
+
+
 DDP_RANKS = 4
 DDP_BLOCKS = 12
 
@@ -347,6 +400,12 @@ def main() -> None:
           f"{gpt_off * 1e3:.1f} ms", file=sys.stderr)
     print(f"p0 ratio gpt {gpt:.4f}")
     print(f"p0 ratio gpt compiled {gpt_compiled:.4f}")
+    sys.stdout.flush()
+    many, many_off = many_tensors_ratio()
+    print(f"# 1,000 parameter tensors ({MANY_BLOCKS} x Linear(32, 32) + LayerNorm(32)), "
+          f"{MANY_ROUNDS} x 10 steps per variant; median step off {many_off * 1e3:.1f} ms",
+          file=sys.stderr)
+    print(f"p0 ratio 1k tensors {many:.4f}")
     sys.stdout.flush()
     if DEVICE.type != "cpu":
         return  # the DDP figures are gloo ranks on CPU cores
