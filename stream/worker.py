@@ -363,6 +363,7 @@ class Worker:
 
     async def _send_dead_letter(self, key: bytes | None, body: dict[str, Any]) -> None:
         self.progress.dead_letter()
+        body["key"] = (key or b"").decode(errors="replace")  # run and step, for the store
         try:
             await self.publisher.send(self.topics.deadletter, key, json.dumps(body).encode())
         except PublishError as exc:
@@ -412,7 +413,7 @@ def dead_letter_row(payload: bytes) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise TypeError("not an object")
         return {"topic": str(body.get("topic", "")), "partition": int(body.get("partition", 0)),
-                "offset": int(body.get("offset", 0)), "key": "",
+                "offset": int(body.get("offset", 0)), "key": str(body.get("key", "")),
                 "reason": str(body.get("reason", "")),
                 "payload_b64": str(body.get("payload_b64", ""))}
     except (ValueError, TypeError) as exc:

@@ -216,6 +216,14 @@ def train(rank: int, world: int, port: int, layout: str, run_id: str, bootstrap:
     dist.destroy_process_group()
 
 
+def _close(monitor, transport, trace) -> None:
+    """Close the monitor; its send counts go beside the trace (``rank<r>.stats.json``), for
+    the test to show when a step is stored without this rank."""
+    monitor.close()
+    stats = {**monitor.stats, "delivery_failed": transport.failed}
+    Path(trace.name).with_suffix(".stats.json").write_text(json.dumps(stats))
+
+
 def _write(trace, step: int, **values: float) -> None:
     trace.write(json.dumps({"step": step, **values}) + "\n")
     trace.flush()
@@ -241,7 +249,7 @@ def _train_data_parallel(model, mesh, data, identity, config, transport, trace) 
             opt.zero_grad()
         _write(trace, step, loss_sum=float(losses.detach().double().sum()),
                tokens=int((targets != IGNORE).sum()), clip_norm=float(total))
-    monitor.close()
+    _close(monitor, transport, trace)
 
 
 def _train_expert_parallel(rank, mesh, identity, config, transport, trace) -> None:
@@ -275,7 +283,7 @@ def _train_expert_parallel(rank, mesh, identity, config, transport, trace) -> No
             opt.zero_grad()
         _write(trace, step, loss_sum=float(losses.detach().double().sum()),
                tokens=int((targets != IGNORE).sum()), clip_norm=float(total))
-    monitor.close()
+    _close(monitor, transport, trace)
 
 
 def _train_pipeline(rank, identity, config, transport, trace) -> None:
@@ -348,7 +356,7 @@ def _train_pipeline(rank, identity, config, transport, trace) -> None:
             opt.zero_grad()
         last = {"loss_sum": float(sum(sums)), "tokens": n_global} if rank == 1 else {}
         _write(trace, step, clip_norm=float(total), **last)
-    monitor.close()
+    _close(monitor, transport, trace)
 
 
 def RankIdentity_with(identity, coords):  # noqa: N802 - a small constructor helper

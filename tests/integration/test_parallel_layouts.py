@@ -51,6 +51,7 @@ def runs(scratch_module: Path, read_store):
     settings = Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")))
     run_ids = {layout: f"{layout}-{uuid.uuid4().hex[:6]}" for layout in LAYOUTS}
     traces: dict[str, dict[int, dict[int, dict]]] = {}
+    sent: dict[str, dict[int, dict]] = {}
     with LocalStack(settings, scratch_module / "stack") as stack:
         bootstrap = stack.start_broker()
         stack.start_worker()
@@ -62,10 +63,14 @@ def runs(scratch_module: Path, read_store):
                               str(trace_dir)), world)
             traces[layout] = {r: {rec["step"]: rec for rec in map(json.loads, (
                 trace_dir / f"rank{r}.jsonl").read_text().splitlines())} for r in range(world)}
+            sent[layout] = {r: json.loads((trace_dir / f"rank{r}.stats.json").read_text())
+                            for r in range(world)}
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(
                 stack.progress(run_ids[layout]) < pr.STEPS for layout in LAYOUTS):
             time.sleep(0.5)
+    warnings = [line for line in (scratch_module / "stack" / "worker.log").read_text(
+        errors="replace").splitlines() if "WARNING" in line or "ERROR" in line]
     db = settings.clickhouse.database
     ids = ", ".join(f"'{r}'" for r in run_ids.values())
     steps = read_store(store, f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, "
@@ -73,6 +78,7 @@ def runs(scratch_module: Path, read_store):
                               f"({ids}) ORDER BY run_id, step")
     ranks = read_store(store, f"SELECT run_id, step, rank, metric, labels, value FROM "
                               f"{db}.rank_metrics_recent FINAL WHERE run_id IN ({ids})")
+    refused = read_store(store, f"SELECT key, reason FROM {db}.dead_letters")
     experts = read_store(store, f"SELECT run_id, step, expert, tokens FROM "
                                 f"{db}.expert_stats_recent FINAL WHERE run_id IN ({ids})")
     by_layout = {}
@@ -82,7 +88,11 @@ def runs(scratch_module: Path, read_store):
             "ranks": [r for r in ranks if r["run_id"] == run_id],
             "experts": {(r["step"], r["expert"]): r["tokens"] for r in experts
                         if r["run_id"] == run_id},
-            "traces": traces[layout]}
+            "traces": traces[layout],
+            # why a rank is missing: what it sent, what the worker refused or logged
+            "evidence": {"sent": sent[layout], "worker": [w for w in warnings if run_id in w],
+                         "refused": [r["reason"] for r in refused
+                                     if r["key"].startswith(run_id + ":")]}}
     return by_layout
 
 
@@ -95,7 +105,8 @@ def scratch_module(tmp_path_factory) -> Path:
 def test_every_step_is_stored_with_every_rank(runs, layout):
     rows = runs[layout]["steps"]
     assert sorted(rows) == list(range(pr.STEPS))
-    assert all(row["ranks_reporting"] == pr.WORLD[layout] for row in rows.values())
+    reporting = {step: row["ranks_reporting"] for step, row in rows.items()}
+    assert set(reporting.values()) == {pr.WORLD[layout]}, (reporting, runs[layout]["evidence"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -241,8 +241,11 @@ def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
     s.stop()
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(12)))
-    letters = read_store(store, "SELECT reason FROM probewire.dead_letters FINAL")
+    letters = read_store(store, "SELECT key, reason FROM probewire.dead_letters FINAL")
     assert len(letters) == 4 + sum(map(len, poison)), letters
+    # each letter keeps its message's key (run and step), the garbage on stage 2's topic too
+    assert {r["key"] for r in letters if "disagrees" in r["reason"]} == {f"{run.run_id}:4"}
+    assert {r["key"] for r in letters if "not a reduced step" in r["reason"]} == {run.run_id}
     reasons = " | ".join(sorted(r["reason"] for r in letters))
     for expected in ("label expert", "step 4611686018427387904", "world size 5000000",
                      "disagrees", "not an OTLP", "empty payload", "must be an integer",
