@@ -11,7 +11,9 @@ Where only totals per group are wanted (the gradient's every-step group statisti
 row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes,
 in blocks of up to one ``scan`` chunk, and scans each block once: a dozen kernels per block.
 It runs in two halves (``gather_groups``, then ``GroupScan.rows``): the blocks are copies,
-so the reductions may run later and on another thread (the gradient probe, on CPU).
+so the reductions may run later and on another thread (the gradient probe, on CPU). Which
+tensor goes whole and which into which block is planned once per list of sizes
+(``plan_groups``): a model's gradients keep theirs from step to step.
 
 Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for
 float64 inputs or with moments), sums over finite elements, NONFINITE counts the others,
@@ -29,7 +31,8 @@ import torch
 from .scan import (BASE_FIELDS, CPU_CHUNK_ELEMS, DEVICE_CHUNK_ELEMS, MOMENT_FIELDS, fused_scan,
                    scan)
 
-__all__ = ["SMALL_ELEMS", "GroupScan", "gather_groups", "scan_groups", "scan_many"]
+__all__ = ["SMALL_ELEMS", "GroupPlan", "GroupScan", "gather_groups", "plan_groups", "scan_groups",
+           "scan_many"]
 
 SMALL_ELEMS = 1 << 16
 """Tensors up to this many elements are batched with others of their size."""
@@ -115,23 +118,34 @@ class GroupScan:
         return torch.cat(rows)
 
 
-def gather_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
-                  moments: bool = False, chunk_elems: int | None = None, fused: bool = False
-                  ) -> GroupScan:
-    """The first half of ``scan_groups``: large tensors scanned now, small ones copied."""
-    one_pass = fused and not moments
-    rows: list[torch.Tensor] = []
-    row_groups: list[int] = []
-    small: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
-    for t, group in zip(tensors, groups):
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """Which of a list's tensors are scanned whole and which are copied into which block.
+
+    It depends only on each tensor's size, dtype, device and group, so a list whose tensors
+    keep those (a model's gradients, step after step) is planned once (``plan_groups``)
+    and gathered every step (``gather_groups``): the per-tensor Python runs once."""
+
+    whole: tuple[int, ...]                      # indices scanned on their own
+    blocks: tuple[tuple[int, ...], ...]         # indices concatenated into one block each
+    row_groups: tuple[int, ...]                 # the group of each row: whole's, then blocks'
+
+
+def plan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int],
+                chunk_elems: int | None = None) -> GroupPlan:
+    """``groups[i]`` is ``tensors[i]``'s group. The small floating tensors of one group and
+    device go into blocks of at most ``chunk_elems`` elements (``scan``'s chunk by
+    default), in list order; other non-empty tensors are scanned whole."""
+    whole: list[int] = []
+    small: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (t, group) in enumerate(zip(tensors, groups)):
         n = t.numel()
         if 0 < n <= SMALL_ELEMS and t.is_floating_point():
-            small.setdefault((group, t.device), []).append((t, n))
+            small.setdefault((group, t.device), []).append((i, n))
         elif n:
-            vec = fused_scan(t) if one_pass else scan(t, moments=moments, chunk_elems=chunk_elems)
-            rows.append(vec.unsqueeze(0))
-            row_groups.append(group)
-    blocks: list[torch.Tensor] = []
+            whole.append(i)
+    blocks: list[tuple[int, ...]] = []
+    row_groups = [groups[i] for i in whole]
     for (group, device), members in small.items():
         # a block as large as one of scan's chunks, whose work buffer stays in cache while
         # the reductions re-read it (850k elements, caches flushed, one CPU core: 2.2-2.4 ms
@@ -139,24 +153,37 @@ def gather_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
         limit = min(STACK_ELEMS, chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu"
                                                  else DEVICE_CHUNK_ELEMS))
         for block in _blocks(members, limit):
-            blocks.append(_flat_copy(block, moments))
+            blocks.append(block)
             row_groups.append(group)
+    return GroupPlan(tuple(whole), tuple(blocks), tuple(row_groups))
+
+
+def gather_groups(tensors: Sequence[torch.Tensor], plan: GroupPlan, *, moments: bool = False,
+                  chunk_elems: int | None = None, fused: bool = False) -> GroupScan:
+    """The first half of ``scan_groups``, by ``plan`` (of these tensors' sizes, dtypes,
+    devices and groups): the whole tensors scanned now, the blocks copied."""
+    one_pass = fused and not moments
+    rows = [(fused_scan(tensors[i]) if one_pass
+             else scan(tensors[i], moments=moments, chunk_elems=chunk_elems)).unsqueeze(0)
+            for i in plan.whole]
+    blocks = [_flat_copy([tensors[i] for i in block], moments) for block in plan.blocks]
     device = tensors[0].device if tensors else None
-    return GroupScan(rows, blocks, row_groups, moments, fused, device)
+    return GroupScan(rows, blocks, list(plan.row_groups), moments, fused, device)
 
 
-def _blocks(members: list[tuple[torch.Tensor, int]], limit: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive members in blocks of at most ``limit`` elements (a larger one alone)."""
-    block: list[torch.Tensor] = []
+def _blocks(members: list[tuple[int, int]], limit: int) -> Iterator[tuple[int, ...]]:
+    """Consecutive (index, elements) members in blocks of at most ``limit`` elements (a
+    larger one alone), as tuples of indices."""
+    block: list[int] = []
     elems = 0
-    for t, n in members:
+    for i, n in members:
         if block and elems + n > limit:
-            yield block
+            yield tuple(block)
             block, elems = [], 0
-        block.append(t)
+        block.append(i)
         elems += n
     if block:
-        yield block
+        yield tuple(block)
 
 
 def _flat_copy(block: list[torch.Tensor], moments: bool) -> torch.Tensor:
@@ -183,8 +210,8 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
     ``fused`` (without moments): each large tensor and block through the compiled one-pass
     ``fused_scan`` instead of the eager reductions.
     """
-    gathered = gather_groups(tensors, groups, moments=moments, chunk_elems=chunk_elems,
-                             fused=fused)
+    gathered = gather_groups(tensors, plan_groups(tensors, groups, chunk_elems),
+                             moments=moments, chunk_elems=chunk_elems, fused=fused)
     return gathered.rows(), gathered.row_groups
 
 

@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..batchscan import SMALL_ELEMS, GroupScan, gather_groups, scan_many
+from ..batchscan import (SMALL_ELEMS, GroupPlan, GroupScan, gather_groups, plan_groups,
+                         scan_many)
 from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
 from ..parallel import local
@@ -277,11 +278,15 @@ class TensorProbe:
                                     else rows[host_values(emitted, rows.device)]))
         return rows
 
+    def plan_groups(self, tensors: Sequence[torch.Tensor], groups: Sequence[int]) -> GroupPlan:
+        """``batchscan.plan_groups`` in this probe's chunk size."""
+        return plan_groups(tensors, groups, self._chunk)
+
     def gather_groups(self, state: StepState, tensors: Sequence[torch.Tensor],
-                      groups: Sequence[int]) -> GroupScan:
+                      plan: GroupPlan) -> GroupScan:
         """Rows to combine per group, half done (``batchscan.gather_groups``): the large
         tensors scanned, the small ones copied; nothing emitted per tensor."""
-        return gather_groups(tensors, groups, moments=state.due[MOMENTS_TIER],
+        return gather_groups(tensors, plan, moments=state.due[MOMENTS_TIER],
                              chunk_elems=self._chunk, fused=self._fused)
 
     # -- hooks --------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_gathered_blocks_are_copies_reduced_later_to_the_rows_of_the_values_then
     groups = [0, 1, 1, 2, 1, 1, 1, 3, 3, 1, 1]  # group 0 and 2: one small tensor each
     before = [x.clone() for x in xs]
     want, want_groups = scan_groups(before, groups, moments=moments)
-    gathered = batchscan.gather_groups(xs, groups, moments=moments)
+    gathered = batchscan.gather_groups(xs, batchscan.plan_groups(xs, groups), moments=moments)
     assert gathered.on_host
     for x in xs:
         x.mul_(0.5).add_(1.0)
@@ -113,8 +113,10 @@ def test_gathered_blocks_are_copies_reduced_later_to_the_rows_of_the_values_then
 
 
 def test_a_compiled_or_device_group_scan_is_not_reduced_off_the_training_thread():
-    assert not batchscan.gather_groups([torch.ones(3)], [0], fused=True).on_host
-    assert batchscan.gather_groups([torch.ones(3)], [0], fused=True, moments=True).on_host
+    one = [torch.ones(3)]
+    plan = batchscan.plan_groups(one, [0])
+    assert not batchscan.gather_groups(one, plan, fused=True).on_host
+    assert batchscan.gather_groups(one, plan, fused=True, moments=True).on_host
 
 
 def test_no_tensor_or_only_empty_ones_give_no_group_row():

@@ -352,6 +352,63 @@ def test_every_step_gradient_groups_are_the_unclipped_gradient_reduced_after_the
     assert math.sqrt(value(rec, "grad.norm_sq")) == norm
 
 
+class Branches(torch.nn.Module):
+    """Two heads on a shared trunk; a step uses one or both, so gradients come and go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.trunk = torch.nn.Linear(8, 8)
+        self.left, self.right = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, tokens, heads):
+        x = self.trunk(self.embed(tokens))
+        return sum(getattr(self, h)(x).pow(2).mean() for h in heads)
+
+
+@pytest.mark.parametrize("order", ["model", "reversed", "subset"])
+def test_gradients_that_come_and_go_are_measured_each_step_as_present(order):
+    """P0, ``clip_grad_norm_`` every step, gradients set to None between steps: a head
+    unused on a step has no gradient then. Each step's group statistics are those of the
+    gradients present (float64 reference, before the clip); G2 is the norm of every
+    gradient present whether the clip was given the parameters in the model's order, in
+    another order or a subset; the gradients are clipped as torch clips them."""
+    torch.manual_seed(0)
+    model = Branches()
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
+        cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=0.05, **QUIET))
+    heads = [("left",), ("left", "right"), ("right",), ("left",), ("left", "right")]
+    params = dict(model.named_parameters())
+    given = {"model": list(params), "reversed": list(params)[::-1],
+             "subset": [n for n in params if not n.startswith("right")]}[order]
+    seen = []
+    for step, used in enumerate(heads):
+        tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
+        with monitor.step(step) as s:
+            model(tokens, used).backward()
+            seen.append({n: p.grad.double().numpy().copy() for n, p in params.items()
+                         if p.grad is not None})
+            copies = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+            for n, copy in copies.items():
+                copy.grad = None if params[n].grad is None else params[n].grad.clone()
+            torch.nn.utils.clip_grad_norm_([copies[n] for n in given], 0.05)
+            s.clip_grad_norm_([params[n] for n in given], 0.05)
+        for n, p in params.items():
+            assert p.grad is None or torch.equal(p.grad, copies[n].grad), (step, n)
+        model.zero_grad(set_to_none=True)
+    monitor.close()
+    records = [decode_rank_step(k, v) for k, v in transport.messages]
+    assert [r.step for r in records] == list(range(len(heads)))
+    for rec, grads, used in zip(records, seen, heads):
+        assert {n.split(".")[0] for n in grads} == {"embed", "trunk", *used}
+        for name, want in group_reference(grads, list(grads)).items():
+            assert value(rec, name) == pytest.approx(want, rel=1e-6), (rec.step, name)
+        embedding = [n for n in grads if n.startswith("embed")]
+        for name, want in group_reference(grads, embedding).items():
+            assert value(rec, name, group="embedding") == pytest.approx(want, rel=1e-6)
+
+
 def test_fused_loss_totals_and_a_stage_without_the_loss():
     torch.manual_seed(0)
     model = TinyLM(CFG)
