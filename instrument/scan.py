@@ -126,16 +126,19 @@ def scan(
 
 
 def _fused_fields(x: torch.Tensor) -> torch.Tensor:
-    """The 7 base fields of ``x`` in one expression, for ``torch.compile`` to fuse into one
-    loop over the tensor (counts in int32 per element, summed in int64)."""
+    """The 7 base fields of ``x`` (1-D, not empty) as float64, in one expression for
+    ``torch.compile`` to fuse into one loop over the tensor (counts summed in int64)."""
     work = x.float()
     finite = torch.isfinite(work)
     clean = torch.where(finite, work, 0.0)
     magnitude = clean.abs()
     nonfinite = (~finite).sum(dtype=torch.int64)
     zeros = (clean == 0).sum(dtype=torch.int64) - nonfinite
-    return torch.stack([clean.sum(), (clean * clean).sum(), magnitude.sum(), magnitude.amax(),
-                        zeros.float(), nonfinite.float()])
+    count = torch.full((), x.shape[0], dtype=torch.float64, device=x.device)
+    f64 = torch.float64  # each field converted alone: counts stay exact past 2**24
+    return torch.stack([count, clean.sum().to(f64), (clean * clean).sum().to(f64),
+                        magnitude.sum().to(f64), magnitude.amax().to(f64), zeros.to(f64),
+                        nonfinite.to(f64)])
 
 
 _compiled: dict[str, object] = {}
@@ -155,9 +158,7 @@ def fused_scan(x: torch.Tensor) -> torch.Tensor:
     fn = _compiled.get("fields")
     if fn is None:
         fn = _compiled["fields"] = torch.compile(_fused_fields, dynamic=True)
-    fields = fn(x.reshape(-1)).to(torch.float64)  # type: ignore[operator]
-    head = torch.full((1,), float(x.numel()), dtype=torch.float64, device=x.device)
-    return torch.cat([head, fields])
+    return fn(x.reshape(-1))  # type: ignore[operator]
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

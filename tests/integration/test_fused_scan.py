@@ -23,7 +23,10 @@ def cases():
     with_specials = torch.randn(70_001, generator=g)
     with_specials[[3, 11, 500]] = torch.tensor([math.nan, math.inf, -math.inf])
     with_specials[100:140] = 0.0
+    past_f32 = torch.zeros((1 << 24) + 3)  # counts a float32 cannot hold exactly
+    past_f32[[5, 9]] = torch.tensor([math.nan, 1.5])
     return {"big": big, "specials": with_specials, "bf16": big[:65_537].bfloat16(),
+            "past_f32": past_f32,
             "zeros": torch.zeros(3, 5, 7), "empty": torch.empty(0),
             "strided": torch.randn(64, 300, generator=g).t()}
 
