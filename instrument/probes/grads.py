@@ -228,9 +228,9 @@ class GradProbe:
         if notify:
             for listener in self._listeners:
                 listener.on_gradients(state, inv)
-        if self._sharded:
-            grads = [local(g) for g in grads]  # this rank's shard
         with torch.no_grad():  # a create_graph gradient is measured, never differentiated
+            if self._sharded:
+                grads = [local(g) for g in grads]  # this rank's shard
             self._measure(state, plan, grads, inv, norm, detail)
 
     def _measure(self, state: StepState, plan: _Plan, grads: list[torch.Tensor], inv: Any,
