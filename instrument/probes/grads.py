@@ -45,7 +45,7 @@ from .tensors import TIER as SCAN_TIER
 from .tensors import TensorProbe, scale_scan
 
 __all__ = ["GradProbe", "decode_clipped", "decode_grad_detail", "decode_norms", "grad_norms",
-           "inverse_scale"]
+           "inverse_scale", "norm_kinds"]
 
 NORM_TIER = tier_of(Grad.NORM_SQ, Grad.CLIPPED)
 DETAIL_TIER = tier_of(Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
@@ -56,23 +56,30 @@ _DETAIL = ((Grad.ABS_SUM, ScanFields.SUM_ABS), (Grad.ABS_MAX, ScanFields.ABS_MAX
 
 
 # ------------------------------------------------------------------ device arithmetic
-def grad_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | float | None
-               ) -> torch.Tensor:
+def norm_kinds(grads: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    """The indices of ``grads`` by (device, dtype), as ``clip_grad_norm_`` groups them."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.device, g.dtype), []).append(i)
+    return tuple(map(tuple, by_kind.values()))
+
+
+def grad_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | float | None,
+               kinds: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
     """``‖g‖`` over all gradient elements, loss scale removed (seeds 001 §4), shape [1].
 
     Per-tensor norms come from one fused multi-tensor kernel per (device, dtype) and their
     norm is taken exactly as ``clip_grad_norm_`` takes it, so the value reproduces the
-    clipping norm (three kernels in all). Non-finite elements propagate.
+    clipping norm (three kernels in all). Non-finite elements propagate. ``kinds``:
+    ``norm_kinds(grads)``, where the caller keeps it from step to step.
     """
-    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        by_kind.setdefault((g.device, g.dtype), []).append(i)
+    kinds = norm_kinds(grads) if kinds is None else kinds
     first = grads[0].device
-    if len(by_kind) == 1:
+    if len(kinds) == 1:
         norms = list(torch._foreach_norm(list(grads), 2.0))
     else:  # clip_grad_norm_'s grouping; scatter back into parameter order
         norms = [None] * len(grads)  # type: ignore[list-item]
-        for indices in by_kind.values():
+        for indices in kinds:
             for i, n in zip(indices, torch._foreach_norm([grads[i] for i in indices], 2.0)):
                 norms[i] = n.to(first, torch.float32)
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0, dim=0, keepdim=True)
@@ -165,6 +172,7 @@ class _Plan:
     infos: tuple[ParamInfo, ...]      # their parameters
     groups: tuple[int, ...]           # the groups present, sorted
     scan: GroupPlan                   # which gradients are scanned whole, which copied where
+    kinds: tuple[tuple[int, ...], ...]  # their indices by (device, dtype), for ``grad_norms``
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +212,9 @@ class GradProbe:
         present = [i for i in range(len(grads)) if i not in frozenset(missing)]
         infos = tuple(self._params[i] for i in present)
         groups = [info.group for info in infos]
+        shards = [local(grads[i]) for i in present]
         plan = _Plan(tuple(present) if missing else None, infos, tuple(sorted(set(groups))),
-                     self._tensors.plan_groups([local(grads[i]) for i in present], groups)
+                     self._tensors.plan_groups(shards, groups), norm_kinds(shards)
                      ) if present else None
         self._plans[missing] = plan
         return plan
@@ -236,7 +245,7 @@ class GradProbe:
     def _measure(self, state: StepState, plan: _Plan, grads: list[torch.Tensor], inv: Any,
                  norm: bool, detail: bool) -> None:
         if state.due[NORM_TIER] and norm:
-            state.grad_norm = grad_norms(grads, inv)
+            state.grad_norm = grad_norms(grads, inv, plan.kinds)
         groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
         if tensors_due:  # a row per tensor (and fused part), combined by group too
             entries = []
@@ -271,18 +280,19 @@ class GradProbe:
         every = [p.grad for p in params]
         grads = [g for g in every if g is not None]
         given = self._clip_params(params)
-        self.record(state, None, None, norm=False,  # detail and structure, before clipping
+        # the clipping norm is this rank's one part of G2 (all its own gradients, 2-norm, not
+        # sharded), or G2 is measured too: a subset, another norm, shards, replicas not counted
+        same = given.plain and norm_type == 2.0 and (given.owned or self._owned_with_grad() == {
+            id(p) for p, g in zip(params, every) if g is not None})
+        self.record(state, None, None, norm=not same,  # before clipping
                     grads=every if given.owned_in_order else None)
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
         if is_dtensor(total):  # sharded gradients: the clip needs the global norm (as torchtitan)
             total = total.full_tensor()
         if state.due[NORM_TIER] and grads:
             state.clip = total.detach()
-            if given.plain and norm_type == 2.0 and (given.owned or self._owned_with_grad() == {
-                    id(p) for p, g in zip(params, every) if g is not None}):
-                state.grad_norm = state.clip  # the clipping norm is this rank's: one part
-            else:  # a subset, another norm, or replicas this rank does not count: measure
-                self.record(state, None, None, detail=False, notify=False)
+            if same:
+                state.grad_norm = state.clip
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
