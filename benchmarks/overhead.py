@@ -40,6 +40,9 @@ Figures (stdout, one line each, machine-readable):
                 Linear(32, 32) + LayerNorm(32), SGD, a ~20 ms step): the probes' per-tensor
                 Python (the gradient probe's passes over the parameters), which the tiny
                 model's 21 tensors hide; goal <= 1.01
+  p0 ratio fsdp2 1k tensors X  the same model and ratio under FSDP2 (``fully_shard`` on a
+                one-rank gloo group, CPU only): DTensor gradients, whose per-tensor Python
+                (``to_local``, the sharded norm) costs more; goal <= 1.01
   ddp ratio X   the P0 step-time ratio on 4 gloo DDP ranks (each rank trains an unmonitored
                 and a monitored DDP copy in alternating blocks); goal <= 1.01
   ddp emit_us X the emit cost per step on those ranks, worst rank; goal <= 50
@@ -220,9 +223,11 @@ MANY_BLOCKS = 250   # Linear + LayerNorm each: 1,000 parameter tensors
 MANY_ROUNDS = 40
 
 
-def many_tensors_ratio() -> tuple[float, float]:
+def many_tensors_ratio(mesh=None) -> tuple[float, float]:
     """(P0 / off of median step times, median off step in s) on ``MANY_BLOCKS`` x
-    (Linear(32, 32), LayerNorm(32)) with SGD, blocks of 10 steps interleaved."""
+    (Linear(32, 32), LayerNorm(32)) with SGD, blocks of 10 steps interleaved; with a
+    ``mesh``, each model is ``fully_shard``-ed on it (FSDP2: DTensor parameters and
+    gradients)."""
     x = torch.randn(8, 32, device=DEVICE)
     runs = {}
     for name, config in (("off", None), ("p0", ProbeConfig(
@@ -230,10 +235,15 @@ def many_tensors_ratio() -> tuple[float, float]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(layer for _ in range(MANY_BLOCKS) for layer in (
             torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))).to(DEVICE)
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model, mesh=mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         monitor = attach(model, optimizer, identity=RankIdentity(run_id=f"many-{name}", rank=0,
                                                                  world_size=1),
-                         config=config or ProbeConfig(enabled=False), transport=NullTransport())
+                         config=config or ProbeConfig(enabled=False), transport=NullTransport(),
+                         mesh=mesh)
         runs[name] = (model, optimizer, monitor, {"step": 0})
 
     def run(name: str, steps: int) -> list[float]:
@@ -263,6 +273,29 @@ def many_tensors_ratio() -> tuple[float, float]:
         monitor.close()
     off = statistics.median(times["off"])
     return statistics.median(times["p0"]) / off, off
+
+
+def fsdp_many_tensors_ratio() -> tuple[float, float]:
+    """``many_tensors_ratio`` under FSDP2 on a one-rank gloo group (CPU)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return many_tensors_ratio(init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 DDP_RANKS = 4
@@ -320,16 +353,13 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
 def ddp_figures() -> tuple[float, float]:
     """(median over ranks of the P0 step-time ratio, worst rank's emit_us) on 4 DDP ranks."""
     import json
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_ddp_rank, args=(port, out), nprocs=DDP_RANKS, start_method="spawn")
+        mp.start_processes(_ddp_rank, args=(_free_port(), out), nprocs=DDP_RANKS,
+                           start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(DDP_RANKS)]
     return (statistics.median(r["ratio"] for r in ranks), max(r["emit_us"] for r in ranks))
 
@@ -408,7 +438,12 @@ def main() -> None:
     print(f"p0 ratio 1k tensors {many:.4f}")
     sys.stdout.flush()
     if DEVICE.type != "cpu":
-        return  # the DDP figures are gloo ranks on CPU cores
+        return  # the FSDP2 and DDP figures are gloo ranks on CPU cores
+    fsdp, fsdp_off = fsdp_many_tensors_ratio()
+    print(f"# the same 1,000 tensors under FSDP2 (fully_shard, one gloo rank: DTensor "
+          f"gradients); median step off {fsdp_off * 1e3:.1f} ms", file=sys.stderr)
+    print(f"p0 ratio fsdp2 1k tensors {fsdp:.4f}")
+    sys.stdout.flush()
     ddp_ratio, ddp_emit = ddp_figures()
     print(f"ddp ratio {ddp_ratio:.4f}")
     print(f"ddp emit_us {ddp_emit:.1f}")
