@@ -48,8 +48,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own part of ``t``: the local shard of a DTensor, else ``t`` itself.
 
     A DTensor that needs no gradient (a gradient, an optimizer state) takes ``to_local``'s
-    path without an autograd node: 0.1 against 3.6 us a tensor here, ~1 ms a step for a
-    model of 300 sharded gradients."""
+    path without an autograd node. Measured here on 300 sharded tensors: 3.6 us a tensor on
+    the autograd path, 1.7 us through this function, 0.35 us when the caller is already
+    under ``torch.no_grad()`` (as the gradient probe is)."""
     to_local = getattr(t, "to_local", None)
     if to_local is None:
         return t

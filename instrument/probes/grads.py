@@ -209,7 +209,8 @@ class GradProbe:
             return self._plans[missing]
         if len(self._plans) >= 16:  # gradients that come and go from step to step
             self._plans.clear()
-        present = [i for i in range(len(grads)) if i not in frozenset(missing)]
+        gone = frozenset(missing)
+        present = [i for i in range(len(grads)) if i not in gone]
         infos = tuple(self._params[i] for i in present)
         groups = [info.group for info in infos]
         shards = [local(grads[i]) for i in present]
