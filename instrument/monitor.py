@@ -138,7 +138,7 @@ class Monitor:
         self._handles: list[Any] = []
         if registry.logits is not None and registry.logits.report:
             self._handles.append(registry.logits.module.register_forward_hook(
-                logits_hook(self._state)))
+                logits_hook(self._state, fused=self.scan_backend == "compiled")))
         if optimizer is not None:
             in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
             reported = [i for i in registry.params if i.owned and id(i.param) in in_optimizer]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from probewire.instrument.probes.head import HOST_REDUCE_POSITIONS, decode_head, output_head
 from probewire.instrument.probes.tensors import masked_scan
 from probewire.instrument.scan import ScanFields as F
 from probewire.instrument.scan import fused_scan, scan
@@ -75,12 +76,44 @@ def test_gradient_groups_through_the_fused_scan_equal_the_float64_reference(monk
                                    rtol=2e-6, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [7, HOST_REDUCE_POSITIONS // 2])  # rows to the host, reduced
+def test_fused_output_head_is_the_float64_reference_over_valid_positions(dtype, seq):
+    """The compiled one-pass head statistics: padding that holds garbage (1e6, NaN) left
+    out, then a NaN logit at a valid position propagates; two micro-batches."""
+    g = torch.Generator().manual_seed(5)
+    z = (3 * torch.randn(4, seq, 11, generator=g)).to(dtype)
+    mask = torch.rand(4, seq, generator=g) > 0.4
+    z[~mask] = 1e6
+    z[0, 0, 0] = float("nan") if not mask[0, 0] else z[0, 0, 0]
+    rows = z[mask].double().numpy()
+
+    def decoded(z):
+        parts = [output_head(z[half], mask[half], fused=True) for half in (slice(0, 3),
+                                                                          slice(3, 4))]
+        return {p.name: p.value for p in decode_head(
+            [(torch.cat([t.reshape(-1).double() for t in vec]).numpy(), meta)
+             for vec, meta in parts])}
+
+    got = decoded(z)
+    assert got["output.logits_n"] == rows.size
+    assert got["output.logits_abs_max"] == pytest.approx(np.abs(rows).max(), rel=1e-7)
+    assert got["output.logits_sum_sq"] == pytest.approx((rows ** 2).sum(), rel=1e-5)
+    i, j = map(int, mask.nonzero()[0])
+    z[i, j, 3] = float("nan")
+    got = decoded(z)
+    assert math.isnan(got["output.logits_abs_max"]) and math.isnan(got["output.logits_sum_sq"])
+
+
 def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(monkeypatch):
     import torch.nn.functional as F_
 
     from probewire.instrument import batchscan
+    from probewire.instrument.probes import head
 
     from probewire.deploy.demo.model import TinyConfig, TinyLM
+
+    compiled_rows = torch.compile(head._row_stats, dynamic=True)
     from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
     from probewire.instrument.wire import decode_rank_step
 
@@ -99,14 +132,17 @@ def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(mon
             s.gradients()
         monitor.close()
         [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
-        return {key: v for key, v in rec.values.items() if key[0].startswith("grad.")}
+        return {key: v for key, v in rec.values.items()
+                if key[0].startswith(("grad.", "output.logits"))}
 
-    calls = []
+    calls, heads = [], []
     monkeypatch.setattr(batchscan, "fused_scan", lambda x: calls.append(x) or fused_scan(x))
+    monkeypatch.setattr(head, "_compiled_rows", [lambda z: heads.append(z) or compiled_rows(z)])
     eager = grad_points("eager")
-    assert not calls
+    assert not calls and not heads
     compiled = grad_points("compiled")
     assert len(calls) >= 2  # every step's gradient groups went through the compiled pass
-    assert eager.keys() == compiled.keys() and len(eager) >= 16
+    assert len(heads) == 1  # and the step's logits through the compiled head
+    assert eager.keys() == compiled.keys() and len(eager) >= 19
     for key, value in eager.items():
         assert compiled[key] == pytest.approx(value, rel=2e-6), key
