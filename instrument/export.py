@@ -116,7 +116,14 @@ class KafkaTransport:
         return left
 
     def close(self) -> None:
-        self.flush(0.0 if self._stuck else 10.0)
+        """Deliver what is pending (up to 10 s; none when the last flush found no broker).
+        What is still undelivered then is lost with the producer: counted in ``failed``
+        and said in one warning, never dropped silently."""
+        left = self.flush(0.0 if self._stuck else 10.0)
+        if left:
+            self.failed += left
+            log.warning("probewire: %d message(s) to %s not delivered at close (no broker "
+                        "reached); they are lost", left, self._topic)
 
     def to_topic(self, topic: str) -> "KafkaTransport":
         """A transport with this one's client settings to another topic (its own producer)."""

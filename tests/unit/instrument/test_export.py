@@ -239,3 +239,25 @@ def test_dump_sends_the_held_steps_once_marked_as_replay():
                  for _, v in transport.messages]
     replay = [attrs(r.attributes).get("probewire.replay", False) for r in resources]
     assert replay == [False] * 5 + [True] * 3
+
+
+def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silently(caplog):
+    """No broker at the address: what the producer still holds at close is counted as
+    failed and named in one warning (the rank exits; those messages are gone)."""
+    import socket
+
+    from probewire.instrument import KafkaTransport
+
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    transport = KafkaTransport({"bootstrap.servers": f"127.0.0.1:{port}",
+                                "message.timeout.ms": "60000"}, "otlp_metrics")
+    assert all(transport.send(b"run:%d" % i, b"x") for i in range(3))
+    assert transport.flush(0.2) == 3
+    with caplog.at_level("WARNING", logger="probewire.instrument.export"):
+        transport.close()
+    assert transport.failed == 3
+    assert [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()] == [
+        "probewire: 3 message(s) to otlp_metrics not delivered at close (no broker reached); "
+        "they are lost"]
