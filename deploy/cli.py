@@ -244,7 +244,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     import faust
 
-    from probewire.deploy.faults import crash_hook
+    from probewire.deploy.faults import fault_hook
     from probewire.stream.app import create_app
     from probewire.stream.publish import broker_message_limit, check_message_limit
 
@@ -257,7 +257,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         settings.kafka.client_config(), [topics.steps, topics.deadletter]))
     app = create_app(settings.stream, settings.kafka, settings.topics,
                      functools.partial(open_store, settings, read_port=args.sql_port),
-                     heartbeat, crash_hook())
+                     heartbeat, fault_hook())
     worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False,
                           logging_config=logging_config(args.log_format, args.loglevel,
                                                         "worker"))

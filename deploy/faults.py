@@ -4,6 +4,8 @@
 an outage would (``OSError``: retried by the sink, then ``StoreUnavailable``).
 ``PROBEWIRE_FAULT_CRASH_AGENT=name``: the named agent raises on its next event (the
 health check must then fail naming it).
+``PROBEWIRE_FAULT_SKIP_RANK_MESSAGES=3,6,7``: the 3rd, 6th and 7th rank message of each
+partition never reach stage 1, as when the consumer moved past them (``stream.gaps``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["crash_hook", "with_outage"]
+__all__ = ["fault_hook", "with_outage"]
 
 
 class _OutageClient:
@@ -38,10 +40,19 @@ def with_outage(client: Any, env: dict[str, str] | None = None) -> Any:
     return _OutageClient(client, Path(flag)) if flag else client
 
 
-def crash_hook(env: dict[str, str] | None = None) -> Callable[[str], None]:
-    target = (env or os.environ).get("PROBEWIRE_FAULT_CRASH_AGENT", "")
+def fault_hook(env: dict[str, str] | None = None) -> Callable[..., bool]:
+    """The worker's ``before_event(agent, partition)``: raises for the agent to crash;
+    True for a rank message to drop."""
+    env = env or os.environ
+    target = env.get("PROBEWIRE_FAULT_CRASH_AGENT", "")
+    skip = {int(n) for n in env.get("PROBEWIRE_FAULT_SKIP_RANK_MESSAGES", "").split(",") if n}
+    seen: dict[int, int] = {}
 
-    def before_event(agent: str) -> None:
+    def before_event(agent: str, partition: int | None = None) -> bool:
         if agent == target:
             raise RuntimeError(f"injected crash (PROBEWIRE_FAULT_CRASH_AGENT={target})")
+        if agent != "assemble" or not skip or partition is None:
+            return False
+        seen[partition] = seen.get(partition, 0) + 1
+        return seen[partition] in skip
     return before_event

@@ -27,6 +27,7 @@ from probewire.sinks.clickhouse import ClickHouseSink
 
 from .config import StreamConfig
 from .consumer import Consumer, use_fetch_wait
+from .gaps import GapReader
 from .kafka import KafkaConfig, TopicConfig, broker_credentials
 from .publish import Publisher
 from .worker import Worker, dead_letter_row
@@ -53,7 +54,8 @@ class _App(faust.App):
 
 def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
                open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
-               before_event: Callable[[str], None] = lambda agent: None) -> faust.App:
+               before_event: Callable[..., bool] = lambda agent, partition=None: False
+               ) -> faust.App:
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
     use_fetch_wait(config.fetch_max_wait_ms)
@@ -82,7 +84,8 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     )
     client_config = kafka.client_config()  # a missing SASL password fails here, at build
     worker = Worker(config, topics, lambda: Publisher(client_config, config.max_message_bytes),
-                    open_store, heartbeat_path, before_event)
+                    open_store, heartbeat_path, before_event,
+                    make_gap_reader=lambda: GapReader(client_config))
     app.probewire_worker = worker
 
     @app.agent(app.topic(topics.metrics))
@@ -94,6 +97,10 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     @app.timer(interval=1.0)
     async def tick() -> None:
         await worker.tick()
+
+    @app.on_partitions_revoked.connect
+    async def forget_offsets(*args: Any, **kwargs: Any) -> None:
+        worker.gap_watch.forget()  # partitions may come back where another worker left them
 
     @app.service
     class Shutdown(faust.Service):

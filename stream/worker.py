@@ -29,6 +29,7 @@ from .alerting import AlertmanagerWebhook
 from .assemble import REPLAY, StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
+from .gaps import GapReader, GapWatch
 from .health import Heartbeat, Progress
 from .kafka import TopicConfig
 from .lifecycle import EventError, parse_event
@@ -53,11 +54,15 @@ class Worker:
 
     def __init__(self, config: StreamConfig, topics: TopicConfig,
                  make_publisher: Callable[[], Publisher], open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
-                 before_event: Callable[[str], None] = lambda agent: None) -> None:
+                 before_event: Callable[..., bool] = lambda agent, partition=None: False,
+                 make_gap_reader: Callable[[], GapReader] | None = None) -> None:
         self.config = config
         self.topics = topics
         self.make_publisher = make_publisher
         self.publisher: Publisher | None = None  # made in the worker process, on start
+        self.make_gap_reader = make_gap_reader
+        self.gaps: GapReader | None = None        # made on start, as the publisher
+        self.gap_watch = GapWatch()
         self.publishing = asyncio.Event()
         self.open_store = open_store
         self.before_event = before_event  # a test hook (fault injection), a no-op otherwise
@@ -86,6 +91,8 @@ class Worker:
         unavailable; a ``stage1`` worker has none); then ready."""
         self.publisher = self.make_publisher()
         self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
+        if self.make_gap_reader is not None:
+            self.gaps = self.make_gap_reader()
         self.publishing.set()
         if self.config.role == "stage1":
             self.write_heartbeat("ready")
@@ -148,9 +155,24 @@ class Worker:
 
     # -- stage 1 ------------------------------------------------------------------------------
     async def on_rank_message(self, event: Any) -> None:
-        """Decode, validate, gather; publish each step its message completes."""
-        self.before_event("assemble")
+        """Read first what the consumer skipped before this message (``gaps``), then this
+        message: decode, validate, gather; publish each step its message completes."""
+        message = event.message
+        if self.before_event("assemble", message.partition):  # a test's fault: as if the
+            event.ack()                                       # consumer skipped this one
+            return
         await self.publishing.wait()
+        skipped = self.gap_watch.gap(message.partition, message.offset)
+        if skipped is not None and self.gaps is not None:
+            for missed in await asyncio.get_running_loop().run_in_executor(
+                    None, self.gaps.read, message.topic, message.partition, *skipped):
+                log.warning("rank message at partition %d offset %d read again by offset "
+                            "(the consumer skipped it)", message.partition,
+                            missed.message.offset)
+                await self._gather(missed)
+        await self._gather(event)
+
+    async def _gather(self, event: Any) -> None:
         try:
             record = decode_rank_step(event.key, event.value)
         except DecodeError as exc:
@@ -389,6 +411,8 @@ class Worker:
         left = self.publisher.close() if self.publisher is not None else 0
         if left:
             log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)
+        if self.gaps is not None:
+            self.gaps.close()
         self._writer.shutdown(wait=True)
 
 

@@ -71,3 +71,29 @@ def test_sends_from_two_event_loops_in_turn_each_return(kafka_bootstrap):
     values = sorted(v for _, v in _read_all(kafka_bootstrap, topic, 100))
     assert values == sorted([f"a{i}".encode() for i in range(50)] +
                             [f"b{i}".encode() for i in range(50)])
+
+
+def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_end(
+        kafka_bootstrap):
+    """What the worker reads again when its consumer skipped offsets (``stream.gaps``)."""
+    from confluent_kafka import Producer
+
+    from probewire.stream.gaps import GapReader
+
+    topic = f"gaps-{uuid.uuid4().hex[:8]}"
+    create_topics(kafka_bootstrap, {topic: 1})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 0})
+    for i in range(6):
+        producer.produce(topic, key=b"run:%d" % i, value=b"v%d" % i)
+        producer.flush(10)  # one record a batch: offsets 0..5
+    reader = GapReader({"bootstrap.servers": kafka_bootstrap}, wait_s=2.0)
+    try:
+        got = reader.read(topic, 0, 2, 5)
+        assert [(m.key, m.value, m.message.offset) for m in got] == [
+            (b"run:2", b"v2", 2), (b"run:3", b"v3", 3), (b"run:4", b"v4", 4)]
+        assert got[0].message.topic == topic and got[0].message.partition == 0
+        started = time.monotonic()
+        assert reader.read(topic, 0, 6, 8) == []  # nothing there: gone, after wait_s
+        assert time.monotonic() - started < 5.0
+    finally:
+        reader.close()

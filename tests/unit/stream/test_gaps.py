@@ -1,0 +1,23 @@
+"""The offsets a consumer skipped in a partition: named once, short gaps only."""
+
+from __future__ import annotations
+
+from probewire.stream.gaps import GapWatch
+
+
+def test_a_skipped_offset_is_named_once_and_in_order_reads_name_none():
+    watch = GapWatch()
+    assert [watch.gap(0, o) for o in (5, 6, 7)] == [None, None, None]  # the first: unknown
+    assert watch.gap(0, 9) == (8, 9)
+    assert watch.gap(0, 10) is None
+    assert watch.gap(1, 40) is None and watch.gap(1, 44) == (41, 44)  # per partition
+
+
+def test_a_redelivery_restarts_the_count_and_a_long_jump_or_a_rebalance_is_no_gap():
+    watch = GapWatch(max_gap=64)
+    watch.gap(0, 100)
+    assert watch.gap(0, 90) is None and watch.gap(0, 91) is None  # redelivered from 90
+    assert watch.gap(0, 91 + 66) is None  # 65 skipped: another worker's reads, not a gap
+    assert watch.gap(0, 91 + 66 + 65) == (91 + 67, 91 + 66 + 65)  # 64 skipped: a gap
+    watch.forget()
+    assert watch.gap(0, 500) is None
