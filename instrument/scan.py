@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "BASE_FIELDS",
+    "compiled",
     "fused_scan",
     "CPU_CHUNK_ELEMS",
     "DEVICE_CHUNK_ELEMS",
@@ -141,7 +142,16 @@ def _fused_fields(x: torch.Tensor) -> torch.Tensor:
                         nonfinite.to(f64)])
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn, dynamic=True)``, made once per process (the compile itself runs
+    at the first call: 10-20 s on a CPU core; ``dynamic``: no recompile per size)."""
+    made = _compiled.get(fn)
+    if made is None:
+        made = _compiled[fn] = torch.compile(fn, dynamic=True)
+    return made
 
 
 def fused_scan(x: torch.Tensor) -> torch.Tensor:
@@ -155,10 +165,7 @@ def fused_scan(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     if x.numel() == 0:
         return torch.zeros(BASE_FIELDS, dtype=torch.float64, device=x.device)
-    fn = _compiled.get("fields")
-    if fn is None:
-        fn = _compiled["fields"] = torch.compile(_fused_fields, dynamic=True)
-    return fn(x.reshape(-1))  # type: ignore[operator]
+    return compiled(_fused_fields)(x.reshape(-1))
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

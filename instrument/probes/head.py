@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..catalog import Output, tier_of
+from ..scan import compiled
 from ..state import StepState
 from ..wire import Point
 from .common import F64, first_tensor, recomputing
@@ -41,9 +42,6 @@ def _row_stats(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return work.amax(-1), work.amin(-1), (work * work).sum(-1).sqrt()
 
 
-_compiled_rows: list[Callable] = []
-
-
 def output_head(logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = False
                 ) -> tuple[list[torch.Tensor], tuple]:
     """Output-logit components over valid positions of logits z [..., V] (002, 001 §6).
@@ -60,9 +58,7 @@ def output_head(logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = F
     z = logits.detach().reshape(-1, vocab)  # positions × vocabulary: 1-D row statistics
     positions = z.shape[0]
     if fused:
-        if not _compiled_rows:
-            _compiled_rows.append(torch.compile(_row_stats, dynamic=True))
-        top, bottom, norms = _compiled_rows[0](z)
+        top, bottom, norms = compiled(_row_stats)(z)
     else:
         top, bottom = z.amax(-1), z.amin(-1)
         norms = torch.linalg.vector_norm(z, dim=-1, dtype=torch.promote_types(z.dtype,

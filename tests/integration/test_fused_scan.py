@@ -109,6 +109,7 @@ def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(mon
     import torch.nn.functional as F_
 
     from probewire.instrument import batchscan
+    from probewire.instrument import scan as scan_module
     from probewire.instrument.probes import head
 
     from probewire.deploy.demo.model import TinyConfig, TinyLM
@@ -137,7 +138,8 @@ def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(mon
 
     calls, heads = [], []
     monkeypatch.setattr(batchscan, "fused_scan", lambda x: calls.append(x) or fused_scan(x))
-    monkeypatch.setattr(head, "_compiled_rows", [lambda z: heads.append(z) or compiled_rows(z)])
+    monkeypatch.setitem(scan_module._compiled, head._row_stats,
+                        lambda z: heads.append(z) or compiled_rows(z))
     eager = grad_points("eager")
     assert not calls and not heads
     compiled = grad_points("compiled")
