@@ -85,7 +85,7 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     client_config = kafka.client_config()  # a missing SASL password fails here, at build
     worker = Worker(config, topics, lambda: Publisher(client_config, config.max_message_bytes),
                     open_store, heartbeat_path, before_event,
-                    make_gap_reader=lambda: GapReader(client_config))
+                    make_gap_reader=lambda: GapReader(client_config, config.app_id))
     app.probewire_worker = worker
 
     @app.agent(app.topic(topics.metrics))
@@ -101,6 +101,10 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
     @app.on_partitions_revoked.connect
     async def forget_offsets(*args: Any, **kwargs: Any) -> None:
         worker.gap_watch.forget()  # partitions may come back where another worker left them
+
+    @app.on_partitions_assigned.connect
+    async def begin_offsets(sender: Any, assigned: set[Any], **kwargs: Any) -> None:
+        await worker.on_assigned(tp.partition for tp in assigned if tp.topic == topics.metrics)
 
     @app.service
     class Shutdown(faust.Service):

@@ -8,19 +8,20 @@ together; read again by offset, the record is there). Stage 1 keys a step's mess
 partition, so that is exactly how its ranks write, and the step was stored without a rank.
 
 ``GapWatch`` notices an offset that jumps past the next one in a partition; the worker
-then reads the offsets in between with ``GapReader`` (a plain consumer, no group) before
+then reads the offsets in between with ``GapReader`` (a consumer that joins no group) before
 the message after the gap, so the order stage 1 relies on holds. On a Kafka broker a gap
 is a transaction marker or a compacted record: the read finds nothing and costs one fetch.
-Not covered: a record skipped before the first message a worker reads in a partition
-(after its start or a rebalance), where there is no previous offset to compare with.
+Before the first message a worker reads in a partition (after its start or a rebalance)
+the previous offset is the one its consumer group starts from: on each assignment,
+``GapReader.starts`` asks the broker for it (the group's committed offset, else the
+partition's first), while the new partitions are still paused.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 __all__ = ["GapReader", "GapWatch", "Refetched"]
 
@@ -29,12 +30,18 @@ class GapWatch:
     """The last offset read in each partition; ``gap`` names the offsets skipped.
 
     Only a short gap (at most ``max_gap`` offsets) is one the broker skipped; a longer
-    jump is a partition that another worker read meanwhile, and ``forget`` (on a
-    rebalance) starts every partition's count again."""
+    jump is a partition that another worker read meanwhile. ``forget`` (partitions
+    revoked) starts every partition's count again, ``begin`` (partitions assigned) from
+    the offset the consumer reads first."""
 
     def __init__(self, max_gap: int = 64) -> None:
         self._last: dict[int, int] = {}
         self._max_gap = max_gap
+
+    def begin(self, partition: int, offset: int) -> None:
+        """The consumer reads ``partition`` from ``offset``: a first message past it
+        follows a gap."""
+        self._last[partition] = offset - 1
 
     def gap(self, partition: int, offset: int) -> tuple[int, int] | None:
         """[start, end) skipped before ``offset``, or None. A redelivery (an offset at or
@@ -70,17 +77,43 @@ class Refetched:
 
 
 class GapReader:
-    """Reads given offsets of one partition with its own consumer (confluent-kafka, no
-    consumer group, nothing committed). Blocking: run it in an executor."""
+    """Reads given offsets of one partition with its own consumer (confluent-kafka). It
+    names the worker's consumer group, to read the group's committed offsets, but never
+    joins it (it assigns partitions itself) and commits nothing. Blocking: run it in an
+    executor."""
 
-    def __init__(self, client_config: Mapping[str, str], wait_s: float = 1.0) -> None:
+    def __init__(self, client_config: Mapping[str, str], group_id: str,
+                 wait_s: float = 1.0) -> None:
         from confluent_kafka import Consumer
 
         # a short fetch wait: Tansu answers a waiting fetch only at its deadline
         self._consumer = Consumer({
-            **client_config, "group.id": f"probewire-gaps-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": "false", "fetch.wait.max.ms": "10"})
+            **client_config, "group.id": group_id, "enable.auto.commit": "false",
+            "fetch.wait.max.ms": "10"})
         self._wait_s = wait_s
+
+    def starts(self, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+        """Where the group reads each partition from after an assignment: its committed
+        offset, else the partition's first (the worker starts a new group at the earliest
+        offset); a partition the broker does not answer for within ``wait_s`` is left out."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        try:
+            committed = self._consumer.committed(
+                [TopicPartition(topic, p) for p in partitions], timeout=self._wait_s)
+        except KafkaException:
+            return {}
+        found: dict[int, int] = {}
+        for tp in committed:
+            if tp.error is None and tp.offset >= 0:
+                found[tp.partition] = tp.offset
+                continue
+            try:
+                found[tp.partition], _ = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, tp.partition), timeout=self._wait_s)
+            except KafkaException:
+                pass
+        return found
 
     def read(self, topic: str, partition: int, start: int, end: int) -> list[Refetched]:
         """The records at offsets [start, end), as many as appear within ``wait_s``."""

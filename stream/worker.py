@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from probewire.instrument.wire import DecodeError, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
@@ -154,6 +154,16 @@ class Worker:
         self.write_heartbeat()
 
     # -- stage 1 ------------------------------------------------------------------------------
+    async def on_assigned(self, partitions: Iterable[int]) -> None:
+        """Partitions of the rank topic were assigned (still paused): the offset the
+        consumer reads each from, so a message skipped first is a gap too (``gaps``)."""
+        if self.gaps is None:
+            return
+        starts = await asyncio.get_running_loop().run_in_executor(
+            None, self.gaps.starts, self.topics.metrics, sorted(partitions))
+        for partition, offset in starts.items():
+            self.gap_watch.begin(partition, offset)
+
     async def on_rank_message(self, event: Any) -> None:
         """Read first what the consumer skipped before this message (``gaps``), then this
         message: decode, validate, gather; publish each step its message completes."""

@@ -76,7 +76,7 @@ def test_sends_from_two_event_loops_in_turn_each_return(kafka_bootstrap):
 def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_end(
         kafka_bootstrap):
     """What the worker reads again when its consumer skipped offsets (``stream.gaps``)."""
-    from confluent_kafka import Producer
+    from confluent_kafka import Consumer, Producer, TopicPartition
 
     from probewire.stream.gaps import GapReader
 
@@ -86,8 +86,10 @@ def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_
     for i in range(6):
         producer.produce(topic, key=b"run:%d" % i, value=b"v%d" % i)
         producer.flush(10)  # one record a batch: offsets 0..5
-    reader = GapReader({"bootstrap.servers": kafka_bootstrap}, wait_s=2.0)
+    group = f"gaps-group-{uuid.uuid4().hex[:8]}"
+    reader = GapReader({"bootstrap.servers": kafka_bootstrap}, group, wait_s=2.0)
     try:
+        assert reader.starts(topic, [0]) == {0: 0}  # nothing committed: the first offset
         got = reader.read(topic, 0, 2, 5)
         assert [(m.key, m.value, m.message.offset) for m in got] == [
             (b"run:2", b"v2", 2), (b"run:3", b"v3", 3), (b"run:4", b"v4", 4)]
@@ -95,5 +97,12 @@ def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_
         started = time.monotonic()
         assert reader.read(topic, 0, 6, 8) == []  # nothing there: gone, after wait_s
         assert time.monotonic() - started < 5.0
+        committer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group,
+                              "enable.auto.commit": "false"})
+        try:  # the group's committed offset, as a worker's consumer commits it
+            committer.commit(offsets=[TopicPartition(topic, 0, 4)], asynchronous=False)
+        finally:
+            committer.close()
+        assert reader.starts(topic, [0]) == {0: 4}
     finally:
         reader.close()

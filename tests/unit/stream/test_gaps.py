@@ -21,3 +21,14 @@ def test_a_redelivery_restarts_the_count_and_a_long_jump_or_a_rebalance_is_no_ga
     assert watch.gap(0, 91 + 66 + 65) == (91 + 67, 91 + 66 + 65)  # 64 skipped: a gap
     watch.forget()
     assert watch.gap(0, 500) is None
+
+
+def test_a_first_message_past_where_the_group_started_follows_a_gap():
+    watch = GapWatch()
+    watch.begin(3, 20)  # partition 3 assigned: the group reads it from offset 20
+    assert watch.gap(3, 22) == (20, 22)  # offsets 20 and 21 never arrived
+    watch.begin(4, 7)
+    assert watch.gap(4, 7) is None  # the first message where the group started: no gap
+    assert watch.gap(5, 9) is None  # a partition with no known start: nothing to compare
+    watch.forget()
+    assert watch.gap(3, 30) is None
