@@ -23,6 +23,7 @@ import functools
 import math
 import statistics
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from probewire.instrument.catalog import CATALOG, Group, Reduction
@@ -55,7 +56,13 @@ def _plan(name: str) -> tuple[Reduction, tuple[str, ...]]:
     return spec.reduction, _distinguishing(spec.replicated_over)
 
 
-def _apply(reduction: Reduction, values: list[float]) -> float:
+@functools.lru_cache(maxsize=256)
+def _sorted_keys(series: tuple[SeriesKey, ...]) -> list[SeriesKey]:
+    """A step's series in sorted order (the reduced values' order), sorted once per run."""
+    return sorted(series)
+
+
+def _apply(reduction: Reduction, values: Sequence[float]) -> float:
     if reduction is Reduction.SUM:  # fsum: exact, so the ranks' order cannot change it
         try:
             return math.fsum(values)  # NaN in, NaN out
@@ -79,12 +86,20 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
     """Reduce one step's per-rank records with the catalog's rules."""
     records = sorted(records, key=lambda r: r.rank)
     values = [r.values for r in records]
-    keys: set[SeriesKey] = set().union(*values)
-    everywhere = set(values[0]).intersection(*values[1:]) if values else set()
+    series = tuple(values[0]) if values else ()
+    if all(tuple(v) == series for v in values):  # the usual step: one series order
+        keys = _sorted_keys(series)
+        everywhere: set[SeriesKey] | frozenset[SeriesKey] = frozenset(series)
+        # each series' values over the records, built in C: no lookup per rank and series
+        columns = dict(zip(series, zip(*(v.values() for v in values))))
+    else:
+        keys = sorted(set().union(*values))
+        everywhere = set(values[0]).intersection(*values[1:])
+        columns = {}
     reduced: dict[SeriesKey, float] = {}
     classes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # groups -> class per record
     firsts: dict[tuple[str, ...], list[int]] = {}  # groups -> first record of each class
-    for key in sorted(keys):
+    for key in keys:
         reduction, groups = _plan(key[0])
         if reduction is Reduction.PER_RANK:
             continue
@@ -95,7 +110,10 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
                 first.setdefault(cls, i)
             firsts[groups] = list(first.values())
         # the lowest rank of each replica class that reported this series
-        if key in everywhere:
+        column = columns.get(key)
+        if column is not None and len(firsts[groups]) == len(records):  # no replicas
+            representatives = column
+        elif key in everywhere:
             representatives = [values[i][key] for i in firsts[groups]]
         else:
             chosen: dict[tuple[int, ...], float] = {}

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .rolling import sorted_median
+
 __all__ = [
     "ExpertBalance",
     "GradStats",
@@ -176,10 +178,12 @@ def straggler_score(step_times: Sequence[float], eps: float = 1e-8) -> float | N
 
     S is about 1 when ranks move together and grows when one slow rank sets the pace.
     """
-    times = _counts("step_times", step_times)
-    if times.size == 0:
+    times = sorted(float(t) + 0.0 for t in step_times)  # + 0.0: no -0.0
+    if not all(math.isfinite(t) and t >= 0 for t in times):
+        raise ValueError("step_times must hold finite values >= 0")
+    if not times:
         return None
-    return float(np.max(times)) / (float(np.median(times)) + _scalar("eps", eps, positive=True))
+    return times[-1] / (sorted_median(times) + _scalar("eps", eps, positive=True))
 
 
 OWN_FLOOR = 0.05
@@ -218,22 +222,20 @@ def own_time_ratios(own: Mapping[int, float]) -> dict[int, float]:
     if len(own) < 2:
         return {}
     ranks = sorted(own)
-    values = np.array([float(own[r]) for r in ranks], dtype=np.float64)
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    pos = np.empty(len(ranks), dtype=np.int64)
-    pos[order] = np.arange(len(ranks))
-    n = len(ranks) - 1  # values left after taking one out
-
-    def reduced(j: np.ndarray) -> np.ndarray:  # j-th value of the sorted rest, per rank
-        return np.where(j < pos, ordered[j], ordered[np.minimum(j + 1, len(ranks) - 1)])
-
-    m = n // 2
-    if n % 2:
-        medians = reduced(np.full(len(ranks), m))
-    else:
-        medians = 0.5 * (reduced(np.full(len(ranks), m - 1)) + reduced(np.full(len(ranks), m)))
-    return {r: float(values[i] / medians[i]) for i, r in enumerate(ranks)}
+    values = [float(own[r]) for r in ranks]
+    order = sorted(range(len(ranks)), key=values.__getitem__)
+    ordered = [values[i] for i in order]
+    m, odd = divmod(len(ranks) - 1, 2)  # the median's place among the n - 1 values left
+    ratios: dict[int, float] = {}
+    for place, i in enumerate(order):  # rank i holds place ``place`` in the sorted values
+        # the j-th of the rest is ordered[j] before that place, ordered[j + 1] from it on
+        upper = ordered[m] if m < place else ordered[m + 1]
+        if odd:
+            median = upper
+        else:
+            median = 0.5 * ((ordered[m - 1] if m - 1 < place else ordered[m]) + upper)
+        ratios[ranks[i]] = values[i] / median
+    return dict(sorted(ratios.items()))
 
 
 def rank_means(loss_sums: Mapping[int, float], token_counts: Mapping[int, float]) -> dict[int, float]:

@@ -14,10 +14,13 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from operator import itemgetter
 
 import numpy as np
 
 from .rolling import sorted_median, sorted_median_mad, sorted_quantile
+
+_VALUE = itemgetter(1)  # u of a (step, u) pair
 
 __all__ = [
     "MIN_SPREAD",
@@ -438,8 +441,9 @@ class RankLevels:
         first = recent[len(recent) - steps][0]
         if recent[-1][0] != self._step or recent[-1][0] - first != steps - 1:
             return None
-        u = sorted(v for _, v in islice(recent, len(recent) - steps, None))
-        return math.exp(sorted_quantile(u, quantile) - math.log(base))
+        u = map(_VALUE, islice(recent, len(recent) - steps, None))
+        level = min(u) if quantile == 0.0 else sorted_quantile(sorted(u), quantile)
+        return math.exp(level - math.log(base))
 
     def latest(self, rank: int) -> float | None:
         """rho_r at the latest step, None when the rank had no value there."""

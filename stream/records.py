@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -32,11 +34,26 @@ def _encode_key(key: SeriesKey) -> str:
     return text
 
 
+def _decode_keys(texts: bytes) -> list[SeriesKey]:
+    """The keys of a header's ``"keys":[...]`` JSON array (its bytes): a run's steps carry
+    the same keys, so the list is parsed once and looked up after."""
+    keys = _KEYS.get(texts)
+    if keys is None:
+        keys = [_decode_key(text) for text in json.loads(texts)]
+        if len(_KEYS) >= _LAYOUTS_MAX:
+            _KEYS.clear()
+        _KEYS[texts] = keys
+    return keys
+
+
 def _decode_key(text: str) -> SeriesKey:
     key = _TEXT_KEY.get(text)
     if key is None:
         name, *pairs = text.split("|")
-        key = name, tuple(tuple(p.split("=", 1)) for p in pairs)  # type: ignore[assignment]
+        labels = tuple(tuple(p.split("=", 1)) for p in pairs)
+        if any(len(label) != 2 for label in labels):
+            raise ValueError(f"a label without '=' in series {text!r}")
+        key = name, labels  # type: ignore[assignment]
         if len(_TEXT_KEY) >= _CACHE_MAX:
             _TEXT_KEY.clear()
         _TEXT_KEY[text] = key
@@ -48,6 +65,31 @@ _TEXT_KEY: dict[str, SeriesKey] = {}
 _CACHE_MAX = 1 << 16
 """Series keys and their text, both ways: a run sends the same series every step (so a
 step's keys are looked up, not formatted or parsed); bounded, emptied when full."""
+_KEYS: dict[bytes, list[SeriesKey]] = {}
+_LAYOUTS_MAX = 256
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a step's reduced series and its ranks' series go among its sorted keys."""
+
+    size: int
+    index: dict[SeriesKey, int]
+    reduced: np.ndarray   # column of each reduced series, in the step's order
+    series: np.ndarray    # column of each series of a rank, in the ranks' shared order
+    keys_json: bytes      # ',"keys":[...]}': the header's end
+
+
+@functools.lru_cache(maxsize=_LAYOUTS_MAX)
+def _layout(reduced: tuple[SeriesKey, ...], series: tuple[SeriesKey, ...]) -> _Layout:
+    """The layout of a step with these reduced series and per-rank series: the same every
+    step of a run, so it is made once (the keys sorted, their text written)."""
+    keys = sorted(set(reduced).union(series))
+    index = {k: i for i, k in enumerate(keys)}
+    texts = json.dumps([_encode_key(k) for k in keys], separators=(",", ":"))
+    return _Layout(len(keys), index, np.array([index[k] for k in reduced], np.intp),
+                   np.array([index[k] for k in series], np.intp),
+                   f',"keys":{texts}}}'.encode())
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,34 +115,37 @@ class ReducedStep:
         """
         per_rank = self.per_rank
         ranks = sorted(per_rank)
-        first = tuple(per_rank[ranks[0]]) if ranks else ()
-        same = all(tuple(per_rank[r]) == first for r in ranks)  # the usual step
-        keys = sorted(set(self.reduced).union(first) if same else
-                      set(self.reduced).union(*(v.keys() for v in per_rank.values())))
-        index = {k: i for i, k in enumerate(keys)}
-        reduced = np.full(len(keys), np.nan)
-        reduced_mask = np.zeros(len(keys), np.uint8)
-        if self.reduced:
-            cols = [index[k] for k in self.reduced]
-            reduced[cols], reduced_mask[cols] = list(self.reduced.values()), 1
-        values = np.full((len(ranks), len(keys)), np.nan)
-        mask = np.zeros((len(ranks), len(keys)), np.uint8)
-        if same and ranks:  # one column order for every rank: one assignment
-            cols = [index[k] for k in first]
-            values[:, cols] = [list(per_rank[r].values()) for r in ranks]
-            mask[:, cols] = 1
+        series = tuple(per_rank[ranks[0]]) if ranks else ()
+        if all(tuple(per_rank[r]) == series for r in ranks):  # the usual step
+            layout = _layout(tuple(self.reduced), series)
+            values = np.full((len(ranks), layout.size), np.nan)
+            mask = np.zeros((len(ranks), layout.size), np.uint8)
+            values[:, layout.series] = np.fromiter(
+                chain.from_iterable(per_rank[r].values() for r in ranks), np.float64,
+                len(ranks) * len(series)).reshape(len(ranks), len(series))
+            mask[:, layout.series] = 1
         else:
+            layout = _layout(tuple(self.reduced), tuple(sorted(
+                set().union(*(v.keys() for v in per_rank.values())))))
+            index = layout.index
+            values = np.full((len(ranks), layout.size), np.nan)
+            mask = np.zeros((len(ranks), layout.size), np.uint8)
             for i, rank in enumerate(ranks):
                 cols = [index[k] for k in per_rank[rank]]
                 values[i, cols] = list(per_rank[rank].values())
                 mask[i, cols] = 1
-        header = json.dumps({
+        reduced = np.full(layout.size, np.nan)
+        reduced_mask = np.zeros(layout.size, np.uint8)
+        reduced[layout.reduced] = np.fromiter(self.reduced.values(), np.float64,
+                                              len(self.reduced))
+        reduced_mask[layout.reduced] = 1
+        header = json.dumps({  # "keys" last, written once per layout
             "run_id": self.run_id, "step": self.step, "world_size": self.world_size,
             "ranks_reporting": self.ranks_reporting, "ranks_missing": self.ranks_missing,
             "hosts": {str(r): h for r, h in self.hosts.items()},
             "coords": {str(r): c for r, c in self.coords.items()},
-            "complete_reason": self.complete_reason, "ranks": ranks,
-            "keys": [_encode_key(k) for k in keys]}, separators=(",", ":")).encode()
+            "complete_reason": self.complete_reason, "ranks": ranks},
+            separators=(",", ":")).encode()[:-1] + layout.keys_json
         return b"".join((struct.pack("<I", len(header)), header, reduced.tobytes(),
                          reduced_mask.tobytes(), values.tobytes(), mask.tobytes()))
 
@@ -111,16 +156,19 @@ class ReducedStep:
             step = cls._from_bytes(payload or b"")
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RecordError(f"not a reduced step: {type(exc).__name__}: {exc}") from None
-        if not isinstance(step.run_id, str) or not isinstance(step.step, int) or \
-                not all(len(labels) == 2 for key in step.reduced for labels in key[1]):
-            raise RecordError("not a reduced step: bad run id, step or labels")
+        if not isinstance(step.run_id, str) or not isinstance(step.step, int):
+            raise RecordError("not a reduced step: bad run id or step")
         return step
 
     @classmethod
     def _from_bytes(cls, payload: bytes) -> "ReducedStep":
         (size,) = struct.unpack_from("<I", payload)
-        head = json.loads(payload[4:4 + size])
-        keys = [_decode_key(k) for k in head.pop("keys")]
+        header = payload[4:4 + size]
+        cut = header.rfind(b',"keys":')  # the last field; no string holds an unescaped '"'
+        if cut < 0 or not header.endswith(b"}"):
+            raise ValueError("no keys in the header")
+        head = json.loads(header[:cut] + b"}")
+        keys = _decode_keys(header[cut + 8:-1])
         ranks = head.pop("ranks")
         k, r, offset = len(keys), len(ranks), 4 + size
         reduced = np.frombuffer(payload, np.float64, k, offset)

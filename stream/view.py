@@ -4,8 +4,10 @@ a ``ReducedStep``, no state, no I/O. Stage 2 calls them for each step it process
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
@@ -34,6 +36,17 @@ PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory
 per-rank values are detail only."""
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tensor_slot(key: SeriesKey) -> tuple[str | None, str | None, str | None]:
+    """A tensor statistic's ``tensor_stats`` column, tensor and kind; (None, ...) for a
+    series of another metric."""
+    field = _TENSOR_FIELD.get(key[0])
+    if field is None:
+        return None, None, None
+    labels = dict(key[1])
+    return field, labels.get(Label.TENSOR), labels.get(Label.KIND)
 _RATIO_SUM, _STREAM_NORM_SUM, _BRANCH_NORM_SUM = (
     Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm"))
 
@@ -57,10 +70,30 @@ def rank_reads(item: ReducedStep) -> RankReads:
     every rank again (hundreds a step; the rest are detail only)."""
     out: RankReads = {}
     for rank, values in item.per_rank.items():
-        for (name, labels), value in values.items():
-            if name in PER_RANK:
+        read = _series_reads(tuple(values))
+        if read.keys:  # the view's series among the rank's, by position
+            row = read.positions(tuple(values.values()))
+            for (name, labels), value in zip(read.keys, row if len(read.keys) > 1 else (row,)):
                 out.setdefault(name, {}).setdefault(labels, {})[rank] = value
     return out
+
+
+class _SeriesReads(NamedTuple):
+    """What the view and the detail read of a rank's series, found once per series order
+    (ranks send the same series in the same order step after step)."""
+
+    keys: list[SeriesKey]                 # the view's series (``PER_RANK``), in order...
+    positions: Any                        # ...their itemgetter in the rank's values
+    names: list[str]                      # every series' metric name...
+    texts: list[str]                      # ...and label text (``rank_metrics`` columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _series_reads(series: tuple[SeriesKey, ...]) -> _SeriesReads:
+    at = [i for i, (name, _) in enumerate(series) if name in PER_RANK]
+    return _SeriesReads([series[i] for i in at], itemgetter(*at) if at else None,
+                        [name for name, _ in series],
+                        ["|".join(f"{k}={v}" for k, v in labels) for _, labels in series])
 
 
 def _per_rank(reads: RankReads, name: str) -> dict[int, float]:
@@ -250,16 +283,10 @@ def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
     labels: list[str] = []
     ranks: list[int] = []
     values: list[float] = []
-    series: tuple = ()
-    names: list[str] = []
-    texts: list[str] = []
     for rank, vals in item.per_rank.items():
-        if tuple(vals) != series:
-            series = tuple(vals)
-            names = [name for name, _ in series]
-            texts = ["|".join(f"{k}={v}" for k, v in lab) for _, lab in series]
-        metrics += names
-        labels += texts
+        read = _series_reads(tuple(vals))
+        metrics += read.names
+        labels += read.texts
         values += vals.values()
         ranks += [rank] * len(vals)
     n = len(values)
@@ -273,15 +300,17 @@ def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
     base = {"run_id": item.run_id, "step": item.step}
     tensors: dict[tuple, dict[str, Any]] = {}
     experts = []
-    for (name, labels), value in item.reduced.items():
-        field = _TENSOR_FIELD.get(name)
+    for key, value in item.reduced.items():
+        field, tensor, kind = _tensor_slot(key)
         if field is not None:
-            lab = dict(labels)
-            row = tensors.setdefault((lab.get(Label.TENSOR), lab.get(Label.KIND)), {
-                **base, "tensor": lab.get(Label.TENSOR, ""), "kind": lab.get(Label.KIND, ""),
-                "sum3": None, "sum4": None})
+            row = tensors.get((tensor, kind))
+            if row is None:
+                row = tensors[tensor, kind] = {**base, "tensor": tensor or "",
+                                               "kind": kind or "", "sum3": None, "sum4": None}
             row[field] = value
-        elif name == Moe.EXPERT_TOKENS:
+            continue
+        name, labels = key
+        if name == Moe.EXPERT_TOKENS:
             lab = dict(labels)
             experts.append({**base, "layer": lab[Label.LAYER], "expert": int(lab[Label.EXPERT]),
                             "tokens": value, "shard": int(lab.get(Label.SHARD, 0))})

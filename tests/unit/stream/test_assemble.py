@@ -50,6 +50,19 @@ def test_tensor_parallel_layout_counts_loss_once_and_sums_sharded_gradient():
     assert math.sqrt(out.reduced[G2]) == pytest.approx(math.sqrt(2.0))
 
 
+def test_replicas_count_once_when_every_rank_sends_the_same_series():
+    """2 dp x 2 tp, every rank sending the same series in the same order (the assembler's
+    fast path): the loss, replicated over tp, is summed over the dp replicas only; the
+    step time is maxed over every rank."""
+    loss = {0: (10.0, 4.0), 1: (30.0, 6.0)}
+    taus = {0: 0.1, 1: 0.4, 2: 0.2, 3: 0.3}
+    records = [rec(rank=2 * dp + tp, coords={"dp": dp, "tp": tp}, loss=loss[dp][0],
+                   tok=loss[dp][1], tau=taus[2 * dp + tp]) for dp in (0, 1) for tp in (0, 1)]
+    assert len({tuple(r.values) for r in records}) == 1
+    out = reduce_step("r", 0, 4, records, "all_ranks")
+    assert (out.reduced[LOSS], out.reduced[TOK], out.reduced[TAU]) == (40.0, 10.0, 0.4)
+
+
 def test_nan_component_stays_visible():
     out = reduce_step("r", 0, 2, [rec(0, world=2, loss=math.nan, tok=3.0),
                                   rec(1, world=2, loss=1.0, tok=3.0)], "all_ranks")

@@ -85,3 +85,24 @@ def test_a_truncated_step_is_a_record_error():
     data = make(*CASES["a rank without a series"]).to_bytes()
     with pytest.raises(RecordError):
         ReducedStep.from_bytes(data[:-3])
+
+
+def test_a_header_text_that_looks_like_the_keys_field_reads_back():
+    """The keys are read from the header's last field; a run id or host holding the same
+    characters stays a string (JSON escapes its quotes)."""
+    step = make(*CASES["same series, same order"])
+    step.run_id = 'run,"keys":["x"]}'
+    step.hosts = {0: ',"keys":', 1: '"}'}
+    data = step.to_bytes()
+    assert data == reference_bytes(step)
+    back = ReducedStep.from_bytes(data)
+    assert (back.run_id, back.hosts, back.reduced, back.per_rank) == (
+        step.run_id, step.hosts, step.reduced, step.per_rank)
+
+
+def test_a_label_without_a_value_is_a_record_error():
+    data = make(*CASES["same series, same order"]).to_bytes()
+    bad = data.replace(b"|tensor=b0", b"|tensorb0").replace(b'"loss.sum"', b'"loss.sum|x"')
+    size = struct.unpack_from("<I", data)[0] + len(bad) - len(data)
+    with pytest.raises(RecordError, match="label without '='"):
+        ReducedStep.from_bytes(struct.pack("<I", size) + bad[4:])
