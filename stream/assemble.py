@@ -56,7 +56,7 @@ def _plan(name: str) -> tuple[Reduction, tuple[str, ...]]:
     return spec.reduction, _distinguishing(spec.replicated_over)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _sorted_keys(series: tuple[SeriesKey, ...]) -> list[SeriesKey]:
     """A step's series in sorted order (the reduced values' order), sorted once per run."""
     return sorted(series)

@@ -66,7 +66,10 @@ _CACHE_MAX = 1 << 16
 """Series keys and their text, both ways: a run sends the same series every step (so a
 step's keys are looked up, not formatted or parsed); bounded, emptied when full."""
 _KEYS: dict[bytes, list[SeriesKey]] = {}
-_LAYOUTS_MAX = 256
+_LAYOUTS_MAX = 64
+"""Step layouts kept, both ways (``_layout`` to write, ``_KEYS`` to read): a run has one
+or a few (a step split for the broker's limit has one a part); a layout of K series holds
+~150 bytes a series, so at most ~0.5 MB each for a step of 500 tensors' statistics."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory
 per-rank values are detail only."""
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
+_RATIO_SUM, _STREAM_NORM_SUM, _BRANCH_NORM_SUM = (
+    Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm"))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -47,8 +49,6 @@ def _tensor_slot(key: SeriesKey) -> tuple[str | None, str | None, str | None]:
         return None, None, None
     labels = dict(key[1])
     return field, labels.get(Label.TENSOR), labels.get(Label.KIND)
-_RATIO_SUM, _STREAM_NORM_SUM, _BRANCH_NORM_SUM = (
-    Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm"))
 
 
 def _get(values: dict[SeriesKey, float], name: str, **labels: str) -> float | None:
@@ -88,7 +88,7 @@ class _SeriesReads(NamedTuple):
     texts: list[str]                      # ...and label text (``rank_metrics`` columns)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _series_reads(series: tuple[SeriesKey, ...]) -> _SeriesReads:
     at = [i for i, (name, _) in enumerate(series) if name in PER_RANK]
     return _SeriesReads([series[i] for i in at], itemgetter(*at) if at else None,
