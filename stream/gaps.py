@@ -95,9 +95,11 @@ class GapReader:
     def starts(self, topic: str, partitions: Iterable[int]) -> dict[int, int]:
         """Where the group reads each partition from after an assignment: its committed
         offset, else the partition's first (the worker starts a new group at the earliest
-        offset); a partition the broker does not answer for within ``wait_s`` is left out."""
+        offset). The broker has ``wait_s`` in all (the caller holds a rebalance open);
+        a partition it has not answered for by then is left out."""
         from confluent_kafka import KafkaException, TopicPartition
 
+        deadline = time.monotonic() + self._wait_s
         try:
             committed = self._consumer.committed(
                 [TopicPartition(topic, p) for p in partitions], timeout=self._wait_s)
@@ -105,14 +107,15 @@ class GapReader:
             return {}
         found: dict[int, int] = {}
         for tp in committed:
+            left = deadline - time.monotonic()
             if tp.error is None and tp.offset >= 0:
                 found[tp.partition] = tp.offset
-                continue
-            try:
-                found[tp.partition], _ = self._consumer.get_watermark_offsets(
-                    TopicPartition(topic, tp.partition), timeout=self._wait_s)
-            except KafkaException:
-                pass
+            elif left > 0:
+                try:
+                    found[tp.partition], _ = self._consumer.get_watermark_offsets(
+                        TopicPartition(topic, tp.partition), timeout=left)
+                except KafkaException:
+                    pass
         return found
 
     def read(self, topic: str, partition: int, start: int, end: int) -> list[Refetched]:

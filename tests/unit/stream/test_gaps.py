@@ -32,3 +32,24 @@ def test_a_first_message_past_where_the_group_started_follows_a_gap():
     assert watch.gap(5, 9) is None  # a partition with no known start: nothing to compare
     watch.forget()
     assert watch.gap(3, 30) is None
+
+
+def test_starts_without_a_broker_leave_every_partition_out_within_the_wait():
+    """The worker asks for starts while it holds a rebalance open: a broker that does not
+    answer costs ``wait_s`` in all, not a wait per partition."""
+    import socket
+    import time
+
+    from probewire.stream.gaps import GapReader
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reader = GapReader({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": "0"},
+                       "probewire-test", wait_s=0.5)
+    try:
+        started = time.monotonic()
+        assert reader.starts("otlp_metrics", range(16)) == {}
+        assert time.monotonic() - started < 2.0
+    finally:
+        reader.close()
