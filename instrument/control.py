@@ -23,12 +23,15 @@ import json
 import logging
 import math
 import threading
+import time
 import uuid
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 __all__ = ["WEIGHT_STREAMS", "ControlListener", "checkpoint_event"]
 
 log = logging.getLogger(__name__)
+
+_STOP_CHECK_S = 0.25  # the longest a metadata request waits before the listener checks close
 
 WEIGHT_STREAMS = ("raw", "ema")
 
@@ -117,7 +120,7 @@ class ControlListener:
         })
         try:
             timeout = self._metadata_timeout_s
-            topic = consumer.list_topics(self.topic, timeout=timeout).topics[self.topic]
+            topic = self._metadata(consumer).topics[self.topic]
             if topic.error is not None:
                 raise RuntimeError(f"topic {self.topic}: {topic.error}")
             assignment = []
@@ -130,6 +133,20 @@ class ControlListener:
             consumer.close()
             raise
         return consumer
+
+    def _metadata(self, consumer: Any) -> Any:
+        """The topic's metadata within ``metadata_timeout_s``, asked in short waits so that
+        ``close`` stops the listener at once even while no broker answers."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + self._metadata_timeout_s
+        while True:
+            wait = min(_STOP_CHECK_S, deadline - time.monotonic())
+            try:
+                return consumer.list_topics(self.topic, timeout=max(wait, 0.01))
+            except KafkaException:
+                if self._stop.is_set() or time.monotonic() >= deadline:
+                    raise
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -66,6 +66,23 @@ def test_a_broken_broker_address_never_reaches_the_loop():
     assert not control._thread.is_alive()
 
 
+def test_close_stops_a_listener_still_waiting_for_a_broker_at_once():
+    """No broker answers and the metadata wait is the default 10 s: close stops the thread
+    within a fraction of a second, so nothing of it runs on (and logs) after the monitor
+    closed."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    control = ControlListener({"bootstrap.servers": f"127.0.0.1:{port}"}, run_id="r1", rank=0)
+    control.start(lambda steps: None, lambda: None)
+    time.sleep(0.3)  # inside the first metadata request
+    started = time.monotonic()
+    control.close(5.0)
+    assert not control._thread.is_alive() and time.monotonic() - started < 2.0
+
+
 # ------------------------------------------------------------------ real broker
 def produce(bootstrap: str, topic: str, key: bytes, value: bytes) -> None:
     from confluent_kafka import Producer
