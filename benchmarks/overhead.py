@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from probewire.deploy.demo.data import SOURCES, load_corpus
 from probewire.deploy.demo.model import IGNORE, VOCAB, TinyConfig, TinyLM
+from probewire.deploy.stack import free_port
 from probewire.instrument import NullTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.scan import fused_scan, scan
 
@@ -289,20 +290,12 @@ def fsdp_many_tensors_ratio() -> tuple[float, float]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         return many_tensors_ratio(init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 DDP_RANKS = 4
@@ -366,7 +359,7 @@ def ddp_figures() -> tuple[float, dict[str, float]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_ddp_rank, args=(_free_port(), out), nprocs=DDP_RANKS,
+        mp.start_processes(_ddp_rank, args=(free_port(), out), nprocs=DDP_RANKS,
                            start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(DDP_RANKS)]
     return (statistics.median(r["ratio"] for r in ranks),

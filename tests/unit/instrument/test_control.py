@@ -70,11 +70,9 @@ def test_close_stops_a_listener_still_waiting_for_a_broker_at_once():
     """No broker answers and the metadata wait is the default 10 s: close stops the thread
     within a fraction of a second, so nothing of it runs on (and logs) after the monitor
     closed."""
-    import socket
+    from probewire.deploy.stack import free_port
 
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nothing listens on
     control = ControlListener({"bootstrap.servers": f"127.0.0.1:{port}"}, run_id="r1", rank=0)
     control.start(lambda steps: None, lambda: None)
     time.sleep(0.3)  # inside the first metadata request

@@ -244,13 +244,10 @@ def test_dump_sends_the_held_steps_once_marked_as_replay():
 def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silently(caplog):
     """No broker at the address: what the producer still holds at close is counted as
     failed and named in one warning (the rank exits; those messages are gone)."""
-    import socket
-
+    from probewire.deploy.stack import free_port
     from probewire.instrument import KafkaTransport
 
-    with socket.socket() as sock:  # a loopback port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a loopback port nothing listens on
     transport = KafkaTransport({"bootstrap.servers": f"127.0.0.1:{port}",
                                 "message.timeout.ms": "60000"}, "otlp_metrics")
     assert all(transport.send(b"run:%d" % i, b"x") for i in range(3))

@@ -37,14 +37,12 @@ def test_a_first_message_past_where_the_group_started_follows_a_gap():
 def test_starts_without_a_broker_leave_every_partition_out_within_the_wait():
     """The worker asks for starts while it holds a rebalance open: a broker that does not
     answer costs ``wait_s`` in all, not a wait per partition."""
-    import socket
     import time
 
+    from probewire.deploy.stack import free_port
     from probewire.stream.gaps import GapReader
 
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a loopback port nothing listens on
     reader = GapReader({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": "0"},
                        "probewire-test", wait_s=0.5)
     try:
