@@ -42,6 +42,23 @@ def test_fused_scan_equals_the_eager_scan(name):
         assert float(got[field]) == pytest.approx(float(want[field]), rel=2e-6, abs=1e-3)
 
 
+def test_fused_scan_in_parts_past_its_int32_counts(monkeypatch):
+    """Past FUSED_MAX_ELEMS elements the compiled pass runs per part (its counts are int32)
+    and the parts combine to the eager scan's vector: non-finite elements and zeros in
+    several parts, the maximum in the last."""
+    from probewire.instrument import scan as scan_module
+    monkeypatch.setattr(scan_module, "FUSED_MAX_ELEMS", 30_000)
+    x = cases()["specials"].clone()  # 70,001 elements: parts of 30,000, 30,000, 10,001
+    x[[40_000, 65_000]] = torch.tensor([math.nan, -math.inf])
+    x[69_999] = 1e4
+    got, want = fused_scan(x), scan(x)
+    for field in (F.N, F.ZEROS, F.NONFINITE, F.ABS_MAX):
+        assert got[field] == want[field], field.name
+    assert int(got[F.NONFINITE]) == 5 and float(got[F.ABS_MAX]) == 1e4
+    for field in (F.SUM, F.SUM_SQ, F.SUM_ABS):
+        assert float(got[field]) == pytest.approx(float(want[field]), rel=2e-6, abs=1e-3)
+
+
 def test_masked_fused_scan_covers_valid_positions_only():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 64, 300, generator=g)
