@@ -22,14 +22,13 @@ ABS_MAX over finite elements.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
 from .scan import (BASE_FIELDS, CPU_CHUNK_ELEMS, DEVICE_CHUNK_ELEMS, MOMENT_FIELDS, fused_scan,
-                   scan)
+                   row_fields, scan)
 
 __all__ = ["SMALL_ELEMS", "GroupPlan", "GroupScan", "gather_groups", "plan_groups", "scan_groups",
            "scan_many"]
@@ -49,42 +48,7 @@ def _work_dtype(tensors: Sequence[torch.Tensor], moments: bool) -> torch.dtype:
 def _rows(tensors: Sequence[torch.Tensor], moments: bool) -> torch.Tensor:
     """[k, fields] of k same-sized tensors: ``scan``'s chunk arithmetic along dim 1."""
     work = torch.stack([t.detach().reshape(-1) for t in tensors])  # a fresh copy
-    return _fields(work.to(_work_dtype(tensors, moments)), moments)
-
-
-def _fields(work: torch.Tensor, moments: bool) -> torch.Tensor:
-    """[k, fields] of the rows of ``work`` [k, n], a fresh copy this function overwrites."""
-    n = work.shape[1]
-    # counts as float sums of 0/1 (exact below 2**24 elements per row; rows are far
-    # smaller): x − x is 0 for a finite x and NaN otherwise; sign(|x|) is 1 except at 0.
-    # (count_nonzero along a dim is several times slower on CPU.)
-    total = work.sum(dim=1) if work.device.type == "cpu" else None
-    # on CPU: a NaN or ±inf element makes its row's Σx, and the rows' Σ, non-finite, so a
-    # finite Σ means every element is finite: no non-finite count and no clean-up (four
-    # passes of ~11; on a device reading the flag would synchronise, so the clean-up runs)
-    finite = total is not None and math.isfinite(total.sum().item())
-    if not finite:  # a device; or non-finite elements, or finite ones whose Σ overflowed
-        nonfinite = (work - work).nan_to_num_(nan=1.0).sum(dim=1)
-        work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        total = work.sum(dim=1)
-    extra: list[torch.Tensor] = []
-    if moments:
-        square = work * work
-        sum_sq = square.sum(dim=1)
-        extra = [(square * work).sum(dim=1), (square * square).sum(dim=1)]
-        del square
-    work.abs_()
-    sum_abs = work.sum(dim=1)
-    abs_max = work.amax(dim=1)
-    zeros = n - work.sign().sum(dim=1)  # the cleaned-up elements are zeros now too
-    if finite:
-        nonfinite = torch.zeros_like(total)
-    else:
-        zeros -= nonfinite
-    if not moments:
-        sum_sq = work.square_().sum(dim=1)
-    count = torch.full_like(total, float(n), dtype=F64)  # stack promotes to float64 exactly
-    return torch.stack([count, total, sum_sq, sum_abs, abs_max, zeros, nonfinite, *extra], dim=1)
+    return row_fields(work.to(_work_dtype(tensors, moments)), moments)
 
 
 @dataclass(slots=True)
@@ -110,7 +74,7 @@ class GroupScan:
         """``[R, fields]`` float64 rows, in the order of ``row_groups``."""
         one_pass = self.fused and not self.moments
         rows = self.rows_done + [fused_scan(work).unsqueeze(0) if one_pass
-                                 else _fields(work.unsqueeze(0), self.moments)
+                                 else row_fields(work.unsqueeze(0), self.moments)
                                  for work in self.blocks]
         if not rows:
             width = MOMENT_FIELDS if self.moments else BASE_FIELDS

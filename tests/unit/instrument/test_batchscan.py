@@ -131,7 +131,7 @@ def test_no_tensor_or_only_empty_ones_give_no_group_row():
     [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4.0, 0.0, -3.0])],
 ])
 def test_a_block_with_and_without_non_finite_elements_gives_the_single_tensor_scan(block):
-    """On CPU an all-finite block skips the non-finite clean-up (``_fields``); a block whose
+    """On CPU an all-finite block skips the non-finite clean-up (``row_fields``); a block whose
     finite elements overflow Σx, or that holds a NaN, takes the full path."""
     got = scan_many(block)
     want = torch.stack([scan(x) for x in block])
