@@ -33,7 +33,7 @@ moments, where Σx³ and Σx⁴ feed a cancelling formula. A float32 chunk whose
 exceeds 3.4e38 (|x| ≳ 1e17) saturates SUM_SQ to +inf; ABS_MAX still carries the size.
 
 Cost (one CPU core, torch 2.13, default chunk, fastest of many calls): scan(x) took
-2.4-2.8× one ``x.abs().max()`` at 1M-4M float32 elements and 0.3-0.4× at 16M-64M, where
+2.4-3.4× one ``x.abs().max()`` at 1M-4M float32 elements and 0.3-0.4× at 16M-64M, where
 the reference pays for a fresh |x| temporary as large as x. ``fused_scan`` (compiled, one
 pass, no copy) took 1.1-1.3× at 1M and less above.
 """
