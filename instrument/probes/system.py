@@ -31,8 +31,9 @@ from ..collect import Late
 from ..state import StepState
 from ..wire import Point
 
-__all__ = ["DeviceTelemetry", "HostTelemetry", "SystemProbe", "default_flops_per_token",
-           "peak_memory_points", "peak_rss_points", "reset_peaks", "transformer_flops_per_token"]
+__all__ = ["DeviceTelemetry", "HostTelemetry", "ProcFile", "SystemProbe",
+           "default_flops_per_token", "peak_memory_points", "peak_rss_points", "reset_peaks",
+           "statm_rss", "transformer_flops_per_token"]
 
 TIER = tier_of(System.STEP_TIME, System.FLOPS, System.POSITIONS, Memory.PEAK_RSS,
                Memory.PEAK_ALLOCATED, Memory.PEAK_RESERVED, Memory.ALLOCATED, Memory.RESERVED,
@@ -91,21 +92,50 @@ def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
     return [Point(Memory.PEAK_RSS, float(usage.ru_maxrss * _RSS_UNIT))]
 
 
-def _read_proc(path: str) -> bytes | None:
-    """A /proc file's bytes (os-level reads: no text-file object per sample); None without it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+class ProcFile:
+    """A /proc file read again and again through one descriptor kept open: one ``pread`` at
+    offset 0 per read (the kernel writes the text afresh), where opening, reading to the end
+    and closing took four system calls, each a release of the GIL the training thread may
+    then hold. ``read`` gives the file's bytes, None without it; the descriptor closes with
+    the object."""
+
+    _CHUNK = 65536
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def read(self) -> bytes | None:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                return None
+        try:
+            data = os.pread(self._fd, self._CHUNK, 0)
+            while len(data) % self._CHUNK == 0 and data:  # a long file: read on to its end
+                more = os.pread(self._fd, self._CHUNK, len(data))
+                if not more:
+                    break
+                data += more
+            return data
+        except OSError:
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def statm_rss(text: bytes, page_size: int) -> int:
+    """Resident bytes from /proc/<pid>/statm (``size resident shared ...``, in pages), what
+    psutil's ``memory_info().rss`` reads."""
+    return int(text.split(None, 2)[1]) * page_size
 
 
 def psi_some_avg10(text: bytes) -> float | None:
@@ -136,30 +166,39 @@ def net_dev_totals(text: bytes) -> tuple[int, int]:
 class HostTelemetry:
     """getrusage / psutil / PSI / network counters; call ``sample`` from one thread only.
 
-    One sample costs ~50 us here (psutil's ``cpu_percent`` and ``net_io_counters`` took it to
-    ~150 us a step): the CPU share comes from the same ``getrusage`` as the page faults (its
-    times are in microseconds, where /proc/self/stat counts 10 ms ticks), and on Linux PSI and
-    the network counters are read from /proc directly (psutil elsewhere)."""
+    One sample costs ~15 us here alone (psutil's ``cpu_percent`` and ``net_io_counters`` took it
+    to ~150 us a step): the CPU share comes from the same ``getrusage`` as the page faults (its
+    times are in microseconds, where /proc/self/stat counts 10 ms ticks), and on Linux the
+    RSS, PSI and the network counters are read from /proc through descriptors kept open
+    (``ProcFile``; psutil elsewhere)."""
 
     def __init__(self, *, read_network: bool) -> None:
         import psutil
 
         self._psutil = psutil
         self._process = psutil.Process(os.getpid())
-        self._net_dev = os.path.exists("/proc/net/dev")
+        self._statm = ProcFile("/proc/self/statm")
+        self._pressure = ProcFile("/proc/pressure/cpu")
+        self._net_dev = ProcFile("/proc/net/dev") if os.path.exists("/proc/net/dev") else None
+        self._page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._last_time = time.monotonic()
         self._last_usage = resource.getrusage(resource.RUSAGE_SELF)
         self._last_net = self._net() if read_network else None
 
     def _net(self) -> tuple[int, int]:
-        if self._net_dev:
-            text = _read_proc("/proc/net/dev")
+        if self._net_dev is not None:
+            text = self._net_dev.read()
             if text is not None:
                 return net_dev_totals(text)
         counters = self._psutil.net_io_counters(pernic=True)
         rx = sum(c.bytes_recv for nic, c in counters.items() if nic != "lo")
         tx = sum(c.bytes_sent for nic, c in counters.items() if nic != "lo")
         return rx, tx
+
+    def _rss(self) -> int:
+        text = self._statm.read()
+        return (statm_rss(text, self._page_size) if text is not None
+                else self._process.memory_info().rss)
 
     def sample(self, usage: resource.struct_rusage | None = None) -> list[Point]:
         """The counters since the previous sample; ``usage``: this moment's ``getrusage``,
@@ -171,13 +210,13 @@ class HostTelemetry:
         interval = now - self._last_time
         cpu_s = (usage.ru_utime - last.ru_utime) + (usage.ru_stime - last.ru_stime)
         points = [
-            Point(Host.RSS, float(self._process.memory_info().rss)),
+            Point(Host.RSS, float(self._rss())),
             Point(Host.CPU_PERCENT, 100.0 * cpu_s / interval if interval > 0 else 0.0),
             Point(Host.FAULTS_MINOR, float(usage.ru_minflt - last.ru_minflt)),
             Point(Host.FAULTS_MAJOR, float(usage.ru_majflt - last.ru_majflt)),
             Point(Host.INTERVAL, interval),
         ]
-        text = _read_proc("/proc/pressure/cpu")
+        text = self._pressure.read()
         pressure = None if text is None else psi_some_avg10(text)
         if pressure is not None:
             points.append(Point(Host.CPU_PRESSURE, pressure))

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
-from probewire.instrument.probes.system import (DeviceTelemetry, HostTelemetry, default_flops_per_token,
-                                         net_dev_totals, peak_memory_points, peak_rss_points,
-                                         psi_some_avg10, transformer_flops_per_token)
+from probewire.instrument.probes.system import (DeviceTelemetry, HostTelemetry, ProcFile,
+                                                default_flops_per_token, net_dev_totals,
+                                                peak_memory_points, peak_rss_points,
+                                                psi_some_avg10, statm_rss,
+                                                transformer_flops_per_token)
 
 
 def test_flop_estimator_is_6n_plus_the_attention_term():
@@ -69,6 +71,38 @@ def test_the_cpu_share_is_the_process_cpu_time_over_the_interval_as_psutil_reads
     ours = {p.name: p.value for p in host.sample()}["host.cpu_percent"]
     theirs = reference.cpu_percent(None)
     assert 50.0 < ours < 200.0 and abs(ours - theirs) < 8.0, (ours, theirs)
+
+
+def test_a_proc_file_reads_its_current_bytes_each_time_whole_past_one_pread(tmp_path):
+    """One descriptor, read from offset 0 every time: a rewritten file reads as it is now,
+    a file longer than one 64 KiB pread reads whole, a missing one is None."""
+    path = tmp_path / "counters"
+    long = bytes(range(256)) * 600  # 153,600 bytes: three preads
+    path.write_bytes(long)
+    reader = ProcFile(str(path))
+    assert reader.read() == long
+    with open(path, "r+b") as handle:  # the same file, new contents (as /proc regenerates)
+        handle.write(b"fresh")
+        handle.truncate(5)
+    assert reader.read() == b"fresh"
+    reader.close()
+    assert ProcFile(str(tmp_path / "missing")).read() is None
+
+
+def test_rss_from_statm_is_psutils_rss_and_follows_touched_pages():
+    import psutil
+
+    statm, process = ProcFile("/proc/self/statm"), psutil.Process()
+    page = mmap.PAGESIZE
+    before = statm_rss(statm.read(), page)
+    assert abs(before - process.memory_info().rss) < (1 << 20)
+    blob = mmap.mmap(-1, 32 << 20)
+    for offset in range(0, len(blob), page):
+        blob[offset] = 1
+    after = statm_rss(statm.read(), page)
+    blob.close()
+    assert after - before >= 32 << 20
+    assert statm_rss(b"1000 250 30 5 0 120 0\n", 4096) == 250 * 4096
 
 
 NET_DEV = b"""Inter-|   Receive                                                |  Transmit
