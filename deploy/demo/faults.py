@@ -203,7 +203,9 @@ class Straggler(Fault):
     ddp_allreduce}; trace ``comm_wait_s``); stage 2 names the rank with the largest own
     time, step time minus that wait, as ``straggler_rank``, with ``straggler_own_ratio`` =
     its own time / the other ranks' median (the seeds' S = τ / median τ_r stays ~1 here).
-    The 3 s sleep makes the rank's own-time ratio ~10-50x its baseline: the brief rule
+    A sleep of 1 s or more makes the rank's own-time ratio ~20 on the demo's ~40 ms steps
+    (the waiting rank's own time is floored at 5 % of tau) against a baseline of ~1: the
+    brief rule
     (x ``straggler_ratio`` 5 on 3 consecutive steps) pages at ``step`` + 2, and so does the
     whole job's step time, a spike on 3 steps in a row, naming the rank whose own time
     carries it. A rank slowed by half its step (``factor=1.5``; 3 ranks, heavier steps,
