@@ -85,6 +85,10 @@ class ClickHouseSink:
     sleep: Callable[[float], None] = time.sleep
     batch_rows: int = 50_000
     retries: int = field(default=0, init=False)
+    # (table, columns) -> their ClickHouse types, described once: an insert without them
+    # asks the store first (DESCRIBE TABLE, ~0.6 ms of a 2-4 ms small insert on chdb)
+    _types: dict[tuple[str, tuple[str, ...]], Sequence[Any]] = field(
+        default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.database.isidentifier():
@@ -195,8 +199,21 @@ class ClickHouseSink:
             self._insert(table, names, [column[start:start + self.batch_rows] for column in data])
 
     def _insert(self, table: str, columns: list[str], data: list[Sequence[Any]]) -> None:
-        self._retry(lambda: self.client.insert(f"{self.database}.{table}", data,
-                                               column_names=columns, column_oriented=True))
+        name, key = f"{self.database}.{table}", (table, tuple(columns))
+
+        def insert() -> None:
+            types = self._types.get(key)
+            if types is None:
+                types = self.client.create_insert_context(name, columns).column_types
+                self._types[key] = types
+            try:
+                self.client.insert(name, data, column_names=columns, column_types=types,
+                                   column_oriented=True)
+            except Exception:
+                self._types.pop(key, None)  # a failed insert describes the table again
+                raise
+
+        self._retry(insert)
 
     def _command(self, sql: str) -> Any:
         return self._retry(lambda: self.client.command(sql))

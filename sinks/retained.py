@@ -20,15 +20,22 @@ def _quote(text: str) -> str:
 
 
 def promote(sink: ClickHouseSink, run_id: str, steps: Sequence[int]) -> None:
-    """Copy the detail of ``steps`` from the look-back tables into the detail tables."""
+    """Copy the detail of ``steps`` from the look-back tables into the detail tables.
+
+    Every stored version of a row is copied with its version (``inserted_at``), not only
+    the latest one (``FINAL``): the detail table, a ReplacingMergeTree on the same key and
+    version, then keeps the same latest row, and its readers deduplicate with ``FINAL`` as
+    they do for redeliveries. Reading the look-back table ``FINAL`` merged all its parts of
+    the run on every promotion: 18-22 ms of a 130-step batch's store write for one or two
+    steps of ``rank_metrics``, 7 ms without."""
     if not steps:
         return
     db = sink.database
     for recent in RECENT_TABLES:
         target = recent.name.removesuffix("_recent")
-        columns = ", ".join(recent.writer_columns)
+        columns = ", ".join((*recent.writer_columns, recent.version))
         sink._command(f"INSERT INTO {db}.{target} ({columns}) SELECT {columns} "
-                     f"FROM {db}.{recent.name} FINAL WHERE run_id = {_quote(run_id)} "
+                     f"FROM {db}.{recent.name} WHERE run_id = {_quote(run_id)} "
                      f"AND step IN ({', '.join(str(int(s)) for s in steps)})")
 
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from probewire.sinks import ClickHouseSink, connect
+from probewire.sinks.retained import promote
 from probewire.deploy.demo.faults import BadRank
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 
@@ -105,3 +106,20 @@ def test_retained_detail_is_promoted_and_matches_the_step_values(ch_client, sink
     assert {0, 10, 20, 29} <= set(run.promote)
     for _, view, components in got:
         assert view == pytest.approx(components, rel=1e-12)
+
+
+def test_promotion_keeps_the_latest_version_of_each_row(ch_client, sink) -> None:
+    """A look-back row rewritten with another value (a corrected redelivery) reaches the detail
+    table as its latest version, whether its step was promoted before the rewrite and again
+    after it (step 1) or only once both versions were stored (step 3: the look-back table
+    holds both until it merges, and both are copied); promoting again changes nothing."""
+    db = sink.database
+    sink.write("rank_metrics_recent", _rank_rows(range(6)))
+    promote(sink, "run-a", [1])
+    sink.write("rank_metrics_recent", _rank_rows(range(6), value=2.0))
+    promote(sink, "run-a", [1, 3])
+    promote(sink, "run-a", [3])
+    latest = [r for r in _contents(ch_client, db, "rank_metrics_recent") if r[0] in (1, 3)]
+    assert [(step, rank, value) for step, rank, _, _, value, _ in latest] == [
+        (s, r, 2.0 * (s + r / 10)) for s in (1, 3) for r in range(4)]
+    assert _contents(ch_client, db) == latest

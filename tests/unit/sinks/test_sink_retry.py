@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
 
@@ -15,10 +17,16 @@ class FakeClient:
         self.failures, self.error = failures, error
         self.inserts: list[tuple[str, list[str], list[list]]] = []
         self.calls = 0
+        self.described: list[tuple[str, list[str]]] = []
 
-    def insert(self, table, data, column_names, column_oriented):
+    def create_insert_context(self, table, column_names):
+        self.described.append((table, list(column_names)))
+        return SimpleNamespace(column_types=[f"{table}.{c}" for c in column_names])
+
+    def insert(self, table, data, column_names, column_types, column_oriented):
         self.calls += 1
         assert column_oriented is True
+        assert column_types == [f"{table}.{c}" for c in column_names]
         if self.calls <= self.failures:
             raise self.error
         self.inserts.append((table, list(column_names), [list(c) for c in data]))
@@ -38,6 +46,19 @@ def test_rows_are_sent_column_wise_with_only_the_columns_present() -> None:
     assert table == "pw.step_metrics"
     assert columns == ["run_id", "step", "tokens", "loss"]  # table order, not dict order
     assert data == [["r", "r", "r"], [0, 1, 2], [0, 10, 20], [1.0, 0.5, 1.0 / 3]]
+
+
+def test_a_tables_column_types_are_described_once_and_again_after_a_failed_insert() -> None:
+    client = FakeClient(failures=1, error=OperationalError("connection refused"))
+    sink, _ = _sink(client)
+    rows = [{"run_id": "r", "step": 0, "tokens": 1}]
+    for _ in range(3):
+        sink.write("step_metrics", rows)
+    sink.write("step_metrics", [{"run_id": "r", "step": 1, "loss": 2.0}])
+    described = [("pw.step_metrics", ["run_id", "step", "tokens"])]
+    # the retry after the failed first insert describes again; then the types are kept
+    assert client.described == described * 2 + [("pw.step_metrics", ["run_id", "step", "loss"])]
+    assert len(client.inserts) == 4
 
 
 def test_rows_with_different_column_sets_go_into_separate_inserts() -> None:
