@@ -26,8 +26,8 @@ def promote(sink: ClickHouseSink, run_id: str, steps: Sequence[int]) -> None:
     the latest one (``FINAL``): the detail table, a ReplacingMergeTree on the same key and
     version, then keeps the same latest row, and its readers deduplicate with ``FINAL`` as
     they do for redeliveries. Reading the look-back table ``FINAL`` merged all its parts of
-    the run on every promotion: 18-22 ms of a 130-step batch's store write for one or two
-    steps of ``rank_metrics``, 7 ms without."""
+    the run on every promotion: 22-23 ms of a 130-step batch's store write for one or two
+    steps of ``rank_metrics``, about 10 ms without (8 ranks, one process holding both)."""
     if not steps:
         return
     db = sink.database

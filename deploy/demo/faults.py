@@ -207,8 +207,8 @@ class Straggler(Fault):
     (the waiting rank's own time is floored at 5 % of tau) against a baseline of ~1: the
     brief rule (x ``straggler_ratio`` 5 on 3 consecutive steps) pages at ``step`` + 2, and
     so does the whole job's step time, a spike on 3 steps in a row, naming the rank whose
-    own time carries it. A rank slowed by half its step (``factor=1.5``; 3 ranks, heavier steps,
-    ``tests/e2e/test_demo_pages.py``) holds its ratio on every slow step and the held rule
+    own time carries it. A rank slowed by half its step (``factor=1.5``; 3 ranks, heavier
+    steps, ``tests/e2e/test_demo_pages.py``) holds its ratio on every slow step and the held rule
     (x ``straggler_held_ratio`` on 9 steps in 10 of 40) pages some 30-40 steps in, while
     a host loaded by a CPU burner, which slows ranks in bursts, pages nothing. explain's
     step-time stage names ``rank {rank}`` (straggler_rank) with straggler_own_ratio moved
