@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from rich.console import Console
 from rich.table import Table
 
+from probewire.deploy.console import console
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
@@ -95,10 +95,10 @@ def _error_line(exc: BaseException) -> str:
 def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
     table = Table(title=title)
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")
     for row in rows:
         table.add_row(*[f"{v:.6g}" if isinstance(v, float) else str(v) for v in row])
-    Console().print(table)
+    console().print(table)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

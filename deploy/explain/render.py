@@ -12,17 +12,20 @@ __all__ = ["render"]
 
 def render(explanation: Explanation, console: Any = None) -> None:
     """Print the walk as a rich table (moved rows in bold red, the paging signal's row
-    marked), what paged with its record, the notes and the headline."""
-    from rich.console import Console
+    marked), what paged with its record, the notes and the headline; on ``console``, else
+    on stdout (``deploy.console``: no cell cut when stdout is not a terminal)."""
     from rich.table import Table
 
-    console = console or Console()
+    from probewire.deploy.console import console as default_console
+
+    console = console or default_console()
     table = Table(title=f"run {explanation.run_id}, step {explanation.step} "
                         f"({explanation.tokens:,} tokens); scanned steps "
                         f"{explanation.scanned_from}–{explanation.step}")
     for column in ("stage", "signal", "value", "baseline", "×", "z", "since", "culprit"):
         table.add_column(column, justify="right" if column in ("value", "baseline", "×", "z",
-                                                                 "since") else "left")
+                                                                 "since") else "left",
+                         overflow="fold")  # a narrow terminal wraps a cell, never cuts it
     paging = {p.finding for p in explanation.pages}
     for f in explanation.findings:
         z = "" if f.z is None else ("inf" if not math.isfinite(f.z) else f"{f.z:.1f}")

@@ -129,6 +129,14 @@ def test_render_prints_every_finding_and_the_headline(store) -> None:
     assert "▶ cospike_count" in text and "paged: cospike" in text
 
 
+def test_render_on_a_narrow_terminal_wraps_cells_instead_of_cutting_them(store) -> None:
+    console = Console(record=True, width=60, force_terminal=True)
+    render(explain(*store, "exploding-layer", 130), console)
+    text = console.export_text()
+    assert "…" not in text  # rich's default cuts a cell to "3.801e+…" at this width
+    assert "carried by layer 2" in text
+
+
 def test_an_unknown_step_or_run_says_what_exists(store) -> None:
     with pytest.raises(StepNotFound, match="it has steps 0–149"):
         explain(*store, "clean", 500)
