@@ -20,6 +20,10 @@ Figures (stdout, one line each, machine-readable):
   p1 ratio X    amortised cost of P1 every 100 steps relative to P0 alone:
                 (median unsampled step + median extra time of a P1 step / 100) / median(P0),
                 both from the P0 + P1 variant; goal <= 1.005
+  p1 ratio own X  the same against the P0 + P1 variant's own unsampled steps: 1 + median
+                extra time of a P1 step / 100 / median unsampled step. Those steps run P0's
+                code, so ``p1 ratio`` adds to this the difference between two model copies'
+                medians, which moved by -2.2 to +0.4 % between runs (noise)
   scan ratio X  worst over 1M..64M float32 elements of scan(x) / x.abs().max(), each the
                 fastest of 5-200 calls (``_best``), with the monitor's chunk size; goal <= 1.3
   scan ratio compiled X  the same for the compiled one-pass scan (scan_backend="compiled",
@@ -421,6 +425,7 @@ def main() -> None:
     sys.stderr.flush()
     print(f"p0 ratio {t_p0 / t_off:.4f}")
     print(f"p1 ratio {p1_ratio:.4f}")
+    print(f"p1 ratio own {1 + extra / 100 / unsampled:.4f}")
     print(f"ring ratio {ring_ratio:.4f}")
     print(f"ring step {(other + held_extra) / other:.4f}")
     print(f"scan ratio {worst:.2f}")
