@@ -23,6 +23,6 @@ def console(file: IO[str] | None = None) -> Console:
     """A console on ``file`` (stdout): a terminal's own width (or ``COLUMNS``), else
     ``UNBOUNDED``."""
     out = Console(file=file)
-    if out.is_terminal or "COLUMNS" in os.environ:
-        return out
-    return Console(file=file, width=UNBOUNDED)
+    if not (out.is_terminal or "COLUMNS" in os.environ):
+        out.width = UNBOUNDED
+    return out
