@@ -168,6 +168,21 @@ def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_pat
     assert "named twice" in capsys.readouterr().err
 
 
+def test_explain_printed_into_a_pipe_keeps_every_cell_whole(store, store_url, monkeypatch,
+                                                            capsys) -> None:
+    _, database = store
+    monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
+    monkeypatch.delenv("COLUMNS", raising=False)  # stdout is captured: not a terminal
+    assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out  # at rich's 80 columns: "peak_me…", "3.801e+…"
+    assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url,
+                 "--format", "json"]) == 0
+    lines = out.splitlines()
+    for finding in json.loads(capsys.readouterr().out)["findings"]:
+        assert any(finding["signal"] in line for line in lines), finding["signal"]
+
+
 def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(store, store_url,
                                                                    monkeypatch, capsys) -> None:
     client, database = store
