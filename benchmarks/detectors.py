@@ -32,9 +32,9 @@ import argparse
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from rich.console import Console
@@ -66,8 +66,9 @@ class Planned:
 
 
 # -- recording ---------------------------------------------------------------------------------
-def record(work: Path, plan: list[Planned], window: int, reuse: bool,
-           console: Console) -> list[Series]:
+def record(
+    work: Path, plan: list[Planned], window: int, reuse: bool, console: Console
+) -> list[Series]:
     """Train every planned run through one stack (reusing runs already in ``work``'s store
     with the same steps and arguments when ``reuse``), then read them all back."""
     done_file = work / "done.json"
@@ -79,27 +80,42 @@ def record(work: Path, plan: list[Planned], window: int, reuse: bool,
             if done.get(run.label) == {"steps": run.steps, "args": run.args}:
                 continue
             started = time.monotonic()
-            gallery.run(f"bench-{run.label}", steps=run.steps, train_args=run.args,
-                        timeout_s=max(900.0, run.steps * 1.0))
-            console.print(f"  recorded {run.label}: {run.steps} steps in "
-                          f"{time.monotonic() - started:.0f}s")
+            gallery.run(
+                f"bench-{run.label}",
+                steps=run.steps,
+                train_args=run.args,
+                timeout_s=max(900.0, run.steps * 1.0),
+            )
+            console.print(
+                f"  recorded {run.label}: {run.steps} steps in {time.monotonic() - started:.0f}s"
+            )
             done[run.label] = {"steps": run.steps, "args": run.args}
             done_file.write_text(json.dumps(done))
-    read = read_gallery(gallery.store, {
-        "steps": f"SELECT run_id, step, loss, grad_norm FROM {DB}.step_metrics FINAL "
-                 "ORDER BY run_id, step",
-        "alerts": f"SELECT run_id, step, signal FROM {DB}.alerts FINAL ORDER BY run_id, step"},
-        database=DB, timeout_s=1800)
+    read = read_gallery(
+        gallery.store,
+        {
+            "steps": f"SELECT run_id, step, loss, grad_norm FROM {DB}.step_metrics FINAL "
+            "ORDER BY run_id, step",
+            "alerts": f"SELECT run_id, step, signal FROM {DB}.alerts FINAL ORDER BY run_id, step",
+        },
+        database=DB,
+        timeout_s=1800,
+    )
     out = []
     nan = float("nan")
     for run in plan:
         run_id = f"bench-{run.label}"
         rows = [r for r in read["sql"]["steps"] if r["run_id"] == run_id]
-        out.append(Series(
-            run.label, run.fault_step, np.array([r["step"] for r in rows]),
-            np.array([nan if r["loss"] is None else r["loss"] for r in rows], float),
-            np.array([nan if r["grad_norm"] is None else r["grad_norm"] for r in rows], float),
-            [(a["step"], a["signal"]) for a in read["sql"]["alerts"] if a["run_id"] == run_id]))
+        out.append(
+            Series(
+                run.label,
+                run.fault_step,
+                np.array([r["step"] for r in rows]),
+                np.array([nan if r["loss"] is None else r["loss"] for r in rows], float),
+                np.array([nan if r["grad_norm"] is None else r["grad_norm"] for r in rows], float),
+                [(a["step"], a["signal"]) for a in read["sql"]["alerts"] if a["run_id"] == run_id],
+            )
+        )
     return out
 
 
@@ -129,7 +145,7 @@ def rule_10x_first100(s: Series, window: int) -> list[int]:
 def rule_2x_mean_5(s: Series, window: int) -> list[int]:
     fired, run = [], 0
     for i in range(100, len(s.loss)):
-        run = run + 1 if not s.loss[i] < 2 * np.nanmean(s.loss[i - 100:i]) else 0
+        run = run + 1 if not s.loss[i] < 2 * np.nanmean(s.loss[i - 100 : i]) else 0
         if run >= 5:
             fired.append(int(s.steps[i]))
     return fired
@@ -139,7 +155,7 @@ def rule_6sigma(s: Series, window: int) -> list[int]:
     fired = []
     for i in range(128, len(s.loss)):
         for x in (s.loss, s.grad):
-            hist = x[i - 128:i]
+            hist = x[i - 128 : i]
             if not x[i] <= np.nanmean(hist) + 6 * np.nanstd(hist):
                 fired.append(int(s.steps[i]))
                 break
@@ -156,8 +172,7 @@ DETECTORS: dict[str, Callable[[Series, int], list[int]]] = {
 
 
 # -- table -------------------------------------------------------------------------------------
-def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series],
-             window: int):
+def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series], window: int):
     header = ["fault (signal)"] + list(DETECTORS)
     rows, missed, alarms = [], {d: 0 for d in DETECTORS}, {d: 0 for d in DETECTORS}
     for s in scenarios:  # must page nothing: the cell counts firings from the scenario on
@@ -186,8 +201,9 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
             if before:
                 cell += f" ({len(before)} early"
                 if det is probewire_stream:
-                    cell += ": " + ", ".join(sorted({sig for st, sig in s.alerts
-                                                      if st < s.fault_step}))
+                    cell += ": " + ", ".join(
+                        sorted({sig for st, sig in s.alerts if st < s.fault_step})
+                    )
                 cell += ")"
             row.append(cell)
         rows.append(row)
@@ -196,53 +212,78 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
     fa = {name: sum(len(det(s, window)) for s in healthy) for name, det in DETECTORS.items()}
     rows.append(["**missed faults**"] + [f"{missed[d]}/{len(faulty)}" for d in DETECTORS])
     paged = sorted({f"{sig} ({s.label})" for s in healthy for _, sig in s.alerts})
-    rows.append([f"**false alarms, fault-free** ({len(healthy)} runs, {healthy_steps} steps, "
-                 f"the longest {longest})"]
-                + [str(fa[d]) + (f": {', '.join(paged)}" if DETECTORS[d] is probewire_stream
-                                 and paged else "") for d in DETECTORS])
-    rows.append(["**false alarms before the fault** (fault runs)"]
-                + [str(alarms[d]) for d in DETECTORS])
+    rows.append(
+        [
+            f"**false alarms, fault-free** ({len(healthy)} runs, {healthy_steps} steps, "
+            f"the longest {longest})"
+        ]
+        + [
+            str(fa[d])
+            + (f": {', '.join(paged)}" if DETECTORS[d] is probewire_stream and paged else "")
+            for d in DETECTORS
+        ]
+    )
+    rows.append(
+        ["**false alarms before the fault** (fault runs)"] + [str(alarms[d]) for d in DETECTORS]
+    )
     return header, rows
 
 
 def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
-    lines = ["# Spike detectors on recorded demo runs", "",
-             "Generated by `python benchmarks/detectors.py`; " + meta, "",
-             "Cells: steps from the injected fault to the first firing at or after it "
-             "(`+0` = on the fault step); `missed` = no firing before the run ends; "
-             "`(k early)` = k firings before the fault; a `(pages nothing)` row counts the "
-             "firings from its scenario's step on (0 is right). Only probewire's P0 stream sees "
-             "signals other than L and G2 (worst rank, source ratio, step time, memory, "
-             "replay, MaxVio, media scale, residual branch scale), so the L/G2-only rules "
-             "cannot be expected to see a straggler, a memory creep, a routing collapse or "
-             "a flaky replay; they are listed to show that.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        "# Spike detectors on recorded demo runs",
+        "",
+        "Generated by `python benchmarks/detectors.py`; " + meta,
+        "",
+        "Cells: steps from the injected fault to the first firing at or after it "
+        "(`+0` = on the fault step); `missed` = no firing before the run ends; "
+        "`(k early)` = k firings before the fault; a `(pages nothing)` row counts the "
+        "firings from its scenario's step on (0 is right). Only probewire's P0 stream sees "
+        "signals other than L and G2 (worst rank, source ratio, step time, memory, "
+        "replay, MaxVio, media scale, residual branch scale), so the L/G2-only rules "
+        "cannot be expected to see a straggler, a memory creep, a routing collapse or "
+        "a flaky replay; they are listed to show that.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true",
-                   help="shorter runs (fault at 130, fault-free runs of 300 steps)")
-    p.add_argument("--work-dir", type=Path,
-                   default=Path(tempfile.gettempdir()) / "probewire-detectors")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="shorter runs (fault at 130, fault-free runs of 300 steps)",
+    )
+    p.add_argument(
+        "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "probewire-detectors"
+    )
     p.add_argument("--reuse", action="store_true", help="reuse finished runs in --work-dir")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs"
-                   / "detectors.md")
+    p.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "detectors.md"
+    )
     p.add_argument("--window", type=int, default=50, help="probewire detector window")
     p.add_argument("--fault-step", type=int)
     p.add_argument("--after", type=int, default=30, help="steps recorded after the fault")
-    p.add_argument("--long-steps", type=int, help="the long fault-free run (tiny preset, "
-                   "seed 1; default 5000, --quick 300)")
-    p.add_argument("--healthy-runs", type=int, default=1,
-                   help="fault-free runs per other preset")
-    p.add_argument("--healthy-presets", default="moe,media",
-                   help="model presets of the other fault-free runs")
+    p.add_argument(
+        "--long-steps",
+        type=int,
+        help="the long fault-free run (tiny preset, seed 1; default 5000, --quick 300)",
+    )
+    p.add_argument("--healthy-runs", type=int, default=1, help="fault-free runs per other preset")
+    p.add_argument(
+        "--healthy-presets", default="moe,media", help="model presets of the other fault-free runs"
+    )
     p.add_argument("--healthy-steps", type=int, help="steps of those (default 1000)")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault names")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated scenarios that must page nothing")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="comma-separated scenarios that must page nothing",
+    )
     args = p.parse_args()
     fault_step = args.fault_step or (130 if args.quick else 200)
     long_steps = args.long_steps or (300 if args.quick else 5000)
@@ -250,21 +291,35 @@ def main() -> None:
     presets = [p for p in args.healthy_presets.split(",") if p]
     console = Console()
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    meta = (f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
-            f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
-            f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
-            f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
-            f"needs (tiny unless it needs experts or media).")
+    meta = (
+        f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
+        f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
+        f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
+        f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
+        f"needs (tiny unless it needs experts or media)."
+    )
     console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
-    plan = [Planned(n, fault_step + args.after, demo_train_args([f"{n}@{fault_step}"]),
-                    fault_step) for n in filter(None, args.faults.split(","))]
-    plan += [Planned(f"scenario-{n}", fault_step + args.after,
-                     demo_train_args([f"{n}@{fault_step}"]), fault_step)
-             for n in filter(None, args.scenarios.split(","))]
+    plan = [
+        Planned(n, fault_step + args.after, demo_train_args([f"{n}@{fault_step}"]), fault_step)
+        for n in filter(None, args.faults.split(","))
+    ]
+    plan += [
+        Planned(
+            f"scenario-{n}",
+            fault_step + args.after,
+            demo_train_args([f"{n}@{fault_step}"]),
+            fault_step,
+        )
+        for n in filter(None, args.scenarios.split(","))
+    ]
     plan.append(Planned("healthy-tiny-seed1", long_steps, ["--preset", "tiny", "--seed", "1"]))
-    plan += [Planned(f"healthy-{preset}-seed{seed}", healthy_steps,
-                     ["--preset", preset, "--seed", str(seed)])
-             for preset in presets for seed in range(1, args.healthy_runs + 1)]
+    plan += [
+        Planned(
+            f"healthy-{preset}-seed{seed}", healthy_steps, ["--preset", preset, "--seed", str(seed)]
+        )
+        for preset in presets
+        for seed in range(1, args.healthy_runs + 1)
+    ]
     recorded = record(args.work_dir, plan, args.window, args.reuse, console)
     faulty = [s for s in recorded if s.label in FAULTS]
     scenarios = [s for s in recorded if s.label.startswith("scenario-")]

@@ -57,26 +57,54 @@ class Ranks:
 
     def __init__(self, run: SimRun, tensors: int) -> None:
         self.run = run
-        self.encoders = [WireEncoder(RankIdentity(
-            run_id=run.run_id, rank=r, world_size=run.world_size, host=f"node{r // 8}",
-            coords={Group.DATA.value: r}).resource_attributes()) for r in range(run.world_size)]
+        self.encoders = [
+            WireEncoder(
+                RankIdentity(
+                    run_id=run.run_id,
+                    rank=r,
+                    world_size=run.world_size,
+                    host=f"node{r // 8}",
+                    coords={Group.DATA.value: r},
+                ).resource_attributes()
+            )
+            for r in range(run.world_size)
+        ]
         self.labels = [((Label.KIND, "fwd"), (Label.TENSOR, f"block{t}")) for t in range(tensors)]
         self.points_per_message = BASE_POINTS + tensors * len(Tensor.ALL)
 
     def scan(self, rng: np.random.Generator) -> list[Point]:
         n = 4096.0
         x = rng.normal(0.0, 0.02, 5)
-        values = (n, x[0] * n, abs(x[1]) * n, abs(x[2]) * n, abs(x[3]) * 4, 0.0, 0.0,
-                  x[4] * n * 1e-4, abs(x[4]) * n * 1e-5)
-        return [Point(name, float(v), labels)
-                for labels in self.labels for name, v in zip(Tensor.ALL, values)]
+        values = (
+            n,
+            x[0] * n,
+            abs(x[1]) * n,
+            abs(x[2]) * n,
+            abs(x[3]) * 4,
+            0.0,
+            0.0,
+            x[4] * n * 1e-4,
+            abs(x[4]) * n * 1e-5,
+        )
+        return [
+            Point(name, float(v), labels)
+            for labels in self.labels
+            for name, v in zip(Tensor.ALL, values)
+        ]
 
     def messages(self, step: int) -> list[tuple[bytes, bytes]]:
         rng = np.random.default_rng(step)
         key = message_key(self.run.run_id, step)
-        return [(key, enc.encode(step, [Point(n, v) for n, v in
-                                         self.run.components(step, r).items()] + self.scan(rng)))
-                for r, enc in enumerate(self.encoders)]
+        return [
+            (
+                key,
+                enc.encode(
+                    step,
+                    [Point(n, v) for n, v in self.run.components(step, r).items()] + self.scan(rng),
+                ),
+            )
+            for r, enc in enumerate(self.encoders)
+        ]
 
 
 @dataclass
@@ -123,8 +151,13 @@ def warm_up(stack: LocalStack, tensors: int) -> None:
 def offer(stack: LocalStack, ranks: Ranks, rate: float, seconds: float) -> Window:
     """Produce ``rate`` steps/s for ``seconds`` while sampling lag and RSS once a second."""
     window = Window(rate)
-    producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 5,
-                         "queue.buffering.max.kbytes": 1_048_576})
+    producer = Producer(
+        {
+            "bootstrap.servers": stack.bootstrap,
+            "linger.ms": 5,
+            "queue.buffering.max.kbytes": 1_048_576,
+        }
+    )
     stop = threading.Event()
 
     def produce() -> None:
@@ -151,8 +184,11 @@ def offer(stack: LocalStack, ranks: Ranks, rate: float, seconds: float) -> Windo
 
     thread = threading.Thread(target=produce, daemon=True)
     worker = psutil.Process(stack.worker.pid)
-    procs = {"worker": worker, "broker": psutil.Process(stack.broker.pid),
-             "ranks (this process)": psutil.Process()}
+    procs = {
+        "worker": worker,
+        "broker": psutil.Process(stack.broker.pid),
+        "ranks (this process)": psutil.Process(),
+    }
     cpu0 = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
     started = time.perf_counter()
     thread.start()
@@ -162,8 +198,10 @@ def offer(stack: LocalStack, ranks: Ranks, rate: float, seconds: float) -> Windo
         sample = (now, window.produced, stored(stack, ranks.run.run_id), worker.memory_info().rss)
         window.samples.append(sample)
         if len(window.samples) % 5 == 0:
-            say(f"    {sample[0]:5.1f} {sample[1]:6d} {sample[2]:6d} {sample[1] - sample[2]:5d} "
-                  f"{sample[3] / 2**20:8.0f}")
+            say(
+                f"    {sample[0]:5.1f} {sample[1]:6d} {sample[2]:6d} {sample[1] - sample[2]:5d} "
+                f"{sample[3] / 2**20:8.0f}"
+            )
     window.cpu_s = {name: sum(p.cpu_times()[:2]) - cpu0[name] for name, p in procs.items()}
     stop.set()
     thread.join(60)
@@ -178,15 +216,19 @@ def report(window: Window, ranks: Ranks) -> None:
     points = ranks.run.world_size * ranks.points_per_message
     rss = max(s[3] for s in window.samples) / 2**20
     lag0 = window.samples[0][1] - window.samples[0][2]
-    say(f"  offered {offered:.2f} steps/s ({offered * points:,.0f} points/s); sustained "
-          f"{sustained:.2f} steps/s ({sustained * points:,.0f} points/s) stored; lag "
-          f"{lag0} -> {produced1 - stored1} steps (slope {window.slope():+.2f} steps/s); "
-          f"worker RSS max {rss:.0f} MB; lag {'GROWS' if window.grows() else 'steady'}")
+    say(
+        f"  offered {offered:.2f} steps/s ({offered * points:,.0f} points/s); sustained "
+        f"{sustained:.2f} steps/s ({sustained * points:,.0f} points/s) stored; lag "
+        f"{lag0} -> {produced1 - stored1} steps (slope {window.slope():+.2f} steps/s); "
+        f"worker RSS max {rss:.0f} MB; lag {'GROWS' if window.grows() else 'steady'}"
+    )
     span = window.samples[-1][0]
     busy = ", ".join(f"{name} {cpu / span:.0%}" for name, cpu in window.cpu_s.items())
     per_step = window.cpu_s["worker"] / max(stored1, 1)
-    say(f"  CPU of one core: {busy}; the worker spent {per_step * 1e3:.0f} ms CPU per stored "
-        f"step (at most {1 / per_step:.2f} steps/s on a core of its own)")
+    say(
+        f"  CPU of one core: {busy}; the worker spent {per_step * 1e3:.0f} ms CPU per stored "
+        f"step (at most {1 / per_step:.2f} steps/s on a core of its own)"
+    )
 
 
 def drain(stack: LocalStack, run_id: str, produced: int, timeout_s: float) -> float | None:
@@ -210,31 +252,38 @@ def main() -> None:
     args = parser.parse_args()
     tensors = tensors_for(args.metrics)
     per_message = BASE_POINTS + tensors * len(Tensor.ALL)
-    say(f"config: ranks={args.ranks} metrics/message={per_message} (asked {args.metrics}) "
-          f"first rate={args.rate} growth={args.growth} seconds/rate={args.seconds} "
-          f"budget={args.budget_s}s broker=tansu(memory) store=chdb worker=1 process "
-          f"cores={os.cpu_count()} load={os.getloadavg()[0]:.2f}")
+    say(
+        f"config: ranks={args.ranks} metrics/message={per_message} (asked {args.metrics}) "
+        f"first rate={args.rate} growth={args.growth} seconds/rate={args.seconds} "
+        f"budget={args.budget_s}s broker=tansu(memory) store=chdb worker=1 process "
+        f"cores={os.cpu_count()} load={os.getloadavg()[0]:.2f}"
+    )
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pw-load-") as tmp:
         settings = Settings(
             clickhouse=ClickHouseSettings(url="chdb:///" + str(Path(tmp, "store")).lstrip("/")),
-            stream=StreamSettings(app_id=f"load-{uuid.uuid4().hex[:6]}"))
+            stream=StreamSettings(app_id=f"load-{uuid.uuid4().hex[:6]}"),
+        )
         with LocalStack(settings, Path(tmp, "run")) as stack:
             stack.start_broker()
             stack.start_worker()
             warm_up(stack, tensors)
             rate, kept_up = args.rate, None
             while time.monotonic() - began + args.seconds <= args.budget_s:
-                run = SimRun(run_id=f"load-{args.ranks}x{per_message}-{rate:.2f}",
-                             world_size=args.ranks)
+                run = SimRun(
+                    run_id=f"load-{args.ranks}x{per_message}-{rate:.2f}", world_size=args.ranks
+                )
                 ranks = Ranks(run, tensors)
                 window = offer(stack, ranks, rate, args.seconds)
                 report(window, ranks)
                 if window.grows():
-                    say(f"lag starts to grow at {rate:.2f} steps/s "
-                          f"({rate * args.ranks * per_message:,.0f} points/s offered); "
-                          f"kept up at {kept_up:.2f} steps/s" if kept_up else
-                          f"lag grows already at the first rate {rate:.2f} steps/s")
+                    say(
+                        f"lag starts to grow at {rate:.2f} steps/s "
+                        f"({rate * args.ranks * per_message:,.0f} points/s offered); "
+                        f"kept up at {kept_up:.2f} steps/s"
+                        if kept_up
+                        else f"lag grows already at the first rate {rate:.2f} steps/s"
+                    )
                     break
                 kept_up = rate
                 left = args.budget_s - (time.monotonic() - began)
@@ -244,8 +293,11 @@ def main() -> None:
                     break
                 rate *= args.growth
             else:
-                say(f"budget spent: lag steady up to {kept_up} steps/s" if kept_up else
-                      "budget spent before a whole window ran")
+                say(
+                    f"budget spent: lag steady up to {kept_up} steps/s"
+                    if kept_up
+                    else "budget spent before a whole window ran"
+                )
     say(f"load after: {os.getloadavg()[0]:.2f}")
 
 

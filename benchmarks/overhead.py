@@ -73,8 +73,8 @@ from probewire.instrument.scan import fused_scan, scan
 
 WARMUP_STEPS = 60
 BLOCK_STEPS = 20
-BLOCKS = 40       # 800 steps per variant: 8 sampled P1 steps
-RING = 10         # the ring variant's ring_every
+BLOCKS = 40  # 800 steps per variant: 8 sampled P1 steps
+RING = 10  # the ring variant's ring_every
 SCAN_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 
 
@@ -86,8 +86,9 @@ def _sync() -> None:
         torch.cuda.synchronize()  # step times end where the device finished the step
 
 
-def _timed_steps(model, optimizer, monitor, batches, state: dict, steps: int,
-                 emits: list[float] | None = None) -> list[float]:
+def _timed_steps(
+    model, optimizer, monitor, batches, state: dict, steps: int, emits: list[float] | None = None
+) -> list[float]:
     """``steps`` monitored training steps from ``state["step"]``; each one's wall time
     (and, given ``emits``, each one's emit time appended to it)."""
     times = []
@@ -101,9 +102,12 @@ def _timed_steps(model, optimizer, monitor, batches, state: dict, steps: int,
             for b in micro:
                 s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE, source=b.source)
                 logits = model(b.tokens)
-                losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                         b.targets.reshape(-1), ignore_index=IGNORE,
-                                         reduction="none").view_as(b.targets)
+                losses = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    b.targets.reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction="none",
+                ).view_as(b.targets)
                 s.loss(losses)
                 (losses.sum() / n_valid).backward()
             s.clip_grad_norm_(model.parameters(), 1.0)  # measures, then clips
@@ -124,8 +128,13 @@ def _variant(name: str, config: ProbeConfig | None, batches, seed: int = 0):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     identity = RankIdentity(run_id=f"bench-{name}", rank=0, world_size=1)
     transport = NullTransport()
-    monitor = attach(model, optimizer, identity=identity,
-                     config=config or ProbeConfig(enabled=False), transport=transport)
+    monitor = attach(
+        model,
+        optimizer,
+        identity=identity,
+        config=config or ProbeConfig(enabled=False),
+        transport=transport,
+    )
     state = {"step": 0}
 
     def run(steps: int) -> list[float]:
@@ -166,9 +175,14 @@ def _on_device(batch):
 
     if DEVICE.type == "cpu":
         return batch
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(DEVICE)
-                                         for f in dataclasses.fields(batch)
-                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        batch,
+        **{
+            f.name: getattr(batch, f.name).to(DEVICE)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
+        },
+    )
 
 
 class StockGPT(torch.nn.Module):
@@ -177,19 +191,22 @@ class StockGPT(torch.nn.Module):
     4 heads, sequence 128, two micro-batches of 4 rows — a step of ~80-100 ms on one CPU
     thread, where the probes' fixed per-step cost weighs as on a small real run."""
 
-    def __init__(self, vocab: int = VOCAB, d: int = 128, layers: int = 4, heads: int = 4,
-                 seq: int = 128) -> None:
+    def __init__(
+        self, vocab: int = VOCAB, d: int = 128, layers: int = 4, heads: int = 4, seq: int = 128
+    ) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d)
         self.pos = torch.nn.Embedding(seq, d)
-        layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
-                                                 batch_first=True, norm_first=True)
+        layer = torch.nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(d)
         self.head = torch.nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
-        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(seq),
-                             persistent=False)
+        self.register_buffer(
+            "causal", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -207,21 +224,33 @@ def gpt_ratios(corpus, common: dict) -> tuple[float, float, float]:
     """(P0 / off, P0 with the compiled scan backend / off, median off step in s) of median
     step times on ``StockGPT``, blocks interleaved; the compile runs in the warm-up."""
     rng = np.random.default_rng(1)
-    batches = [[_on_device(corpus.batch(rng, 4, GPT_SEQ, min_len=32)) for _ in range(2)]
-               for _ in range(10)]
+    batches = [
+        [_on_device(corpus.batch(rng, 4, GPT_SEQ, min_len=32)) for _ in range(2)] for _ in range(10)
+    ]
     p0 = dict(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
     runs = {}
-    for name, config in (("off", None), ("p0", ProbeConfig(**p0, scan_backend="eager")),
-                         ("compiled", ProbeConfig(**p0, scan_backend="compiled"))):
+    for name, config in (
+        ("off", None),
+        ("p0", ProbeConfig(**p0, scan_backend="eager")),
+        ("compiled", ProbeConfig(**p0, scan_backend="compiled")),
+    ):
         torch.manual_seed(0)
         model = StockGPT(seq=GPT_SEQ).to(DEVICE)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-        monitor = attach(model, optimizer, identity=RankIdentity(run_id=f"gpt-{name}", rank=0,
-                                                                 world_size=1),
-                         config=config or ProbeConfig(enabled=False), transport=NullTransport())
+        monitor = attach(
+            model,
+            optimizer,
+            identity=RankIdentity(run_id=f"gpt-{name}", rank=0, world_size=1),
+            config=config or ProbeConfig(enabled=False),
+            transport=NullTransport(),
+        )
         state = {"step": 0}
-        runs[name] = (lambda steps, m=model, o=optimizer, mon=monitor, st=state:
-                      _timed_steps(m, o, mon, batches, st, steps), monitor)
+        runs[name] = (
+            lambda steps, m=model, o=optimizer, mon=monitor, st=state: _timed_steps(
+                m, o, mon, batches, st, steps
+            ),
+            monitor,
+        )
     for run, _ in runs.values():
         run(3)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -231,11 +260,10 @@ def gpt_ratios(corpus, common: dict) -> tuple[float, float, float]:
     for _, monitor in runs.values():
         monitor.close()
     off = statistics.median(times["off"])
-    return (statistics.median(times["p0"]) / off, statistics.median(times["compiled"]) / off,
-            off)
+    return (statistics.median(times["p0"]) / off, statistics.median(times["compiled"]) / off, off)
 
 
-MANY_BLOCKS = 250   # Linear + LayerNorm each: 1,000 parameter tensors
+MANY_BLOCKS = 250  # Linear + LayerNorm each: 1,000 parameter tensors
 MANY_ROUNDS = 40
 
 
@@ -246,20 +274,31 @@ def many_tensors_ratio(mesh=None) -> tuple[float, float]:
     gradients)."""
     x = torch.randn(8, 32, device=DEVICE)
     runs = {}
-    for name, config in (("off", None), ("p0", ProbeConfig(
-            cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0))):
+    for name, config in (
+        ("off", None),
+        ("p0", ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0)),
+    ):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(layer for _ in range(MANY_BLOCKS) for layer in (
-            torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)))).to(DEVICE)
+        model = torch.nn.Sequential(
+            *(
+                layer
+                for _ in range(MANY_BLOCKS)
+                for layer in (torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))
+            )
+        ).to(DEVICE)
         if mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
             fully_shard(model, mesh=mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        monitor = attach(model, optimizer, identity=RankIdentity(run_id=f"many-{name}", rank=0,
-                                                                 world_size=1),
-                         config=config or ProbeConfig(enabled=False), transport=NullTransport(),
-                         mesh=mesh)
+        monitor = attach(
+            model,
+            optimizer,
+            identity=RankIdentity(run_id=f"many-{name}", rank=0, world_size=1),
+            config=config or ProbeConfig(enabled=False),
+            transport=NullTransport(),
+            mesh=mesh,
+        )
         runs[name] = (model, optimizer, monitor, {"step": 0})
 
     def run(name: str, steps: int) -> list[float]:
@@ -324,17 +363,27 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
     corpus = load_corpus()
     rng = np.random.default_rng(rank)
     cfg = TinyConfig()
-    batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)]
-               for _ in range(20)]
+    batches = [[corpus.batch(rng, 4, cfg.seq_len, min_len=8) for _ in range(2)] for _ in range(20)]
     runs, monitors = {}, {}
-    for name, config in (("off", None), ("p0", ProbeConfig(
-            cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0, sources=SOURCES))):
+    for name, config in (
+        ("off", None),
+        (
+            "p0",
+            ProbeConfig(
+                cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=1.0, sources=SOURCES
+            ),
+        ),
+    ):
         torch.manual_seed(0)
         model = DistributedDataParallel(TinyLM(cfg))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        monitor = attach(model, opt, config=config or ProbeConfig(enabled=False),
-                         identity=RankIdentity(run_id=f"ddp-{name}", rank=rank,
-                                               world_size=DDP_RANKS), transport=NullTransport())
+        monitor = attach(
+            model,
+            opt,
+            config=config or ProbeConfig(enabled=False),
+            identity=RankIdentity(run_id=f"ddp-{name}", rank=rank, world_size=DDP_RANKS),
+            transport=NullTransport(),
+        )
         monitors[name] = monitor
 
         def run(steps, model=model, opt=opt, monitor=monitor, state={"step": 0}, emits=None):
@@ -351,10 +400,17 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
     for monitor in monitors.values():
         monitor.close()
     emits.sort()
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "ratio": statistics.median(times["p0"]) / statistics.median(times["off"]),
-        "emit_us": statistics.mean(emits) * 1e6, "emit_median_us": emits[len(emits) // 2] * 1e6,
-        "emit_p90_us": emits[int(0.9 * len(emits))] * 1e6, "emit_max_us": emits[-1] * 1e6}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "ratio": statistics.median(times["p0"]) / statistics.median(times["off"]),
+                "emit_us": statistics.mean(emits) * 1e6,
+                "emit_median_us": emits[len(emits) // 2] * 1e6,
+                "emit_p90_us": emits[int(0.9 * len(emits))] * 1e6,
+                "emit_max_us": emits[-1] * 1e6,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -367,11 +423,14 @@ def ddp_figures() -> tuple[float, dict[str, float]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_ddp_rank, args=(free_port(), out), nprocs=DDP_RANKS,
-                           start_method="spawn")
+        mp.start_processes(
+            _ddp_rank, args=(free_port(), out), nprocs=DDP_RANKS, start_method="spawn"
+        )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(DDP_RANKS)]
-    return (statistics.median(r["ratio"] for r in ranks),
-            {k: max(r[k] for r in ranks) for k in ranks[0] if k.startswith("emit")})
+    return (
+        statistics.median(r["ratio"] for r in ranks),
+        {k: max(r[k] for r in ranks) for k in ranks[0] if k.startswith("emit")},
+    )
 
 
 def main() -> None:
@@ -382,13 +441,16 @@ def main() -> None:
     corpus = load_corpus()
     rng = np.random.default_rng(0)
     cfg = TinyConfig()
-    batches = [[_on_device(corpus.batch(rng, 4, cfg.seq_len, min_len=8)) for _ in range(2)]
-               for _ in range(50)]
+    batches = [
+        [_on_device(corpus.batch(rng, 4, cfg.seq_len, min_len=8)) for _ in range(2)]
+        for _ in range(50)
+    ]
     common = dict(clip_threshold=1.0, sources=SOURCES)
     p0_config = ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
     p1_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, **common)
-    ring_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, ring_every=RING,
-                              **common)
+    ring_config = ProbeConfig(
+        cadence={"step": 1, "scan": 100, "demand": 0}, ring_every=RING, **common
+    )
     off, _, _ = _variant("off", None, batches)
     p0, p0_monitor, p0_transport = _variant("p0", p0_config, batches)
     p1, p1_monitor, _ = _variant("p1", p1_config, batches)
@@ -408,20 +470,22 @@ def main() -> None:
     unsampled = statistics.median(t for i, t in enumerate(times["p1"]) if (first + i) % 100)
     extra = statistics.median(t - unsampled for t in sampled)
     p1_ratio = (unsampled + extra / 100) / t_p0
-    held = [t for i, t in enumerate(times["ring"])
-            if (first + i) % 100 and (first + i) % RING == 0]
+    held = [t for i, t in enumerate(times["ring"]) if (first + i) % 100 and (first + i) % RING == 0]
     other = statistics.median(t for i, t in enumerate(times["ring"]) if (first + i) % RING)
     held_extra = statistics.median(t - other for t in held)
     ring_ratio = (other + held_extra / RING) / unsampled
     for monitor in (p0_monitor, p1_monitor, ring_monitor):
         monitor.close()
     worst, per_size = scan_ratio(p0_config.scan_chunk_elems)
-    print(f"# tiny model, 1 thread, {BLOCKS} x {BLOCK_STEPS} steps per variant; median step: "
-          f"off {t_off * 1e3:.2f} ms, P0 {t_p0 * 1e3:.2f} ms, P0+P1 unsampled "
-          f"{unsampled * 1e3:.2f} ms, a P1 step +{extra * 1e3:.1f} ms ({len(sampled)} seen); "
-          f"scan per size { {n: round(r, 2) for n, r in per_size.items()} }; P0 messages "
-          f"{p0_transport.messages}, {p0_transport.bytes / max(p0_transport.messages, 1):.0f} B "
-          f"each", file=sys.stderr)
+    print(
+        f"# tiny model, 1 thread, {BLOCKS} x {BLOCK_STEPS} steps per variant; median step: "
+        f"off {t_off * 1e3:.2f} ms, P0 {t_p0 * 1e3:.2f} ms, P0+P1 unsampled "
+        f"{unsampled * 1e3:.2f} ms, a P1 step +{extra * 1e3:.1f} ms ({len(sampled)} seen); "
+        f"scan per size { {n: round(r, 2) for n, r in per_size.items()} }; P0 messages "
+        f"{p0_transport.messages}, {p0_transport.bytes / max(p0_transport.messages, 1):.0f} B "
+        f"each",
+        file=sys.stderr,
+    )
     sys.stderr.flush()
     print(f"p0 ratio {t_p0 / t_off:.4f}")
     print(f"p1 ratio {p1_ratio:.4f}")
@@ -430,36 +494,48 @@ def main() -> None:
     print(f"ring step {(other + held_extra) / other:.4f}")
     print(f"scan ratio {worst:.2f}")
     compiled, per_size_compiled = scan_ratio(None, compiled=True)
-    print(f"# compiled scan per size { {n: round(r, 2) for n, r in per_size_compiled.items()} }",
-          file=sys.stderr)
+    print(
+        f"# compiled scan per size { {n: round(r, 2) for n, r in per_size_compiled.items()} }",
+        file=sys.stderr,
+    )
     print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
     gpt, gpt_compiled, gpt_off = gpt_ratios(corpus, common)
-    print(f"# StockGPT (torch TransformerEncoderLayer, d=128, 4 layers, sequence {GPT_SEQ}), "
-          f"{GPT_BLOCKS} x {GPT_BLOCK_STEPS} steps per variant; median step off "
-          f"{gpt_off * 1e3:.1f} ms", file=sys.stderr)
+    print(
+        f"# StockGPT (torch TransformerEncoderLayer, d=128, 4 layers, sequence {GPT_SEQ}), "
+        f"{GPT_BLOCKS} x {GPT_BLOCK_STEPS} steps per variant; median step off "
+        f"{gpt_off * 1e3:.1f} ms",
+        file=sys.stderr,
+    )
     print(f"p0 ratio gpt {gpt:.4f}")
     print(f"p0 ratio gpt compiled {gpt_compiled:.4f}")
     sys.stdout.flush()
     many, many_off = many_tensors_ratio()
-    print(f"# 1,000 parameter tensors ({MANY_BLOCKS} x Linear(32, 32) + LayerNorm(32)), "
-          f"{MANY_ROUNDS} x 10 steps per variant; median step off {many_off * 1e3:.1f} ms",
-          file=sys.stderr)
+    print(
+        f"# 1,000 parameter tensors ({MANY_BLOCKS} x Linear(32, 32) + LayerNorm(32)), "
+        f"{MANY_ROUNDS} x 10 steps per variant; median step off {many_off * 1e3:.1f} ms",
+        file=sys.stderr,
+    )
     print(f"p0 ratio 1k tensors {many:.4f}")
     sys.stdout.flush()
     if DEVICE.type != "cpu":
         return  # the FSDP2 and DDP figures are gloo ranks on CPU cores
     fsdp, fsdp_off = fsdp_many_tensors_ratio()
-    print(f"# the same 1,000 tensors under FSDP2 (fully_shard, one gloo rank: DTensor "
-          f"gradients); median step off {fsdp_off * 1e3:.1f} ms", file=sys.stderr)
+    print(
+        f"# the same 1,000 tensors under FSDP2 (fully_shard, one gloo rank: DTensor "
+        f"gradients); median step off {fsdp_off * 1e3:.1f} ms",
+        file=sys.stderr,
+    )
     print(f"p0 ratio fsdp2 1k tensors {fsdp:.4f}")
     sys.stdout.flush()
     ddp_ratio, ddp_emit = ddp_figures()
-    print(f"# ddp emit per step, worst rank: p90 {ddp_emit['emit_p90_us']:.1f} us, max "
-          f"{ddp_emit['emit_max_us']:.0f} us (4 ranks share the host's cores: a rank the "
-          "scheduler preempts in its emit stalls for milliseconds, which moves the mean)",
-          file=sys.stderr)
+    print(
+        f"# ddp emit per step, worst rank: p90 {ddp_emit['emit_p90_us']:.1f} us, max "
+        f"{ddp_emit['emit_max_us']:.0f} us (4 ranks share the host's cores: a rank the "
+        "scheduler preempts in its emit stalls for milliseconds, which moves the mean)",
+        file=sys.stderr,
+    )
     print(f"ddp ratio {ddp_ratio:.4f}")
     print(f"ddp emit_us {ddp_emit['emit_us']:.1f}")
     print(f"ddp emit_us median {ddp_emit['emit_median_us']:.1f}")

@@ -28,7 +28,7 @@ from importlib.metadata import version
 import numpy as np
 
 from probewire.instrument.catalog import Grad, Loss, System
-from probewire.sinks import ClickHouseSink, TABLE_COLUMNS, connect
+from probewire.sinks import TABLE_COLUMNS, ClickHouseSink, connect
 
 
 def _step_rows(run_id: str, start: int, n: int, rng: np.random.Generator) -> list[dict]:
@@ -36,29 +36,64 @@ def _step_rows(run_id: str, start: int, n: int, rng: np.random.Generator) -> lis
     rows = []
     for i in range(n):
         step = start + i
-        rows.append({
-            "run_id": run_id, "step": step, "tokens": 4096 * 64 * step, "flops": 1e15 * step,
-            "step_tokens": 4096 * 64, "loss": float(loss[i]),
-            "loss_worst_rank": float(loss[i]) + 0.1,
-            "loss_worst_rank_id": i % 64, "grad_norm": 0.9, "clip_rate": 0.01, "clipped": 0,
-            "loss_z": 0.3, "grad_z": 0.4, "loss_spike": 0, "grad_spike": 0, "cospike": 0,
-            "cospike_count": 0, "cospike_magnitude": 0.0, "step_time_s": 0.5,
-            "tokens_per_s": 524288.0, "compute_rate": 1.5e14, "straggler_score": 1.02,
-            "straggler_rank": 7, "peak_memory_bytes": 7.1e10, "peak_memory_rank": 3,
-            "moe_maxvio": 0.12, "moe_shard_imbalance": 1.05, "moe_h_norm": 0.97,
-            "output_absmax": 31.0, "skipped": 0, "replayed": 0, "replay_mismatch": 0,
-            "ranks_reporting": 64, "ranks_missing": [], "complete_reason": "all_ranks",
-            "warmup": 0})
+        rows.append(
+            {
+                "run_id": run_id,
+                "step": step,
+                "tokens": 4096 * 64 * step,
+                "flops": 1e15 * step,
+                "step_tokens": 4096 * 64,
+                "loss": float(loss[i]),
+                "loss_worst_rank": float(loss[i]) + 0.1,
+                "loss_worst_rank_id": i % 64,
+                "grad_norm": 0.9,
+                "clip_rate": 0.01,
+                "clipped": 0,
+                "loss_z": 0.3,
+                "grad_z": 0.4,
+                "loss_spike": 0,
+                "grad_spike": 0,
+                "cospike": 0,
+                "cospike_count": 0,
+                "cospike_magnitude": 0.0,
+                "step_time_s": 0.5,
+                "tokens_per_s": 524288.0,
+                "compute_rate": 1.5e14,
+                "straggler_score": 1.02,
+                "straggler_rank": 7,
+                "peak_memory_bytes": 7.1e10,
+                "peak_memory_rank": 3,
+                "moe_maxvio": 0.12,
+                "moe_shard_imbalance": 1.05,
+                "moe_h_norm": 0.97,
+                "output_absmax": 31.0,
+                "skipped": 0,
+                "replayed": 0,
+                "replay_mismatch": 0,
+                "ranks_reporting": 64,
+                "ranks_missing": [],
+                "complete_reason": "all_ranks",
+                "warmup": 0,
+            }
+        )
     return rows
 
 
-def _rank_rows(run_id: str, start: int, n: int, ranks: int,
-               rng: np.random.Generator) -> list[dict]:
+def _rank_rows(run_id: str, start: int, n: int, ranks: int, rng: np.random.Generator) -> list[dict]:
     values = rng.uniform(0, 1, n)
     metrics = (Loss.SUM, Loss.TOKENS, Grad.NORM_SQ, System.STEP_TIME)
-    return [{"run_id": run_id, "step": start + i // (ranks * len(metrics)), "rank": i % ranks,
-             "metric": metrics[(i // ranks) % len(metrics)], "labels": "",
-             "value": float(values[i]), "late": 0} for i in range(n)]
+    return [
+        {
+            "run_id": run_id,
+            "step": start + i // (ranks * len(metrics)),
+            "rank": i % ranks,
+            "metric": metrics[(i // ranks) % len(metrics)],
+            "labels": "",
+            "value": float(values[i]),
+            "late": 0,
+        }
+        for i in range(n)
+    ]
 
 
 def _columns(rows: list[dict]) -> dict[str, list]:
@@ -68,7 +103,7 @@ def _columns(rows: list[dict]) -> dict[str, list]:
 def _bench(label: str, insert, batches: list, repeat: int) -> float:
     insert(batches[0])  # warm-up: first insert creates parts, caches, dictionaries
     rates = []
-    for batch in batches[1:repeat + 1]:
+    for batch in batches[1 : repeat + 1]:
         n = len(batch) if isinstance(batch, list) else len(next(iter(batch.values())))
         started = time.perf_counter()
         insert(batch)
@@ -88,31 +123,51 @@ def main() -> int:
     store = tempfile.mkdtemp(prefix="probewire-bench-")
     try:
         client = connect("chdb:///" + store.lstrip("/"))
-        print(f"# python {platform.python_version()}, chdb {version('chdb')}, "
-              f"clickhouse-connect {version('clickhouse-connect')}, {os.cpu_count()} CPUs, "
-              f"{platform.machine()}; store {store}")
-        print(f"# step_metrics: {len(TABLE_COLUMNS['step_metrics'])} columns; "
-              f"rank_metrics: {len(TABLE_COLUMNS['rank_metrics'])} columns")
+        print(
+            f"# python {platform.python_version()}, chdb {version('chdb')}, "
+            f"clickhouse-connect {version('clickhouse-connect')}, {os.cpu_count()} CPUs, "
+            f"{platform.machine()}; store {store}"
+        )
+        print(
+            f"# step_metrics: {len(TABLE_COLUMNS['step_metrics'])} columns; "
+            f"rank_metrics: {len(TABLE_COLUMNS['rank_metrics'])} columns"
+        )
         rng = np.random.default_rng(0)
         n = args.repeat + 1
         results, stored_ok = [], True
         cases = (
             ("step_metrics", "write(rows)", lambda k: _step_rows(f"r{k}", 0, args.rows_step, rng)),
-            ("rank_metrics", "write(rows)",
-             lambda k: _rank_rows(f"r{k}", 0, args.rows_rank, 64, rng)),
-            ("step_metrics", "write_columns",
-             lambda k: _columns(_step_rows(f"r{k}", 0, args.rows_step, rng))),
-            ("rank_metrics", "write_columns",
-             lambda k: _columns(_rank_rows(f"r{k}", 0, args.rows_rank, 64, rng))),
+            (
+                "rank_metrics",
+                "write(rows)",
+                lambda k: _rank_rows(f"r{k}", 0, args.rows_rank, 64, rng),
+            ),
+            (
+                "step_metrics",
+                "write_columns",
+                lambda k: _columns(_step_rows(f"r{k}", 0, args.rows_step, rng)),
+            ),
+            (
+                "rank_metrics",
+                "write_columns",
+                lambda k: _columns(_rank_rows(f"r{k}", 0, args.rows_rank, 64, rng)),
+            ),
         )
         for i, (table, how, make) in enumerate(cases):
             # A fresh database per case, so one case's background merges do not slow the next.
-            sink = ClickHouseSink(client, f"bench{i}", batch_rows=max(args.rows_step,
-                                                                      args.rows_rank))
+            sink = ClickHouseSink(
+                client, f"bench{i}", batch_rows=max(args.rows_step, args.rows_rank)
+            )
             sink.migrate()
             write = getattr(sink, "write" if how == "write(rows)" else "write_columns")
-            results.append(_bench(f"{table} {how}", lambda b: write(table, b),
-                                  [make(k) for k in range(n)], args.repeat))
+            results.append(
+                _bench(
+                    f"{table} {how}",
+                    lambda b: write(table, b),
+                    [make(k) for k in range(n)],
+                    args.repeat,
+                )
+            )
             rows = args.rows_step if table == "step_metrics" else args.rows_rank
             stored = client.query(f"SELECT count() FROM bench{i}.{table}").result_rows[0][0]
             stored_ok &= stored == n * rows
@@ -130,13 +185,18 @@ def main() -> int:
                 "peak_memory_rank, moe_maxvio, moe_shard_imbalance, moe_h_norm, output_absmax, "
                 f"complete_reason) SELECT 'c{k}', number, number * 100, rand() / 1e9, "
                 "rand() / 1e9, number % 64, 1, 0.01, 0.3, 0.4, 0.5, 5e5, 1e14, 1.02, 7, 7e10, 3, "
-                f"0.1, 1.05, 0.97, 31, 'all_ranks' FROM numbers({args.rows_step})")
+                f"0.1, 1.05, 0.97, 31, 'all_ranks' FROM numbers({args.rows_step})"
+            )
             rates.append(args.rows_step / (time.perf_counter() - started))
-        print(f"step_metrics engine only (INSERT SELECT, no client): "
-              f"{statistics.median(rates[1:]):,.0f} rows/s (reference ceiling)")
+        print(
+            f"step_metrics engine only (INSERT SELECT, no client): "
+            f"{statistics.median(rates[1:]):,.0f} rows/s (reference ceiling)"
+        )
         goal = 500_000
-        print(f"# rows stored as expected: {stored_ok}; goal {goal:,} rows/s met by: "
-              + ", ".join(f"{c[0]} {c[1]}" for c, r in zip(cases, results) if r >= goal))
+        print(
+            f"# rows stored as expected: {stored_ok}; goal {goal:,} rows/s met by: "
+            + ", ".join(f"{c[0]} {c[1]}" for c, r in zip(cases, results) if r >= goal)
+        )
         return 0 if stored_ok else 1
     finally:
         shutil.rmtree(store, ignore_errors=True)

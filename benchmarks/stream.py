@@ -44,20 +44,19 @@ import psutil
 from confluent_kafka import Consumer, Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.stream.signals import DetectorConfig
-from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack
+from probewire.instrument import wire
 from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.export import StepEmitter
-from probewire.instrument import wire
-from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.instrument.testing import MemoryTransport
+from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.stream.assemble import StepAssembler
 from probewire.stream.batching import Batch
 from probewire.stream.health import read_heartbeat
 from probewire.stream.records import ReducedStep
-from probewire.stream.stage2 import RunPipeline, Stage2Output
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import RunPipeline, Stage2Config, Stage2Output
 from probewire.stream.store import write_batch
 from probewire.stream.testing import SimRun
 
@@ -68,17 +67,26 @@ FIELDS = Tensor.ALL[:7]  # the scan without its third and fourth power sums
 def encode_run(run: SimRun, steps: range) -> tuple[list[list[tuple[bytes, bytes]]], int]:
     """Per step, the encoded messages of every rank; and the number of points."""
     transports = [MemoryTransport() for _ in range(run.world_size)]
-    emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
-                                         coords={Group.DATA.value: r}), transports[r],
-                          queue_size=100_000)
-                for r in range(run.world_size)]
+    emitters = [
+        StepEmitter(
+            RankIdentity(
+                run_id=run.run_id, rank=r, world_size=run.world_size, coords={Group.DATA.value: r}
+            ),
+            transports[r],
+            queue_size=100_000,
+        )
+        for r in range(run.world_size)
+    ]
     points = 0
     rng = np.random.default_rng(0)
     for step in steps:
         for rank, emitter in enumerate(emitters):
             values = [Point(n, v) for n, v in run.components(step, rank).items()]
-            values += [Point(name, float(rng.random()), ((Label.KIND, "fwd"), (Label.TENSOR, t)))
-                       for t in TENSORS for name in FIELDS]
+            values += [
+                Point(name, float(rng.random()), ((Label.KIND, "fwd"), (Label.TENSOR, t)))
+                for t in TENSORS
+                for name in FIELDS
+            ]
             points += len(values)
             emitter.emit(step, values)
     for emitter in emitters:
@@ -110,28 +118,39 @@ def throughput(stack: LocalStack, ranks: int, steps: int) -> float:
     first, t0, cpu0 = stored_at_least(steps // 10)
     # stage 1's head start, from the heartbeat (written once a second): steps it had
     # reduced when the window opened. Near ``steps``, the window measured stage 2 alone
-    reduced = (read_heartbeat(stack.heartbeat_path) or {}).get("stages", {}).get(
-        "stage1", {}).get("outputs", 0)
+    reduced = (
+        (read_heartbeat(stack.heartbeat_path) or {})
+        .get("stages", {})
+        .get("stage1", {})
+        .get("outputs", 0)
+    )
     last, t1, cpu1 = stored_at_least(steps * 9 // 10)
     window = (last - first) * points / steps
-    print(f"  throughput run: {ranks} ranks x {steps} steps, {points} points; steps "
-          f"{first}..{last} stored in {t1 - t0:.2f}s (stage 1 had reduced ~{reduced} steps "
-          f"when the window opened), worker CPU {cpu1 - cpu0:.2f}s (all threads): "
-          f"{window / (cpu1 - cpu0):.0f} points per CPU-second; load average {load:.2f} at "
-          f"its start")
+    print(
+        f"  throughput run: {ranks} ranks x {steps} steps, {points} points; steps "
+        f"{first}..{last} stored in {t1 - t0:.2f}s (stage 1 had reduced ~{reduced} steps "
+        f"when the window opened), worker CPU {cpu1 - cpu0:.2f}s (all threads): "
+        f"{window / (cpu1 - cpu0):.0f} points per CPU-second; load average {load:.2f} at "
+        f"its start"
+    )
     _, _, cpu_done = stored_at_least(steps)  # every step stored before the next phase
     # the whole run's cost: stage 1 and stage 2 of every step, however far stage 1 ran
     # ahead (a faster stage 1 moves work out of the window above, not out of this figure)
-    print(f"  whole run: {points / (cpu_done - cpu_ready):.0f} points per CPU-second (worker "
-          f"CPU {cpu_done - cpu_ready:.2f}s from ready to the last step stored)")
+    print(
+        f"  whole run: {points / (cpu_done - cpu_ready):.0f} points per CPU-second (worker "
+        f"CPU {cpu_done - cpu_ready:.2f}s from ready to the last step stored)"
+    )
     return window / (t1 - t0)
 
 
-def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int,
-               workers: int) -> float:
+def scale_rate(
+    settings: Settings, work: Path, ranks: int, steps: int, runs: int, workers: int
+) -> float:
     """points/s of ``runs`` runs through ``workers`` workers (see the module docstring)."""
-    sims = [SimRun(run_id=f"scale{i}-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=steps,
-                   seed=i) for i in range(runs)]
+    sims = [
+        SimRun(run_id=f"scale{i}-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=steps, seed=i)
+        for i in range(runs)
+    ]
     encoded = [encode_run(sim, range(steps)) for sim in sims]
     points = sum(n for _, n in encoded)
     warm = SimRun(run_id=f"warm-{uuid.uuid4().hex[:6]}", world_size=ranks, steps=20)
@@ -139,8 +158,9 @@ def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int
         stack.start_broker()
         stack.start_worker()
         stack.start_stage1_workers(workers - 1)
-        producer = Producer({"bootstrap.servers": stack.bootstrap, "linger.ms": 20,
-                             "log.connection.close": False})
+        producer = Producer(
+            {"bootstrap.servers": stack.bootstrap, "linger.ms": 20, "log.connection.close": False}
+        )
         for step_messages in encode_run(warm, range(warm.steps))[0]:
             for key, value in step_messages:
                 producer.produce("otlp_metrics", key=key, value=value)
@@ -158,9 +178,11 @@ def scale_rate(settings: Settings, work: Path, ranks: int, steps: int, runs: int
         while min(stack.progress(sim.run_id) for sim in sims) < steps:
             time.sleep(0.05)
         elapsed = time.perf_counter() - started
-    print(f"  {workers} worker(s): {runs} runs x {ranks} ranks x {steps} steps, {points} "
-          f"points in {elapsed:.2f}s from the first message produced to the last step stored: "
-          f"{points / elapsed:.0f} points/s")
+    print(
+        f"  {workers} worker(s): {runs} runs x {ranks} ranks x {steps} steps, {points} "
+        f"points in {elapsed:.2f}s from the first message produced to the last step stored: "
+        f"{points / elapsed:.0f} points/s"
+    )
     return points / elapsed
 
 
@@ -174,19 +196,25 @@ def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 
         for key, value in step_messages:
             reduced += assembler.add(decode_rank_step(key, value), time.monotonic()).completed
     payloads = [r.to_bytes() for r in reduced]
-    print(f"  stage 1 (decode, reduce, serialise): {points / (time.perf_counter() - started):.0f} "
-          "points/s")
+    print(
+        f"  stage 1 (decode, reduce, serialise): {points / (time.perf_counter() - started):.0f} "
+        "points/s"
+    )
     flat = [message for step_messages in messages for message in step_messages]
     spent = {}
-    for name, decode in (("learned layouts", decode_rank_step), ("field by field",
-                                                                 wire._decode_fields)):
+    for name, decode in (
+        ("learned layouts", decode_rank_step),
+        ("field by field", wire._decode_fields),
+    ):
         started = time.perf_counter()
         for key, value in flat:  # the layouts were learned in stage 1's pass above
             decode(key, value)
         spent[name] = (time.perf_counter() - started) / len(flat) * 1e6
-    print(f"  decode: {spent['learned layouts']:.1f} us a message through learned layouts, "
-          f"{spent['field by field']:.1f} us field by field ({points / len(flat):.0f} points "
-          "a message)")
+    print(
+        f"  decode: {spent['learned layouts']:.1f} us a message through learned layouts, "
+        f"{spent['field by field']:.1f} us field by field ({points / len(flat):.0f} points "
+        "a message)"
+    )
     client = connect("chdb:///" + str(store).lstrip("/"))
     for batch in batches:
         sink = ClickHouseSink(client, f"stages_{batch}", 30.0)
@@ -196,16 +224,23 @@ def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 
         for i in range(0, len(payloads), batch):
             t0 = time.perf_counter()
             out = Stage2Output()
-            for payload in payloads[i:i + batch]:
+            for payload in payloads[i : i + batch]:
                 out.extend(pipeline.accept(ReducedStep.from_bytes(payload), time.monotonic()))
             t1 = time.perf_counter()
-            write_batch(sink, Batch(outputs={run.run_id: out}, states={
-                run.run_id: (pipeline.last_step, pipeline.to_state())}))
+            write_batch(
+                sink,
+                Batch(
+                    outputs={run.run_id: out},
+                    states={run.run_id: (pipeline.last_step, pipeline.to_state())},
+                ),
+            )
             times["stage 2"] += t1 - t0
             times["store"] += time.perf_counter() - t1
         total = sum(times.values())
-        print(f"  stage 2 + store, {batch}-step batches: {points / total:.0f} points/s "
-              f"(stage 2 {points / times['stage 2']:.0f}, store {points / times['store']:.0f})")
+        print(
+            f"  stage 2 + store, {batch}-step batches: {points / total:.0f} points/s "
+            f"(stage 2 {points / times['stage 2']:.0f}, store {points / times['store']:.0f})"
+        )
 
 
 def latency(stack: LocalStack, ranks: int, n_alerts: int) -> list[float]:
@@ -220,9 +255,15 @@ def latency(stack: LocalStack, ranks: int, n_alerts: int) -> list[float]:
         run.cospike_step = step
         spiked[step] = encode_run(run, range(step, step + 1))[0][0]
     run.cospike_step = None
-    consumer = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": uuid.uuid4().hex,
-                         "auto.offset.reset": "latest", "session.timeout.ms": 6000,
-                         "fetch.wait.max.ms": 10})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": stack.bootstrap,
+            "group.id": uuid.uuid4().hex,
+            "auto.offset.reset": "latest",
+            "session.timeout.ms": 6000,
+            "fetch.wait.max.ms": 10,
+        }
+    )
     consumer.subscribe(["probewire.alerts"])
     while not consumer.assignment():  # joined: nothing published from here on is missed
         consumer.poll(0.2)
@@ -260,28 +301,39 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--alerts", type=int, default=20)
-    parser.add_argument("--stages", action="store_true",
-                        help="per-stage rates in this process instead of the worker runs")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="N > 1: measure 1 worker, then N (one owner + N-1 stage1), "
-                             "and print scale X")
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="per-stage rates in this process instead of the worker runs",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="N > 1: measure 1 worker, then N (one owner + N-1 stage1), and print scale X",
+    )
     parser.add_argument("--runs", type=int, default=4, help="concurrent runs with --workers")
     args = parser.parse_args()
     if args.workers < 1 or args.runs < 1:
         parser.error("--workers and --runs must be >= 1")
     if args.workers > 1:
-        print(f"config: ranks={args.ranks} steps={args.steps} runs={args.runs} "
-              f"workers=1 then {args.workers} (1 owner + {args.workers - 1} stage1) "
-              f"partitions={Settings().topics.partitions} broker=tansu(memory) store=chdb")
+        print(
+            f"config: ranks={args.ranks} steps={args.steps} runs={args.runs} "
+            f"workers=1 then {args.workers} (1 owner + {args.workers - 1} stage1) "
+            f"partitions={Settings().topics.partitions} broker=tansu(memory) store=chdb"
+        )
         rates = {}
         with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
             for n in (1, args.workers):
                 settings = Settings(
                     clickhouse=ClickHouseSettings(
-                        url="chdb:///" + str(Path(tmp, f"store{n}")).lstrip("/")),
-                    stream=StreamSettings(app_id=f"bench-{uuid.uuid4().hex[:6]}"))
-                rates[n] = scale_rate(settings, Path(tmp, f"run{n}"), args.ranks, args.steps,
-                                      args.runs, n)
+                        url="chdb:///" + str(Path(tmp, f"store{n}")).lstrip("/")
+                    ),
+                    stream=StreamSettings(app_id=f"bench-{uuid.uuid4().hex[:6]}"),
+                )
+                rates[n] = scale_rate(
+                    settings, Path(tmp, f"run{n}"), args.ranks, args.steps, args.runs, n
+                )
         print(f"scale {rates[args.workers] / rates[1]:.2f}")
         return
     if args.stages:
@@ -292,18 +344,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pw-bench-") as tmp:
         settings = Settings(
             clickhouse=ClickHouseSettings(url="chdb:///" + str(Path(tmp, "store")).lstrip("/")),
-            stream=StreamSettings(app_id=f"bench-{uuid.uuid4().hex[:6]}", stage2=Stage2Config(
-                detectors=DetectorConfig(window=20, rearm_steps=10), retention_halo=10)))
-        print(f"config: ranks={args.ranks} steps={args.steps} alerts={args.alerts} "
-              f"points/message={4 + len(TENSORS) * len(FIELDS)} broker=tansu(memory) "
-              f"store=chdb worker=1 process")
+            stream=StreamSettings(
+                app_id=f"bench-{uuid.uuid4().hex[:6]}",
+                stage2=Stage2Config(
+                    detectors=DetectorConfig(window=20, rearm_steps=10), retention_halo=10
+                ),
+            ),
+        )
+        print(
+            f"config: ranks={args.ranks} steps={args.steps} alerts={args.alerts} "
+            f"points/message={4 + len(TENSORS) * len(FIELDS)} broker=tansu(memory) "
+            f"store=chdb worker=1 process"
+        )
         with LocalStack(settings, Path(tmp, "run")) as stack:
             stack.start_broker()
             rate = throughput(stack, args.ranks, args.steps)
             print(f"{rate:.0f} points/s")
             lat = np.array(latency(stack, args.ranks, args.alerts)) * 1000
-            print(f"latency p50 {np.percentile(lat, 50):.0f} ms p99 {np.percentile(lat, 99):.0f} ms"
-                  f" (n={lat.size})")
+            print(
+                f"latency p50 {np.percentile(lat, 50):.0f} ms p99 {np.percentile(lat, 99):.0f} ms"
+                f" (n={lat.size})"
+            )
 
 
 if __name__ == "__main__":

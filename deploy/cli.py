@@ -22,17 +22,17 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rich.table import Table
 
 from probewire.deploy.console import console
 from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.logs import FORMATS, logging_config
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
 from probewire.stream.config import ROLES
-from probewire.deploy.logs import FORMATS, logging_config
 
 __all__ = ["main"]
 
@@ -56,7 +56,9 @@ def _store_url(args: argparse.Namespace) -> dict[str, str]:
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {"clickhouse": _store_url(args)}
     if not overrides["clickhouse"] and "PROBEWIRE_CLICKHOUSE__URL" not in os.environ:
-        overrides["clickhouse"] = {"url": "chdb:///" + str(Path(DEFAULT_STORE).resolve()).lstrip("/")}
+        overrides["clickhouse"] = {
+            "url": "chdb:///" + str(Path(DEFAULT_STORE).resolve()).lstrip("/")
+        }
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
@@ -66,14 +68,14 @@ def _client(settings: Settings, hint: str = "run `probewire demo` first or pass 
 
     ch = settings.clickhouse
     try:
-        return open_client(ch.url, username=ch.username, password_env=ch.password_env,
-                           hint=hint)
+        return open_client(ch.url, username=ch.username, password_env=ch.password_env, hint=hint)
     except StoreError as exc:
         raise UserError(str(exc)) from None
 
 
-def _query(settings: Settings, sql: str, parameters: dict | None = None
-           ) -> tuple[list[str], list[tuple]]:
+def _query(
+    settings: Settings, sql: str, parameters: dict | None = None
+) -> tuple[list[str], list[tuple]]:
     client = _client(settings)
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
@@ -116,21 +118,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = _settings(args)
     work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
     try:
-        result = run_demo(settings, ranks=args.ranks, steps=args.steps, work_dir=work_dir,
-                          run_id=args.run_id, evaluate_every=args.evaluate_every,
-                          extra_train_args=train_args)
+        result = run_demo(
+            settings,
+            ranks=args.ranks,
+            steps=args.steps,
+            work_dir=work_dir,
+            run_id=args.run_id,
+            evaluate_every=args.evaluate_every,
+            extra_train_args=train_args,
+        )
     except StackError as exc:
         raise UserError(str(exc)) from None
-    columns, rows = _query(settings, f"""
+    columns, rows = _query(
+        settings,
+        f"""
         SELECT step, tokens, round(loss, 5) AS L, round(loss_worst_rank, 5) AS L_max,
                round(grad_norm, 6) AS G2, round(step_time_s, 4) AS step_time_s,
                ranks_reporting AS ranks
         FROM {settings.clickhouse.database}.step_metrics FINAL
         WHERE run_id = {{run:String}} ORDER BY step DESC LIMIT {{show:UInt32}}""",
-        {"run": result.run_id, "show": args.show})
-    _print_table(f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
-                 f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
-                 columns, sorted(rows))
+        {"run": result.run_id, "show": args.show},
+    )
+    _print_table(
+        f"run {result.run_id}: last {len(rows)} of {result.steps_written} steps "
+        f"(read back from ClickHouse; wall {result.wall_s:.1f}s)",
+        columns,
+        sorted(rows),
+    )
     _print_result(settings, result.run_id, args)
     return 0
 
@@ -160,7 +174,7 @@ def _work_dir(args: argparse.Namespace, settings: Settings) -> Path:
         return Path(args.work_dir).resolve()
     url = settings.clickhouse.url
     if url.startswith("chdb:///"):
-        store = Path(url[len("chdb://"):])
+        store = Path(url[len("chdb://") :])
         return store.parent / f".probewire-{store.name}"
     return Path(".probewire-run").resolve()
 
@@ -173,8 +187,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
     settings = _settings(args)
     try:
-        return up(settings, _work_dir(args, settings), evaluator=args.evaluator,
-                  sql_port=args.sql_port)
+        return up(
+            settings, _work_dir(args, settings), evaluator=args.evaluator, sql_port=args.sql_port
+        )
     except (SessionError, StackError) as exc:
         raise UserError(str(exc)) from None
 
@@ -190,9 +205,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
     settings = _settings(args)
     try:
-        code = run_command(settings, _work_dir(args, settings), command, run_id=args.run_id,
-                           evaluator=args.evaluator, sql_port=args.sql_port,
-                           report=lambda run_id: _print_result(settings, run_id, args))
+        code = run_command(
+            settings,
+            _work_dir(args, settings),
+            command,
+            run_id=args.run_id,
+            evaluator=args.evaluator,
+            sql_port=args.sql_port,
+            report=lambda run_id: _print_result(settings, run_id, args),
+        )
     except (SessionError, StackError) as exc:
         raise UserError(str(exc)) from None
     if code != 0:
@@ -207,8 +228,10 @@ def _vertical(columns: list[str], rows: list[tuple]) -> str:
     out = []
     for i, row in enumerate(rows, 1):
         out.append(f"-- row {i} " + "-" * max(0, 70 - len(str(i))))
-        out += [f"{c:>{width}}  {f'{v:.6g}' if isinstance(v, float) else v}"
-                for c, v in zip(columns, row)]
+        out += [
+            f"{c:>{width}}  {f'{v:.6g}' if isinstance(v, float) else v}"
+            for c, v in zip(columns, row)
+        ]
     return "\n".join(out)
 
 
@@ -228,13 +251,16 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     settings = _settings(args)
     db = settings.clickhouse.database
-    columns, rows = _query(settings, f"""
+    columns, rows = _query(
+        settings,
+        f"""
         SELECT r.run_id AS run, r.status AS status, r.world_size AS ranks,
                s.steps AS steps, s.tokens AS tokens, r.updated_at AS updated
         FROM (SELECT * FROM {db}.runs FINAL) AS r
         LEFT JOIN (SELECT run_id, count() AS steps, max(tokens) AS tokens
                    FROM {db}.step_metrics FINAL GROUP BY run_id) AS s ON r.run_id = s.run_id
-        ORDER BY r.updated_at DESC""")
+        ORDER BY r.updated_at DESC""",
+    )
     _print_table(f"runs in {db} (one row per run)", columns, rows)
     return 0
 
@@ -248,19 +274,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from probewire.stream.app import create_app
     from probewire.stream.publish import broker_message_limit, check_message_limit
 
-    settings = load_settings(args.config, overrides={"stream": {"role": args.role}}
-                             if args.role else None)
+    settings = load_settings(
+        args.config, overrides={"stream": {"role": args.role}} if args.role else None
+    )
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
     _preflight(settings, heartbeat)  # a broker that answers, and the topics, first
     topics = settings.topics
-    check_message_limit(settings.stream.max_message_bytes, broker_message_limit(
-        settings.kafka.client_config(), [topics.steps, topics.deadletter]))
-    app = create_app(settings.stream, settings.kafka, settings.topics,
-                     functools.partial(open_store, settings, read_port=args.sql_port),
-                     heartbeat, fault_hook())
-    worker = faust.Worker(app, loglevel=args.loglevel, quiet=True, redirect_stdouts=False,
-                          logging_config=logging_config(args.log_format, args.loglevel,
-                                                        "worker"))
+    check_message_limit(
+        settings.stream.max_message_bytes,
+        broker_message_limit(settings.kafka.client_config(), [topics.steps, topics.deadletter]),
+    )
+    app = create_app(
+        settings.stream,
+        settings.kafka,
+        settings.topics,
+        functools.partial(open_store, settings, read_port=args.sql_port),
+        heartbeat,
+        fault_hook(),
+    )
+    worker = faust.Worker(
+        app,
+        loglevel=args.loglevel,
+        quiet=True,
+        redirect_stdouts=False,
+        logging_config=logging_config(args.log_format, args.loglevel, "worker"),
+    )
     worker.execute_from_commandline()
     return 0
 
@@ -276,11 +314,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from probewire.sinks.clickhouse import ClickHouseSink, connect
 
     ch = _settings(args).clickhouse
-    version = ClickHouseSink(connect(ch.url, username=ch.username, password_env=ch.password_env),
-                             ch.database, ch.retry_max_s).migrate(
-        sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days)
-    extra = (f", with sensitive_artifacts (TTL {ch.sensitive_ttl_days} days)"
-             if ch.sensitive_artifacts else "")
+    version = ClickHouseSink(
+        connect(ch.url, username=ch.username, password_env=ch.password_env),
+        ch.database,
+        ch.retry_max_s,
+    ).migrate(sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days)
+    extra = (
+        f", with sensitive_artifacts (TTL {ch.sensitive_ttl_days} days)"
+        if ch.sensitive_artifacts
+        else ""
+    )
     print(f"schema of {ch.database} at version {version}{extra}")
     return 0
 
@@ -315,9 +358,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     try:
-        html_path, png_paths = write_report(_open_store(settings),
-                                            settings.clickhouse.database, args.run,
-                                            Path(args.out))
+        html_path, png_paths = write_report(
+            _open_store(settings), settings.clickhouse.database, args.run, Path(args.out)
+        )
     except (RunNotFound, ValueError) as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
@@ -333,9 +376,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     try:
-        result = explain(_open_store(settings), settings.clickhouse.database, args.run,
-                         args.step, window=args.window, lookback=args.lookback,
-                         z_threshold=args.z)
+        result = explain(
+            _open_store(settings),
+            settings.clickhouse.database,
+            args.run,
+            args.step,
+            window=args.window,
+            lookback=args.lookback,
+            z_threshold=args.z,
+        )
     except StepNotFound as exc:
         raise UserError(str(exc)) from None
     except ClickHouseError as exc:
@@ -346,12 +395,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         from probewire.deploy.reading import json_value
 
         first = result.first
-        body = {"run_id": result.run_id, "step": result.step, "tokens": result.tokens,
-                "headline": result.headline(),
-                "first": None if first is None else first.signal,
-                "pages": [dataclasses.asdict(p) for p in result.pages],
-                "ranked": [f.signal for f in result.ranked],
-                "findings": [dataclasses.asdict(f) for f in result.findings]}
+        body = {
+            "run_id": result.run_id,
+            "step": result.step,
+            "tokens": result.tokens,
+            "headline": result.headline(),
+            "first": None if first is None else first.signal,
+            "pages": [dataclasses.asdict(p) for p in result.pages],
+            "ranked": [f.signal for f in result.ranked],
+            "findings": [dataclasses.asdict(f) for f in result.findings],
+        }
         print(json.dumps(json_value(body), allow_nan=False))  # strict: NaN/Inf are null
     else:
         render(result)
@@ -363,25 +416,37 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     columns = ", ".join(COLUMNS)
-    names, rows = _query(settings, f"SELECT {columns} FROM {settings.clickhouse.database}"
-                                   ".step_metrics FINAL WHERE run_id = {run:String} ORDER BY step",
-                         {"run": args.run})
+    names, rows = _query(
+        settings,
+        f"SELECT {columns} FROM {settings.clickhouse.database}"
+        ".step_metrics FINAL WHERE run_id = {run:String} ORDER BY step",
+        {"run": args.run},
+    )
     if not rows:
         raise UserError(f"run {args.run!r} has no steps in the store")
     series = {name: [row[i] for row in rows] for i, name in enumerate(names)}
     detectors = settings.stream.stage2.detectors
     window = args.window or detectors.window
     try:
-        results = calibrate_run(series, window, args.quantile, args.margin, held_steps={
-            "maxvio_steps": detectors.maxvio_steps,
-            "straggler_steps": detectors.straggler_steps})
+        results = calibrate_run(
+            series,
+            window,
+            args.quantile,
+            args.margin,
+            held_steps={
+                "maxvio_steps": detectors.maxvio_steps,
+                "straggler_steps": detectors.straggler_steps,
+            },
+        )
     except ValueError as exc:
         raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
-    _print_table(f"thresholds from run {args.run} (window {window}, {args.margin} x "
-                 f"quantile {args.quantile} of its robust z, or of the level held for "
-                 "maxvio_steps / straggler_steps steps)",
-                 ["setting", "series", "threshold", "steps"],
-                 [(c.setting, c.column, c.threshold, c.n_steps) for c in results])
+    _print_table(
+        f"thresholds from run {args.run} (window {window}, {args.margin} x "
+        f"quantile {args.quantile} of its robust z, or of the level held for "
+        "maxvio_steps / straggler_steps steps)",
+        ["setting", "series", "threshold", "steps"],
+        [(c.setting, c.column, c.threshold, c.n_steps) for c in results],
+    )
     print("stream:\n" + "".join(f"  {c.setting}: {c.threshold:.3f}\n" for c in results), end="")
     return 0
 
@@ -389,8 +454,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
-    parser.add_argument("--log-format", choices=FORMATS, default="text",
-                        help="json: one JSON object per line, for every service")
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="json: one JSON object per line, for every service",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
@@ -400,45 +469,73 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-id", help="run id (default: demo-<random>)")
     demo.add_argument("--show", type=int, default=10, help="how many last steps to print")
     demo.add_argument("--work-dir", help="logs and heartbeat of the local stack")
-    demo.add_argument("--evaluate-every", type=int, default=0, metavar="N",
-                      help="checkpoint every N steps and score them with the evaluator")
-    demo.add_argument("--preset",
-                      help="demo model: tiny (dense), moe (experts), media (images), full "
-                           "(all); default: tiny, or what the --fault needs")
-    demo.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
-                      help="inject a real training fault (repeatable): bad-rank, "
-                           "source-regression, poisoned-batch, layer-explosion, straggler, "
-                           "memory-creep, flaky-replay, routing-collapse, ignored-media, "
-                           "bf16-swallow, nan-weight; easy-batch (must page nothing)")
+    demo.add_argument(
+        "--evaluate-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint every N steps and score them with the evaluator",
+    )
+    demo.add_argument(
+        "--preset",
+        help="demo model: tiny (dense), moe (experts), media (images), full "
+        "(all); default: tiny, or what the --fault needs",
+    )
+    demo.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="NAME[@STEP][:K=V,...]",
+        help="inject a real training fault (repeatable): bad-rank, "
+        "source-regression, poisoned-batch, layer-explosion, straggler, "
+        "memory-creep, flaky-replay, routing-collapse, ignored-media, "
+        "bf16-swallow, nan-weight; easy-batch (must page nothing)",
+    )
     demo.set_defaults(func=cmd_demo)
 
-    for name, text in (("up", "start the local stack for your own training script; Ctrl-C "
-                               "stops it"),
-                       ("run", "run a training command inside the local stack, then print "
-                               "its pages")):
+    for name, text in (
+        ("up", "start the local stack for your own training script; Ctrl-C stops it"),
+        ("run", "run a training command inside the local stack, then print its pages"),
+    ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
-        cmd.add_argument("--evaluator", action="store_true",
-                         help="also start the checkpoint evaluator")
-        cmd.add_argument("--sql-port", type=int, default=0,
-                         help="loopback port of the live read-only SQL endpoint (ClickHouse "
-                              "HTTP; 0: a free port)")
-        cmd.add_argument("--work-dir", help="logs, heartbeats and the session file (default: "
-                                            ".probewire-<store name> next to the store)")
+        cmd.add_argument(
+            "--evaluator", action="store_true", help="also start the checkpoint evaluator"
+        )
+        cmd.add_argument(
+            "--sql-port",
+            type=int,
+            default=0,
+            help="loopback port of the live read-only SQL endpoint (ClickHouse "
+            "HTTP; 0: a free port)",
+        )
+        cmd.add_argument(
+            "--work-dir",
+            help="logs, heartbeats and the session file (default: "
+            ".probewire-<store name> next to the store)",
+        )
         if name == "run":
-            cmd.add_argument("--run-id", help="run id (default: run-<random>); exported as "
-                                              "PROBEWIRE_RUN_ID")
-            cmd.add_argument("cmd", nargs=argparse.REMAINDER,
-                             help="the command, after --: torchrun --nproc-per-node 2 train.py")
+            cmd.add_argument(
+                "--run-id", help="run id (default: run-<random>); exported as PROBEWIRE_RUN_ID"
+            )
+            cmd.add_argument(
+                "cmd",
+                nargs=argparse.REMAINDER,
+                help="the command, after --: torchrun --nproc-per-node 2 train.py",
+            )
         cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
 
     sql = sub.add_parser("sql", help="run SQL on the store")
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     sql.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    sql.add_argument("--format", choices=["table", "vertical", "json", "csv", "tsv"],
-                     default="table", help="vertical: one column per line (wide rows such as "
-                     "first_screen); json is strict: NaN and Inf become null")
+    sql.add_argument(
+        "--format",
+        choices=["table", "vertical", "json", "csv", "tsv"],
+        default="table",
+        help="vertical: one column per line (wide rows such as "
+        "first_screen); json is strict: NaN and Inf become null",
+    )
     sql.set_defaults(func=cmd_sql)
 
     runs = sub.add_parser("runs", help="list the runs in the store, one row per run")
@@ -448,13 +545,20 @@ def _parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
-    worker.add_argument("--sql-port", type=int, default=0,
-                        help="loopback port of the read-only SQL endpoint of an embedded store "
-                             "(0: a free port, -1: off)")
-    worker.add_argument("--role", choices=ROLES,
-                        help="all: stage 1, stage 2 and the store (the default, or "
-                             "stream.role); stage1: stage 1 only, no store (more workers "
-                             "beside the one that owns an embedded store)")
+    worker.add_argument(
+        "--sql-port",
+        type=int,
+        default=0,
+        help="loopback port of the read-only SQL endpoint of an embedded store "
+        "(0: a free port, -1: off)",
+    )
+    worker.add_argument(
+        "--role",
+        choices=ROLES,
+        help="all: stage 1, stage 2 and the store (the default, or "
+        "stream.role); stage1: stage 1 only, no store (more workers "
+        "beside the one that owns an embedded store)",
+    )
     worker.set_defaults(func=cmd_worker)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")
@@ -477,10 +581,14 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age-s", type=float, default=60.0)
     health.set_defaults(func=cmd_health)
 
-    report = sub.add_parser("report", help="write runs as one interactive HTML page (runs "
-                                           "overlaid) and a PNG first screen per run")
-    report.add_argument("--run", required=True, action="append",
-                        help="run id (repeat to compare runs on one axis)")
+    report = sub.add_parser(
+        "report",
+        help="write runs as one interactive HTML page (runs "
+        "overlaid) and a PNG first screen per run",
+    )
+    report.add_argument(
+        "--run", required=True, action="append", help="run id (repeat to compare runs on one axis)"
+    )
     report.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     report.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     report.add_argument("--out", default="probewire-report", help="output directory")
@@ -498,9 +606,11 @@ def _parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
     from probewire.evaluators.cli import add_evaluator_parser
 
-    add_evaluator_parser(sub, lambda path: load_settings(path).evaluator_setup(),
-                         lambda path: _preflight(load_settings(path),
-                                                 default_heartbeat_path("evaluator")))
+    add_evaluator_parser(
+        sub,
+        lambda path: load_settings(path).evaluator_setup(),
+        lambda path: _preflight(load_settings(path), default_heartbeat_path("evaluator")),
+    )
     return parser
 
 

@@ -11,8 +11,9 @@ partition never reach stage 1, as when the consumer moved past them (``stream.ga
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["fault_hook", "with_outage"]
 
@@ -32,6 +33,7 @@ class _OutageClient:
             if self._flag.exists():
                 raise OSError(f"store outage (fault file {self._flag} present)")
             return attr(*args, **kwargs)
+
         return call
 
 
@@ -55,4 +57,5 @@ def fault_hook(env: dict[str, str] | None = None) -> Callable[..., bool]:
             return False
         seen[partition] = seen.get(partition, 0) + 1
         return seen[partition] in skip
+
     return before_event

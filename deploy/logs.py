@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 __all__ = ["FORMATS", "JsonFormatter", "logging_config"]
@@ -27,10 +27,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name,
-            "message": record.getMessage(), "service": self.service}
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "service": self.service,
+        }
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -41,11 +43,20 @@ def logging_config(fmt: str, level: str | int, service: str) -> dict[str, Any]:
     (the Faust worker hands the same dict to mode, so its own records follow it)."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    formatter = ({"()": JsonFormatter, "service": service} if fmt == "json"
-                 else {"format": _TEXT})
-    return {"version": 1, "disable_existing_loggers": False,
-            "formatters": {"probewire": formatter},
-            "handlers": {"stderr": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr",
-                                    "formatter": "probewire"}},
-            "root": {"level": level.upper() if isinstance(level, str) else level,
-                     "handlers": ["stderr"]}}
+    formatter = {"()": JsonFormatter, "service": service} if fmt == "json" else {"format": _TEXT}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"probewire": formatter},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "probewire",
+            }
+        },
+        "root": {
+            "level": level.upper() if isinstance(level, str) else level,
+            "handlers": ["stderr"],
+        },
+    }

@@ -20,8 +20,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["StoreError", "chdb_path", "json_value", "open_client", "render_rows"]
 
@@ -32,11 +33,12 @@ class StoreError(Exception):
 
 def chdb_path(url: str) -> Path | None:
     """The directory of a ``chdb:///abs/path`` URL, None for a server URL."""
-    return Path(url[len("chdb://"):]) if url.startswith("chdb:///") else None
+    return Path(url[len("chdb://") :]) if url.startswith("chdb:///") else None
 
 
-def open_client(url: str, *, username: str = "default", password_env: str = "",
-                hint: str = "pass --store DIR") -> Any:
+def open_client(
+    url: str, *, username: str = "default", password_env: str = "", hint: str = "pass --store DIR"
+) -> Any:
     """A clickhouse-connect client for reading the store at ``url`` (see the module doc)."""
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
@@ -59,9 +61,11 @@ def open_client(url: str, *, username: str = "default", password_env: str = "",
         try:
             return connect(reader)
         except (ClickHouseError, OSError) as exc:
-            raise StoreError(f"the live reader of {path} at {reader} did not answer "
-                             f"({_first_line(exc)[:120]}); its worker may be stopping, "
-                             "try again") from None
+            raise StoreError(
+                f"the live reader of {path} at {reader} did not answer "
+                f"({_first_line(exc)[:120]}); its worker may be stopping, "
+                "try again"
+            ) from None
     owner = store_owner(path)
     if owner is None or owner.startswith(f"pid {os.getpid()} "):
         try:
@@ -71,9 +75,11 @@ def open_client(url: str, *, username: str = "default", password_env: str = "",
             owner = store_owner(path)  # taken meanwhile (a worker starting)
             if owner is None:
                 raise
-    raise StoreError(f"the store {path} is held by {owner}, which serves no live reads "
-                     "(yet); query it once that process ends, or through its worker's "
-                     "reader (`probewire up` / `run` start one)")
+    raise StoreError(
+        f"the store {path} is held by {owner}, which serves no live reads "
+        "(yet); query it once that process ends, or through its worker's "
+        "reader (`probewire up` / `run` start one)"
+    )
 
 
 @contextlib.contextmanager
@@ -116,8 +122,9 @@ def json_value(value: Any) -> Any:
 def render_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> str:
     """``json`` (a list of objects, strict), ``csv`` or ``tsv`` (a header line, then rows)."""
     if fmt == "json":
-        return json.dumps([{c: json_value(v) for c, v in zip(columns, row)} for row in rows],
-                          allow_nan=False)
+        return json.dumps(
+            [{c: json_value(v) for c, v in zip(columns, row)} for row in rows], allow_nan=False
+        )
     if fmt not in ("csv", "tsv"):
         raise ValueError(f"unknown format {fmt!r}")
     out = io.StringIO()

@@ -31,25 +31,40 @@ class RunResult:
 def load_result(client: Any, database: str, run_id: str) -> RunResult:
     """The run's row, step count and pages, read with SQL."""
     params = {"run": run_id}
-    row = client.query(f"SELECT status, last_step FROM {database}.runs FINAL "
-                       "WHERE run_id = {run:String}", parameters=params).result_rows
-    steps = client.query(f"SELECT count() FROM {database}.step_metrics FINAL "
-                         "WHERE run_id = {run:String}", parameters=params).result_rows[0][0]
-    pages = client.query(f"SELECT signal, step, culprit, message FROM {database}.alerts FINAL "
-                         "WHERE run_id = {run:String} AND severity = 'page' ORDER BY step, "
-                         "signal", parameters=params).result_rows
+    row = client.query(
+        f"SELECT status, last_step FROM {database}.runs FINAL WHERE run_id = {{run:String}}",
+        parameters=params,
+    ).result_rows
+    steps = client.query(
+        f"SELECT count() FROM {database}.step_metrics FINAL WHERE run_id = {{run:String}}",
+        parameters=params,
+    ).result_rows[0][0]
+    pages = client.query(
+        f"SELECT signal, step, culprit, message FROM {database}.alerts FINAL "
+        "WHERE run_id = {run:String} AND severity = 'page' ORDER BY step, "
+        "signal",
+        parameters=params,
+    ).result_rows
     status, last = row[0] if row else ("not seen", 0)
-    return RunResult(run_id, str(status), int(steps), int(last),
-                     tuple(Page(str(s), int(t), str(c), str(m)) for s, t, c, m in pages))
+    return RunResult(
+        run_id,
+        str(status),
+        int(steps),
+        int(last),
+        tuple(Page(str(s), int(t), str(c), str(m)) for s, t, c, m in pages),
+    )
 
 
-def render_result(result: RunResult, store_args: str, database: str = "probewire",
-                  max_pages: int = 20) -> str:
+def render_result(
+    result: RunResult, store_args: str, database: str = "probewire", max_pages: int = 20
+) -> str:
     """The text block (``store_args``: ``--store DIR`` or ``--clickhouse-url URL``, or "")."""
     where = f" {store_args.strip()}" if store_args.strip() else ""
     run = shlex.quote(result.run_id)
-    lines = [f"run {result.run_id}: {result.status}, {result.steps} steps stored "
-             f"(last step {result.last_step}), {len(result.pages)} page(s)"]
+    lines = [
+        f"run {result.run_id}: {result.status}, {result.steps} steps stored "
+        f"(last step {result.last_step}), {len(result.pages)} page(s)"
+    ]
     if result.pages:
         lines.append(f"  {'signal':<18} {'step':>7}  culprit")
         for page in result.pages[:max_pages]:
@@ -57,9 +72,11 @@ def render_result(result: RunResult, store_args: str, database: str = "probewire
         if len(result.pages) > max_pages:
             lines.append(f"  ... and {len(result.pages) - max_pages} more (table alerts)")
     step = result.pages[0].step if result.pages else result.last_step
-    lines += ["next:",
-              f"  probewire report --run {run}{where}",
-              f"  probewire explain --run {run} --step {step}{where}",
-              f"  probewire sql{where} \"SELECT step, loss, grad_norm, lr, step_time_s FROM "
-              f"{database}.step_metrics FINAL WHERE run_id = '{result.run_id}' ORDER BY step\""]
+    lines += [
+        "next:",
+        f"  probewire report --run {run}{where}",
+        f"  probewire explain --run {run} --step {step}{where}",
+        f'  probewire sql{where} "SELECT step, loss, grad_norm, lr, step_time_s FROM '
+        f"{database}.step_metrics FINAL WHERE run_id = '{result.run_id}' ORDER BY step\"",
+    ]
     return "\n".join(lines)

@@ -35,19 +35,20 @@ def open_store(settings: Settings, read_port: int = 0):
     try:
         client = with_outage(connect(ch.url, username=ch.username, password_env=ch.password_env))
     except ClickHouseError as exc:  # unreachable or refusing: the worker retries (and says so)
-        raise StoreUnavailable(f"cannot connect to {split_credentials(ch.url)[0]}: "
-                               f"{str(exc).strip().splitlines()[0]}") from None
+        raise StoreUnavailable(
+            f"cannot connect to {split_credentials(ch.url)[0]}: {str(exc).strip().splitlines()[0]}"
+        ) from None
     sink = ClickHouseSink(client, ch.database, ch.retry_max_s, batch_rows=ch.batch_rows)
-    sink.migrate(sensitive_artifacts=ch.sensitive_artifacts,
-                 sensitive_ttl_days=ch.sensitive_ttl_days)
+    sink.migrate(
+        sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days
+    )
     if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
         from probewire.sinks.readserver import ReadServer
 
         try:
-            reader = ReadServer(ch.url[len("chdb://"):], port=read_port)
+            reader = ReadServer(ch.url[len("chdb://") :], port=read_port)
         except OSError as exc:  # the port is taken: the worker runs on, without live reads
-            log.error("probewire: no live reads: cannot serve on 127.0.0.1:%d (%s)",
-                      read_port, exc)
+            log.error("probewire: no live reads: cannot serve on 127.0.0.1:%d (%s)", read_port, exc)
             return sink
         reader.start()
         _READERS.append(reader)

@@ -24,16 +24,16 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError
 
-__all__ = ["SessionError", "StackSession", "run_command", "session_env", "status_line",
-           "up"]
+__all__ = ["SessionError", "StackSession", "run_command", "session_env", "status_line", "up"]
 
 SESSION_FILE = "session.json"
 
@@ -58,15 +58,16 @@ class StackSession:
         return session_env(self.settings, self.bootstrap, run_id)
 
 
-def session_env(settings: Settings, bootstrap: str, run_id: str | None = None
-                ) -> dict[str, str]:
+def session_env(settings: Settings, bootstrap: str, run_id: str | None = None) -> dict[str, str]:
     """The variables a training script needs (``attach`` and ``RankIdentity.from_env``)."""
     topics = settings.topics
-    env = {"PROBEWIRE_KAFKA__BOOTSTRAP": bootstrap,
-           "PROBEWIRE_TOPICS__METRICS": topics.metrics,
-           "PROBEWIRE_TOPICS__CONTROL": topics.control,
-           "PROBEWIRE_TOPICS__CHECKPOINTS": topics.checkpoints,
-           "PROBEWIRE_TOPICS__RUNS": topics.runs}
+    env = {
+        "PROBEWIRE_KAFKA__BOOTSTRAP": bootstrap,
+        "PROBEWIRE_TOPICS__METRICS": topics.metrics,
+        "PROBEWIRE_TOPICS__CONTROL": topics.control,
+        "PROBEWIRE_TOPICS__CHECKPOINTS": topics.checkpoints,
+        "PROBEWIRE_TOPICS__RUNS": topics.runs,
+    }
     if run_id:
         env["PROBEWIRE_RUN_ID"] = run_id
     return env
@@ -80,8 +81,10 @@ def status_line(beat: dict[str, Any] | None) -> str:
     steps = sum(int(r.get("steps_written", 0)) for r in runs.values())
     pages = sum(int(r.get("alerts", 0)) for r in runs.values())
     parts = [f"runs {len(runs)}", f"steps stored {steps}", f"pages {pages}"]
-    live = [f"{run} {r.get('status', 'running')} at step {r.get('last_step', '-')}"
-            for run, r in sorted(runs.items())][-3:]
+    live = [
+        f"{run} {r.get('status', 'running')} at step {r.get('last_step', '-')}"
+        for run, r in sorted(runs.items())
+    ][-3:]
     if beat.get("healthy") is False:
         parts.append("worker UNHEALTHY: " + "; ".join(beat.get("reasons") or []))
     return " · ".join(parts + live)
@@ -98,8 +101,9 @@ def _check_store(settings: Settings) -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     owner = store_owner(path)
     if owner is not None:
-        raise SessionError(f"the store {path} is held by {owner}; stop it, or pass another "
-                           "--store DIR")
+        raise SessionError(
+            f"the store {path} is held by {owner}; stop it, or pass another --store DIR"
+        )
     return path
 
 
@@ -120,25 +124,39 @@ def _check_port(port: int) -> None:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
-                raise SessionError(f"--sql-port {port} is in use on 127.0.0.1; pick another, "
-                                   "or 0 for a free one") from None
+                raise SessionError(
+                    f"--sql-port {port} is in use on 127.0.0.1; pick another, or 0 for a free one"
+                ) from None
 
 
-def start(settings: Settings, work_dir: Path, *, evaluator: bool = False, sql_port: int = 0,
-          reuse: bool = False) -> StackSession:
+def start(
+    settings: Settings,
+    work_dir: Path,
+    *,
+    evaluator: bool = False,
+    sql_port: int = 0,
+    reuse: bool = False,
+) -> StackSession:
     """Start the stack (or, with ``reuse``, join a live ``up`` session of the same store)."""
     from probewire.deploy.reading import chdb_path
 
     work_dir.mkdir(parents=True, exist_ok=True)
     shared = _live_session(work_dir) if reuse else None
     if shared is not None:
-        return StackSession(settings, chdb_path(settings.clickhouse.url), work_dir,
-                            shared["bootstrap"], shared.get("sql_url", ""),
-                            Path(shared["heartbeat"]))
+        return StackSession(
+            settings,
+            chdb_path(settings.clickhouse.url),
+            work_dir,
+            shared["bootstrap"],
+            shared.get("sql_url", ""),
+            Path(shared["heartbeat"]),
+        )
     store = _check_store(settings)
     _check_port(sql_port)
-    settings = dataclasses.replace(settings, stream=dataclasses.replace(
-        settings.stream, app_id=f"probewire-{uuid.uuid4().hex[:8]}"))
+    settings = dataclasses.replace(
+        settings,
+        stream=dataclasses.replace(settings.stream, app_id=f"probewire-{uuid.uuid4().hex[:8]}"),
+    )
     stack = LocalStack(settings, work_dir)
     try:
         stack.start_broker()
@@ -148,15 +166,24 @@ def start(settings: Settings, work_dir: Path, *, evaluator: bool = False, sql_po
     except BaseException:
         stack.stop()
         raise
-    return StackSession(settings, store, work_dir, stack.bootstrap, stack.sql_url,
-                        stack.heartbeat_path, stack)
+    return StackSession(
+        settings, store, work_dir, stack.bootstrap, stack.sql_url, stack.heartbeat_path, stack
+    )
 
 
 def _publish(session: StackSession) -> None:
     tmp = session.work_dir / (SESSION_FILE + ".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "bootstrap": session.bootstrap,
-                               "sql_url": session.sql_url, "heartbeat": str(session.heartbeat),
-                               "store": str(session.store or "")}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "bootstrap": session.bootstrap,
+                "sql_url": session.sql_url,
+                "heartbeat": str(session.heartbeat),
+                "store": str(session.store or ""),
+            }
+        )
+    )
     os.replace(tmp, session.work_dir / SESSION_FILE)
 
 
@@ -167,32 +194,48 @@ def _stop(session: StackSession) -> None:
         session.stack.stop()
 
 
-def _banner(session: StackSession, out: TextIO, store_arg: str,
-            run_id: str | None = None) -> None:
-    print(f"probewire: broker {session.bootstrap} · store {session.store or session.settings.clickhouse.url}",
-          file=out)
+def _banner(session: StackSession, out: TextIO, store_arg: str, run_id: str | None = None) -> None:
+    print(
+        f"probewire: broker {session.bootstrap} · store {session.store or session.settings.clickhouse.url}",
+        file=out,
+    )
     if session.sql_url:
-        print(f"probewire: live SQL (ClickHouse HTTP, read-only) {session.sql_url} · "
-              f"`probewire sql {store_arg}\"SELECT ...\"` finds it by itself", file=out)
+        print(
+            f"probewire: live SQL (ClickHouse HTTP, read-only) {session.sql_url} · "
+            f'`probewire sql {store_arg}"SELECT ..."` finds it by itself',
+            file=out,
+        )
     if run_id:
-        print(f"probewire: the command's environment (attach() with no transport reads it): "
-              + " ".join(f"{k}={shlex.quote(v)}" for k, v in session.env(run_id).items()),
-              file=out)
+        print(
+            "probewire: the command's environment (attach() with no transport reads it): "
+            + " ".join(f"{k}={shlex.quote(v)}" for k, v in session.env(run_id).items()),
+            file=out,
+        )
         return
     print("probewire: a training script needs (attach() with no transport reads them):", file=out)
     for key, value in session.env().items():
         print(f"  export {key}={shlex.quote(value)}", file=out)
-    print("  export PROBEWIRE_RUN_ID=my-run   # or RankIdentity(run_id=...); torchrun's "
-          "--rdzv-id also works", file=out)
+    print(
+        "  export PROBEWIRE_RUN_ID=my-run   # or RankIdentity(run_id=...); torchrun's "
+        "--rdzv-id also works",
+        file=out,
+    )
 
 
 def _store_arg(session: StackSession) -> str:
     return f"--store {shlex.quote(str(session.store))} " if session.store else ""
 
 
-def up(settings: Settings, work_dir: Path, *, evaluator: bool, sql_port: int,
-       out: TextIO = sys.stdout, interval_s: float = 2.0,
-       until: Callable[[], bool] = lambda: False) -> int:
+def up(
+    settings: Settings,
+    work_dir: Path,
+    *,
+    evaluator: bool,
+    sql_port: int,
+    out: TextIO = sys.stdout,
+    interval_s: float = 2.0,
+    until: Callable[[], bool] = lambda: False,
+) -> int:
     """``probewire up`` (see the module doc); returns when interrupted (or ``until()``)."""
     session = start(settings, work_dir, evaluator=evaluator, sql_port=sql_port)
     try:
@@ -202,11 +245,16 @@ def up(settings: Settings, work_dir: Path, *, evaluator: bool, sql_port: int,
         last = ""
         while not until():
             stack = session.stack
-            for what, proc in (("worker", stack.worker), ("evaluator", stack.evaluator),
-                               ("broker", stack.broker)):
+            for what, proc in (
+                ("worker", stack.worker),
+                ("evaluator", stack.evaluator),
+                ("broker", stack.broker),
+            ):
                 if proc is not None and proc.poll() is not None:
-                    raise StackError(f"{what} exited with code {proc.returncode}; see "
-                                     f"{work_dir / (what + '.log')}")
+                    raise StackError(
+                        f"{what} exited with code {proc.returncode}; see "
+                        f"{work_dir / (what + '.log')}"
+                    )
             line = status_line(read_heartbeat(session.heartbeat))
             if line != last:
                 print(f"probewire: {line}", file=out, flush=True)
@@ -219,8 +267,10 @@ def up(settings: Settings, work_dir: Path, *, evaluator: bool, sql_port: int,
 
 def _resolve(command: list[str]) -> list[str]:
     if not command:
-        raise SessionError("no command: put it after --, e.g. probewire run -- torchrun "
-                           "--nproc-per-node 2 train.py")
+        raise SessionError(
+            "no command: put it after --, e.g. probewire run -- torchrun "
+            "--nproc-per-node 2 train.py"
+        )
     if shutil.which(command[0]) is None:
         raise SessionError(f"command not found: {command[0]}")
     return command
@@ -241,10 +291,20 @@ def _run_progress(beat: dict[str, Any] | None, run_id: str) -> dict[str, Any]:
     return ((beat or {}).get("runs") or {}).get(run_id) or {}
 
 
-def run_command(settings: Settings, work_dir: Path, command: list[str], *, run_id: str | None,
-                evaluator: bool, sql_port: int, out: TextIO = sys.stderr,
-                settle_s: float = 3.0, quiet_s: float = 10.0, drain_timeout_s: float = 120.0,
-                report: Callable[[str], None] = lambda run_id: None) -> int:
+def run_command(
+    settings: Settings,
+    work_dir: Path,
+    command: list[str],
+    *,
+    run_id: str | None,
+    evaluator: bool,
+    sql_port: int,
+    out: TextIO = sys.stderr,
+    settle_s: float = 3.0,
+    quiet_s: float = 10.0,
+    drain_timeout_s: float = 120.0,
+    report: Callable[[str], None] = lambda run_id: None,
+) -> int:
     """``probewire run``: the command's exit code. Once every step of the run is stored,
     ``report(run_id)`` runs while the worker still serves the store; then the stack stops."""
     command = _resolve(command)
@@ -256,15 +316,18 @@ def run_command(settings: Settings, work_dir: Path, command: list[str], *, run_i
     try:
         _banner(session, out, _store_arg(session), run_id)
         print(f"probewire: run {run_id}: {shlex.join(command)}", file=out, flush=True)
-        proc = subprocess.Popen(command, env={**os.environ, **session.env(run_id)},
-                                preexec_fn=_child_setup)
+        proc = subprocess.Popen(
+            command, env={**os.environ, **session.env(run_id)}, preexec_fn=_child_setup
+        )
         if session.stack is not None:
             session.stack.record("command", proc)
         last, next_at = "", 0.0
         while proc.poll() is None:
             if session.stack is not None and session.stack.worker.poll() is not None:
-                raise StackError(f"worker exited with code {session.stack.worker.returncode}; "
-                                 f"see {work_dir / 'worker.log'}")
+                raise StackError(
+                    f"worker exited with code {session.stack.worker.returncode}; "
+                    f"see {work_dir / 'worker.log'}"
+                )
             if time.monotonic() >= next_at:
                 line = status_line(read_heartbeat(session.heartbeat))
                 if line != last:

@@ -18,9 +18,10 @@ import dataclasses
 import json
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
@@ -60,8 +61,11 @@ def split_credentials(url: str) -> tuple[str, str, str]:
     host = parsed.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
     netloc += f":{parsed.port}" if parsed.port else ""
-    return (urlunsplit(parsed._replace(netloc=netloc)), unquote(parsed.username or ""),
-            unquote(parsed.password or ""))
+    return (
+        urlunsplit(parsed._replace(netloc=netloc)),
+        unquote(parsed.username or ""),
+        unquote(parsed.password or ""),
+    )
 
 
 def _check(cond: bool, path: str, message: str) -> None:
@@ -83,15 +87,24 @@ class ClickHouseSettings:
     sensitive_ttl_days: int = 7
 
     def __post_init__(self) -> None:
-        _check(self.url.startswith(("chdb:///", "http://", "https://")), "url",
-               "must start with chdb:///, http:// or https://, got "
-               f"{split_credentials(self.url)[0]!r}")
-        _check(self.database.isidentifier(), "database",
-               f"must be a plain identifier, got {self.database!r}")
+        _check(
+            self.url.startswith(("chdb:///", "http://", "https://")),
+            "url",
+            "must start with chdb:///, http:// or https://, got "
+            f"{split_credentials(self.url)[0]!r}",
+        )
+        _check(
+            self.database.isidentifier(),
+            "database",
+            f"must be a plain identifier, got {self.database!r}",
+        )
         _check(self.batch_rows > 0, "batch_rows", "must be > 0")
         _check(self.retry_max_s > 0, "retry_max_s", "must be > 0")
-        _check(1 <= self.sensitive_ttl_days <= 90, "sensitive_ttl_days",
-               "must lie in [1, 90]: sensitive artifacts are short-lived")
+        _check(
+            1 <= self.sensitive_ttl_days <= 90,
+            "sensitive_ttl_days",
+            "must lie in [1, 90]: sensitive artifacts are short-lived",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,8 +124,9 @@ class Settings:
         """What the evaluator service is built from (its consumer group defaults to
         ``<stream.app_id>.evaluator``)."""
         group_id = self.evaluator.group_id or f"{self.stream.app_id}.evaluator"
-        return EvaluatorSetup(config=self.evaluator, kafka=self.kafka, topics=self.topics,
-                              group_id=group_id)
+        return EvaluatorSetup(
+            config=self.evaluator, kafka=self.kafka, topics=self.topics, group_id=group_id
+        )
 
 
 def _coerce(value: Any, kind: Any, path: str) -> Any:
@@ -121,8 +135,11 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
-        _check(text in {"1", "0", "true", "false", "yes", "no"}, path,
-               f"must be a boolean, got {value!r}")
+        _check(
+            text in {"1", "0", "true", "false", "yes", "no"},
+            path,
+            f"must be a boolean, got {value!r}",
+        )
         return text in {"1", "true", "yes"}
     if kind in (int, float):
         try:
@@ -144,13 +161,17 @@ def _build_config(cls: type, raw: Mapping[str, Any], path: str) -> Any:
     _check(isinstance(raw, Mapping), path, f"must be a mapping, got {raw!r}")
     kinds = _field_types(cls)
     extra = sorted(set(raw) - set(kinds))
-    _check(not extra, f"{path}.{extra[0]}" if extra else path,
-           f"unknown field; known: {sorted(kinds)}")
+    _check(
+        not extra, f"{path}.{extra[0]}" if extra else path, f"unknown field; known: {sorted(kinds)}"
+    )
     kwargs = {}
     for name, value in raw.items():
         kind = kinds[name]
-        kwargs[name] = _build_config(kind, value or {}, f"{path}.{name}") \
-            if dataclasses.is_dataclass(kind) else _coerce(value, kind, f"{path}.{name}")
+        kwargs[name] = (
+            _build_config(kind, value or {}, f"{path}.{name}")
+            if dataclasses.is_dataclass(kind)
+            else _coerce(value, kind, f"{path}.{name}")
+        )
     with within(path):
         return cls(**kwargs)
 
@@ -159,8 +180,12 @@ def _build(raw: Mapping[str, Mapping[str, Any]]) -> Settings:
     sections = _field_types(Settings)
     unknown = set(raw) - set(sections)
     _check(not unknown, ",".join(sorted(unknown)), f"unknown section; known: {sorted(sections)}")
-    return Settings(**{section: _build_config(cls, raw.get(section) or {}, section)
-                       for section, cls in sections.items()})
+    return Settings(
+        **{
+            section: _build_config(cls, raw.get(section) or {}, section)
+            for section, cls in sections.items()
+        }
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -170,9 +195,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def load_settings(path: str | os.PathLike[str] | None = None,
-                  env: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Settings:
+def load_settings(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
     """Defaults <- file <- ``PROBEWIRE_<SECTION>__<FIELD>`` env vars <- explicit overrides."""
     env = os.environ if env is None else env
     raw: dict[str, dict[str, Any]] = {}
@@ -181,15 +208,18 @@ def load_settings(path: str | os.PathLike[str] | None = None,
         file = Path(path)
         _check(file.is_file(), "config", f"file not found: {file}")
         try:
-            loaded = yaml.safe_load(file.read_text()) if file.suffix in {".yaml", ".yml"} \
+            loaded = (
+                yaml.safe_load(file.read_text())
+                if file.suffix in {".yaml", ".yml"}
                 else json.loads(file.read_text())
+            )
         except (yaml.YAMLError, json.JSONDecodeError) as exc:
             raise SettingsError("config", f"cannot parse {file}: {exc}") from None
         _check(isinstance(loaded, dict), "config", f"{file} must hold a mapping of sections")
         raw = {k: _plain(v or {}) for k, v in loaded.items()}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
-            *parents, name = key[len(ENV_PREFIX):].lower().split("__")
+            *parents, name = key[len(ENV_PREFIX) :].lower().split("__")
             node = raw
             for part in parents:
                 child = node.setdefault(part, {})
@@ -200,4 +230,3 @@ def load_settings(path: str | os.PathLike[str] | None = None,
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     raw = {k: _plain(v) for k, v in raw.items()}
     return _build(raw)
-

@@ -22,8 +22,16 @@ from typing import IO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings, split_credentials
 
-__all__ = ["LocalStack", "StackError", "check_broker", "create_topics", "free_port", "spawn",
-           "stop_process", "tansu_binary"]
+__all__ = [
+    "LocalStack",
+    "StackError",
+    "check_broker",
+    "create_topics",
+    "free_port",
+    "spawn",
+    "stop_process",
+    "tansu_binary",
+]
 
 
 class StackError(RuntimeError):
@@ -42,8 +50,9 @@ def _child_setup() -> None:
 
 def spawn(cmd: list[str], log: IO, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a child of the local stack (see ``_child_setup``)."""
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_child_setup)
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_child_setup
+    )
 
 
 def free_port() -> int:
@@ -81,33 +90,43 @@ def check_broker(client_config: dict[str, str], timeout_s: float = 8.0) -> set[s
     from confluent_kafka.admin import AdminClient
 
     bootstrap = client_config.get("bootstrap.servers", "")
-    hint = ("start one with `probewire up`, or set kafka.bootstrap "
-            "(PROBEWIRE_KAFKA__BOOTSTRAP)")
+    hint = "start one with `probewire up`, or set kafka.bootstrap (PROBEWIRE_KAFKA__BOOTSTRAP)"
     first = bootstrap.split(",")[0].strip()
     host, _, port = first.rpartition(":")
-    if host and port.isdigit() and client_config.get("security.protocol", "PLAINTEXT") \
-            == "PLAINTEXT":
+    if (
+        host
+        and port.isdigit()
+        and client_config.get("security.protocol", "PLAINTEXT") == "PLAINTEXT"
+    ):
         try:
             socket.create_connection((host.strip("[]"), int(port)), min(timeout_s, 3.0)).close()
         except OSError as exc:
-            raise StackError(f"no Kafka broker at {bootstrap}: {exc.strerror or exc}; "
-                             f"{hint}") from None
-    admin = AdminClient({**client_config, "log_level": 0, "socket.timeout.ms":
-                         str(int(timeout_s * 1000)), "socket.connection.setup.timeout.ms":
-                         str(int(timeout_s * 1000))})
+            raise StackError(
+                f"no Kafka broker at {bootstrap}: {exc.strerror or exc}; {hint}"
+            ) from None
+    admin = AdminClient(
+        {
+            **client_config,
+            "log_level": 0,
+            "socket.timeout.ms": str(int(timeout_s * 1000)),
+            "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
+        }
+    )
     try:
         return set(admin.list_topics(timeout=timeout_s).topics)
     except KafkaException:
-        raise StackError(f"{bootstrap} did not answer as a Kafka broker within {timeout_s:g}s; "
-                         f"{hint}") from None
+        raise StackError(
+            f"{bootstrap} did not answer as a Kafka broker within {timeout_s:g}s; {hint}"
+        ) from None
 
 
 KAFKA_MESSAGE_BYTES = 1_048_588
 """Kafka's default max.message.bytes (1 MiB plus the record batch header)."""
 
 
-def create_topics(bootstrap: str | dict[str, str], partitions: dict[str, int],
-                  timeout_s: float = 30.0) -> None:
+def create_topics(
+    bootstrap: str | dict[str, str], partitions: dict[str, int], timeout_s: float = 30.0
+) -> None:
     """Create topics with explicit partition counts; existing topics are left alone.
     ``bootstrap`` is an address or a whole client config (SASL/TLS). Each states Kafka's
     default ``max.message.bytes``, so the worker's start-up check can read it (Tansu states
@@ -118,8 +137,11 @@ def create_topics(bootstrap: str | dict[str, str], partitions: dict[str, int],
     config = {"bootstrap.servers": bootstrap} if isinstance(bootstrap, str) else bootstrap
     existing = check_broker(config, timeout_s)
     admin = AdminClient({**config, "log_level": 0})
-    wanted = [NewTopic(n, p, 1, config={"max.message.bytes": str(KAFKA_MESSAGE_BYTES)})
-              for n, p in partitions.items() if n not in existing]
+    wanted = [
+        NewTopic(n, p, 1, config={"max.message.bytes": str(KAFKA_MESSAGE_BYTES)})
+        for n, p in partitions.items()
+        if n not in existing
+    ]
     for name, future in (admin.create_topics(wanted) if wanted else {}).items():
         try:
             future.result(timeout_s)
@@ -127,8 +149,9 @@ def create_topics(bootstrap: str | dict[str, str], partitions: dict[str, int],
             raise StackError(f"could not create topic {name}: {exc}") from None
 
 
-def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
-                 timeout_s: float = 20.0) -> None:
+def stop_process(
+    proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 20.0
+) -> None:
     """Signal a process (its whole session) and wait; kill it if it does not exit in time."""
     if proc is None or proc.poll() is not None:
         return
@@ -154,7 +177,7 @@ class LocalStack:
     evaluator: subprocess.Popen | None = None
     stage1_workers: list[subprocess.Popen] = field(default_factory=list)
     bootstrap: str = ""
-    sql_port: int = 0             # the worker's read-only SQL endpoint (embedded store)
+    sql_port: int = 0  # the worker's read-only SQL endpoint (embedded store)
     logs: list[IO] = field(default_factory=list)
     started: list[dict] = field(default_factory=list)
 
@@ -180,9 +203,20 @@ class LocalStack:
         port = port or free_port()
         url = f"tcp://127.0.0.1:{port}"
         self.broker = spawn(
-            [str(tansu_binary()), "broker", "--cluster-id", f"probewire-{port}",
-             "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"], self._log("broker"))
+            [
+                str(tansu_binary()),
+                "broker",
+                "--cluster-id",
+                f"probewire-{port}",
+                "--listener-url",
+                url,
+                "--advertised-listener-url",
+                url,
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+            self._log("broker"),
+        )
         self.record("broker", self.broker, port)
         _wait_port(port, self.broker, 20.0)
         self.bootstrap = f"127.0.0.1:{port}"
@@ -209,8 +243,9 @@ class LocalStack:
         config = self.work_dir / "settings.json"
         tree = self.settings.to_dict()
         tree["kafka"]["bootstrap"] = self.bootstrap
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("PROBEWIRE_") and "__" in k)}
+        env = {
+            k: v for k, v in os.environ.items() if not (k.startswith("PROBEWIRE_") and "__" in k)
+        }
         ch = tree["clickhouse"]
         ch["url"], user, password = split_credentials(ch["url"])
         if user:  # a password in the URL goes to the child's environment, never to a file
@@ -220,19 +255,23 @@ class LocalStack:
         env.update({"PROBEWIRE_CONFIG": str(config), "PROBEWIRE_HEARTBEAT_FILE": str(heartbeat)})
         return env
 
-    def _wait_ready(self, proc: subprocess.Popen, heartbeat: Path, what: str,
-                    timeout_s: float) -> None:
+    def _wait_ready(
+        self, proc: subprocess.Popen, heartbeat: Path, what: str, timeout_s: float
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise StackError(f"{what} exited with code {proc.returncode}; "
-                                 f"see {self.work_dir / (what + '.log')}")
+                raise StackError(
+                    f"{what} exited with code {proc.returncode}; "
+                    f"see {self.work_dir / (what + '.log')}"
+                )
             beat = read_heartbeat(heartbeat)
             if beat and beat.get("status") == "ready":
                 return
             time.sleep(0.2)
-        raise StackError(f"{what} not ready within {timeout_s}s; "
-                         f"see {self.work_dir / (what + '.log')}")
+        raise StackError(
+            f"{what} not ready within {timeout_s}s; see {self.work_dir / (what + '.log')}"
+        )
 
     @property
     def evaluator_heartbeat_path(self) -> Path:
@@ -241,10 +280,19 @@ class LocalStack:
     def start_evaluator(self, data_dir: Path, timeout_s: float = 120.0) -> None:
         """The checkpoint evaluator service, scoring what ``probewire.checkpoints`` announces."""
         self.evaluator_heartbeat_path.unlink(missing_ok=True)
-        self.evaluator = spawn([sys.executable, "-m", "probewire.deploy.cli", "evaluator",
-                                "--data-dir", str(data_dir), "--no-progress"],
-                               self._log("evaluator"), self._child_env(
-                                   self.evaluator_heartbeat_path))
+        self.evaluator = spawn(
+            [
+                sys.executable,
+                "-m",
+                "probewire.deploy.cli",
+                "evaluator",
+                "--data-dir",
+                str(data_dir),
+                "--no-progress",
+            ],
+            self._log("evaluator"),
+            self._child_env(self.evaluator_heartbeat_path),
+        )
         self.record("evaluator", self.evaluator)
         self._wait_ready(self.evaluator, self.evaluator_heartbeat_path, "evaluator", timeout_s)
 
@@ -261,8 +309,18 @@ class LocalStack:
         env = self._child_env(self.heartbeat_path)
         self.heartbeat_path.unlink(missing_ok=True)
         self.sql_port = sql_port or free_port()
-        self.worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker",
-                             "--sql-port", str(self.sql_port)], self._log("worker"), env)
+        self.worker = spawn(
+            [
+                sys.executable,
+                "-m",
+                "probewire.deploy.cli",
+                "worker",
+                "--sql-port",
+                str(self.sql_port),
+            ],
+            self._log("worker"),
+            env,
+        )
         self.record("worker", self.worker, self.sql_port)
         self._wait_ready(self.worker, self.heartbeat_path, "worker", timeout_s)
 
@@ -274,8 +332,11 @@ class LocalStack:
             name = f"worker-stage1-{len(self.stage1_workers)}"
             heartbeat = self.work_dir / f"{name}.heartbeat"
             heartbeat.unlink(missing_ok=True)
-            proc = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker", "--role",
-                          "stage1"], self._log(name), self._child_env(heartbeat))
+            proc = spawn(
+                [sys.executable, "-m", "probewire.deploy.cli", "worker", "--role", "stage1"],
+                self._log(name),
+                self._child_env(heartbeat),
+            )
             self.stage1_workers.append(proc)
             self.record(name, proc)
             started.append((proc, heartbeat, name))
@@ -304,7 +365,7 @@ class LocalStack:
             handle.close()
         self.logs.clear()
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         return self
 
     def __exit__(self, *exc: object) -> None:

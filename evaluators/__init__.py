@@ -66,14 +66,38 @@ _HOME = {
     **dict.fromkeys(["build_suites", "ensure_demo_datasets"], "datadir"),
     **dict.fromkeys(["ThresholdBoxPredictor", "make_grounding_set", "render_image"], "images"),
     **dict.fromkeys(["ByteTokenizer", "EvalModel", "SeededSampler", "Tokenizer"], "lm"),
-    **dict.fromkeys(["DEFAULT_SUITES", "SUITE_NAMES", "CheckpointEvent", "EvalRecord",
-                     "EvaluationError", "Versions"], "records"),
+    **dict.fromkeys(
+        [
+            "DEFAULT_SUITES",
+            "SUITE_NAMES",
+            "CheckpointEvent",
+            "EvalRecord",
+            "EvaluationError",
+            "Versions",
+        ],
+        "records",
+    ),
     **dict.fromkeys(["CheckpointLoader", "evaluate_checkpoint"], "runner"),
     **dict.fromkeys(["ScalingReport", "scaling_report"], "scaling"),
     **dict.fromkeys(["EvaluatorOptions", "EvaluatorService"], "service"),
-    **dict.fromkeys(["EXACT_MATCH", "FIRST_LINE", "ChoiceSuite", "GenerationSuite",
-                     "GroundingSuite", "HeldoutSuite", "Judge", "MediaGain", "PassAtKSuite",
-                     "PostProcess", "Score", "Suite", "dataset_version"], "suites"),
+    **dict.fromkeys(
+        [
+            "EXACT_MATCH",
+            "FIRST_LINE",
+            "ChoiceSuite",
+            "GenerationSuite",
+            "GroundingSuite",
+            "HeldoutSuite",
+            "Judge",
+            "MediaGain",
+            "PassAtKSuite",
+            "PostProcess",
+            "Score",
+            "Suite",
+            "dataset_version",
+        ],
+        "suites",
+    ),
 }
 assert set(_HOME) == set(__all__)
 

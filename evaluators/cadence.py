@@ -38,8 +38,7 @@ def _fraction(every_fraction: float) -> Fraction:
 def progress_mark(tokens: int, planned_tokens: int, every_fraction: float) -> int:
     """⌊tokens / (every_fraction × planned_tokens)⌋: how many marks ``tokens`` has passed."""
     if tokens < 0 or planned_tokens <= 0:
-        raise ValueError(f"need tokens >= 0 and planned_tokens > 0, got {tokens}, "
-                         f"{planned_tokens}")
+        raise ValueError(f"need tokens >= 0 and planned_tokens > 0, got {tokens}, {planned_tokens}")
     frac = _fraction(every_fraction)
     return (tokens * frac.denominator) // (planned_tokens * frac.numerator)
 
@@ -48,8 +47,8 @@ def progress_mark(tokens: int, planned_tokens: int, every_fraction: float) -> in
 class RunProgress:
     """What the cadence remembers about one run."""
 
-    front_tokens: int = 0                  # furthest tokens announced so far
-    planned_tokens: int | None = None      # newest plan announced
+    front_tokens: int = 0  # furthest tokens announced so far
+    planned_tokens: int | None = None  # newest plan announced
     last_evaluated_tokens: int | None = None
 
 
@@ -59,8 +58,9 @@ class CadenceDecision:
     reason: str
 
 
-def decide(state: RunProgress, *, tokens: int, key: bool, planned_tokens: int | None,
-           every_fraction: float) -> tuple[CadenceDecision, RunProgress]:
+def decide(
+    state: RunProgress, *, tokens: int, key: bool, planned_tokens: int | None, every_fraction: float
+) -> tuple[CadenceDecision, RunProgress]:
     """Apply the module's rules to one checkpoint; return the decision and the new state."""
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
@@ -68,16 +68,19 @@ def decide(state: RunProgress, *, tokens: int, key: bool, planned_tokens: int | 
     front = state.front_tokens
     new_state = replace(state, front_tokens=max(front, tokens), planned_tokens=plan)
     if tokens == state.last_evaluated_tokens:
-        return CadenceDecision(evaluate=False, reason=f"already evaluated at {tokens} tokens"), \
-            new_state
+        return CadenceDecision(
+            evaluate=False, reason=f"already evaluated at {tokens} tokens"
+        ), new_state
     if key:
         decision = CadenceDecision(evaluate=True, reason="key checkpoint")
     elif tokens <= front:
         decision = CadenceDecision(
-            evaluate=False, reason=f"{tokens} tokens not beyond the run's front ({front})")
+            evaluate=False, reason=f"{tokens} tokens not beyond the run's front ({front})"
+        )
     elif plan is None:
-        decision = CadenceDecision(evaluate=True,
-                                   reason="no planned_tokens: every new checkpoint counts")
+        decision = CadenceDecision(
+            evaluate=True, reason="no planned_tokens: every new checkpoint counts"
+        )
     else:
         before = progress_mark(front, plan, every_fraction)
         after = progress_mark(tokens, plan, every_fraction)
@@ -85,8 +88,9 @@ def decide(state: RunProgress, *, tokens: int, key: bool, planned_tokens: int | 
             pct = float(_fraction(every_fraction) * after * 100)
             decision = CadenceDecision(evaluate=True, reason=f"crossed {pct:g}% of plan")
         else:
-            decision = CadenceDecision(evaluate=False,
-                                       reason=f"no new {every_fraction:g} mark of plan")
+            decision = CadenceDecision(
+                evaluate=False, reason=f"no new {every_fraction:g} mark of plan"
+            )
     if decision.evaluate:
         new_state = replace(new_state, last_evaluated_tokens=tokens)
     return decision, new_state
@@ -103,9 +107,14 @@ class Cadence:
     def __post_init__(self) -> None:
         _fraction(self.every_fraction)
 
-    def decide(self, run_id: str, *, tokens: int, key: bool = False,
-               planned_tokens: int | None = None) -> CadenceDecision:
+    def decide(
+        self, run_id: str, *, tokens: int, key: bool = False, planned_tokens: int | None = None
+    ) -> CadenceDecision:
         decision, self.runs[run_id] = decide(
-            self.runs.get(run_id, RunProgress()), tokens=tokens, key=key,
-            planned_tokens=planned_tokens, every_fraction=self.every_fraction)
+            self.runs.get(run_id, RunProgress()),
+            tokens=tokens,
+            key=key,
+            planned_tokens=planned_tokens,
+            every_fraction=self.every_fraction,
+        )
         return decision

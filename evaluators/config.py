@@ -36,18 +36,33 @@ class EvaluatorConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        check(self.reference_stream in ("auto", "raw", "ema"), "reference_stream",
-              f"must be auto, raw or ema, got {self.reference_stream!r}")
-        check(bool([s for s in self.suites.split(",") if s.strip()]), "suites",
-              "must name at least one suite")
-        check(":" in self.tokenizer, "tokenizer",
-              f"must look like 'module:callable', got {self.tokenizer!r}")
+        check(
+            self.reference_stream in ("auto", "raw", "ema"),
+            "reference_stream",
+            f"must be auto, raw or ema, got {self.reference_stream!r}",
+        )
+        check(
+            bool([s for s in self.suites.split(",") if s.strip()]),
+            "suites",
+            "must name at least one suite",
+        )
+        check(
+            ":" in self.tokenizer,
+            "tokenizer",
+            f"must look like 'module:callable', got {self.tokenizer!r}",
+        )
         check(self.context_len >= 0, "context_len", "must be >= 0 (0: from the model)")
         check(self.batch_size >= 1, "batch_size", "must be >= 1")
-        check(0.005 <= self.every_fraction <= 0.02, "every_fraction",
-              f"must lie in [0.005, 0.02] (0.5-2% of planned tokens), got {self.every_fraction}")
-        check(":" in self.model_factory, "model_factory",
-              f"must look like 'module:function', got {self.model_factory!r}")
+        check(
+            0.005 <= self.every_fraction <= 0.02,
+            "every_fraction",
+            f"must lie in [0.005, 0.02] (0.5-2% of planned tokens), got {self.every_fraction}",
+        )
+        check(
+            ":" in self.model_factory,
+            "model_factory",
+            f"must look like 'module:function', got {self.model_factory!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

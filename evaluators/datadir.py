@@ -30,16 +30,31 @@ from .suites import (
     Suite,
 )
 
-__all__ = ["DATA_FILES", "DEFAULT_SUITES", "SUITE_NAMES", "build_suites", "check_suite_names",
-           "ensure_demo_datasets"]
+__all__ = [
+    "DATA_FILES",
+    "DEFAULT_SUITES",
+    "SUITE_NAMES",
+    "build_suites",
+    "check_suite_names",
+    "ensure_demo_datasets",
+]
 
 log = logging.getLogger(__name__)
 
-DATA_FILES = {"heldout": "heldout.jsonl", "choice": "choice.jsonl",
-              "generation": "generation.jsonl", "grounding": "grounding.jsonl"}
-_SUITE_DATA = {"heldout": "heldout", "choice": "choice", "generation": "generation",
-               "pass_at_k": "generation", "grounding": "grounding",
-               "grounding_media": "grounding"}
+DATA_FILES = {
+    "heldout": "heldout.jsonl",
+    "choice": "choice.jsonl",
+    "generation": "generation.jsonl",
+    "grounding": "grounding.jsonl",
+}
+_SUITE_DATA = {
+    "heldout": "heldout",
+    "choice": "choice",
+    "generation": "generation",
+    "pass_at_k": "generation",
+    "grounding": "grounding",
+    "grounding_media": "grounding",
+}
 _DEMO_SIZES = {"heldout": 24, "choice": 32, "generation": 32, "grounding": 32}
 
 
@@ -65,9 +80,12 @@ def ensure_demo_datasets(data_dir: str | Path, *, seed: int = 0) -> list[Path]:
 
 
 def _load(kind: str, path: Path) -> list:
-    loader = {"heldout": datasets.load_heldout_text, "choice": datasets.load_choice_set,
-              "generation": datasets.load_generation_set,
-              "grounding": datasets.load_grounding_set}[kind]
+    loader = {
+        "heldout": datasets.load_heldout_text,
+        "choice": datasets.load_choice_set,
+        "generation": datasets.load_generation_set,
+        "grounding": datasets.load_grounding_set,
+    }[kind]
     try:
         return loader(path)
     except datasets.DatasetError as exc:
@@ -78,8 +96,9 @@ def check_suite_names(names: Sequence[str]) -> None:
     """``EvaluationError`` unless ``names`` is a non-empty list of ``SUITE_NAMES``."""
     unknown = [n for n in names if n not in SUITE_NAMES]
     if unknown or not names:
-        raise EvaluationError(f"unknown suite(s) {unknown or list(names)}; known: "
-                              f"{', '.join(SUITE_NAMES)}")
+        raise EvaluationError(
+            f"unknown suite(s) {unknown or list(names)}; known: {', '.join(SUITE_NAMES)}"
+        )
 
 
 def build_suites(names: Sequence[str], data_dir: str | Path) -> list[Suite]:

@@ -48,7 +48,7 @@ def render_image(image_seed: int, size: int = 32) -> tuple[np.ndarray, dict[str,
             if not any(_overlaps(box, other) for other in boxes.values()):
                 break
         boxes[name] = box
-        image[y0:y0 + h, x0:x0 + w] = _LEVELS[name]
+        image[y0 : y0 + h, x0 : x0 + w] = _LEVELS[name]
     return image, boxes
 
 
@@ -62,8 +62,11 @@ def make_grounding_set(n: int, seed: int, size: int = 32) -> list[GroundingItem]
         image_seed = rng.randrange(2**31)
         target = rng.choice(_TARGETS)
         _, boxes = render_image(image_seed, size)
-        items.append(GroundingItem(image_seed=image_seed, prompt=f"Find the {target} rectangle.",
-                                   box=boxes[target]))
+        items.append(
+            GroundingItem(
+                image_seed=image_seed, prompt=f"Find the {target} rectangle.", box=boxes[target]
+            )
+        )
     return items
 
 

@@ -96,16 +96,18 @@ def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EvaluationError(f"{what} {spec!r}: module {module_name!r} does not import "
-                              f"({type(exc).__name__}: {exc})") from None
+        raise EvaluationError(
+            f"{what} {spec!r}: module {module_name!r} does not import ({type(exc).__name__}: {exc})"
+        ) from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
             raise EvaluationError(f"{what} {spec!r}: {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise EvaluationError(f"{what} {spec!r}: {attr!r} is not callable "
-                              f"(it is a {type(target).__name__})")
+        raise EvaluationError(
+            f"{what} {spec!r}: {attr!r} is not callable (it is a {type(target).__name__})"
+        )
     return target
 
 
@@ -115,8 +117,11 @@ def accepts_keyword(fn: Callable[..., Any], name: str) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any((p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
-               or p.kind is p.VAR_KEYWORD for p in params)
+    return any(
+        (p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        or p.kind is p.VAR_KEYWORD
+        for p in params
+    )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -141,8 +146,9 @@ class EvalModel:
 
     def need_lm(self, suite: str) -> tuple[Tokenizer, int]:
         if self.tokenizer is None or self.context_len is None:
-            raise EvaluationError(f"suite {suite} needs a language model with a tokenizer and "
-                                  f"a context length")
+            raise EvaluationError(
+                f"suite {suite} needs a language model with a tokenizer and a context length"
+            )
         return self.tokenizer, self.context_len
 
     def logits(self, tokens: torch.Tensor, media: Any = None) -> torch.Tensor:
@@ -152,8 +158,10 @@ class EvalModel:
         out = getattr(out, "logits", out)
         if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[:2] != tokens.shape:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise EvaluationError(f"model returned {shape} for tokens {tuple(tokens.shape)}; "
-                                  f"expected logits [B, T, V]")
+            raise EvaluationError(
+                f"model returned {shape} for tokens {tuple(tokens.shape)}; "
+                f"expected logits [B, T, V]"
+            )
         return out.double()
 
     def predict_box(self, image: np.ndarray | None, prompt: str) -> Any:
@@ -165,52 +173,60 @@ class EvalModel:
 
 # --- likelihood ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class _Window:
     request: int
-    inputs: list[int]   # BOS + context, len L <= context_len
+    inputs: list[int]  # BOS + context, len L <= context_len
     targets: list[int]  # len L; targets[p] is predicted at position p
-    first: int          # targets[first:] are scored (the rest is context)
+    first: int  # targets[first:] are scored (the rest is context)
 
 
-def _windows(request: int, context: Sequence[int], target: Sequence[int], bos: int,
-             context_len: int) -> list[_Window]:
+def _windows(
+    request: int, context: Sequence[int], target: Sequence[int], bos: int, context_len: int
+) -> list[_Window]:
     seq = [*context, *target]
     out: list[_Window] = []
     j = len(context)
     while j < len(seq):
-        n = min(context_len, len(seq) - j)      # targets scored in this window
-        a = max(0, j + n - context_len)         # first sequence index the window sees
-        out.append(_Window(request, [bos, *seq[a:j + n - 1]], list(seq[a:j + n]), j - a))
+        n = min(context_len, len(seq) - j)  # targets scored in this window
+        a = max(0, j + n - context_len)  # first sequence index the window sees
+        out.append(_Window(request, [bos, *seq[a : j + n - 1]], list(seq[a : j + n]), j - a))
         j += n
     return out
 
 
-def continuation_nlls(model: EvalModel, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-                      progress: ProgressSink) -> list[np.ndarray]:
+def continuation_nlls(
+    model: EvalModel,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    progress: ProgressSink,
+) -> list[np.ndarray]:
     """Per-token NLL (nats, float64) of each ``target`` given BOS + its ``context``.
 
     ``requests`` holds ``(context_ids, target_ids)`` pairs; an empty target yields an
     empty array. Windows follow the module docstring; ``progress`` counts windows.
     """
     tokenizer, context_len = model.need_lm("likelihood")
-    windows = [w for i, (ctx, tgt) in enumerate(requests)
-               for w in _windows(i, ctx, tgt, tokenizer.bos_id, context_len)]
+    windows = [
+        w
+        for i, (ctx, tgt) in enumerate(requests)
+        for w in _windows(i, ctx, tgt, tokenizer.bos_id, context_len)
+    ]
     progress.set_total(len(windows))
     parts: list[list[np.ndarray]] = [[] for _ in requests]
     for start in range(0, len(windows), model.batch_size):
-        batch = windows[start:start + model.batch_size]
+        batch = windows[start : start + model.batch_size]
         width = max(len(w.inputs) for w in batch)
         tokens = torch.zeros((len(batch), width), dtype=torch.long)
         targets = torch.zeros((len(batch), width), dtype=torch.long)
         for row, w in enumerate(batch):
-            tokens[row, :len(w.inputs)] = torch.tensor(w.inputs)
-            targets[row, :len(w.targets)] = torch.tensor(w.targets)
+            tokens[row, : len(w.inputs)] = torch.tensor(w.inputs)
+            targets[row, : len(w.targets)] = torch.tensor(w.targets)
         with torch.inference_mode():
             logp = model.logits(tokens.to(model.device)).log_softmax(-1)
             nll = -logp.gather(-1, targets.to(model.device).unsqueeze(-1)).squeeze(-1).cpu()
         for row, w in enumerate(batch):
-            parts[w.request].append(nll[row, w.first:len(w.targets)].numpy())
+            parts[w.request].append(nll[row, w.first : len(w.targets)].numpy())
         progress.advance(len(batch))
     return [np.concatenate(p) if p else np.zeros(0) for p in parts]
 
@@ -239,10 +255,17 @@ class SeededSampler:
         return torch.multinomial(probs.cpu(), 1, generator=self._generator).squeeze(-1)
 
 
-def generate(model: EvalModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             stop: str | None, progress: ProgressSink, temperature: float = 0.0,
-             sampler: Sampler | None = None,
-             sample_ids: Sequence[int] | None = None) -> list[list[int]]:
+def generate(
+    model: EvalModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop: str | None,
+    progress: ProgressSink,
+    temperature: float = 0.0,
+    sampler: Sampler | None = None,
+    sample_ids: Sequence[int] | None = None,
+) -> list[list[int]]:
     """Continue each prompt (token ids, without BOS) by up to ``max_new_tokens`` tokens.
 
     Temperature 0 is greedy (argmax, ties to the lowest id); otherwise ``sampler``
@@ -259,12 +282,14 @@ def generate(model: EvalModel, prompts: Sequence[Sequence[int]], *, max_new_toke
     for start in range(0, len(prompts), model.batch_size):
         live = list(range(start, min(start + model.batch_size, len(prompts))))
         for _ in range(max_new_tokens):
-            rows = [[tokenizer.bos_id, *([*prompts[i], *outputs[i]][-(context_len - 1):])]
-                    for i in live]
+            rows = [
+                [tokenizer.bos_id, *([*prompts[i], *outputs[i]][-(context_len - 1) :])]
+                for i in live
+            ]
             width = max(len(r) for r in rows)
             tokens = torch.zeros((len(rows), width), dtype=torch.long)
             for r, row in enumerate(rows):
-                tokens[r, :len(row)] = torch.tensor(row)
+                tokens[r, : len(row)] = torch.tensor(row)
             last = torch.tensor([len(r) - 1 for r in rows])
             with torch.inference_mode():
                 logits = model.logits(tokens.to(model.device))

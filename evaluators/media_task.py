@@ -42,15 +42,25 @@ from .lm import NO_PROGRESS, EvalModel, ProgressSink
 from .records import EvaluationError, Versions
 from .suites import Score, dataset_version
 
-__all__ = ["CAPTIONS", "CAPTION_IMAGE_VERSION", "CaptionItem", "CaptionSuite", "caption_batch",
-           "caption_for", "make_caption_set", "render_captioned_image"]
+__all__ = [
+    "CAPTIONS",
+    "CAPTION_IMAGE_VERSION",
+    "CaptionItem",
+    "CaptionSuite",
+    "caption_batch",
+    "caption_for",
+    "make_caption_set",
+    "render_captioned_image",
+]
 
 CAPTION_IMAGE_VERSION = "procedural-one-object-quadrant/v1"
 LEVELS = {"bright": 1.0, "dim": 0.5}
 SHAPES = ("square", "line")
 PLACES = ("top left", "top right", "bottom left", "bottom right")
-CAPTIONS: tuple[str, ...] = tuple(f"{level} {shape}, {place}\n" for level, shape, place
-                                  in itertools.product(LEVELS, SHAPES, PLACES))
+CAPTIONS: tuple[str, ...] = tuple(
+    f"{level} {shape}, {place}\n"
+    for level, shape, place in itertools.product(LEVELS, SHAPES, PLACES)
+)
 
 
 def caption_for(level: str, shape: str, place: str) -> str:
@@ -73,7 +83,7 @@ def render_captioned_image(image_seed: int, size: int = 16) -> tuple[np.ndarray,
         w, h = int(rng.integers(4, 7)), 1
     x0 = (q % 2) * half + int(rng.integers(0, half - w + 1))
     y0 = (q // 2) * half + int(rng.integers(0, half - h + 1))
-    image[y0:y0 + h, x0:x0 + w] = LEVELS[level]
+    image[y0 : y0 + h, x0 : x0 + w] = LEVELS[level]
     return image, caption_for(level, shape, PLACES[q])
 
 
@@ -101,9 +111,14 @@ def make_caption_set(n: int, seed: int, size: int = 16) -> list[CaptionItem]:
     return items
 
 
-def caption_batch(image_seeds: Sequence[int], captions: Sequence[str] | None = None, *,
-                  size: int = 16, bos: int = 256, seq_len: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def caption_batch(
+    image_seeds: Sequence[int],
+    captions: Sequence[str] | None = None,
+    *,
+    size: int = 16,
+    bos: int = 256,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [B, T], targets [B, T], images [B, 1, S, S]) for training or scoring.
 
     Row i is BOS followed by the caption bytes (its own caption unless ``captions`` is
@@ -120,8 +135,8 @@ def caption_batch(image_seeds: Sequence[int], captions: Sequence[str] | None = N
     for i, t in enumerate(texts):
         ids = torch.tensor(list(t), dtype=torch.long)
         tokens[i, 0] = bos
-        tokens[i, 1:len(t)] = ids[:-1]
-        targets[i, :len(t)] = ids
+        tokens[i, 1 : len(t)] = ids[:-1]
+        targets[i, : len(t)] = ids
     return tokens, targets, torch.from_numpy(np.stack(images))[:, None]
 
 
@@ -130,8 +145,9 @@ class CaptionSuite:
 
     higher_is_better = True
 
-    def __init__(self, items: Sequence[CaptionItem], *, image_size: int = 16,
-                 name: str = "caption") -> None:
+    def __init__(
+        self, items: Sequence[CaptionItem], *, image_size: int = 16, name: str = "caption"
+    ) -> None:
         if len(items) == 0:
             raise EvaluationError(f"suite {name}: empty dataset, nothing to score")
         self.name = name
@@ -141,24 +157,34 @@ class CaptionSuite:
 
     def versions(self, model: EvalModel) -> Versions:
         tokenizer, _ = model.need_lm(self.name)
-        return Versions(suite="caption/v1", dataset=self._dataset, tokenizer=tokenizer.version,
-                        prompt=f"bos+caption/v1;{CAPTION_IMAGE_VERSION}@{self.image_size}",
-                        decoding="loglik;single-window/v1",
-                        judge="argmin-summed-nll-of-16/v1")
+        return Versions(
+            suite="caption/v1",
+            dataset=self._dataset,
+            tokenizer=tokenizer.version,
+            prompt=f"bos+caption/v1;{CAPTION_IMAGE_VERSION}@{self.image_size}",
+            decoding="loglik;single-window/v1",
+            judge="argmin-summed-nll-of-16/v1",
+        )
 
-    def _summed_nlls(self, model: EvalModel, seeds: list[int], captions: list[str]
-                     ) -> np.ndarray:
+    def _summed_nlls(self, model: EvalModel, seeds: list[int], captions: list[str]) -> np.ndarray:
         tokenizer, context_len = model.need_lm(self.name)
         out: list[np.ndarray] = []
         for start in range(0, len(seeds), max(model.batch_size, 1)):
-            s, c = seeds[start:start + model.batch_size], captions[start:start + model.batch_size]
-            tokens, targets, images = caption_batch(s, c, size=self.image_size,
-                                                    bos=tokenizer.bos_id)
+            s, c = (
+                seeds[start : start + model.batch_size],
+                captions[start : start + model.batch_size],
+            )
+            tokens, targets, images = caption_batch(
+                s, c, size=self.image_size, bos=tokenizer.bos_id
+            )
             if tokens.shape[1] > context_len:
                 raise EvaluationError(f"suite {self.name}: caption longer than the context")
             with torch.inference_mode():
-                logp = model.logits(tokens.to(model.device),
-                                    media=images.to(model.device)).log_softmax(-1).cpu()
+                logp = (
+                    model.logits(tokens.to(model.device), media=images.to(model.device))
+                    .log_softmax(-1)
+                    .cpu()
+                )
             valid = targets != -100
             nll = -logp.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
             out.append((nll * valid).sum(-1).numpy())
@@ -173,11 +199,13 @@ class CaptionSuite:
         logprob = -math.fsum(own.tolist()) / n_bytes
         progress.advance()
         k = len(CAPTIONS)
-        every = self._summed_nlls(model, [s for s in seeds for _ in range(k)],
-                                  [c for _ in seeds for c in CAPTIONS]).reshape(n, k)
+        every = self._summed_nlls(
+            model, [s for s in seeds for _ in range(k)], [c for _ in seeds for c in CAPTIONS]
+        ).reshape(n, k)
         picked = every.argmin(axis=1)  # first minimum wins ties
         correct = sum(CAPTIONS[p] == it.caption for p, it in zip(picked, self.items, strict=True))
         progress.advance()
-        return [Score(metric="caption_logprob", value=logprob, n_items=n, higher_is_better=True),
-                Score(metric="caption_accuracy", value=correct / n, n_items=n,
-                      higher_is_better=True)]
+        return [
+            Score(metric="caption_logprob", value=logprob, n_items=n, higher_is_better=True),
+            Score(metric="caption_accuracy", value=correct / n, n_items=n, higher_is_better=True),
+        ]

@@ -49,8 +49,9 @@ class EvaluationError(Exception):
 def _int_field(obj: dict[str, Any], name: str, *, minimum: int) -> int:
     value = obj.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise EvaluationError(f"checkpoint event: '{name}' must be an integer >= {minimum}, "
-                              f"got {value!r}")
+        raise EvaluationError(
+            f"checkpoint event: '{name}' must be an integer >= {minimum}, got {value!r}"
+        )
     return value
 
 
@@ -78,30 +79,44 @@ class CheckpointEvent:
             raise EvaluationError("checkpoint event: expected a JSON object")
         run_id = obj.get("run_id")
         if not isinstance(run_id, str) or not run_id:
-            raise EvaluationError(f"checkpoint event: 'run_id' must be a non-empty string, "
-                                  f"got {run_id!r}")
+            raise EvaluationError(
+                f"checkpoint event: 'run_id' must be a non-empty string, got {run_id!r}"
+            )
         path = obj.get("path")
         if not isinstance(path, str) or not path:
-            raise EvaluationError(f"checkpoint event: 'path' must be a non-empty string, "
-                                  f"got {path!r}")
+            raise EvaluationError(
+                f"checkpoint event: 'path' must be a non-empty string, got {path!r}"
+            )
         flops = obj.get("flops")
-        if (not isinstance(flops, int | float) or isinstance(flops, bool)
-                or not math.isfinite(flops) or flops < 0):
-            raise EvaluationError(f"checkpoint event: 'flops' must be a number >= 0, "
-                                  f"got {flops!r}")
+        if (
+            not isinstance(flops, int | float)
+            or isinstance(flops, bool)
+            or not math.isfinite(flops)
+            or flops < 0
+        ):
+            raise EvaluationError(f"checkpoint event: 'flops' must be a number >= 0, got {flops!r}")
         stream = obj.get("weights_stream", "raw")
         if stream not in WEIGHT_STREAMS:
-            raise EvaluationError(f"checkpoint event: 'weights_stream' must be one of "
-                                  f"{WEIGHT_STREAMS}, got {stream!r}")
+            raise EvaluationError(
+                f"checkpoint event: 'weights_stream' must be one of "
+                f"{WEIGHT_STREAMS}, got {stream!r}"
+            )
         key = obj.get("key", False)
         if not isinstance(key, bool):
             raise EvaluationError(f"checkpoint event: 'key' must be a boolean, got {key!r}")
         planned = obj.get("planned_tokens")
         if planned is not None:
             planned = _int_field(obj, "planned_tokens", minimum=1)
-        return cls(run_id=run_id, step=_int_field(obj, "step", minimum=0),
-                   tokens=_int_field(obj, "tokens", minimum=0), flops=float(flops), path=path,
-                   weights_stream=stream, key=key, planned_tokens=planned)
+        return cls(
+            run_id=run_id,
+            step=_int_field(obj, "step", minimum=0),
+            tokens=_int_field(obj, "tokens", minimum=0),
+            flops=float(flops),
+            path=path,
+            weights_stream=stream,
+            key=key,
+            planned_tokens=planned,
+        )
 
     def to_json(self) -> bytes:
         body = dataclasses.asdict(self)

@@ -32,8 +32,13 @@ from .lm import EvalModel, ProgressSink, Tokenizer, accepts_keyword, resolve_cal
 from .records import CheckpointEvent, EvalRecord, EvaluationError, Versions
 from .suites import Score, Suite
 
-__all__ = ["CheckpointLoader", "EvaluationCancelled", "ReferenceStream", "SuiteFailure",
-           "evaluate_checkpoint"]
+__all__ = [
+    "CheckpointLoader",
+    "EvaluationCancelled",
+    "ReferenceStream",
+    "SuiteFailure",
+    "evaluate_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +54,19 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     lines = str(exc).strip().splitlines()
     first = lines[0].split(". ", 1)[0] if lines else ""
     if len(first) > limit:
-        first = first[:limit - 1] + "…"
+        first = first[: limit - 1] + "…"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _context_len(module: Any) -> int | None:
     """The context length a model states: ``context_len``, ``cfg.seq_len`` (the demo),
     or ``config.max_position_embeddings`` / ``config.n_positions`` (transformers)."""
-    candidates = (getattr(module, "context_len", None),
-                  getattr(getattr(module, "cfg", None), "seq_len", None),
-                  getattr(getattr(module, "config", None), "max_position_embeddings", None),
-                  getattr(getattr(module, "config", None), "n_positions", None))
+    candidates = (
+        getattr(module, "context_len", None),
+        getattr(getattr(module, "cfg", None), "seq_len", None),
+        getattr(getattr(module, "config", None), "max_position_embeddings", None),
+        getattr(getattr(module, "config", None), "n_positions", None),
+    )
     return next((int(c) for c in candidates if isinstance(c, int) and c > 1), None)
 
 
@@ -97,20 +104,27 @@ class CheckpointLoader:
         except FileNotFoundError:
             raise EvaluationError(f"checkpoint not found: {path}") from None
         except Exception as exc:  # a user-supplied factory: contain whatever it raises
-            raise EvaluationError(f"cannot load checkpoint {path} ({stream} weights) with "
-                                  f"{self.factory}: {_first_line(exc)}") from None
+            raise EvaluationError(
+                f"cannot load checkpoint {path} ({stream} weights) with "
+                f"{self.factory}: {_first_line(exc)}"
+            ) from None
         if module is None:
             if extra:
                 return None
             raise EvaluationError(f"model factory {self.factory} returned None for {path}")
         if not callable(module) and not hasattr(module, "predict_box"):
-            raise EvaluationError(f"model factory {self.factory} returned a "
-                                  f"{type(module).__name__}, not a model")
+            raise EvaluationError(
+                f"model factory {self.factory} returned a {type(module).__name__}, not a model"
+            )
         if isinstance(module, torch.nn.Module):
             module = module.to(self.device).eval()
-        return EvalModel(module=module, tokenizer=self.tokenizer,
-                         context_len=self.context_len or _context_len(module),
-                         batch_size=self.batch_size, device=self.device)
+        return EvalModel(
+            module=module,
+            tokenizer=self.tokenizer,
+            context_len=self.context_len or _context_len(module),
+            batch_size=self.batch_size,
+            device=self.device,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +154,14 @@ class _Bar:
 
 @contextmanager
 def _progress(show: bool) -> Iterator[Progress]:
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), disable=not show, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not show,
+        transient=True,
+    ) as progress:
         yield progress
 
 
@@ -155,19 +175,24 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def evaluate_checkpoint(event: CheckpointEvent, loader: CheckpointLoader,
-                        suites: Sequence[Suite], *, reference_stream: ReferenceStream = "auto",
-                        show_progress: bool = False,
-                        tick: Callable[[], None] = lambda: None,
-                        ) -> tuple[list[EvalRecord], list[SuiteFailure]]:
+def evaluate_checkpoint(
+    event: CheckpointEvent,
+    loader: CheckpointLoader,
+    suites: Sequence[Suite],
+    *,
+    reference_stream: ReferenceStream = "auto",
+    show_progress: bool = False,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[list[EvalRecord], list[SuiteFailure]]:
     """Records for every (stream, suite, metric), and the suites that failed.
 
     Raises ``EvaluationError`` when the checkpoint's own weights cannot be loaded and
     ``EvaluationCancelled`` when ``tick`` asks to stop.
     """
     if reference_stream not in ("auto", "raw", "ema"):
-        raise EvaluationError(f"reference_stream must be auto, raw or ema, got "
-                              f"{reference_stream!r}")
+        raise EvaluationError(
+            f"reference_stream must be auto, raw or ema, got {reference_stream!r}"
+        )
     results: list[tuple[str, Suite, Versions, list[Score]]] = []
     failures: list[SuiteFailure] = []
     scored: list[str] = []
@@ -184,29 +209,51 @@ def evaluate_checkpoint(event: CheckpointEvent, loader: CheckpointLoader,
                 continue
             scored.append(stream)
             for suite in suites:
-                bar: ProgressSink = _Bar(progress, f"step {event.step} {stream} {suite.name}",
-                                         tick)
+                bar: ProgressSink = _Bar(progress, f"step {event.step} {stream} {suite.name}", tick)
                 try:
                     versions = suite.versions(model)
                     results.append((stream, suite, versions, suite.run(model, bar)))
                 except EvaluationCancelled:
                     raise
                 except Exception as exc:  # a suite or the user's model: contain it, go on
-                    log.warning("suite %s on %s weights of %s step %d failed", suite.name,
-                                stream, event.run_id, event.step, exc_info=True)
-                    failures.append(SuiteFailure(suite=suite.name, weights_stream=stream,
-                                                 reason=_first_line(exc)))
+                    log.warning(
+                        "suite %s on %s weights of %s step %d failed",
+                        suite.name,
+                        stream,
+                        event.run_id,
+                        event.step,
+                        exc_info=True,
+                    )
+                    failures.append(
+                        SuiteFailure(
+                            suite=suite.name, weights_stream=stream, reason=_first_line(exc)
+                        )
+                    )
             del model
     reference = _reference(reference_stream, event.weights_stream, scored)
     now = time.time_ns()
     records = [
-        EvalRecord(run_id=event.run_id, step=event.step, tokens=event.tokens, flops=event.flops,
-                   suite=suite.name, metric=score.metric, value=_finite(score.value),
-                   n_items=score.n_items, weights_stream=stream,
-                   reference=int(stream == reference), suite_version=v.suite,
-                   dataset_version=v.dataset, tokenizer_version=v.tokenizer,
-                   prompt_version=v.prompt, decoding_version=v.decoding,
-                   postprocess_version=v.postprocess, judge_version=v.judge,
-                   time_unix_nano=now)
-        for stream, suite, v, scores in results for score in scores]
+        EvalRecord(
+            run_id=event.run_id,
+            step=event.step,
+            tokens=event.tokens,
+            flops=event.flops,
+            suite=suite.name,
+            metric=score.metric,
+            value=_finite(score.value),
+            n_items=score.n_items,
+            weights_stream=stream,
+            reference=int(stream == reference),
+            suite_version=v.suite,
+            dataset_version=v.dataset,
+            tokenizer_version=v.tokenizer,
+            prompt_version=v.prompt,
+            decoding_version=v.decoding,
+            postprocess_version=v.postprocess,
+            judge_version=v.judge,
+            time_unix_nano=now,
+        )
+        for stream, suite, v, scores in results
+        for score in scores
+    ]
     return records, failures

@@ -34,17 +34,27 @@ class ScalingReport:
     def lines(self) -> list[str]:
         """Human-readable summary, one line per prediction after the fitted law."""
         f = self.fit
-        out = [f"L(x) = {f.a:.4g} + {f.b:.4g}·x^(-{f.alpha:.4g}) on x in "
-               f"[{f.x_min:.4g}, {f.x_max:.4g}] ({f.n_points} points)"]
+        out = [
+            f"L(x) = {f.a:.4g} + {f.b:.4g}·x^(-{f.alpha:.4g}) on x in "
+            f"[{f.x_min:.4g}, {f.x_max:.4g}] ({f.n_points} points)"
+        ]
         for p in self.predictions:
             tag = "extrapolated" if p.extrapolated else "interpolated"
-            out.append(f"x={p.x:.4g}: {p.point:.4g} in [{p.low:.4g}, {p.high:.4g}] "
-                       f"({self.confidence:.0%}, {tag})")
+            out.append(
+                f"x={p.x:.4g}: {p.point:.4g} in [{p.low:.4g}, {p.high:.4g}] "
+                f"({self.confidence:.0%}, {tag})"
+            )
         return out
 
 
-def scaling_report(x: ArrayLike, loss: ArrayLike, predict_at: Sequence[float], *,
-                   confidence: float = 0.9, seed: int = 0) -> ScalingReport:
+def scaling_report(
+    x: ArrayLike,
+    loss: ArrayLike,
+    predict_at: Sequence[float],
+    *,
+    confidence: float = 0.9,
+    seed: int = 0,
+) -> ScalingReport:
     """Fit L(x) = a + b·x^(−α) to (x, loss) and bound L at each ``predict_at`` value.
 
     ``x`` is cumulative tokens or FLOPs (the ``tokens``/``flops`` of eval records) and
@@ -54,7 +64,13 @@ def scaling_report(x: ArrayLike, loss: ArrayLike, predict_at: Sequence[float], *
     predictions = []
     for target in predict_at:
         low, point, high = fit.predict_bound(float(target), confidence)
-        predictions.append(ScalingPrediction(
-            x=float(target), low=low, point=point, high=high,
-            extrapolated=not fit.x_min <= float(target) <= fit.x_max))
+        predictions.append(
+            ScalingPrediction(
+                x=float(target),
+                low=low,
+                point=point,
+                high=high,
+                extrapolated=not fit.x_min <= float(target) <= fit.x_max,
+            )
+        )
     return ScalingReport(fit=fit, confidence=confidence, predictions=tuple(predictions))

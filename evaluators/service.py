@@ -46,8 +46,7 @@ from .runner import (
     evaluate_checkpoint,
 )
 
-__all__ = ["EvaluatorOptions", "EvaluatorService", "ProcessResult", "ServiceError",
-           "ServiceStats"]
+__all__ = ["EvaluatorOptions", "EvaluatorService", "ProcessResult", "ServiceError", "ServiceStats"]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +84,9 @@ class EvaluatorOptions:
         if self.batch_size < 1:
             raise EvaluationError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.reference_stream not in ("auto", "raw", "ema"):
-            raise EvaluationError(f"reference_stream must be auto, raw or ema, got "
-                                  f"{self.reference_stream!r}")
+            raise EvaluationError(
+                f"reference_stream must be auto, raw or ema, got {self.reference_stream!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -109,18 +109,28 @@ class ServiceStats:
     records: int = 0
 
 
-def _deadletter(reason: str, source: dict[str, Any], payload: bytes,
-                event: CheckpointEvent | None,
-                failures: Sequence[SuiteFailure] = ()) -> dict[str, Any]:
+def _deadletter(
+    reason: str,
+    source: dict[str, Any],
+    payload: bytes,
+    event: CheckpointEvent | None,
+    failures: Sequence[SuiteFailure] = (),
+) -> dict[str, Any]:
     """One dead-letter body per checkpoint message (the store keys them by topic,
     partition and offset); suite failures are listed under ``failures``."""
-    body: dict[str, Any] = {"source": "evaluator", "reason": reason, **source,
-                            "payload_b64": base64.b64encode(payload).decode()}
+    body: dict[str, Any] = {
+        "source": "evaluator",
+        "reason": reason,
+        **source,
+        "payload_b64": base64.b64encode(payload).decode(),
+    }
     if event is not None:
         body.update(run_id=event.run_id, step=event.step, path=event.path)
     if failures:
-        body["failures"] = [{"suite": f.suite, "weights_stream": f.weights_stream,
-                             "reason": f.reason} for f in failures]
+        body["failures"] = [
+            {"suite": f.suite, "weights_stream": f.weights_stream, "reason": f.reason}
+            for f in failures
+        ]
     return body
 
 
@@ -132,8 +142,12 @@ class EvaluatorService:
     are written where files are missing) and are not empty.
     """
 
-    def __init__(self, setup: EvaluatorSetup, options: EvaluatorOptions | None = None,
-                 preflight: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        setup: EvaluatorSetup,
+        options: EvaluatorOptions | None = None,
+        preflight: Callable[[], None] = lambda: None,
+    ) -> None:
         """Checks the configuration (tokenizer, model factory, suites), then runs
         ``preflight`` (what the service needs outside itself, the broker), then writes
         missing demo data sets: a mistake is one line before anything is written."""
@@ -143,11 +157,17 @@ class EvaluatorService:
         self.data_dir = Path(options.data_dir or cfg.data_dir or "probewire-evals")
         tokenizer = resolve_callable(options.tokenizer, "tokenizer")()
         if not isinstance(tokenizer, Tokenizer):
-            raise EvaluationError(f"tokenizer {options.tokenizer!r} does not provide encode, "
-                                  f"decode, bos_id and version")
-        self.loader = CheckpointLoader(factory=cfg.model_factory, tokenizer=tokenizer,
-                                       context_len=options.context_len,
-                                       batch_size=options.batch_size, device=options.device)
+            raise EvaluationError(
+                f"tokenizer {options.tokenizer!r} does not provide encode, "
+                f"decode, bos_id and version"
+            )
+        self.loader = CheckpointLoader(
+            factory=cfg.model_factory,
+            tokenizer=tokenizer,
+            context_len=options.context_len,
+            batch_size=options.batch_size,
+            device=options.device,
+        )
         check_suite_names(options.suites)
         preflight()
         ensure_demo_datasets(self.data_dir)
@@ -155,9 +175,12 @@ class EvaluatorService:
         self.cadence = Cadence(cfg.every_fraction)
         self.group_id = options.group_id or setup.group_id
         self.heartbeat = Heartbeat(
-            options.heartbeat_path or Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE")
-                                           or default_heartbeat_path("evaluator")),
-            "evaluator")
+            options.heartbeat_path
+            or Path(
+                os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("evaluator")
+            ),
+            "evaluator",
+        )
         self.stop_event = threading.Event()
         self._last_beat = 0.0
 
@@ -190,10 +213,14 @@ class EvaluatorService:
         try:
             event = CheckpointEvent.from_json(payload)
         except EvaluationError as exc:
-            return ProcessResult(evaluated=False, reason=str(exc),
-                                 deadletters=[_deadletter(str(exc), source, payload, None)])
-        decision = self.cadence.decide(event.run_id, tokens=event.tokens, key=event.key,
-                                       planned_tokens=event.planned_tokens)
+            return ProcessResult(
+                evaluated=False,
+                reason=str(exc),
+                deadletters=[_deadletter(str(exc), source, payload, None)],
+            )
+        decision = self.cadence.decide(
+            event.run_id, tokens=event.tokens, key=event.key, planned_tokens=event.planned_tokens
+        )
         if not decision.evaluate:
             log.info("skip %s step %d: %s", event.run_id, event.step, decision.reason)
             self._count(event.run_id, "skipped")
@@ -202,24 +229,46 @@ class EvaluatorService:
         self._beat("evaluating")
         try:
             records, failures = evaluate_checkpoint(
-                event, self.loader, self.suites, reference_stream=self.options.reference_stream,
-                show_progress=self.options.show_progress, tick=self._tick)
+                event,
+                self.loader,
+                self.suites,
+                reference_stream=self.options.reference_stream,
+                show_progress=self.options.show_progress,
+                tick=self._tick,
+            )
         except EvaluationError as exc:
             log.warning("checkpoint %s step %d failed: %s", event.run_id, event.step, exc)
             self._count(event.run_id, "failed", event.step)
             self._beat("ready")
-            return ProcessResult(evaluated=False, reason=str(exc), run_id=event.run_id,
-                                 deadletters=[_deadletter(str(exc), source, payload, event)])
+            return ProcessResult(
+                evaluated=False,
+                reason=str(exc),
+                run_id=event.run_id,
+                deadletters=[_deadletter(str(exc), source, payload, event)],
+            )
         deadletters = []
         if failures:
-            reason = "; ".join(f"suite {f.suite} on {f.weights_stream} weights: {f.reason}"
-                               for f in failures)
-            deadletters.append(_deadletter(f"{len(failures)} suite run(s) failed: {reason}",
-                                           source, payload, event, failures))
+            reason = "; ".join(
+                f"suite {f.suite} on {f.weights_stream} weights: {f.reason}" for f in failures
+            )
+            deadletters.append(
+                _deadletter(
+                    f"{len(failures)} suite run(s) failed: {reason}",
+                    source,
+                    payload,
+                    event,
+                    failures,
+                )
+            )
         self._count(event.run_id, "evaluated", event.step)
         self._beat("ready")
-        return ProcessResult(evaluated=True, reason=decision.reason, run_id=event.run_id,
-                             records=records, deadletters=deadletters)
+        return ProcessResult(
+            evaluated=True,
+            reason=decision.reason,
+            run_id=event.run_id,
+            records=records,
+            deadletters=deadletters,
+        )
 
     # --- the Kafka loop -------------------------------------------------------------
 
@@ -227,13 +276,20 @@ class EvaluatorService:
         from confluent_kafka import Consumer, Producer
 
         base = self.setup.kafka.client_config()
-        consumer = Consumer({**base, "group.id": self.group_id,
-                             "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                             "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000,
-                             # a long evaluation must not look like a dead consumer;
-                             # liveness comes from the heartbeat file instead
-                             "max.poll.interval.ms": 86_400_000,
-                             "enable.partition.eof": once})
+        consumer = Consumer(
+            {
+                **base,
+                "group.id": self.group_id,
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 1000,
+                # a long evaluation must not look like a dead consumer;
+                # liveness comes from the heartbeat file instead
+                "max.poll.interval.ms": 86_400_000,
+                "enable.partition.eof": once,
+            }
+        )
         producer = Producer({**base, "acks": "all", "linger.ms": 5})
         return consumer, producer
 
@@ -249,12 +305,15 @@ class EvaluatorService:
         for record in result.records:
             producer.produce(topics.evals, key=key, value=record.to_json(), on_delivery=delivered)
         for body in result.deadletters:
-            producer.produce(topics.deadletter, key=key, value=json.dumps(body).encode(),
-                             on_delivery=delivered)
+            producer.produce(
+                topics.deadletter, key=key, value=json.dumps(body).encode(), on_delivery=delivered
+            )
         remaining = producer.flush(60)
         if errors or remaining:
-            raise ServiceError(f"publishing failed ({remaining} undelivered): "
-                               f"{errors[0] if errors else 'flush timed out'}")
+            raise ServiceError(
+                f"publishing failed ({remaining} undelivered): "
+                f"{errors[0] if errors else 'flush timed out'}"
+            )
 
     def run(self, *, once: bool = False) -> ServiceStats:
         """Consume until SIGTERM / ``stop_event``; with ``once``, until every assigned
@@ -279,16 +338,19 @@ class EvaluatorService:
 
         self._beat("starting")
         try:
-            consumer.subscribe([self.setup.topics.checkpoints], on_assign=on_assign,
-                               on_revoke=on_revoke)
+            consumer.subscribe(
+                [self.setup.topics.checkpoints], on_assign=on_assign, on_revoke=on_revoke
+            )
             deadline = time.monotonic() + self.options.assign_timeout_s
             self._beat("ready")
             while not self.stop_event.is_set():
                 msg = consumer.poll(0.5)
                 self._beat()
                 if once and not assigned and time.monotonic() > deadline:
-                    raise ServiceError(f"no partition of {self.setup.topics.checkpoints} "
-                                       f"assigned within {self.options.assign_timeout_s:g}s")
+                    raise ServiceError(
+                        f"no partition of {self.setup.topics.checkpoints} "
+                        f"assigned within {self.options.assign_timeout_s:g}s"
+                    )
                 if msg is None:
                     continue
                 where = (msg.topic(), msg.partition())
@@ -301,13 +363,15 @@ class EvaluatorService:
                         log.warning("consumer error: %s", msg.error())
                     continue
                 at_end.discard(where)
-                source = {"topic": msg.topic(), "partition": msg.partition(),
-                          "offset": msg.offset()}
+                source = {
+                    "topic": msg.topic(),
+                    "partition": msg.partition(),
+                    "offset": msg.offset(),
+                }
                 try:
                     result = self.process(msg.value() or b"", source)
                 except EvaluationCancelled:
-                    log.info("stopping: checkpoint at offset %d left for a later run",
-                             msg.offset())
+                    log.info("stopping: checkpoint at offset %d left for a later run", msg.offset())
                     break
                 self._publish(producer, result)
                 consumer.commit(message=msg, asynchronous=False)

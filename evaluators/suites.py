@@ -128,8 +128,9 @@ class Judge:
 
 
 FIRST_LINE = PostProcess("first-line-strip/v1", lambda text: text.split("\n", 1)[0].strip())
-EXACT_MATCH = Judge("exact_match", "exact_match/v1",
-                    lambda answer, item: exact_match(answer, item.answer))
+EXACT_MATCH = Judge(
+    "exact_match", "exact_match/v1", lambda answer, item: exact_match(answer, item.answer)
+)
 
 
 class HeldoutSuite:
@@ -148,8 +149,13 @@ class HeldoutSuite:
 
     def versions(self, model: EvalModel) -> Versions:
         tokenizer, _ = model.need_lm(self.name)
-        return Versions(suite="heldout/v1", dataset=self._dataset, tokenizer=tokenizer.version,
-                        prompt="bos+text/v1", decoding=_likelihood_decoding(model))
+        return Versions(
+            suite="heldout/v1",
+            dataset=self._dataset,
+            tokenizer=tokenizer.version,
+            prompt="bos+text/v1",
+            decoding=_likelihood_decoding(model),
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         tokenizer, _ = model.need_lm(self.name)
@@ -159,9 +165,11 @@ class HeldoutSuite:
         n_bytes = sum(utf8_byte_count(doc.text) for doc in self.docs)
         bpb = bits_per_byte(math.fsum(token_nlls.tolist()), n_bytes)
         n = len(self.docs)
-        return [Score(metric="nll", value=nll, n_items=n, higher_is_better=False),
-                Score(metric="ppl", value=ppl, n_items=n, higher_is_better=False),
-                Score(metric="bpb", value=bpb, n_items=n, higher_is_better=False)]
+        return [
+            Score(metric="nll", value=nll, n_items=n, higher_is_better=False),
+            Score(metric="ppl", value=ppl, n_items=n, higher_is_better=False),
+            Score(metric="bpb", value=bpb, n_items=n, higher_is_better=False),
+        ]
 
 
 class ChoiceSuite:
@@ -175,8 +183,13 @@ class ChoiceSuite:
 
     higher_is_better = True
 
-    def __init__(self, items: Sequence[ChoiceItem], *, normalization: Normalization = "bytes",
-                 name: str = "choice") -> None:
+    def __init__(
+        self,
+        items: Sequence[ChoiceItem],
+        *,
+        normalization: Normalization = "bytes",
+        name: str = "choice",
+    ) -> None:
         self.name = name
         self.items: tuple[ChoiceItem, ...] = _non_empty(name, items)
         self.normalization = normalization
@@ -185,9 +198,14 @@ class ChoiceSuite:
 
     def versions(self, model: EvalModel) -> Versions:
         tokenizer, _ = model.need_lm(self.name)
-        return Versions(suite=self._version, dataset=self._dataset, tokenizer=tokenizer.version,
-                        prompt="question+space+option/v1", decoding=_likelihood_decoding(model),
-                        judge=f"argmin-nll-per-{self.normalization}/v1")
+        return Versions(
+            suite=self._version,
+            dataset=self._dataset,
+            tokenizer=tokenizer.version,
+            prompt="question+space+option/v1",
+            decoding=_likelihood_decoding(model),
+            judge=f"argmin-nll-per-{self.normalization}/v1",
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         tokenizer, _ = model.need_lm(self.name)
@@ -199,16 +217,30 @@ class ChoiceSuite:
             for option in item.options:
                 continuation = tokenizer.encode(" " + option)
                 requests.append((context, continuation))
-                row.append(float(len(continuation) if self.normalization == "tokens"
-                                 else utf8_byte_count(" " + option)))
+                row.append(
+                    float(
+                        len(continuation)
+                        if self.normalization == "tokens"
+                        else utf8_byte_count(" " + option)
+                    )
+                )
             lengths.append(row)
         sums = iter([math.fsum(x.tolist()) for x in continuation_nlls(model, requests, progress)])
         option_nlls = [[next(sums) for _ in item.options] for item in self.items]
-        result = choice_accuracy(option_nlls,
-                                 None if self.normalization == "none" else lengths,
-                                 [item.answer for item in self.items], self.normalization)
-        return [Score(metric="accuracy", value=result.accuracy, n_items=len(self.items),
-                      higher_is_better=True)]
+        result = choice_accuracy(
+            option_nlls,
+            None if self.normalization == "none" else lengths,
+            [item.answer for item in self.items],
+            self.normalization,
+        )
+        return [
+            Score(
+                metric="accuracy",
+                value=result.accuracy,
+                n_items=len(self.items),
+                higher_is_better=True,
+            )
+        ]
 
 
 class GenerationSuite:
@@ -219,9 +251,15 @@ class GenerationSuite:
 
     higher_is_better = True
 
-    def __init__(self, items: Sequence[GenerationItem], *, max_new_tokens: int = 16,
-                 postprocess: PostProcess = FIRST_LINE, judge: Judge = EXACT_MATCH,
-                 name: str = "generation") -> None:
+    def __init__(
+        self,
+        items: Sequence[GenerationItem],
+        *,
+        max_new_tokens: int = 16,
+        postprocess: PostProcess = FIRST_LINE,
+        judge: Judge = EXACT_MATCH,
+        name: str = "generation",
+    ) -> None:
         self.name = name
         self.items: tuple[GenerationItem, ...] = _non_empty(name, items)
         self.max_new_tokens = max_new_tokens
@@ -232,21 +270,38 @@ class GenerationSuite:
 
     def versions(self, model: EvalModel) -> Versions:
         tokenizer, _ = model.need_lm(self.name)
-        return Versions(suite="generation/v1", dataset=self._dataset, tokenizer=tokenizer.version,
-                        prompt="raw-prompt/v1",
-                        decoding=f"greedy;T=0;max_new_tokens={self.max_new_tokens};stop=\\n;"
-                                 f"context={model.context_len}",
-                        postprocess=self.postprocess.version, judge=self.judge.version)
+        return Versions(
+            suite="generation/v1",
+            dataset=self._dataset,
+            tokenizer=tokenizer.version,
+            prompt="raw-prompt/v1",
+            decoding=f"greedy;T=0;max_new_tokens={self.max_new_tokens};stop=\\n;"
+            f"context={model.context_len}",
+            postprocess=self.postprocess.version,
+            judge=self.judge.version,
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         tokenizer, _ = model.need_lm(self.name)
-        outputs = generate(model, [tokenizer.encode(item.prompt) for item in self.items],
-                           max_new_tokens=self.max_new_tokens, stop="\n", progress=progress)
+        outputs = generate(
+            model,
+            [tokenizer.encode(item.prompt) for item in self.items],
+            max_new_tokens=self.max_new_tokens,
+            stop="\n",
+            progress=progress,
+        )
         self.last_answers = [self.postprocess.fn(tokenizer.decode(o)) for o in outputs]
-        passed = [self.judge.fn(a, item) for a, item in zip(self.last_answers, self.items,
-                                                             strict=True)]
-        return [Score(metric=self.judge.name, value=sum(passed) / len(passed),
-                      n_items=len(passed), higher_is_better=True)]
+        passed = [
+            self.judge.fn(a, item) for a, item in zip(self.last_answers, self.items, strict=True)
+        ]
+        return [
+            Score(
+                metric=self.judge.name,
+                value=sum(passed) / len(passed),
+                n_items=len(passed),
+                higher_is_better=True,
+            )
+        ]
 
 
 class PassAtKSuite:
@@ -260,11 +315,20 @@ class PassAtKSuite:
 
     higher_is_better = True
 
-    def __init__(self, items: Sequence[GenerationItem], *, n: int = 8,
-                 ks: Sequence[int] = (1, 4), temperature: float = 0.8, seed: int = 0,
-                 max_new_tokens: int = 16, sampler: Sampler | None = None,
-                 postprocess: PostProcess = FIRST_LINE, judge: Judge = EXACT_MATCH,
-                 name: str = "pass_at_k") -> None:
+    def __init__(
+        self,
+        items: Sequence[GenerationItem],
+        *,
+        n: int = 8,
+        ks: Sequence[int] = (1, 4),
+        temperature: float = 0.8,
+        seed: int = 0,
+        max_new_tokens: int = 16,
+        sampler: Sampler | None = None,
+        postprocess: PostProcess = FIRST_LINE,
+        judge: Judge = EXACT_MATCH,
+        name: str = "pass_at_k",
+    ) -> None:
         self.name = name
         self.items: tuple[GenerationItem, ...] = _non_empty(name, items)
         if not ks or any(not 1 <= k <= n for k in ks):
@@ -282,12 +346,17 @@ class PassAtKSuite:
     def versions(self, model: EvalModel) -> Versions:
         tokenizer, _ = model.need_lm(self.name)
         sampler = getattr(self.sampler, "version", type(self.sampler).__name__)
-        return Versions(suite="pass_at_k/v1", dataset=self._dataset, tokenizer=tokenizer.version,
-                        prompt="raw-prompt/v1",
-                        decoding=f"sample;T={self.temperature:g};n={self.n};seed={self.seed};"
-                                 f"sampler={sampler};max_new_tokens={self.max_new_tokens};"
-                                 f"stop=\\n;context={model.context_len}",
-                        postprocess=self.postprocess.version, judge=self.judge.version)
+        return Versions(
+            suite="pass_at_k/v1",
+            dataset=self._dataset,
+            tokenizer=tokenizer.version,
+            prompt="raw-prompt/v1",
+            decoding=f"sample;T={self.temperature:g};n={self.n};seed={self.seed};"
+            f"sampler={sampler};max_new_tokens={self.max_new_tokens};"
+            f"stop=\\n;context={model.context_len}",
+            postprocess=self.postprocess.version,
+            judge=self.judge.version,
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         tokenizer, _ = model.need_lm(self.name)
@@ -296,19 +365,35 @@ class PassAtKSuite:
             reset()
         prompts = [tokenizer.encode(item.prompt) for item in self.items for _ in range(self.n)]
         sample_ids = [s for _ in self.items for s in range(self.n)]
-        outputs = generate(model, prompts, max_new_tokens=self.max_new_tokens, stop="\n",
-                           progress=progress, temperature=self.temperature,
-                           sampler=self.sampler, sample_ids=sample_ids)
+        outputs = generate(
+            model,
+            prompts,
+            max_new_tokens=self.max_new_tokens,
+            stop="\n",
+            progress=progress,
+            temperature=self.temperature,
+            sampler=self.sampler,
+            sample_ids=sample_ids,
+        )
         self.last_passes = []
         for q, item in enumerate(self.items):
-            answers = outputs[q * self.n:(q + 1) * self.n]
-            self.last_passes.append(sum(
-                bool(self.judge.fn(self.postprocess.fn(tokenizer.decode(o)), item))
-                for o in answers))
+            answers = outputs[q * self.n : (q + 1) * self.n]
+            self.last_passes.append(
+                sum(
+                    bool(self.judge.fn(self.postprocess.fn(tokenizer.decode(o)), item))
+                    for o in answers
+                )
+            )
         n_items = len(self.items)
-        return [Score(metric=f"pass@{k}", n_items=n_items, higher_is_better=True,
-                      value=math.fsum(pass_at_k(self.n, c, k) for c in self.last_passes)
-                      / n_items) for k in self.ks]
+        return [
+            Score(
+                metric=f"pass@{k}",
+                n_items=n_items,
+                higher_is_better=True,
+                value=math.fsum(pass_at_k(self.n, c, k) for c in self.last_passes) / n_items,
+            )
+            for k in self.ks
+        ]
 
 
 class GroundingSuite:
@@ -320,17 +405,23 @@ class GroundingSuite:
 
     higher_is_better = True
 
-    def __init__(self, items: Sequence[GroundingItem], *, image_size: int = 32,
-                 name: str = "grounding") -> None:
+    def __init__(
+        self, items: Sequence[GroundingItem], *, image_size: int = 32, name: str = "grounding"
+    ) -> None:
         self.name = name
         self.items: tuple[GroundingItem, ...] = _non_empty(name, items)
         self.image_size = image_size
         self._dataset = dataset_version(self.items)
 
     def versions(self, model: EvalModel) -> Versions:
-        return Versions(suite="grounding/v1", dataset=self._dataset, tokenizer="none",
-                        prompt=f"raw-prompt/v1;{IMAGE_VERSION}@{self.image_size}",
-                        decoding="predict_box/v1", judge="iou/v1")
+        return Versions(
+            suite="grounding/v1",
+            dataset=self._dataset,
+            tokenizer="none",
+            prompt=f"raw-prompt/v1;{IMAGE_VERSION}@{self.image_size}",
+            decoding="predict_box/v1",
+            judge="iou/v1",
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         progress.set_total(len(self.items))
@@ -343,8 +434,14 @@ class GroundingSuite:
             except (TypeError, ValueError):
                 values.append(0.0)
             progress.advance()
-        return [Score(metric="iou", value=math.fsum(values) / len(values),
-                      n_items=len(values), higher_is_better=True)]
+        return [
+            Score(
+                metric="iou",
+                value=math.fsum(values) / len(values),
+                n_items=len(values),
+                higher_is_better=True,
+            )
+        ]
 
 
 class _TwoPasses:
@@ -375,16 +472,23 @@ class MediaGain:
 
     def __init__(self, inner: Suite, *, name: str | None = None) -> None:
         if not inner.higher_is_better:
-            raise EvaluationError(f"media gain needs a higher-is-better suite; {inner.name} "
-                                  f"is lower-is-better")
+            raise EvaluationError(
+                f"media gain needs a higher-is-better suite; {inner.name} is lower-is-better"
+            )
         self.inner = inner
         self.name = name or f"{inner.name}_media"
 
     def versions(self, model: EvalModel) -> Versions:
         inner = self.inner.versions(model)
-        return Versions(suite=f"{inner.suite}+media-gain/v1", dataset=inner.dataset,
-                        tokenizer=inner.tokenizer, prompt=inner.prompt, decoding=inner.decoding,
-                        postprocess=inner.postprocess, judge=inner.judge)
+        return Versions(
+            suite=f"{inner.suite}+media-gain/v1",
+            dataset=inner.dataset,
+            tokenizer=inner.tokenizer,
+            prompt=inner.prompt,
+            decoding=inner.decoding,
+            postprocess=inner.postprocess,
+            judge=inner.judge,
+        )
 
     def run(self, model: EvalModel, progress: ProgressSink = NO_PROGRESS) -> list[Score]:
         both = _TwoPasses(progress)
@@ -396,11 +500,23 @@ class MediaGain:
                 continue
             off = without[on.metric]
             scores += [
-                Score(metric=f"{on.metric}_with_media", value=on.value, n_items=on.n_items,
-                      higher_is_better=True),
-                Score(metric=f"{on.metric}_without_media", value=off.value, n_items=off.n_items,
-                      higher_is_better=True),
-                Score(metric=f"{on.metric}_media_gain", value=media_gain(on.value, off.value),
-                      n_items=on.n_items, higher_is_better=True),
+                Score(
+                    metric=f"{on.metric}_with_media",
+                    value=on.value,
+                    n_items=on.n_items,
+                    higher_is_better=True,
+                ),
+                Score(
+                    metric=f"{on.metric}_without_media",
+                    value=off.value,
+                    n_items=off.n_items,
+                    higher_is_better=True,
+                ),
+                Score(
+                    metric=f"{on.metric}_media_gain",
+                    value=media_gain(on.value, off.value),
+                    n_items=on.n_items,
+                    higher_is_better=True,
+                ),
             ]
         return scores

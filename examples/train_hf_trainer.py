@@ -60,9 +60,17 @@ class Trace(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step - 1, "loss": logs["loss"],
-                                    "grad_norm": logs.get("grad_norm"),
-                                    "lr": logs.get("learning_rate")}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": state.global_step - 1,
+                            "loss": logs["loss"],
+                            "grad_norm": logs.get("grad_norm"),
+                            "lr": logs.get("learning_rate"),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def main() -> None:
@@ -74,17 +82,38 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config).double()
     training = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, warmup_steps=5, logging_steps=1, max_grad_norm=1.0,
-        use_cpu=True, ddp_backend="gloo", report_to="none", save_strategy="no",
-        dataloader_num_workers=0, seed=0)
-    trainer = Trainer(model=model, args=training, train_dataset=Rows(8 * args.steps),
-                      callbacks=([Trace(args.trace)] if args.trace else [])
-                      + ([FailAt(args.fail_at)] if args.fail_at is not None else []))
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        warmup_steps=5,
+        logging_steps=1,
+        max_grad_norm=1.0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to="none",
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=Rows(8 * args.steps),
+        callbacks=([Trace(args.trace)] if args.trace else [])
+        + ([FailAt(args.fail_at)] if args.fail_at is not None else []),
+    )
     watch(trainer, config=ProbeConfig(clip_threshold=training.max_grad_norm))
     trainer.train()
 

@@ -59,8 +59,9 @@ class TinyLM(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
-        losses = F.cross_entropy(self(tokens).transpose(1, 2), targets, ignore_index=IGNORE,
-                                 reduction="none")
+        losses = F.cross_entropy(
+            self(tokens).transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
+        )
         mask = targets != IGNORE
         loss = losses.sum() / mask.sum()
         self.log("train_loss", loss, on_step=True, sync_dist=True)
@@ -78,8 +79,12 @@ class Trace(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         losses, mask = outputs["token_losses"], outputs["mask"]
-        row = {"step": trainer.global_step - 1, "loss_sum": losses[mask].double().sum().item(),
-               "tokens": int(mask.sum()), "loss": outputs["loss"].item()}
+        row = {
+            "step": trainer.global_step - 1,
+            "loss_sum": losses[mask].double().sum().item(),
+            "tokens": int(mask.sum()),
+            "loss": outputs["loss"].item(),
+        }
         if trainer.is_global_zero:
             row["logged"] = trainer.callback_metrics["train_loss"].item()
         with open(self.directory / f"rank{trainer.global_rank}.jsonl", "a") as f:
@@ -99,10 +104,19 @@ def main() -> None:
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
         callbacks.append(Trace(args.trace))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp",
-                         max_steps=args.steps, gradient_clip_val=1.0, callbacks=callbacks,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy="ddp",
+        max_steps=args.steps,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, torch.utils.data.DataLoader(Rows(8 * args.steps), batch_size=4))
 
 

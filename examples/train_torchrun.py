@@ -36,8 +36,9 @@ class TinyLM(nn.Module):
     def __init__(self, vocab: int = 256, width: int = 32) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width),
-                                                  nn.GELU()) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(2)
+        )
         self.lm_head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -76,30 +77,38 @@ def main() -> None:
     loader = batches(rank)
     trace = open(args.trace, "w") if args.trace and rank == 0 else None
 
-    monitor = attach(model, optimizer,
-                     config=ProbeConfig(clip_threshold=1.0, sources=SOURCES),
-                     run_config={"lr": args.lr, "steps": args.steps, "warmup": 10})
+    monitor = attach(
+        model,
+        optimizer,
+        config=ProbeConfig(clip_threshold=1.0, sources=SOURCES),
+        run_config={"lr": args.lr, "steps": args.steps, "warmup": 10},
+    )
     for step in range(args.steps):
-        with monitor.step(step) as s:                    # step time includes data loading
+        with monitor.step(step) as s:  # step time includes data loading
             tokens, targets, source = next(loader)
             s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
-            losses = F.cross_entropy(model(tokens).transpose(1, 2), targets,
-                                     ignore_index=IGNORE, reduction="none")
-            s.loss(losses)                                # loss.sum / loss.tokens per source
+            losses = F.cross_entropy(
+                model(tokens).transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
+            )
+            s.loss(losses)  # loss.sum / loss.tokens per source
             n_valid = (targets != IGNORE).sum()
             (losses.sum() / n_valid).backward()
-            s.clip_grad_norm_(model.parameters(), 1.0)    # measures G2, then clips
-            lr = optimizer.param_groups[0]["lr"]          # the rate this update uses
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+            s.clip_grad_norm_(model.parameters(), 1.0)  # measures G2, then clips
+            lr = optimizer.param_groups[0]["lr"]  # the rate this update uses
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
         if args.trace:  # the script's own global loss, in float64 (one extra collective)
             totals = torch.stack([losses.detach().double().sum(), n_valid.double()])
             dist.all_reduce(totals)
             if trace:
-                trace.write(json.dumps({"step": step, "loss": (totals[0] / totals[1]).item(),
-                                        "lr": lr}) + "\n")
+                trace.write(
+                    json.dumps({"step": step, "loss": (totals[0] / totals[1]).item(), "lr": lr})
+                    + "\n"
+                )
                 trace.flush()
         time.sleep(args.sleep_s)
-    monitor.close()                                       # marks the run finished
+    monitor.close()  # marks the run finished
     dist.destroy_process_group()
 
 

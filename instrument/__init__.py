@@ -40,17 +40,32 @@ __all__ = [
 ]
 
 _HOME = {
-    "CATALOG": "catalog", "Group": "catalog", "MetricSpec": "catalog", "Priority": "catalog",
-    "Reduction": "catalog", "Tier": "catalog", "describe": "catalog", "spec": "catalog",
+    "CATALOG": "catalog",
+    "Group": "catalog",
+    "MetricSpec": "catalog",
+    "Priority": "catalog",
+    "Reduction": "catalog",
+    "Tier": "catalog",
+    "describe": "catalog",
+    "spec": "catalog",
     "ProbeConfig": "config",
-    "StructureConfig": "structure_config", "discover": "discover",
-    "ControlListener": "control", "checkpoint_event": "control",
-    "KafkaTransport": "export", "StepEmitter": "export", "Transport": "export",
-    "Monitor": "monitor", "NullMonitor": "monitor", "attach": "monitor",
-    "Point": "wire", "RankIdentity": "wire",
-    "NullStepContext": "step", "StepContext": "step",
+    "StructureConfig": "structure_config",
+    "discover": "discover",
+    "ControlListener": "control",
+    "checkpoint_event": "control",
+    "KafkaTransport": "export",
+    "StepEmitter": "export",
+    "Transport": "export",
+    "Monitor": "monitor",
+    "NullMonitor": "monitor",
+    "attach": "monitor",
+    "Point": "wire",
+    "RankIdentity": "wire",
+    "NullStepContext": "step",
+    "StepContext": "step",
     "transformer_flops_per_token": "probes.system",
-    "MemoryTransport": "testing", "NullTransport": "testing",
+    "MemoryTransport": "testing",
+    "NullTransport": "testing",
 }
 
 
@@ -70,12 +85,12 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static analysers see the eager imports
     from .catalog import CATALOG, Group, MetricSpec, Priority, Reduction, Tier, describe, spec
     from .config import ProbeConfig
-    from .discover import discover
-    from .structure_config import StructureConfig
     from .control import ControlListener, checkpoint_event
+    from .discover import discover
     from .export import KafkaTransport, StepEmitter, Transport
     from .monitor import Monitor, NullMonitor, attach
     from .probes.system import transformer_flops_per_token
     from .step import NullStepContext, StepContext
-    from .wire import Point, RankIdentity
+    from .structure_config import StructureConfig
     from .testing import MemoryTransport, NullTransport
+    from .wire import Point, RankIdentity

@@ -22,16 +22,30 @@ ABS_MAX over finite elements.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
-from .scan import (BASE_FIELDS, CPU_CHUNK_ELEMS, DEVICE_CHUNK_ELEMS, MOMENT_FIELDS, fused_scan,
-                   row_fields, scan)
+from .scan import (
+    BASE_FIELDS,
+    CPU_CHUNK_ELEMS,
+    DEVICE_CHUNK_ELEMS,
+    MOMENT_FIELDS,
+    fused_scan,
+    row_fields,
+    scan,
+)
 
-__all__ = ["SMALL_ELEMS", "GroupPlan", "GroupScan", "gather_groups", "plan_groups", "scan_groups",
-           "scan_many"]
+__all__ = [
+    "SMALL_ELEMS",
+    "GroupPlan",
+    "GroupScan",
+    "gather_groups",
+    "plan_groups",
+    "scan_groups",
+    "scan_many",
+]
 
 SMALL_ELEMS = 1 << 16
 """Tensors up to this many elements are batched with others of their size."""
@@ -57,9 +71,9 @@ class GroupScan:
     the small ones into blocks; ``rows`` reduces the blocks. The blocks are fresh copies, so
     ``rows`` may run later, on another thread, after the tensors changed (a clip)."""
 
-    rows_done: list[torch.Tensor]   # [1, fields] rows of the tensors scanned whole
-    blocks: list[torch.Tensor]      # [n] concatenations still to reduce, one row each
-    row_groups: list[int]           # the group of each row: rows_done's, then blocks'
+    rows_done: list[torch.Tensor]  # [1, fields] rows of the tensors scanned whole
+    blocks: list[torch.Tensor]  # [n] concatenations still to reduce, one row each
+    row_groups: list[int]  # the group of each row: rows_done's, then blocks'
     moments: bool
     fused: bool
     device: torch.device | None
@@ -67,15 +81,19 @@ class GroupScan:
     @property
     def on_host(self) -> bool:
         """Every row on the CPU and the eager reductions (``rows`` may run on any thread)."""
-        return (not (self.fused and not self.moments)
-                and all(t.device.type == "cpu" for t in (*self.rows_done, *self.blocks)))
+        return not (self.fused and not self.moments) and all(
+            t.device.type == "cpu" for t in (*self.rows_done, *self.blocks)
+        )
 
     def rows(self) -> torch.Tensor:
         """``[R, fields]`` float64 rows, in the order of ``row_groups``."""
         one_pass = self.fused and not self.moments
-        rows = self.rows_done + [fused_scan(work).unsqueeze(0) if one_pass
-                                 else row_fields(work.unsqueeze(0), self.moments)
-                                 for work in self.blocks]
+        rows = self.rows_done + [
+            fused_scan(work).unsqueeze(0)
+            if one_pass
+            else row_fields(work.unsqueeze(0), self.moments)
+            for work in self.blocks
+        ]
         if not rows:
             width = MOMENT_FIELDS if self.moments else BASE_FIELDS
             return torch.zeros(0, width, dtype=F64, device=self.device)
@@ -90,13 +108,14 @@ class GroupPlan:
     keep those (a model's gradients, step after step) is planned once (``plan_groups``)
     and gathered every step (``gather_groups``): the per-tensor Python runs once."""
 
-    whole: tuple[int, ...]                      # indices scanned on their own
-    blocks: tuple[tuple[int, ...], ...]         # indices concatenated into one block each
-    row_groups: tuple[int, ...]                 # the group of each row: whole's, then blocks'
+    whole: tuple[int, ...]  # indices scanned on their own
+    blocks: tuple[tuple[int, ...], ...]  # indices concatenated into one block each
+    row_groups: tuple[int, ...]  # the group of each row: whole's, then blocks'
 
 
-def plan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int],
-                chunk_elems: int | None = None) -> GroupPlan:
+def plan_groups(
+    tensors: Sequence[torch.Tensor], groups: Sequence[int], chunk_elems: int | None = None
+) -> GroupPlan:
     """``groups[i]`` is ``tensors[i]``'s group. The small floating tensors of one group and
     device go into blocks of at most ``chunk_elems`` elements (``scan``'s chunk by
     default), in list order; other non-empty tensors are scanned whole."""
@@ -114,22 +133,35 @@ def plan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int],
         # a block as large as one of scan's chunks, whose work buffer stays in cache while
         # the reductions re-read it (850k elements, caches flushed, one CPU core: 2.2-2.4 ms
         # in 256k-element blocks, 2.3-3.0 ms as one block)
-        limit = min(STACK_ELEMS, chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu"
-                                                 else DEVICE_CHUNK_ELEMS))
+        limit = min(
+            STACK_ELEMS,
+            chunk_elems or (CPU_CHUNK_ELEMS if device.type == "cpu" else DEVICE_CHUNK_ELEMS),
+        )
         for block in _blocks(members, limit):
             blocks.append(block)
             row_groups.append(group)
     return GroupPlan(tuple(whole), tuple(blocks), tuple(row_groups))
 
 
-def gather_groups(tensors: Sequence[torch.Tensor], plan: GroupPlan, *, moments: bool = False,
-                  chunk_elems: int | None = None, fused: bool = False) -> GroupScan:
+def gather_groups(
+    tensors: Sequence[torch.Tensor],
+    plan: GroupPlan,
+    *,
+    moments: bool = False,
+    chunk_elems: int | None = None,
+    fused: bool = False,
+) -> GroupScan:
     """The first half of ``scan_groups``, by ``plan`` (of these tensors' sizes, dtypes,
     devices and groups): the whole tensors scanned now, the blocks copied."""
     one_pass = fused and not moments
-    rows = [(fused_scan(tensors[i]) if one_pass
-             else scan(tensors[i], moments=moments, chunk_elems=chunk_elems)).unsqueeze(0)
-            for i in plan.whole]
+    rows = [
+        (
+            fused_scan(tensors[i])
+            if one_pass
+            else scan(tensors[i], moments=moments, chunk_elems=chunk_elems)
+        ).unsqueeze(0)
+        for i in plan.whole
+    ]
     blocks = [_flat_copy([tensors[i] for i in block], moments) for block in plan.blocks]
     device = tensors[0].device if tensors else None
     return GroupScan(rows, blocks, list(plan.row_groups), moments, fused, device)
@@ -161,9 +193,14 @@ def _flat_copy(block: list[torch.Tensor], moments: bool) -> torch.Tensor:
     return flat if flat.dtype == dtype else flat.to(dtype)
 
 
-def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
-                moments: bool = False, chunk_elems: int | None = None, fused: bool = False
-                ) -> tuple[torch.Tensor, list[int]]:
+def scan_groups(
+    tensors: Sequence[torch.Tensor],
+    groups: Sequence[int],
+    *,
+    moments: bool = False,
+    chunk_elems: int | None = None,
+    fused: bool = False,
+) -> tuple[torch.Tensor, list[int]]:
     """Scan rows whose combination per group is that of ``scan_many``'s rows per group.
 
     ``groups[i]`` is ``tensors[i]``'s group. Returns ``[R, fields]`` float64 rows and each
@@ -174,13 +211,19 @@ def scan_groups(tensors: Sequence[torch.Tensor], groups: Sequence[int], *,
     ``fused`` (without moments): each large tensor and block through the compiled one-pass
     ``fused_scan`` instead of the eager reductions.
     """
-    gathered = gather_groups(tensors, plan_groups(tensors, groups, chunk_elems),
-                             moments=moments, chunk_elems=chunk_elems, fused=fused)
+    gathered = gather_groups(
+        tensors,
+        plan_groups(tensors, groups, chunk_elems),
+        moments=moments,
+        chunk_elems=chunk_elems,
+        fused=fused,
+    )
     return gathered.rows(), gathered.row_groups
 
 
-def scan_many(tensors: Sequence[torch.Tensor], *, moments: bool = False,
-              chunk_elems: int | None = None) -> torch.Tensor:
+def scan_many(
+    tensors: Sequence[torch.Tensor], *, moments: bool = False, chunk_elems: int | None = None
+) -> torch.Tensor:
     """``[K, fields]`` float64 on the tensors' device: row i is ``scan(tensors[i])``.
 
     An empty tensor gives an all-zero row, as ``scan`` does.
@@ -202,7 +245,7 @@ def scan_many(tensors: Sequence[torch.Tensor], *, moments: bool = False,
             continue
         per_block = max(1, STACK_ELEMS // n)
         for start in range(0, len(members), per_block):
-            block = members[start:start + per_block]
+            block = members[start : start + per_block]
             for i, row in zip(block, _rows([tensors[i] for i in block], moments)):
                 rows[i] = row
     return torch.stack(rows)  # type: ignore[arg-type]

@@ -16,8 +16,9 @@ to ``micro_batch`` must not be modified in place until the step is exported).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,9 @@ Decoder = Callable[[list[tuple[np.ndarray, Any]]], list[Point]]
 Late = Callable[[], list[Point]]
 
 
-def host_values(values: Sequence[float] | Sequence[int], device: torch.device,
-                dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def host_values(
+    values: Sequence[float] | Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
     """A small host-built tensor on ``device`` without a host synchronisation: on CUDA it
     is staged in pinned memory and copied asynchronously (a copy from pageable memory
     would wait for the stream)."""
@@ -65,13 +67,13 @@ class SealedStep:
 
     step: int
     slots: Slots
-    host: torch.Tensor | None   # the device parts' copy (pinned); None: CPU parts, read as is
+    host: torch.Tensor | None  # the device parts' copy (pinned); None: CPU parts, read as is
     event: Any
     points: list[Point]
     late: list[Late] = field(default_factory=list)
-    held: bool = False   # the scan-tier points stay in the ring buffer (``export``)
+    held: bool = False  # the scan-tier points stay in the ring buffer (``export``)
     replay: bool = False  # a replay's record: its scan-tier points go out marked replay
-    retired: Any = None   # let go of with this record, on the emitter thread (tensors' frees)
+    retired: Any = None  # let go of with this record, on the emitter thread (tensors' frees)
 
     def resolve(self) -> list[Point]:
         if self.event is not None:
@@ -81,16 +83,21 @@ class SealedStep:
             if self.host is not None:
                 values = self.host.numpy()
             else:  # CPU: read the parts where they are
-                values = np.concatenate([t.detach().numpy().reshape(-1)
-                                         for _, parts, _ in self.slots.values()
-                                         for tensors in parts for t in tensors])
+                values = np.concatenate(
+                    [
+                        t.detach().numpy().reshape(-1)
+                        for _, parts, _ in self.slots.values()
+                        for tensors in parts
+                        for t in tensors
+                    ]
+                )
                 values = values.astype(np.float64, copy=False)
             offset = 0
             for decode, parts, metas in self.slots.values():
                 arrays = []
                 for tensors, meta in zip(parts, metas):
                     width = sum(t.numel() for t in tensors)
-                    arrays.append((values[offset:offset + width], meta))
+                    arrays.append((values[offset : offset + width], meta))
                     offset += width
                 points += decode(arrays)
         for sample in self.late:
@@ -108,10 +115,15 @@ class StepCollector:
 
     def __init__(self) -> None:
         self._slots: Slots = {}
-        self._on_device = False   # a part lives off the host: seal gathers and copies
+        self._on_device = False  # a part lives off the host: seal gathers and copies
 
-    def add(self, key: str, tensors: torch.Tensor | Sequence[torch.Tensor], decode: Decoder,
-            meta: Any = None) -> None:
+    def add(
+        self,
+        key: str,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        decode: Decoder,
+        meta: Any = None,
+    ) -> None:
         """One part of ``key``: a tensor or several (any shape and real dtype; the step's one
         ``cat`` flattens them and promotes them to float64, so a part costs no kernel of its
         own). The decoder sees the part as one array, the tensors in order."""
@@ -137,8 +149,15 @@ class StepCollector:
         self._slots = {}
         self._on_device = False
 
-    def seal(self, step: int, points: list[Point], late: list[Late], *,
-             held: bool = False, replay: bool = False) -> SealedStep:
+    def seal(
+        self,
+        step: int,
+        points: list[Point],
+        late: list[Late],
+        *,
+        held: bool = False,
+        replay: bool = False,
+    ) -> SealedStep:
         """Hand the step's parts over. On CPU nothing else happens here (the emitter thread
         reads them); with a part on a device, concatenate there and start the one
         device-to-host copy."""

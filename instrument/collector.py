@@ -16,7 +16,7 @@ to opentelemetry-exporter-otlp 1.45.2, which the package pins.
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["OtlpTransport"]
 
@@ -30,9 +30,15 @@ class OtlpTransport:
     "grpc" calls the metrics service at ``endpoint`` (``collector:4317``).
     """
 
-    def __init__(self, endpoint: str, *, protocol: str = "http",
-                 headers: Mapping[str, str] | None = None, timeout_s: float = 10.0,
-                 insecure: bool = True) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        protocol: str = "http",
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = 10.0,
+        insecure: bool = True,
+    ) -> None:
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         self.protocol = protocol
@@ -42,8 +48,9 @@ class OtlpTransport:
                 OTLPMetricExporter,
             )
 
-            self._exporter = OTLPMetricExporter(endpoint=endpoint, headers=dict(headers or {}),
-                                                timeout=timeout_s)
+            self._exporter = OTLPMetricExporter(
+                endpoint=endpoint, headers=dict(headers or {}), timeout=timeout_s
+            )
             self._send = self._exporter._export_batch
         else:
             self._exporter = _grpc_exporter(endpoint, dict(headers or {}), timeout_s, insecure)
@@ -56,8 +63,10 @@ class OtlpTransport:
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         try:
-            ok = self._send(ExportMetricsServiceRequest.FromString(value)) \
+            ok = (
+                self._send(ExportMetricsServiceRequest.FromString(value))
                 is MetricExportResult.SUCCESS
+            )
         except Exception as exc:  # contained: a broken endpoint never reaches the loop
             log.warning("probewire: OTLP export failed: %s", exc)
             ok = False
@@ -81,8 +90,11 @@ def _grpc_exporter(endpoint: str, headers: dict[str, str], timeout_s: float, ins
             return data
 
         def _count_data(self, data) -> int:  # type: ignore[override]
-            return sum(len(m.gauge.data_points) for rm in data.resource_metrics
-                       for sm in rm.scope_metrics for m in sm.metrics)
+            return sum(
+                len(m.gauge.data_points)
+                for rm in data.resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+            )
 
-    return RequestExporter(endpoint=endpoint, insecure=insecure, headers=headers,
-                           timeout=timeout_s)
+    return RequestExporter(endpoint=endpoint, insecure=insecure, headers=headers, timeout=timeout_s)

@@ -28,9 +28,9 @@ names with wrapper prefixes removed (``module.`` of DDP, ``_orig_mod.`` of torch
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 from .catalog import Tier
 from .structure_config import StructureConfig
@@ -38,17 +38,18 @@ from .structure_config import StructureConfig
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_MODULE_NAMES", "DEFAULT_MODULE_TYPES", "ProbeConfig"]
 
 DEFAULT_CADENCE: Mapping[Tier, int] = MappingProxyType(
-    {Tier.STEP: 1, Tier.SCAN: 100, Tier.DEMAND: 0})
+    {Tier.STEP: 1, Tier.SCAN: 100, Tier.DEMAND: 0}
+)
 
 DEFAULT_MODULE_NAMES: tuple[str, ...] = (
     r"(.*\.)?(embed|embed_tokens|wte|wpe|tok_embeddings|word_embeddings|pos)",  # embeddings
-    r"(.*\.)?(layers|blocks|h)\.\d+",                                # residual stream (block out)
-    r"(.*\.)?(attn|self_attn|attention)",                            # attention output
-    r"(.*\.)?(q_proj|k_proj|v_proj|qkv|qkv_proj|wq|wk|wv|c_attn)",   # query / key / value
-    r"(.*\.)?(q_norm|k_norm|q_layernorm|k_layernorm)",               # normalized q / k
-    r"(.*\.)?(mlp|feed_forward|ffn)",                                # feed-forward output
+    r"(.*\.)?(layers|blocks|h)\.\d+",  # residual stream (block out)
+    r"(.*\.)?(attn|self_attn|attention)",  # attention output
+    r"(.*\.)?(q_proj|k_proj|v_proj|qkv|qkv_proj|wq|wk|wv|c_attn)",  # query / key / value
+    r"(.*\.)?(q_norm|k_norm|q_layernorm|k_layernorm)",  # normalized q / k
+    r"(.*\.)?(mlp|feed_forward|ffn)",  # feed-forward output
     r"(.*\.)?(mlp|feed_forward|ffn)\.(up|up_proj|act|act_fn|w1|c_fc|fc1)",  # ffn activations
-    r"(.*\.)?(lm_head|head|output|output_layer)",                    # logits
+    r"(.*\.)?(lm_head|head|output|output_layer)",  # logits
 )
 """Observation points of seeds §6 under the common module names of GPT/Llama-style models."""
 
@@ -149,37 +150,51 @@ class ProbeConfig:
             try:
                 tier = Tier(key)
             except ValueError:
-                raise ValueError(f"ProbeConfig.cadence: unknown tier {key!r}; tiers: "
-                                 f"{[t.value for t in Tier]}") from None
+                raise ValueError(
+                    f"ProbeConfig.cadence: unknown tier {key!r}; tiers: {[t.value for t in Tier]}"
+                ) from None
             if not isinstance(every, int) or isinstance(every, bool) or every < 0:
                 raise ValueError(f"ProbeConfig.cadence[{key}]: must be an int >= 0, got {every!r}")
             cadence[tier] = every
         object.__setattr__(self, "cadence", MappingProxyType(cadence))
         object.__setattr__(self, "fused_splits", MappingProxyType(dict(self.fused_splits)))
         if self.clip_threshold is not None and not self.clip_threshold > 0:
-            raise ValueError(f"ProbeConfig.clip_threshold: must be > 0, "
-                             f"got {self.clip_threshold!r}")
+            raise ValueError(
+                f"ProbeConfig.clip_threshold: must be > 0, got {self.clip_threshold!r}"
+            )
         if self.ring_steps < 0:
             raise ValueError(f"ProbeConfig.ring_steps: must be >= 0, got {self.ring_steps}")
         if not isinstance(self.ring_every, int) or self.ring_every < 0:
-            raise ValueError(f"ProbeConfig.ring_every: must be an int >= 0, got {self.ring_every!r}")
+            raise ValueError(
+                f"ProbeConfig.ring_every: must be an int >= 0, got {self.ring_every!r}"
+            )
         if self.ring_every and not self.ring_steps:
-            raise ValueError("ProbeConfig.ring_every: needs ring_steps >= 1 (the ring that "
-                             "keeps what it measures)")
+            raise ValueError(
+                "ProbeConfig.ring_every: needs ring_steps >= 1 (the ring that "
+                "keeps what it measures)"
+            )
         if not isinstance(self.replay_steps, int) or self.replay_steps < 0:
-            raise ValueError(f"ProbeConfig.replay_steps: must be an int >= 0, "
-                             f"got {self.replay_steps!r}")
+            raise ValueError(
+                f"ProbeConfig.replay_steps: must be an int >= 0, got {self.replay_steps!r}"
+            )
         if self.queue_size < 1:
             raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
         if self.scan_backend not in ("auto", "compiled", "eager"):
-            raise ValueError(f"ProbeConfig.scan_backend: 'auto', 'compiled' or 'eager', got "
-                             f"{self.scan_backend!r}")
+            raise ValueError(
+                f"ProbeConfig.scan_backend: 'auto', 'compiled' or 'eager', got "
+                f"{self.scan_backend!r}"
+            )
         if self.scan_chunk_elems is not None and self.scan_chunk_elems < 1:
             raise ValueError("ProbeConfig.scan_chunk_elems: must be >= 1")
         if self.flops_per_token is not None and not self.flops_per_token >= 0:
             raise ValueError("ProbeConfig.flops_per_token: must be >= 0")
-        for name in ("module_names", "module_types", "embedding_params", "expert_params",
-                     "tp_replicated"):
+        for name in (
+            "module_names",
+            "module_types",
+            "embedding_params",
+            "expert_params",
+            "tp_replicated",
+        ):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, tuple):
                 raise ValueError(f"ProbeConfig.{name}: must be a tuple of patterns")
@@ -193,8 +208,10 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.structure: must be a StructureConfig")
         labels = (*self.sources, *self.modalities)
         if len(set(labels)) != len(labels) or not all(isinstance(s, str) and s for s in labels):
-            raise ValueError("ProbeConfig.sources/modalities: names must be distinct non-empty "
-                             "strings (they share the label 'source')")
+            raise ValueError(
+                "ProbeConfig.sources/modalities: names must be distinct non-empty "
+                "strings (they share the label 'source')"
+            )
 
     def every(self, tier: Tier | str) -> int:
         """Steps between runs of the probes of ``tier`` (0 = off)."""

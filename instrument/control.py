@@ -25,7 +25,8 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = ["WEIGHT_STREAMS", "ControlListener", "checkpoint_event"]
 
@@ -36,8 +37,16 @@ _STOP_CHECK_S = 0.25  # the longest a metadata request waits before the listener
 WEIGHT_STREAMS = ("raw", "ema")
 
 
-def checkpoint_event(*, run_id: str, path: str, step: int, tokens: int, flops: float,
-                     weights_stream: str = "raw", key: bool = False) -> bytes:
+def checkpoint_event(
+    *,
+    run_id: str,
+    path: str,
+    step: int,
+    tokens: int,
+    flops: float,
+    weights_stream: str = "raw",
+    key: bool = False,
+) -> bytes:
     """The ``probewire.checkpoints`` message; a ValueError names a bad field."""
     if weights_stream not in WEIGHT_STREAMS:
         raise ValueError(f"weights_stream must be one of {WEIGHT_STREAMS}, got {weights_stream!r}")
@@ -47,17 +56,33 @@ def checkpoint_event(*, run_id: str, path: str, step: int, tokens: int, flops: f
         raise ValueError(f"flops must be a finite number >= 0, got {flops!r}")
     if not path:
         raise ValueError("path must not be empty")
-    return json.dumps({"run_id": run_id, "step": step, "tokens": tokens, "flops": float(flops),
-                       "path": str(path), "weights_stream": weights_stream,
-                       "key": bool(key)}).encode()
+    return json.dumps(
+        {
+            "run_id": run_id,
+            "step": step,
+            "tokens": tokens,
+            "flops": float(flops),
+            "path": str(path),
+            "weights_stream": weights_stream,
+            "key": bool(key),
+        }
+    ).encode()
 
 
 class ControlListener:
     """Background consumer of the control topic for one rank (see the module docstring)."""
 
-    def __init__(self, client_config: Mapping[str, str], *, run_id: str, rank: int,
-                 topic: str = "probewire.control", poll_s: float = 0.2,
-                 retry_s: float = 5.0, metadata_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        client_config: Mapping[str, str],
+        *,
+        run_id: str,
+        rank: int,
+        topic: str = "probewire.control",
+        poll_s: float = 0.2,
+        retry_s: float = 5.0,
+        metadata_timeout_s: float = 10.0,
+    ) -> None:
         self._client_config = dict(client_config)
         self.run_id, self.rank, self.topic = run_id, rank, topic
         self._poll_s, self._retry_s = poll_s, retry_s
@@ -110,14 +135,16 @@ class ControlListener:
     def _consumer(self):
         from confluent_kafka import Consumer, TopicPartition
 
-        consumer = Consumer({
-            **self._client_config,
-            "group.id": f"probewire-control-{self.run_id}-r{self.rank}-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": "false",
-            "auto.offset.reset": "latest",
-            "session.timeout.ms": "6000",
-            "logger": log,  # librdkafka's own messages go through logging, not stderr
-        })
+        consumer = Consumer(
+            {
+                **self._client_config,
+                "group.id": f"probewire-control-{self.run_id}-r{self.rank}-{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": "false",
+                "auto.offset.reset": "latest",
+                "session.timeout.ms": "6000",
+                "logger": log,  # librdkafka's own messages go through logging, not stderr
+            }
+        )
         try:
             timeout = self._metadata_timeout_s
             topic = self._metadata(consumer).topics[self.topic]
@@ -126,7 +153,8 @@ class ControlListener:
             assignment = []
             for partition in sorted(topic.partitions):
                 _, high = consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, partition), timeout=timeout, cached=False)
+                    TopicPartition(self.topic, partition), timeout=timeout, cached=False
+                )
                 assignment.append(TopicPartition(self.topic, partition, high))
             consumer.assign(assignment)
         except Exception:

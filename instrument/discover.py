@@ -18,14 +18,25 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from .registry import label_name
 from .structure_config import StructureConfig
 
-__all__ = ["PARAM_ROLES", "BlockPoint", "GatePoint", "ModuleView", "ParamView", "RouterPoint",
-           "Structure", "ValuePoint", "discover", "layer_of"]
+__all__ = [
+    "PARAM_ROLES",
+    "BlockPoint",
+    "GatePoint",
+    "ModuleView",
+    "ParamView",
+    "RouterPoint",
+    "Structure",
+    "ValuePoint",
+    "discover",
+    "layer_of",
+]
 
 # (parameter-name pattern, role, part roles of a fused tensor along its output features)
 _PARAM_ROLES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -36,8 +47,12 @@ _PARAM_ROLES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (r"(.*\.)?(q_b_proj|linear_q_up_proj)\.weight", "q_up", ()),
     (r"(.*\.)?(kv_a_proj_with_mqa|linear_kv_down_proj)\.weight", "kv_down", ()),
     (r"(.*\.)?(kv_b_proj|linear_kv_up_proj)\.weight", "kv_up", ()),
-    (r"(.*\.)?(attn|self_attn|attention|self_attention)\.(o_proj|out_proj|wo|proj|c_proj|dense|"
-     r"linear_proj)\.weight", "o", ()),
+    (
+        r"(.*\.)?(attn|self_attn|attention|self_attention)\.(o_proj|out_proj|wo|proj|c_proj|dense|"
+        r"linear_proj)\.weight",
+        "o",
+        (),
+    ),
     (r"(.*\.)?(mlp|feed_forward|ffn|block_sparse_moe|moe)\.(gate|router)\.weight", "router", ()),
     (r"(.*\.)?experts\.gate_up_proj", "expert_gate_up", ("expert_gate", "expert_up")),
     (r"(.*\.)?experts\.down_proj", "expert_down", ()),
@@ -45,10 +60,16 @@ _PARAM_ROLES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (r"(.*\.)?experts\.\d+\.(up_proj|w3|up|c_fc|fc1)\.weight", "expert_up", ()),
     (r"(.*\.)?experts\.\d+\.(down_proj|w2|down|c_proj|fc2)\.weight", "expert_down", ()),
     (r"(.*\.)?(mlp|feed_forward|ffn)\.(gate_proj|w1)\.weight", "mlp_gate", ()),
-    (r"(.*\.)?(mlp|feed_forward|ffn)\.(up_proj|w3|up|c_fc|fc1|dense_h_to_4h)\.weight",
-     "mlp_up", ()),
-    (r"(.*\.)?(mlp|feed_forward|ffn)\.(down_proj|w2|down|c_proj|fc2|dense_4h_to_h)\.weight",
-     "mlp_down", ()),
+    (
+        r"(.*\.)?(mlp|feed_forward|ffn)\.(up_proj|w3|up|c_fc|fc1|dense_h_to_4h)\.weight",
+        "mlp_up",
+        (),
+    ),
+    (
+        r"(.*\.)?(mlp|feed_forward|ffn)\.(down_proj|w2|down|c_proj|fc2|dense_4h_to_h)\.weight",
+        "mlp_down",
+        (),
+    ),
     (r"(.*\.)?(input_layernorm|ln_1|ln_attn|attention_norm)\.weight", "norm_attn", ()),
     (r"(.*\.)?(post_attention_layernorm|ln_2|ln_mlp|ffn_norm)\.weight", "norm_mlp", ()),
     (r"(.*\.)?(q_norm|q_layernorm)\.weight", "norm_q", ()),
@@ -57,9 +78,12 @@ _PARAM_ROLES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 _FINAL_NORM = re.compile(r"(.*\.)?(norm|ln_f|final_layernorm|norm_f|final_norm)\.weight")
 _O_CHILDREN = ("o_proj", "out_proj", "wo", "proj", "c_proj", "dense", "linear_proj")
 _V_CHILDREN = ("v_proj", "wv", "value")
-PARAM_ROLES: tuple[str, ...] = tuple(dict.fromkeys(
-    [r for _, r, parts in _PARAM_ROLES for r in (parts or (r,))]
-    + ["qkv", "norm_final", "embedding", "output"]))
+PARAM_ROLES: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        [r for _, r, parts in _PARAM_ROLES for r in (parts or (r,))]
+        + ["qkv", "norm_final", "embedding", "output"]
+    )
+)
 """Every value of label ``module`` on module.grad_* (bounded)."""
 
 
@@ -78,17 +102,17 @@ class RouterPoint:
     name: str
     module: nn.Module
     n_experts: int
-    top_k: int | None             # None: read from the output's expert ids
-    bias: torch.Tensor | None     # expert-selection bias (parameter or buffer)
+    top_k: int | None  # None: read from the output's expert ids
+    bias: torch.Tensor | None  # expert-selection bias (parameter or buffer)
 
 
 @dataclass(frozen=True, slots=True)
 class GatePoint:
     layer: int
-    branch: str                   # attn | mlp
+    branch: str  # attn | mlp
     name: str
     module: nn.Module
-    logits: torch.Tensor          # g [d]
+    logits: torch.Tensor  # g [d]
     temperature: float
 
 
@@ -97,27 +121,27 @@ class ValuePoint:
     layer: int
     name: str
     module: nn.Module
-    part: int | None              # None: the whole output is V; 2: last third of [Q|K|V]
+    part: int | None  # None: the whole output is V; 2: last third of [Q|K|V]
 
 
 @dataclass(frozen=True, slots=True)
 class ParamView:
-    layer: int | None             # None: model-level (embedding, output, final norm)
+    layer: int | None  # None: model-level (embedding, output, final norm)
     role: str
     name: str
     param: nn.Parameter
-    dim: int                      # output-feature dimension the parts split
-    part: int | None              # index among ``parts`` equal parts, None: whole
+    dim: int  # output-feature dimension the parts split
+    part: int | None  # index among ``parts`` equal parts, None: whole
     parts: int
 
 
 @dataclass(frozen=True, slots=True)
 class ModuleView:
     layer: int
-    role: str                     # attn_core (input of the output projection) | gate_score
+    role: str  # attn_core (input of the output projection) | gate_score
     name: str
     module: nn.Module
-    pre: bool                     # True: the module's input, False: its output
+    pre: bool  # True: the module's input, False: its output
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +156,19 @@ class Structure:
     projector: nn.Module | None
     encoder_params: tuple[nn.Parameter, ...]
     logits: nn.Module | None
-    mtp_heads: tuple[tuple[int, str, nn.Module], ...]   # (depth, name, module)
+    mtp_heads: tuple[tuple[int, str, nn.Module], ...]  # (depth, name, module)
     bos_id: int | None
 
     def points(self) -> dict[str, list[str]]:
         """Kind of observation point -> names found (what a test or a person checks)."""
         return {
             "blocks": [b.name for b in self.blocks],
-            "branches": [f"{b.name}.{k}" for b in self.blocks
-                         for k, m in (("attn", b.attn), ("mlp", b.mlp)) if m is not None],
+            "branches": [
+                f"{b.name}.{k}"
+                for b in self.blocks
+                for k, m in (("attn", b.attn), ("mlp", b.mlp))
+                if m is not None
+            ],
             "routers": [r.name for r in self.routers],
             "gates": [g.name for g in self.gates],
             "values": [v.name for v in self.values],
@@ -175,15 +203,19 @@ def _bos_id(model: nn.Module, config: StructureConfig) -> int | None:
         return config.bos_id
     core = getattr(model, "module", model)
     for source in (core, getattr(core, "config", None)):
-        value = getattr(source, "bos_id", None) if source is core else getattr(
-            source, "bos_token_id", None)
+        value = (
+            getattr(source, "bos_id", None)
+            if source is core
+            else getattr(source, "bos_token_id", None)
+        )
         if isinstance(value, int):
             return value
     return None
 
 
-def _router(layer: int, name: str, module: nn.Module, parent: nn.Module | None,
-            config: StructureConfig) -> RouterPoint | None:
+def _router(
+    layer: int, name: str, module: nn.Module, parent: nn.Module | None, config: StructureConfig
+) -> RouterPoint | None:
     weight = getattr(module, "weight", None)
     n_experts = getattr(module, "num_experts", None)
     if not isinstance(n_experts, int):
@@ -214,8 +246,11 @@ def _out_dim(module: nn.Module | None, param: torch.Tensor) -> int:
     return 0
 
 
-def discover(model: nn.Module, config: StructureConfig,
-             logits_pattern: str = r"(.*\.)?(lm_head|head|output|output_layer)") -> Structure:
+def discover(
+    model: nn.Module,
+    config: StructureConfig,
+    logits_pattern: str = r"(.*\.)?(lm_head|head|output|output_layer)",
+) -> Structure:
     """Find the structure observation points of ``model`` (see the module docstring)."""
     named = [(label_name(q), m) for q, m in model.named_modules()]
     by_name = dict(named)
@@ -226,10 +261,14 @@ def discover(model: nn.Module, config: StructureConfig,
     logits_re = re.compile(logits_pattern)
 
     projector = next(((n, m) for n, m in named if n and proj_re.fullmatch(n)), None)
-    encoder = next(((n, m) for n, m in named if n and enc_re.fullmatch(n)), None) \
-        if projector is not None else None
-    inside_encoder = (lambda n: encoder is not None and (n == encoder[0]
-                                                          or n.startswith(encoder[0] + ".")))
+    encoder = (
+        next(((n, m) for n, m in named if n and enc_re.fullmatch(n)), None)
+        if projector is not None
+        else None
+    )
+    inside_encoder = lambda n: (
+        encoder is not None and (n == encoder[0] or n.startswith(encoder[0] + "."))
+    )
 
     blocks: list[BlockPoint] = []
     block_layer: dict[str, int] = {}
@@ -257,15 +296,26 @@ def discover(model: nn.Module, config: StructureConfig,
             params = [p for p in module.parameters(recurse=False) if p.dim() == 1]
             branch = _branch_of(name, config)
             if params and branch is not None:
-                gates.append(GatePoint(layer, branch, name, module, params[0],
-                                       float(getattr(module, "temperature", 1.0))))
+                gates.append(
+                    GatePoint(
+                        layer,
+                        branch,
+                        name,
+                        module,
+                        params[0],
+                        float(getattr(module, "temperature", 1.0)),
+                    )
+                )
         elif score_re.fullmatch(name):
             activations.append(ModuleView(layer, "gate_score", name, module, pre=False))
     for block in blocks:
         if block.attn is None:
             continue
-        attn_name = next(f"{block.name}.{c}" for c in config.attn_children
-                         if getattr(block.module, c, None) is block.attn)
+        attn_name = next(
+            f"{block.name}.{c}"
+            for c in config.attn_children
+            if getattr(block.module, c, None) is block.attn
+        )
         value = _child(block.attn, _V_CHILDREN)
         fused = _child(block.attn, config.fused_qkv)
         if value is not None:
@@ -274,20 +324,41 @@ def discover(model: nn.Module, config: StructureConfig,
             values.append(ValuePoint(block.layer, f"{attn_name}.{fused[0]}", fused[1], 2))
         out = _child(block.attn, _O_CHILDREN)
         if out is not None:
-            activations.append(ModuleView(block.layer, "attn_core", f"{attn_name}.{out[0]}",
-                                          out[1], pre=True))
+            activations.append(
+                ModuleView(block.layer, "attn_core", f"{attn_name}.{out[0]}", out[1], pre=True)
+            )
     activations.sort(key=lambda a: (a.layer, a.role))
 
     logits = next((m for n, m in named if n and logits_re.fullmatch(n)), None)
-    embedding = next((m for n, m in named if n and emb_re.fullmatch(n)
-                      and isinstance(m, nn.Embedding) and not inside_encoder(n)), None)
-    mtp = sorted((int(mt.groups()[-1]) + 1, n, m) for n, m in named
-                 if n and (mt := mtp_re.fullmatch(n)) is not None)
+    embedding = next(
+        (
+            m
+            for n, m in named
+            if n and emb_re.fullmatch(n) and isinstance(m, nn.Embedding) and not inside_encoder(n)
+        ),
+        None,
+    )
+    mtp = sorted(
+        (int(mt.groups()[-1]) + 1, n, m)
+        for n, m in named
+        if n and (mt := mtp_re.fullmatch(n)) is not None
+    )
     encoder_params = tuple(encoder[1].parameters()) if encoder is not None else ()
     params = _param_views(model, block_layer, logits, embedding, config, inside_encoder)
-    return Structure(tuple(blocks), tuple(routers), tuple(gates), tuple(values), params,
-                     tuple(activations), embedding, projector and projector[1],
-                     encoder_params, logits, tuple(mtp), _bos_id(model, config))
+    return Structure(
+        tuple(blocks),
+        tuple(routers),
+        tuple(gates),
+        tuple(values),
+        params,
+        tuple(activations),
+        embedding,
+        projector and projector[1],
+        encoder_params,
+        logits,
+        tuple(mtp),
+        _bos_id(model, config),
+    )
 
 
 def _branch_of(name: str, config: StructureConfig) -> str | None:
@@ -307,9 +378,14 @@ def _out_features(module: nn.Module) -> int:
     return weight.shape[_out_dim(module, weight)]
 
 
-def _param_views(model: nn.Module, block_layer: dict[str, int], logits: nn.Module | None,
-                 embedding: nn.Module | None, config: StructureConfig,
-                 inside_encoder: Callable[[str], bool]) -> tuple[ParamView, ...]:
+def _param_views(
+    model: nn.Module,
+    block_layer: dict[str, int],
+    logits: nn.Module | None,
+    embedding: nn.Module | None,
+    config: StructureConfig,
+    inside_encoder: Callable[[str], bool],
+) -> tuple[ParamView, ...]:
     """Role views of the language model's weights (the media encoder's are not its roles)."""
     rules = [(re.compile(p), role, parts) for p, role, parts in _PARAM_ROLES]
     fused = [re.compile(rf"(.*\.)?({'|'.join(map(re.escape, config.fused_qkv))})\.weight")]
@@ -345,8 +421,10 @@ def _param_views(model: nn.Module, block_layer: dict[str, int], logits: nn.Modul
             continue
         dim = _out_dim(module, param)
         if parts and param.dim() > dim and param.shape[dim] % len(parts) == 0:
-            views += [ParamView(layer, part, name, param, dim, i, len(parts))
-                      for i, part in enumerate(parts)]
+            views += [
+                ParamView(layer, part, name, param, dim, i, len(parts))
+                for i, part in enumerate(parts)
+            ]
         else:
             views.append(ParamView(layer, role, name, param, dim, None, 1))
     return tuple(views)

@@ -23,8 +23,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from .catalog import CATALOG, Export, Tier
 from .wire import Point, RankIdentity, WireEncoder, message_key
@@ -44,6 +45,7 @@ def split_held(points: Sequence[Point]) -> tuple[list[Point], list[Point]]:
         (held if point[0] in _SCAN_TIER else sent).append(point)
     return sent, held
 
+
 class Transport(Protocol):
     """Where encoded messages go. ``send`` never raises; it returns False on failure."""
 
@@ -62,7 +64,7 @@ class StepRecord(Protocol):
     """
 
     step: int
-    held: bool   # scan-tier points go to the ring instead of the transport
+    held: bool  # scan-tier points go to the ring instead of the transport
 
     def resolve(self) -> list[Point]: ...
 
@@ -89,10 +91,16 @@ class KafkaTransport:
         self._stuck = False
         # one request in flight: a retried batch cannot overtake a later one, so a rank's
         # steps stay in order within a partition (stage 1 relies on that order)
-        self._producer = Producer({**client_config, "linger.ms": "5", "acks": "all",
-                                   "enable.idempotence": "false",
-                                   "max.in.flight.requests.per.connection": "1",
-                                   "logger": log})  # librdkafka's messages: logging, not fd 2
+        self._producer = Producer(
+            {
+                **client_config,
+                "linger.ms": "5",
+                "acks": "all",
+                "enable.idempotence": "false",
+                "max.in.flight.requests.per.connection": "1",
+                "logger": log,
+            }
+        )  # librdkafka's messages: logging, not fd 2
         self.failed = 0
 
     def _on_delivery(self, err: object, _msg: object) -> None:
@@ -122,10 +130,14 @@ class KafkaTransport:
         left = self.flush(0.0 if self._stuck else 10.0)
         if left:
             self.failed += left
-            log.warning("probewire: %d message(s) to %s not delivered at close (no broker "
-                        "reached); they are lost", left, self._topic)
+            log.warning(
+                "probewire: %d message(s) to %s not delivered at close (no broker "
+                "reached); they are lost",
+                left,
+                self._topic,
+            )
 
-    def to_topic(self, topic: str) -> "KafkaTransport":
+    def to_topic(self, topic: str) -> KafkaTransport:
         """A transport with this one's client settings to another topic (its own producer)."""
         return KafkaTransport(self._client_config, topic)
 
@@ -141,8 +153,15 @@ class StepEmitter:
     2-core CPU demo, per-step wake-ups cost the step 6-13 %, bursts every 50 ms ~0.
     """
 
-    def __init__(self, identity: RankIdentity, transport: Transport, *, queue_size: int = 256,
-                 ring_steps: int = 0, idle_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        identity: RankIdentity,
+        transport: Transport,
+        *,
+        queue_size: int = 256,
+        ring_steps: int = 0,
+        idle_s: float = 0.05,
+    ) -> None:
         if queue_size < 1 or ring_steps < 0:
             raise ValueError("queue_size must be >= 1 and ring_steps >= 0")
         self.identity = identity
@@ -153,12 +172,13 @@ class StepEmitter:
         self._idle_s = idle_s
         self._stop = False
         self._dump_requests = 0
-        self.dropped = 0      # steps the training thread could not enqueue
+        self.dropped = 0  # steps the training thread could not enqueue
         self.sent = 0
         self.errors = 0
-        self.replayed = 0     # held steps sent from the ring buffer on a dump
+        self.replayed = 0  # held steps sent from the ring buffer on a dump
         self.ring: collections.deque[tuple[int, list[Point]]] = collections.deque(
-            maxlen=max(ring_steps, 1))   # held (unsent) scan-tier points of the last steps
+            maxlen=max(ring_steps, 1)
+        )  # held (unsent) scan-tier points of the last steps
         self._keep_ring = ring_steps > 0
         self._encoder = WireEncoder(identity.resource_attributes())
         self._closed = False
@@ -197,8 +217,7 @@ class StepEmitter:
         when drained in time."""
         deadline = time.monotonic() + timeout_s
         self._wake.set()
-        while ((self._pending or self._dump_requests or self._busy)
-               and time.monotonic() < deadline):
+        while (self._pending or self._dump_requests or self._busy) and time.monotonic() < deadline:
             time.sleep(0.005)
             self._wake.set()
         return not (self._pending or self._dump_requests)

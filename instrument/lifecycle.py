@@ -24,15 +24,22 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .control import ControlListener
 from .export import KafkaTransport, Transport
 from .wire import RankIdentity
 
-__all__ = ["BOOTSTRAP_ENV", "EnvTransports", "MAX_CONFIG_BYTES", "RUNS_TOPIC", "env_transports",
-           "run_event"]
+__all__ = [
+    "BOOTSTRAP_ENV",
+    "EnvTransports",
+    "MAX_CONFIG_BYTES",
+    "RUNS_TOPIC",
+    "env_transports",
+    "run_event",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,26 +47,41 @@ BOOTSTRAP_ENV = "PROBEWIRE_KAFKA__BOOTSTRAP"
 RUNS_TOPIC = "probewire.runs"
 MAX_CONFIG_BYTES = 64 * 1024
 EVENTS = ("started", "finished", "crashed")
-_TOPICS = {"metrics": "otlp_metrics", "control": "probewire.control",
-           "checkpoints": "probewire.checkpoints", "runs": RUNS_TOPIC}
+_TOPICS = {
+    "metrics": "otlp_metrics",
+    "control": "probewire.control",
+    "checkpoints": "probewire.checkpoints",
+    "runs": RUNS_TOPIC,
+}
 
 
-def run_event(identity: RankIdentity, event: str, *, config: Mapping[str, Any] | None = None,
-              error: str | None = None, now_ns: int | None = None) -> bytes:
+def run_event(
+    identity: RankIdentity,
+    event: str,
+    *,
+    config: Mapping[str, Any] | None = None,
+    error: str | None = None,
+    now_ns: int | None = None,
+) -> bytes:
     """One lifecycle message. The config must be a mapping; values JSON cannot hold are
     written as text; a config over ``MAX_CONFIG_BYTES`` is refused (ValueError)."""
     if event not in EVENTS:
         raise ValueError(f"event must be one of {EVENTS}, got {event!r}")
-    body: dict[str, Any] = {"run_id": identity.run_id, "event": event, "rank": identity.rank,
-                            "world_size": identity.world_size,
-                            "time_unix_nano": time.time_ns() if now_ns is None else now_ns}
+    body: dict[str, Any] = {
+        "run_id": identity.run_id,
+        "event": event,
+        "rank": identity.rank,
+        "world_size": identity.world_size,
+        "time_unix_nano": time.time_ns() if now_ns is None else now_ns,
+    }
     if config is not None:
         if not isinstance(config, Mapping):
             raise ValueError(f"run_config must be a mapping, got {type(config).__name__}")
         text = json.dumps(dict(config), default=str, sort_keys=True)
         if len(text) > MAX_CONFIG_BYTES:
-            raise ValueError(f"run_config is {len(text)} bytes as JSON; the limit is "
-                             f"{MAX_CONFIG_BYTES}")
+            raise ValueError(
+                f"run_config is {len(text)} bytes as JSON; the limit is {MAX_CONFIG_BYTES}"
+            )
         body["config"] = json.loads(text, parse_constant=lambda _: None)  # NaN/Inf: null
     if error is not None:
         body["error"] = error[:1000]
@@ -75,8 +97,10 @@ class EnvTransports:
 
 
 def topic_names(env: Mapping[str, str]) -> dict[str, str]:
-    return {key: env.get(f"PROBEWIRE_TOPICS__{key.upper()}") or default
-            for key, default in _TOPICS.items()}
+    return {
+        key: env.get(f"PROBEWIRE_TOPICS__{key.upper()}") or default
+        for key, default in _TOPICS.items()
+    }
 
 
 def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTransports:
@@ -84,19 +108,22 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
     that says what to do when it is not set."""
     bootstrap = env.get(BOOTSTRAP_ENV, "").strip()
     if not bootstrap:
-        raise ValueError(f"no transport: pass transport=..., or run the script under "
-                         f"`probewire run -- ...`, or export {BOOTSTRAP_ENV} (printed by "
-                         "`probewire up`)")
+        raise ValueError(
+            f"no transport: pass transport=..., or run the script under "
+            f"`probewire run -- ...`, or export {BOOTSTRAP_ENV} (printed by "
+            "`probewire up`)"
+        )
     config = {"bootstrap.servers": bootstrap}
     _warn_if_unreachable(bootstrap)
     topics = topic_names(env)
     return EnvTransports(
         transport=KafkaTransport(config, topics["metrics"]),
-        control=ControlListener(config, run_id=identity.run_id, rank=identity.rank,
-                                topic=topics["control"]),
-        checkpoints=KafkaTransport(config, topics["checkpoints"]) if identity.rank == 0
-        else None,
-        runs=KafkaTransport(config, topics["runs"]))
+        control=ControlListener(
+            config, run_id=identity.run_id, rank=identity.rank, topic=topics["control"]
+        ),
+        checkpoints=KafkaTransport(config, topics["checkpoints"]) if identity.rank == 0 else None,
+        runs=KafkaTransport(config, topics["runs"]),
+    )
 
 
 def _warn_if_unreachable(bootstrap: str, timeout_s: float = 1.0) -> None:
@@ -108,6 +135,9 @@ def _warn_if_unreachable(bootstrap: str, timeout_s: float = 1.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
     except OSError as exc:
-        log.warning("probewire: no Kafka broker at %s (%s): this run's measurements are "
-                    "dropped until one answers; is `probewire up` running?", bootstrap,
-                    exc.strerror or exc)
+        log.warning(
+            "probewire: no Kafka broker at %s (%s): this run's measurements are "
+            "dropped until one answers; is `probewire up` running?",
+            bootstrap,
+            exc.strerror or exc,
+        )

@@ -47,7 +47,8 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ from .config import ProbeConfig
 from .control import ControlListener, checkpoint_event
 from .export import KafkaTransport, StepEmitter, Transport
 from .lifecycle import RUNS_TOPIC, env_transports, run_event
+from .parallel import coords_from_mesh, data_group, verify_replicas
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
 from .probes.head import logits_hook
@@ -64,7 +66,6 @@ from .probes.optim import OptimProbe
 from .probes.structure import attach_structure
 from .probes.system import SystemProbe, default_flops_per_token
 from .probes.tensors import TensorProbe
-from .parallel import coords_from_mesh, data_group, verify_replicas
 from .registry import build_registry
 from .state import Schedule, StepState
 from .step import NullReplayContext, NullStepContext, Probes, ProbeSet, ReplayContext, StepContext
@@ -78,25 +79,43 @@ log = logging.getLogger(__name__)
 class Monitor:
     """The attached monitor of one rank (build it with ``attach``)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                 identity: RankIdentity, config: ProbeConfig, transport: Transport,
-                 control: ControlListener | None = None, events: Transport | None = None,
-                 mesh: Any = None, runs: Transport | None = None,
-                 run_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        identity: RankIdentity,
+        config: ProbeConfig,
+        transport: Transport,
+        control: ControlListener | None = None,
+        events: Transport | None = None,
+        mesh: Any = None,
+        runs: Transport | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.config, self.identity = config, identity
         self._runs = runs
         self._ended = False
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
-        self.scan_backend = (config.scan_backend if config.scan_backend != "auto"
-                             else "compiled" if device is not None else "eager")
+        self.scan_backend = (
+            config.scan_backend
+            if config.scan_backend != "auto"
+            else "compiled"
+            if device is not None
+            else "eager"
+        )
         # checked first; how the scans run is chosen once, here, and stored with the run
-        started = run_event(identity, "started", config={
-            **(run_config or {}), "probewire.scan_backend": self.scan_backend})
+        started = run_event(
+            identity,
+            "started",
+            config={**(run_config or {}), "probewire.scan_backend": self.scan_backend},
+        )
         self._state = StepState()
         self._schedule = Schedule(config.cadence, config.ring_every)
-        self._emitter = StepEmitter(identity, transport, queue_size=config.queue_size,
-                                    ring_steps=config.ring_steps)
+        self._emitter = StepEmitter(
+            identity, transport, queue_size=config.queue_size, ring_steps=config.ring_steps
+        )
         self._events = events
         registry = build_registry(model, config, identity)
         if config.verify_layout:  # a hand-declared DDP replica must be one (one collective)
@@ -106,45 +125,79 @@ class Monitor:
         self.unhooked = _unhooked(model, registry, config)
         for message in self.unhooked:
             log.warning("probewire: %s", message)
-        tensors = TensorProbe(self._state, registry, chunk_elems=config.scan_chunk_elems,
-                              mask_activations=config.mask_activations,
-                              update_ratio=config.update_ratio,
-                              persistent_hooks=config.persistent_hooks,
-                              fused=self.scan_backend == "compiled")
+        tensors = TensorProbe(
+            self._state,
+            registry,
+            chunk_elems=config.scan_chunk_elems,
+            mask_activations=config.mask_activations,
+            update_ratio=config.update_ratio,
+            persistent_hooks=config.persistent_hooks,
+            fused=self.scan_backend == "compiled",
+        )
         sets: list[ProbeSet] = []
-        self.structure = attach_structure(self._state, model, registry, config.structure,
-                                          logits_module=config.logits_module,
-                                          persistent=config.persistent_hooks)
+        self.structure = attach_structure(
+            self._state,
+            model,
+            registry,
+            config.structure,
+            logits_module=config.logits_module,
+            persistent=config.persistent_hooks,
+        )
         if self.structure is not None:
             sets.append(self.structure)
         comm = CommTimer()
         if config.comm:
             comm.install()
-        flops = (config.flops_per_token if config.flops_per_token is not None
-                 else default_flops_per_token(model, registry.n_params))
+        flops = (
+            config.flops_per_token
+            if config.flops_per_token is not None
+            else default_flops_per_token(model, registry.n_params)
+        )
         self._probes = Probes(
             loss=LossProbe(config.sources, config.modalities),
-            grads=GradProbe(registry.params, tensors, sets, clip_threshold=config.clip_threshold,
-                            whole_gradient=registry.whole_gradient),
+            grads=GradProbe(
+                registry.params,
+                tensors,
+                sets,
+                clip_threshold=config.clip_threshold,
+                whole_gradient=registry.whole_gradient,
+            ),
             tensors=tensors,
-            system=SystemProbe(device=device, flops_per_token=flops,
-                               clip_threshold=config.clip_threshold, telemetry=config.telemetry,
-                               read_network=identity.local_rank == 0),
-            comm=comm, sets=sets,
-            optim=OptimProbe(optimizer) if optimizer is not None else None)
-        self._ctx = StepContext(self._state, self._schedule, self._probes, self._emitter.submit,
-                                on_error=self._step_failed, replay_steps=config.replay_steps)
+            system=SystemProbe(
+                device=device,
+                flops_per_token=flops,
+                clip_threshold=config.clip_threshold,
+                telemetry=config.telemetry,
+                read_network=identity.local_rank == 0,
+            ),
+            comm=comm,
+            sets=sets,
+            optim=OptimProbe(optimizer) if optimizer is not None else None,
+        )
+        self._ctx = StepContext(
+            self._state,
+            self._schedule,
+            self._probes,
+            self._emitter.submit,
+            on_error=self._step_failed,
+            replay_steps=config.replay_steps,
+        )
         self._params = list(model.parameters())  # a replay sets their gradients aside
         self._handles: list[Any] = []
         if registry.logits is not None and registry.logits.report:
-            self._handles.append(registry.logits.module.register_forward_hook(
-                logits_hook(self._state, fused=self.scan_backend == "compiled")))
+            self._handles.append(
+                registry.logits.module.register_forward_hook(
+                    logits_hook(self._state, fused=self.scan_backend == "compiled")
+                )
+            )
         if optimizer is not None:
             in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
             reported = [i for i in registry.params if i.owned and id(i.param) in in_optimizer]
             pre, post = tensors.optimizer_hooks(reported, optimizer)
-            self._handles += [optimizer.register_step_pre_hook(pre),
-                              optimizer.register_step_post_hook(post)]
+            self._handles += [
+                optimizer.register_step_pre_hook(pre),
+                optimizer.register_step_post_hook(post),
+            ]
         self._control = control
         if control is not None:
             control.start(self.densify, self.dump)
@@ -184,14 +237,27 @@ class Monitor:
     def emitted_steps(self) -> int:
         return self._state.emitted_steps
 
-    def checkpoint(self, path: str, step: int, tokens: int, flops: float,
-                   weights_stream: str = "raw", key: bool = False) -> bool:
+    def checkpoint(
+        self,
+        path: str,
+        step: int,
+        tokens: int,
+        flops: float,
+        weights_stream: str = "raw",
+        key: bool = False,
+    ) -> bool:
         """Rank 0 publishes {run_id, step, tokens, flops, path, weights_stream, key} to the
         checkpoints topic (key = run_id). Other ranks and a monitor without an events
         transport do nothing. Returns whether a message was handed to the transport."""
-        body = checkpoint_event(run_id=self.identity.run_id, path=str(path), step=int(step),
-                                tokens=int(tokens), flops=float(flops),
-                                weights_stream=weights_stream, key=key)
+        body = checkpoint_event(
+            run_id=self.identity.run_id,
+            path=str(path),
+            step=int(step),
+            tokens=int(tokens),
+            flops=float(flops),
+            weights_stream=weights_stream,
+            key=key,
+        )
         if self.identity.rank != 0 or self._events is None:
             return False
         return self._events.send(self.identity.run_id.encode(), body)
@@ -262,7 +328,7 @@ class Monitor:
 
     detach = close
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -296,8 +362,15 @@ class NullMonitor:
     def dump(self) -> None:
         return None
 
-    def checkpoint(self, path: str, step: int, tokens: int, flops: float,
-                   weights_stream: str = "raw", key: bool = False) -> bool:
+    def checkpoint(
+        self,
+        path: str,
+        step: int,
+        tokens: int,
+        flops: float,
+        weights_stream: str = "raw",
+        key: bool = False,
+    ) -> bool:
         return False
 
     def add_extension(self, extension: Any) -> None:
@@ -311,19 +384,26 @@ class NullMonitor:
 
     detach = close
 
-    def __enter__(self) -> "NullMonitor":
+    def __enter__(self) -> NullMonitor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-           identity: RankIdentity | None = None, config: ProbeConfig | None = None,
-           transport: Transport | None = None, control: ControlListener | None = None,
-           events: Transport | None = None, runs: Transport | None = None,
-           run_config: Mapping[str, Any] | None = None, mesh: Any = None
-           ) -> Monitor | NullMonitor:
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    identity: RankIdentity | None = None,
+    config: ProbeConfig | None = None,
+    transport: Transport | None = None,
+    control: ControlListener | None = None,
+    events: Transport | None = None,
+    runs: Transport | None = None,
+    run_config: Mapping[str, Any] | None = None,
+    mesh: Any = None,
+) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
     ``identity`` defaults to ``RankIdentity.from_env()`` (torchrun / SLURM variables and
@@ -354,9 +434,18 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         events = events or built.checkpoints
     elif runs is None and isinstance(transport, KafkaTransport):
         runs = transport.to_topic(os.environ.get("PROBEWIRE_TOPICS__RUNS") or RUNS_TOPIC)
-    return Monitor(model, optimizer, identity=identity, config=config, transport=transport,
-                   control=control, events=events, runs=runs, run_config=run_config,
-                   mesh=mesh)
+    return Monitor(
+        model,
+        optimizer,
+        identity=identity,
+        config=config,
+        transport=transport,
+        control=control,
+        events=events,
+        runs=runs,
+        run_config=run_config,
+        mesh=mesh,
+    )
 
 
 def _unhooked(model: nn.Module, registry: Any, config: ProbeConfig) -> list[str]:
@@ -372,11 +461,15 @@ def _unhooked(model: nn.Module, registry: Any, config: ProbeConfig) -> list[str]
     shown = ", ".join(seen[:25]) + (f", ... ({len(seen)} in all)" if len(seen) > 25 else "")
     messages = []
     if registry.logits is None:
-        messages.append(f"no output head: ProbeConfig.logits_module {config.logits_module!r} "
-                        f"matched none of the modules [{shown}]; output.* is not measured "
-                        "(set logits_module to the module that returns the logits)")
+        messages.append(
+            f"no output head: ProbeConfig.logits_module {config.logits_module!r} "
+            f"matched none of the modules [{shown}]; output.* is not measured "
+            "(set logits_module to the module that returns the logits)"
+        )
     if not any(not m.is_logits for m in registry.modules):
-        messages.append(f"no observation point: ProbeConfig.module_names matched none of the "
-                        f"modules [{shown}]; the tensor scans measure parameters only "
-                        "(set module_names or module_types)")
+        messages.append(
+            f"no observation point: ProbeConfig.module_names matched none of the "
+            f"modules [{shown}]; the tensor scans measure parameters only "
+            "(set module_names or module_types)"
+        )
     return messages

@@ -23,7 +23,7 @@ a hand declaration of replication across the group's ranks once, at attach.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,13 +31,24 @@ from torch import nn
 from .catalog import Group
 from .wire import RankIdentity
 
-__all__ = ["DATA_DIMS", "LayoutError", "coords_from_mesh", "declared_groups",
-           "identity_from_mesh", "is_dtensor", "local", "param_layout", "verify_replicas"]
+__all__ = [
+    "DATA_DIMS",
+    "LayoutError",
+    "coords_from_mesh",
+    "declared_groups",
+    "identity_from_mesh",
+    "is_dtensor",
+    "local",
+    "param_layout",
+    "verify_replicas",
+]
 
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard", "fsdp", "hsdp")
 """Mesh dim names that hold different data (they flatten into the ``dp`` coordinate)."""
-_GROUP_OF_DIM = {**{name: Group.DATA.value for name in DATA_DIMS},
-                 **{g.value: g.value for g in Group if g is not Group.DATA}}
+_GROUP_OF_DIM = {
+    **{name: Group.DATA.value for name in DATA_DIMS},
+    **{g.value: g.value for g in Group if g is not Group.DATA},
+}
 
 
 class LayoutError(ValueError):
@@ -63,12 +74,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _dim_names(mesh) -> tuple[str, ...]:
     names = getattr(mesh, "mesh_dim_names", None)
     if not names:
-        raise LayoutError("the device mesh has no dim names; build it with "
-                          "init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))")
+        raise LayoutError(
+            "the device mesh has no dim names; build it with "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
+        )
     unknown = [n for n in names if n not in _GROUP_OF_DIM]
     if unknown:
-        raise LayoutError(f"mesh dim {unknown[0]!r} is not a known group; name the dims "
-                          f"among {sorted(_GROUP_OF_DIM)}")
+        raise LayoutError(
+            f"mesh dim {unknown[0]!r} is not a known group; name the dims "
+            f"among {sorted(_GROUP_OF_DIM)}"
+        )
     return tuple(names)
 
 
@@ -88,8 +103,9 @@ def coords_from_mesh(mesh) -> dict[str, int]:
     return coords
 
 
-def identity_from_mesh(mesh, *, run_id: str, host: str | None = None,
-                       local_rank: int | None = None) -> RankIdentity:
+def identity_from_mesh(
+    mesh, *, run_id: str, host: str | None = None, local_rank: int | None = None
+) -> RankIdentity:
     """``RankIdentity`` of this process: its global rank and world from torch.distributed,
     its coordinates from ``mesh``."""
     import os
@@ -99,9 +115,14 @@ def identity_from_mesh(mesh, *, run_id: str, host: str | None = None,
 
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-    return RankIdentity(run_id=run_id, rank=rank, world_size=world,
-                        host=host or socket.gethostname(), local_rank=local_rank,
-                        coords=coords_from_mesh(mesh))
+    return RankIdentity(
+        run_id=run_id,
+        rank=rank,
+        world_size=world,
+        host=host or socket.gethostname(),
+        local_rank=local_rank,
+        coords=coords_from_mesh(mesh),
+    )
 
 
 def _placement_kind(placement) -> str:
@@ -112,8 +133,14 @@ def _placement_kind(placement) -> str:
     return "shard"  # Shard, _StridedShard
 
 
-def param_layout(name: str, param: torch.Tensor, identity: RankIdentity,
-                 declared: Iterable[str], *, dp_explicit: bool) -> tuple[bool, bool]:
+def param_layout(
+    name: str,
+    param: torch.Tensor,
+    identity: RankIdentity,
+    declared: Iterable[str],
+    *,
+    dp_explicit: bool,
+) -> tuple[bool, bool]:
     """(this rank owns the parameter's local part, the parameter is sharded somewhere).
 
     ``declared``: the groups the hand declaration says the parameter is replicated over
@@ -130,16 +157,20 @@ def param_layout(name: str, param: torch.Tensor, identity: RankIdentity,
             covered.add(group)
             kind = _placement_kind(placement)
             if kind == "partial":
-                raise LayoutError(f"parameter {name!r} is Partial over mesh dim {dim!r}: its "
-                                  "local values are not reducible components; redistribute it")
+                raise LayoutError(
+                    f"parameter {name!r} is Partial over mesh dim {dim!r}: its "
+                    "local values are not reducible components; redistribute it"
+                )
             if kind == "replicate":
                 owned &= int(mesh.get_local_rank(i)) == 0
             else:
                 sharded = True
                 if group == Group.DATA.value and dp_explicit and "dp" in declared:
-                    raise LayoutError(f"parameter {name!r} is sharded over mesh dim {dim!r} "
-                                      "but dp_replicated=True declares it a replica; drop "
-                                      "dp_replicated (the layout is read from the DTensor)")
+                    raise LayoutError(
+                        f"parameter {name!r} is sharded over mesh dim {dim!r} "
+                        "but dp_replicated=True declares it a replica; drop "
+                        "dp_replicated (the layout is read from the DTensor)"
+                    )
     for group in declared - covered:
         owned &= identity.coord(group) == 0
     return owned, sharded
@@ -153,19 +184,29 @@ def verify_replicas(params: Sequence[tuple[str, torch.Tensor]], group, what: str
 
     if not params or dist.get_world_size(group) < 2:
         return
-    rows = torch.stack([torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64),
-                                     local(p).detach().double().sum().cpu(),
-                                     local(p).detach().double().square().sum().cpu()])
-                        for _, p in params])
+    rows = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.tensor(float(p.numel()), dtype=torch.float64),
+                    local(p).detach().double().sum().cpu(),
+                    local(p).detach().double().square().sum().cpu(),
+                ]
+            )
+            for _, p in params
+        ]
+    )
     gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, rows, group=group)
     for i, (name, _) in enumerate(params):
         seen = [g[i] for g in gathered]
         if any(not torch.allclose(s, seen[0], rtol=1e-6, atol=0.0) for s in seen[1:]):
             counts = sorted({int(s[0]) for s in seen})
-            raise LayoutError(f"parameter {name!r} is declared replicated over {what} but "
-                              f"differs across its ranks (elements {counts}): it is sharded; "
-                              f"set dp_replicated=False (ZeRO/FSDP) or shard it as a DTensor")
+            raise LayoutError(
+                f"parameter {name!r} is declared replicated over {what} but "
+                f"differs across its ranks (elements {counts}): it is sharded; "
+                f"set dp_replicated=False (ZeRO/FSDP) or shard it as a DTensor"
+            )
 
 
 def data_group(mesh, identity: RankIdentity):
@@ -183,8 +224,9 @@ def data_group(mesh, identity: RankIdentity):
     return dist.group.WORLD if plain_dp and identity.world_size == dist.get_world_size() else None
 
 
-def declared_groups(config_dp: bool, tp_replicated: bool, expert: bool,
-                    coords: Mapping[str, int]) -> set[str]:
+def declared_groups(
+    config_dp: bool, tp_replicated: bool, expert: bool, coords: Mapping[str, int]
+) -> set[str]:
     """The groups a plain tensor parameter is replicated over by the hand declaration."""
     groups = {Group.CONTEXT.value}
     if config_dp:

@@ -50,8 +50,8 @@ def _any(patterns: list[re.Pattern[str]], text: str) -> bool:
 class ObservedModule:
     name: str
     module: nn.Module
-    parts: tuple[str, ...]        # fused-split part names, () = whole output
-    report: bool                  # this rank reports its statistics
+    parts: tuple[str, ...]  # fused-split part names, () = whole output
+    report: bool  # this rank reports its statistics
     is_logits: bool
 
 
@@ -59,9 +59,9 @@ class ObservedModule:
 class ParamInfo:
     name: str
     param: nn.Parameter
-    group: int                    # index into catalog.GRAD_GROUPS
-    owned: bool                   # this rank reports its gradient, weight and update
-    parts: tuple[str, ...]        # fused-split part names along dim 0, () = whole
+    group: int  # index into catalog.GRAD_GROUPS
+    owned: bool  # this rank reports its gradient, weight and update
+    parts: tuple[str, ...]  # fused-split part names along dim 0, () = whole
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class Registry:
     modules: tuple[ObservedModule, ...]
     logits: ObservedModule | None
     params: tuple[ParamInfo, ...]
-    whole_gradient: bool          # this rank owns every gradient, none sharded: its G2 is global
+    whole_gradient: bool  # this rank owns every gradient, none sharded: its G2 is global
     n_params: int
     dp_replicas: tuple[tuple[str, nn.Parameter], ...] = ()  # plain tensors declared DDP replicas
 
@@ -119,8 +119,9 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
         group = 1 if expert else (0 if id(p) in embedding_params or _any(emb_re, name) else 2)
         tp_replicated = _any(tp_rep, name) or bool(module_name and _any(tp_rep, module_name))
         declared = declared_groups(dp_replicated, tp_replicated, expert, identity.coords)
-        owned, sharded = param_layout(name, p, identity, declared,
-                                      dp_explicit=config.dp_replicated is True)
+        owned, sharded = param_layout(
+            name, p, identity, declared, dp_explicit=config.dp_replicated is True
+        )
         sharded |= not dp_replicated  # declared by hand: a shard over the data ranks
         if dp_replicated and not is_dtensor(p):
             dp_replicas.append((name, p))
@@ -131,5 +132,11 @@ def build_registry(model: nn.Module, config: ProbeConfig, identity: RankIdentity
             parts = ()  # not evenly divisible: scanned whole
         params.append(ParamInfo(name, p, group, owned, parts))
     whole = all_owned and not any_sharded and not set(identity.coords) & {"tp", "pp", "ep"}
-    return Registry(tuple(modules), logits, tuple(params), whole,
-                    sum(p.numel() for p in model.parameters()), tuple(dp_replicas))
+    return Registry(
+        tuple(modules),
+        logits,
+        tuple(params),
+        whole,
+        sum(p.numel() for p in model.parameters()),
+        tuple(dp_replicas),
+    )

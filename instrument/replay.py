@@ -21,8 +21,9 @@ The host reads happen here, on the training thread, only when a step is replayed
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -75,8 +76,11 @@ def totals(kept: Kept) -> Totals:
     for row_sums, row_counts, *_ in kept.loss:  # ``loss_components`` or a fused [sum, count]
         sums += row_sums.detach().double().cpu().reshape(-1).tolist()
         counts += row_counts.detach().double().cpu().reshape(-1).tolist()
-    norm = None if kept.grad_norm is None else float(kept.grad_norm.detach().double().cpu()
-                                                     .reshape(-1)[0])
+    norm = (
+        None
+        if kept.grad_norm is None
+        else float(kept.grad_norm.detach().double().cpu().reshape(-1)[0])
+    )
     return Totals(math.fsum(sums), math.fsum(counts), norm)
 
 
@@ -92,13 +96,16 @@ def judge(step: int, original: Totals, replayed: Totals, rtol: float = 0.0) -> R
     if not rtol >= 0:
         raise ValueError(f"replay of step {step}: rtol must be >= 0, got {rtol!r}")
     if not replayed.tokens > 0:
-        raise ValueError(f"replay of step {step}: no loss recorded; call s.loss (or "
-                         "s.loss_totals) in the replay as in the step")
+        raise ValueError(
+            f"replay of step {step}: no loss recorded; call s.loss (or "
+            "s.loss_totals) in the replay as in the step"
+        )
     if replayed.tokens != original.tokens:
-        raise ValueError(f"replay of step {step}: {replayed.tokens:g} valid tokens, the step "
-                         f"had {original.tokens:g}; a replay must run the step's own batch")
+        raise ValueError(
+            f"replay of step {step}: {replayed.tokens:g} valid tokens, the step "
+            f"had {original.tokens:g}; a replay must run the step's own batch"
+        )
     same = _agree(original.loss_sum, replayed.loss_sum, rtol)
     if original.grad_norm is not None and replayed.grad_norm is not None:
         same = same and _agree(original.grad_norm, replayed.grad_norm, rtol)
     return ReplayVerdict(step, DATA if same else HARDWARE, original, replayed, float(rtol))
-

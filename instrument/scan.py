@@ -97,9 +97,7 @@ _KURTOSIS_MIN_REL_VAR = 1e-7
 """Variance below this fraction of Σx²/N cannot be resolved from float64 power sums."""
 
 
-def scan(
-    x: torch.Tensor, *, moments: bool = False, chunk_elems: int | None = None
-) -> torch.Tensor:
+def scan(x: torch.Tensor, *, moments: bool = False, chunk_elems: int | None = None) -> torch.Tensor:
     """Scan ``x`` once and return its reducible statistics as a float64 vector on ``x.device``.
 
     Measurement point: any tensor a probe observes (activations, gradients, updates,
@@ -125,8 +123,12 @@ def scan(
     if x.numel() == 0:
         return torch.zeros(width, dtype=torch.float64, device=x.device)
     dtype = torch.float64 if moments or x.dtype == torch.float64 else torch.float32
-    rows = torch.cat([row_fields(c.to(dtype=dtype, copy=True).unsqueeze(0), moments)
-                      for c in _chunks(x, min(chunk_elems, ROW_MAX_ELEMS))])
+    rows = torch.cat(
+        [
+            row_fields(c.to(dtype=dtype, copy=True).unsqueeze(0), moments)
+            for c in _chunks(x, min(chunk_elems, ROW_MAX_ELEMS))
+        ]
+    )
     return rows[0] if rows.shape[0] == 1 else combine_many(rows)
 
 
@@ -192,9 +194,17 @@ def _fused_fields(x: torch.Tensor) -> torch.Tensor:
     zeros = (clean == 0).sum(dtype=torch.int32) - nonfinite
     count = torch.full((), x.shape[0], dtype=torch.float64, device=x.device)
     f64 = torch.float64  # each field converted alone: counts stay exact past 2**24
-    return torch.stack([count, clean.sum().to(f64), (clean * clean).sum().to(f64),
-                        magnitude.sum().to(f64), magnitude.amax().to(f64), zeros.to(f64),
-                        nonfinite.to(f64)])
+    return torch.stack(
+        [
+            count,
+            clean.sum().to(f64),
+            (clean * clean).sum().to(f64),
+            magnitude.sum().to(f64),
+            magnitude.amax().to(f64),
+            zeros.to(f64),
+            nonfinite.to(f64),
+        ]
+    )
 
 
 _compiled: dict[Callable, Callable] = {}
@@ -224,8 +234,9 @@ def fused_scan(x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1)
     if flat.shape[0] <= FUSED_MAX_ELEMS:
         return compiled(_fused_fields)(flat)
-    return combine_many(torch.stack([compiled(_fused_fields)(part)
-                                     for part in flat.split(FUSED_MAX_ELEMS)]))
+    return combine_many(
+        torch.stack([compiled(_fused_fields)(part) for part in flat.split(FUSED_MAX_ELEMS)])
+    )
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

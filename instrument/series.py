@@ -18,7 +18,7 @@ __all__ = ["FORMED", "Series"]
 class Series:
     table: str
     column: str
-    components: tuple[str, ...]   # catalog names
+    components: tuple[str, ...]  # catalog names
     seed: str
 
     @property
@@ -38,20 +38,40 @@ FORMED: tuple[Series, ...] = (
     Series(_GG, "grad_abs_mean", _G, "001 §4 G_mean per group (embeddings, experts apart)"),
     Series(_GG, "grad_abs_max", _G, "001 §4 G_max per group"),
     Series(_GG, "grad_zero_frac", _G, "001 §4 Z_g per group"),
-    Series(_SM, "comm_wait_frac", (Comm.WAIT, System.STEP_TIME),
-           "001 §5 exposed collective wait W_comm"),
+    Series(
+        _SM,
+        "comm_wait_frac",
+        (Comm.WAIT, System.STEP_TIME),
+        "001 §5 exposed collective wait W_comm",
+    ),
     Series(_SM, "update_ratio", (Tensor.SUM_SQ,), "001 §6 relative update size ρ"),
-    Series(_SM, "logits_rms", (Output.LOGITS_SUM_SQ, Output.LOGITS_N),
-           "002 act/output_layer_logits_rms.avg"),
+    Series(
+        _SM,
+        "logits_rms",
+        (Output.LOGITS_SUM_SQ, Output.LOGITS_N),
+        "002 act/output_layer_logits_rms.avg",
+    ),
     Series(_SM, "top2_gap_mean", _TOP2, "002 act/output_layer_logits_top2_diff.avg"),
     Series(_SM, "top2_tie_frac", _TOP2, "002 act/output_layer_logits_top2_equal_ratio"),
     Series(_SM, "dead_expert_ratio", (Moe.EXPERT_TOKENS,), "002 moe/dead_expert_ratio"),
-    Series(_SM, "encoder_grad_share", (Modality.ENCODER_GRAD_SQ, Modality.ALL_GRAD_SQ),
-           "001 §9 encoder gradient share S_enc"),
-    Series(_SM, "mtp_agreement", (Output.MTP_AGREE, Output.MTP_POSITIONS),
-           "002 act/mtp_{k}_lm_head_top1_agreement"),
+    Series(
+        _SM,
+        "encoder_grad_share",
+        (Modality.ENCODER_GRAD_SQ, Modality.ALL_GRAD_SQ),
+        "001 §9 encoder gradient share S_enc",
+    ),
+    Series(
+        _SM,
+        "mtp_agreement",
+        (Output.MTP_AGREE, Output.MTP_POSITIONS),
+        "002 act/mtp_{k}_lm_head_top1_agreement",
+    ),
     Series(_SM, "bos_value_grad_rms", _BOS, "002 bos_value_grad_..."),
-    Series(_SM, "bos_value_grad_ratio", (*_BOS, Attn.VALUE_SUM_SQ, Attn.VALUE_N),
-           "002 bos_value_grad_... (against the other positions)"),
+    Series(
+        _SM,
+        "bos_value_grad_ratio",
+        (*_BOS, Attn.VALUE_SUM_SQ, Attn.VALUE_N),
+        "002 bos_value_grad_... (against the other positions)",
+    ),
     Series(_SM, "ep_bias_abs_sum", (Moe.BIAS_ABS_SUM,), "002 moe/ep_bias_abs_sum"),
 )

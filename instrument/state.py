@@ -13,8 +13,8 @@ only (``ProbeConfig.ring_every``: ``held``).
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -78,16 +78,35 @@ class Entry:
 class StepState:
     """What the current step has seen; every hook's first line reads ``due``."""
 
-    __slots__ = ("step", "due", "held", "t0", "collector", "mask", "source", "modality", "positions",
-                 "_mask_count", "entries", "scan_rows", "grad_norm", "grad_rows", "clip",
-                 "pending_bwd", "comm_waits", "guard", "last_step_time_s", "emit_time_s",
-                 "emitted_steps")
+    __slots__ = (
+        "step",
+        "due",
+        "held",
+        "t0",
+        "collector",
+        "mask",
+        "source",
+        "modality",
+        "positions",
+        "_mask_count",
+        "entries",
+        "scan_rows",
+        "grad_norm",
+        "grad_rows",
+        "clip",
+        "pending_bwd",
+        "comm_waits",
+        "guard",
+        "last_step_time_s",
+        "emit_time_s",
+        "emitted_steps",
+    )
 
     def __init__(self) -> None:
         self.collector = StepCollector()
-        self.guard = [0, 0, 0]         # skipped, replayed, replay mismatch since the last emit
-        self.last_step_time_s = 0.0    # the step time of the last closed step
-        self.emit_time_s = 0.0         # training-thread time spent sealing + enqueueing
+        self.guard = [0, 0, 0]  # skipped, replayed, replay mismatch since the last emit
+        self.last_step_time_s = 0.0  # the step time of the last closed step
+        self.emit_time_s = 0.0  # training-thread time spent sealing + enqueueing
         self.emitted_steps = 0
         self.reset()
 
@@ -117,8 +136,9 @@ class StepState:
         # gradients: the P0 norm [1], the group rows of the detail scan (on the host, the
         # call that reduces them off the training thread), the clipping norm
         self.grad_norm: torch.Tensor | None = None
-        self.grad_rows: tuple[torch.Tensor | Callable[[], torch.Tensor], list[int],
-                              tuple[int, ...]] | None = None
+        self.grad_rows: (
+            tuple[torch.Tensor | Callable[[], torch.Tensor], list[int], tuple[int, ...]] | None
+        ) = None
         self.clip: torch.Tensor | float | None = None
         self.pending_bwd: dict[str, int] = {}  # forwards whose backward hook waits (recompute)
         self.comm_waits: dict[str, float] = {}  # a new dict: a late sampler may hold the last

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,8 +33,14 @@ from .probes.tensors import TensorProbe
 from .replay import Kept, ReplayVerdict, judge, totals
 from .state import Schedule, StepState
 
-__all__ = ["NullReplayContext", "NullStepContext", "ProbeSet", "Probes", "ReplayContext",
-           "StepContext"]
+__all__ = [
+    "NullReplayContext",
+    "NullStepContext",
+    "ProbeSet",
+    "Probes",
+    "ReplayContext",
+    "StepContext",
+]
 
 _DENSE = {tier: tier in (Tier.STEP, Tier.SCAN) for tier in Tier}
 """A replay's tiers: what ``densify`` runs (forensics, the demand tier, never densify)."""
@@ -62,20 +69,34 @@ class Probes:
     tensors: TensorProbe
     system: SystemProbe
     comm: CommTimer
-    sets: list[ProbeSet]        # the structure probes and a user's own (``add_extension``)
+    sets: list[ProbeSet]  # the structure probes and a user's own (``add_extension``)
     optim: OptimProbe | None = None  # learning rates; None without an optimizer
 
 
 class StepContext:
     """Marks one optimizer step (see the module docstring); reused step after step."""
 
-    __slots__ = ("_state", "_schedule", "_probes", "_submit", "_next", "_on_error", "_kept",
-                 "_kept_max", "_replay")
+    __slots__ = (
+        "_state",
+        "_schedule",
+        "_probes",
+        "_submit",
+        "_next",
+        "_on_error",
+        "_kept",
+        "_kept_max",
+        "_replay",
+    )
 
-    def __init__(self, state: StepState, schedule: Schedule, probes: Probes,
-                 submit: Callable[[SealedStep], None],
-                 on_error: Callable[[int | None, BaseException], None] | None = None,
-                 replay_steps: int = 0) -> None:
+    def __init__(
+        self,
+        state: StepState,
+        schedule: Schedule,
+        probes: Probes,
+        submit: Callable[[SealedStep], None],
+        on_error: Callable[[int | None, BaseException], None] | None = None,
+        replay_steps: int = 0,
+    ) -> None:
         self._state, self._schedule, self._probes, self._submit = state, schedule, probes, submit
         self._next = 0
         self._on_error = on_error  # an exception left the step: the run crashed
@@ -84,31 +105,34 @@ class StepContext:
         self._kept_max = replay_steps
         self._replay: Kept | None = None  # the open step is a replay of this kept step
 
-    def at(self, step: int) -> "StepContext":
+    def at(self, step: int) -> StepContext:
         """This context, for optimizer step ``step`` (enter it before loading the batch)."""
         if self._state.step is not None:
             raise RuntimeError(f"step {step} opened inside step {self._state.step}")
         self._next = int(step)
         return self
 
-    def replay(self, step: int, params: list[torch.Tensor], rtol: float = 0.0
-               ) -> "ReplayContext":
+    def replay(self, step: int, params: list[torch.Tensor], rtol: float = 0.0) -> ReplayContext:
         """A context that re-runs kept step ``step`` under dense probes (``ReplayContext``)."""
         if self._state.step is not None:
-            raise RuntimeError(f"replay of step {step} opened inside step {self._state.step}; "
-                               "replay a step after its step context closed")
+            raise RuntimeError(
+                f"replay of step {step} opened inside step {self._state.step}; "
+                "replay a step after its step context closed"
+            )
         kept = self._kept.get(int(step))
         if kept is None:
             held = ", ".join(map(str, self._kept)) or "none"
-            raise ValueError(f"replay of step {step}: not kept (the monitor keeps the last "
-                             f"ProbeConfig.replay_steps={self._kept_max} steps whose step tier "
-                             f"ran; kept: {held})")
+            raise ValueError(
+                f"replay of step {step}: not kept (the monitor keeps the last "
+                f"ProbeConfig.replay_steps={self._kept_max} steps whose step tier "
+                f"ran; kept: {held})"
+            )
         if not rtol >= 0:
             raise ValueError(f"replay of step {step}: rtol must be >= 0, got {rtol!r}")
         return ReplayContext(self, int(step), kept, params, float(rtol))
 
     # ------------------------------------------------------------------ boundaries
-    def __enter__(self) -> "StepContext":
+    def __enter__(self) -> StepContext:
         state, probes = self._state, self._probes
         step = self._next
         if self._replay is not None:  # dense probes; no system, collective or optimizer probe
@@ -167,8 +191,11 @@ class StepContext:
         return False
 
     def _kept_of(self, state: StepState) -> Kept:
-        return Kept(state.collector.parts(LOSS_KEY), state.grad_norm,
-                    state.due[Tier.SCAN] and not state.held)
+        return Kept(
+            state.collector.parts(LOSS_KEY),
+            state.grad_norm,
+            state.due[Tier.SCAN] and not state.held,
+        )
 
     def _keep(self, step: int, state: StepState) -> Kept | None:
         """Keep this step's loss and gradient-norm tensors (references) for a replay; returns
@@ -203,9 +230,14 @@ class StepContext:
         """Whether the probes of ``tier`` ("step", "scan", "demand") run in this step."""
         return self._state.due[Tier(tier)]
 
-    def micro_batch(self, *, tokens: torch.Tensor | None = None,
-                    mask: torch.Tensor | None = None, source: torch.Tensor | None = None,
-                    modality: torch.Tensor | None = None) -> None:
+    def micro_batch(
+        self,
+        *,
+        tokens: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        source: torch.Tensor | None = None,
+        modality: torch.Tensor | None = None,
+    ) -> None:
         """Composition of the next forward pass: input ``tokens`` [B, T] (their count is the
         step's positions for flops.step), the valid-target ``mask`` [B, T] (bool), and
         ``source`` / ``modality`` ids (row [B] or token [B, T]) indexing the registered
@@ -218,8 +250,14 @@ class StepContext:
         elif mask is not None:
             state.positions += mask.numel()
 
-    def loss(self, token_losses: torch.Tensor, mask: torch.Tensor | None = None, *,
-             source: torch.Tensor | None = None, modality: torch.Tensor | None = None) -> None:
+    def loss(
+        self,
+        token_losses: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        source: torch.Tensor | None = None,
+        modality: torch.Tensor | None = None,
+    ) -> None:
         """Per-token NLL of one micro-batch (``reduction="none"``); mask/ids default to the
         current ``micro_batch``'s."""
         self._probes.loss.record(self._state, token_losses, mask, source, modality)
@@ -233,15 +271,21 @@ class StepContext:
         loss scale removed (pass the ``GradScaler`` or the scale), before clipping."""
         self._probes.grads.record(self._state, scaler, scale)
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that is also the gradient probe: the gradient
         statistics are taken first (accumulated, unscaled — call it after
         ``GradScaler.unscale_`` — and not yet clipped), then the same total norm clips.
         One norm computation serves both, so grad.norm_sq is the clipping norm squared.
         Returns the total norm, as torch's does."""
-        return self._probes.grads.clip_grad_norm_(self._state, parameters, max_norm,
-                                                  norm_type, error_if_nonfinite)
+        return self._probes.grads.clip_grad_norm_(
+            self._state, parameters, max_norm, norm_type, error_if_nonfinite
+        )
 
     def clipped(self, total_norm: torch.Tensor | float) -> None:
         """The global norm the loop clipped with (``clip_grad_norm_``'s return value, a
@@ -292,8 +336,9 @@ class ReplayContext:
 
     __slots__ = ("_ctx", "step", "_kept", "_params", "_rtol", "_grads", "verdict")
 
-    def __init__(self, ctx: StepContext, step: int, kept: Kept, params: list[torch.Tensor],
-                 rtol: float) -> None:
+    def __init__(
+        self, ctx: StepContext, step: int, kept: Kept, params: list[torch.Tensor], rtol: float
+    ) -> None:
         self._ctx, self.step, self._kept, self._params, self._rtol = ctx, step, kept, params, rtol
         self._grads: list[Any] = []
         self.verdict: ReplayVerdict | None = None
@@ -335,7 +380,7 @@ class NullReplayContext:
     __slots__ = ()
     verdict = None
 
-    def __enter__(self) -> "NullStepContext":
+    def __enter__(self) -> NullStepContext:
         return NullStepContext()
 
     def __exit__(self, *exc: Any) -> bool:
@@ -348,7 +393,7 @@ class NullStepContext:
     __slots__ = ()
     step = None
 
-    def __enter__(self) -> "NullStepContext":
+    def __enter__(self) -> NullStepContext:
         return self
 
     def __exit__(self, *exc: Any) -> bool:
@@ -372,10 +417,14 @@ class NullStepContext:
     def clipped(self, total_norm: Any) -> None:
         return None
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
-                                              error_if_nonfinite)
+    def clip_grad_norm_(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
 
     def comm_wait(self, op: str, seconds: float) -> None:
         _check_wait(op, seconds)
@@ -390,8 +439,10 @@ class NullStepContext:
 def _check_wait(op: Any, seconds: Any) -> float:
     """``comm_wait``'s arguments: a label-safe op name and a finite wait >= 0 (seconds)."""
     if not isinstance(op, str) or not op or op != op.strip() or any(c in op for c in "|="):
-        raise ValueError(f"comm_wait: op must be a non-empty name without spaces at its ends, "
-                         f"'|' or '=', got {op!r}")
+        raise ValueError(
+            f"comm_wait: op must be a non-empty name without spaces at its ends, "
+            f"'|' or '=', got {op!r}"
+        )
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise ValueError(f"comm_wait({op!r}): seconds must be a host float, got {seconds!r}")
     value = float(seconds)

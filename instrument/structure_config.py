@@ -63,8 +63,10 @@ class StructureConfig:
     """The media projector (media side of γ). Its output [B, M, d] is the media tokens; a
     bool token mask [B, M] passed as its second argument (or ``token_mask=``) marks the
     present ones. Without a projector no modality probe is registered."""
-    encoder: str = (r"(.*\.)?(encoder|vision_tower|vision_model|visual|image_encoder|"
-                    r"media_encoder)")
+    encoder: str = (
+        r"(.*\.)?(encoder|vision_tower|vision_model|visual|image_encoder|"
+        r"media_encoder)"
+    )
     """The media encoder (S_enc numerator); only looked for when a projector exists."""
     mtp_heads: str = r"(.*\.)?mtp\.(\d+)"
     """Multi-token-prediction heads whose output is logits; depth = index + 1."""
@@ -75,8 +77,16 @@ class StructureConfig:
     gate_thresholds: tuple[float, ...] = DEFAULT_GATE_THRESHOLDS
 
     def __post_init__(self) -> None:
-        for name in ("blocks", "routers", "branch_gates", "gate_scores", "embedding",
-                     "projector", "encoder", "mtp_heads"):
+        for name in (
+            "blocks",
+            "routers",
+            "branch_gates",
+            "gate_scores",
+            "embedding",
+            "projector",
+            "encoder",
+            "mtp_heads",
+        ):
             pattern = getattr(self, name)
             if not isinstance(pattern, str):
                 raise ValueError(f"StructureConfig.{name}: must be a pattern string")
@@ -84,15 +94,22 @@ class StructureConfig:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(
-                    f"StructureConfig.{name}: bad pattern {pattern!r}: {exc}") from None
+                    f"StructureConfig.{name}: bad pattern {pattern!r}: {exc}"
+                ) from None
         for name in ("attn_children", "mlp_children", "router_bias", "fused_qkv"):
             value = getattr(self, name)
-            if isinstance(value, str) or not isinstance(value, tuple) or not all(
-                    isinstance(v, str) and v for v in value):
+            if (
+                isinstance(value, str)
+                or not isinstance(value, tuple)
+                or not all(isinstance(v, str) and v for v in value)
+            ):
                 raise ValueError(f"StructureConfig.{name}: must be a tuple of names")
         thresholds = self.gate_thresholds
-        if not thresholds or not all(isinstance(t, float) and 0 < t < 1 for t in thresholds) \
-                or len(set(thresholds)) != len(thresholds):
+        if (
+            not thresholds
+            or not all(isinstance(t, float) and 0 < t < 1 for t in thresholds)
+            or len(set(thresholds)) != len(thresholds)
+        ):
             raise ValueError("StructureConfig.gate_thresholds: distinct floats in (0, 1)")
         if self.bos_id is not None and (not isinstance(self.bos_id, int) or self.bos_id < 0):
             raise ValueError("StructureConfig.bos_id: must be an int >= 0 or None")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .catalog import CATALOG
 from .wire import NONFINITE_ATTR, REPLAY_ATTR, SCOPE, STEP_ATTR, Point, scope_version
@@ -83,10 +83,15 @@ class ProtoEncoder:
                 return AnyValue(int_value=v)
             return AnyValue(string_value=str(v))
 
-        self._resource = Resource(attributes=[KeyValue(key=k, value=any_value(v))
-                                              for k, v in resource_attributes.items()])
-        self._replay_resource = Resource(attributes=[
-            *self._resource.attributes, KeyValue(key=REPLAY_ATTR, value=AnyValue(bool_value=True))])
+        self._resource = Resource(
+            attributes=[KeyValue(key=k, value=any_value(v)) for k, v in resource_attributes.items()]
+        )
+        self._replay_resource = Resource(
+            attributes=[
+                *self._resource.attributes,
+                KeyValue(key=REPLAY_ATTR, value=AnyValue(bool_value=True)),
+            ]
+        )
 
     def encode(self, step: int, points: Sequence[Point], *, replay: bool = False) -> bytes:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -129,9 +134,11 @@ class SdkEncoder:
         from opentelemetry.sdk.resources import Resource
 
         self._reader = InMemoryMetricReader(
-            preferred_temporality={_Gauge: AggregationTemporality.DELTA})
-        self._provider = MeterProvider(resource=Resource.create(dict(resource_attributes)),
-                                       metric_readers=[self._reader])
+            preferred_temporality={_Gauge: AggregationTemporality.DELTA}
+        )
+        self._provider = MeterProvider(
+            resource=Resource.create(dict(resource_attributes)), metric_readers=[self._reader]
+        )
         self._replay: SdkEncoder | None = None
         self._attrs = dict(resource_attributes)
         self._meter = self._provider.get_meter(SCOPE)

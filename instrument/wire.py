@@ -28,18 +28,33 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 from .catalog import CATALOG, Group
 
-__all__ = ["GROUPS", "NONFINITE_ATTR", "REPLAY_ATTR", "STEP_ATTR", "DecodeError", "Labels",
-           "Point", "RankIdentity", "RankStep", "SeriesKey", "WireEncoder", "decode_rank_step",
-           "message_key", "scope_version", "series_key"]
+__all__ = [
+    "GROUPS",
+    "NONFINITE_ATTR",
+    "REPLAY_ATTR",
+    "STEP_ATTR",
+    "DecodeError",
+    "Labels",
+    "Point",
+    "RankIdentity",
+    "RankStep",
+    "SeriesKey",
+    "WireEncoder",
+    "decode_rank_step",
+    "message_key",
+    "scope_version",
+    "series_key",
+]
 
-STEP_ATTR = "step"                      # data point attribute: the optimizer step
+STEP_ATTR = "step"  # data point attribute: the optimizer step
 NONFINITE_ATTR = "probewire.nonfinite"  # data point attribute: "nan", "inf" or "-inf"
-REPLAY_ATTR = "probewire.replay"        # resource attribute of a message re-sent on request
+REPLAY_ATTR = "probewire.replay"  # resource attribute of a message re-sent on request
 SCOPE = "probewire.instrument"
 INSTANCE_ATTR = "service.instance.id"
 RUN_ID_ATTR = "probewire.run_id"
@@ -106,8 +121,13 @@ class RankIdentity:
             raise ValueError(f"coords: unknown group(s) {sorted(unknown)}; groups: {GROUPS}")
 
     @classmethod
-    def from_env(cls, run_id: str | None = None, *, env: Mapping[str, str] | None = None,
-                 coords: Mapping[str, int] | None = None) -> "RankIdentity":
+    def from_env(
+        cls,
+        run_id: str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        coords: Mapping[str, int] | None = None,
+    ) -> RankIdentity:
         """This process's identity from its launcher's environment.
 
         Rank, world size and local rank come from torchrun (``RANK``, ``WORLD_SIZE``,
@@ -133,14 +153,20 @@ class RankIdentity:
         local = number("LOCAL_RANK", "SLURM_LOCALID", default=0)
         elastic = env.get("TORCHELASTIC_RUN_ID", "")
         slurm = env.get("SLURM_JOB_ID", "")
-        run_id = (run_id or env.get("PROBEWIRE_RUN_ID")
-                  or (elastic if elastic not in ("", "none") else "")
-                  or (f"slurm-{slurm}" if slurm else ""))
+        run_id = (
+            run_id
+            or env.get("PROBEWIRE_RUN_ID")
+            or (elastic if elastic not in ("", "none") else "")
+            or (f"slurm-{slurm}" if slurm else "")
+        )
         if not run_id:
-            raise ValueError("no run id: pass run_id=..., or set PROBEWIRE_RUN_ID (probewire "
-                             "run sets it), or launch with torchrun --rdzv-id or SLURM")
-        return cls(run_id=run_id, rank=rank, world_size=world, local_rank=local,
-                   coords=dict(coords or {}))
+            raise ValueError(
+                "no run id: pass run_id=..., or set PROBEWIRE_RUN_ID (probewire "
+                "run sets it), or launch with torchrun --rdzv-id or SLURM"
+            )
+        return cls(
+            run_id=run_id, rank=rank, world_size=world, local_rank=local, coords=dict(coords or {})
+        )
 
     def coord(self, group: str) -> int:
         """This rank's index in ``group`` ("dp", "tp", ...); 0 for a group the layout lacks."""
@@ -201,9 +227,9 @@ def _key_value(key: str, value: str | int | float | bool) -> bytes:
     return _field(1, key.encode()) + _field(2, _any_value(value))
 
 
-_POINT_ATTR = 7                      # NumberDataPoint.attributes
-_TIME_TAG = bytes((3 << 3 | 1,))     # NumberDataPoint.time_unix_nano, fixed64
-_DOUBLE_TAG = bytes((4 << 3 | 1,))   # NumberDataPoint.as_double
+_POINT_ATTR = 7  # NumberDataPoint.attributes
+_TIME_TAG = bytes((3 << 3 | 1,))  # NumberDataPoint.time_unix_nano, fixed64
+_DOUBLE_TAG = bytes((4 << 3 | 1,))  # NumberDataPoint.as_double
 
 
 class WireEncoder:
@@ -215,14 +241,18 @@ class WireEncoder:
     def __init__(self, resource_attributes: Mapping[str, str | int | bool]) -> None:
         resource = b"".join(_field(1, _key_value(k, v)) for k, v in resource_attributes.items())
         replay = resource + _field(1, _key_value(REPLAY_ATTR, True))
-        self._resource = _field(1, resource)         # ResourceMetrics.resource
+        self._resource = _field(1, resource)  # ResourceMetrics.resource
         self._replay_resource = _field(1, replay)
-        self._scope = _field(1, _field(1, SCOPE.encode())    # ScopeMetrics.scope: name,
-                             + _field(2, scope_version().encode()))  # version
+        self._scope = _field(
+            1,
+            _field(1, SCOPE.encode())  # ScopeMetrics.scope: name,
+            + _field(2, scope_version().encode()),
+        )  # version
         self._metric_head: dict[str, bytes] = {}
         self._labels: dict[Labels, bytes] = {}
-        self._nonfinite = {tag: _field(_POINT_ATTR, _key_value(NONFINITE_ATTR, tag))
-                           for tag in _NONFINITE}
+        self._nonfinite = {
+            tag: _field(_POINT_ATTR, _key_value(NONFINITE_ATTR, tag)) for tag in _NONFINITE
+        }
 
     def _head(self, name: str) -> bytes:
         head = self._metric_head.get(name)
@@ -236,7 +266,8 @@ class WireEncoder:
         cached = self._labels.get(labels)
         if cached is None:
             cached = self._labels[labels] = b"".join(
-                _field(_POINT_ATTR, _key_value(k, str(v))) for k, v in labels)
+                _field(_POINT_ATTR, _key_value(k, str(v))) for k, v in labels
+            )
         return cached
 
     def encode(self, step: int, points: Sequence[Point], *, replay: bool = False) -> bytes:
@@ -249,17 +280,24 @@ class WireEncoder:
                 body = step_attr + self._label_bytes(labels) + stamp + _DOUBLE.pack(number)
             else:
                 tag = "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
-                body = (step_attr + self._label_bytes(labels) + self._nonfinite[tag] + stamp
-                        + _DOUBLE.pack(number))
+                body = (
+                    step_attr
+                    + self._label_bytes(labels)
+                    + self._nonfinite[tag]
+                    + stamp
+                    + _DOUBLE.pack(number)
+                )
             points_of = by_metric.get(name)
             if points_of is None:
                 points_of = by_metric[name] = []
             points_of.append(b"\x0a" + _varint(len(body)) + body)  # Gauge.data_points (1)
         metrics = b"".join(
             _field(2, self._head(name) + _field(5, b"".join(data)))  # ScopeMetrics.metrics,
-            for name, data in by_metric.items())                     # Metric.gauge (5)
-        resource_metrics = ((self._replay_resource if replay else self._resource)
-                            + _field(2, self._scope + metrics))      # scope_metrics (2)
+            for name, data in by_metric.items()
+        )  # Metric.gauge (5)
+        resource_metrics = (self._replay_resource if replay else self._resource) + _field(
+            2, self._scope + metrics
+        )  # scope_metrics (2)
         return _field(1, resource_metrics)  # ExportMetricsServiceRequest.resource_metrics
 
 
@@ -283,7 +321,7 @@ class RankStep:
     host: str
     coords: dict[str, int]
     values: dict[SeriesKey, float]
-    replay: bool = False   # sent from the rank's ring buffer on a dump (``REPLAY_ATTR``)
+    replay: bool = False  # sent from the rank's ring buffer on a dump (``REPLAY_ATTR``)
 
 
 _unpack_double = _DOUBLE.unpack_from
@@ -338,7 +376,7 @@ def _fields(buf: bytes, pos: int, end: int):
         elif kind == 5:
             if pos + 4 > end:
                 raise DecodeError("not an OTLP ExportMetricsServiceRequest: truncated fixed32")
-            yield number, 5, int.from_bytes(buf[pos:pos + 4], "little")
+            yield number, 5, int.from_bytes(buf[pos : pos + 4], "little")
             pos += 4
         else:
             raise DecodeError(f"not an OTLP ExportMetricsServiceRequest: wire type {kind}")
@@ -350,7 +388,7 @@ def _signed(value: int) -> int:
 
 def _text(buf: bytes, span: tuple[int, int]) -> str:
     try:
-        return buf[span[0]:span[1]].decode()
+        return buf[span[0] : span[1]].decode()
     except UnicodeDecodeError:
         raise DecodeError("a string field is not UTF-8") from None
 
@@ -385,7 +423,7 @@ def _resource(buf: bytes, span: tuple[int, int]) -> dict[str, str | int | float 
     attrs = {}
     for number, kind, item in _fields(buf, *span):
         if number == 1 and kind == 2:
-            raw = buf[item[0]:item[1]]
+            raw = buf[item[0] : item[1]]
             kv = _KV_CACHE.get(raw)
             if kv is None:
                 if len(_KV_CACHE) >= _KV_CACHE_MAX:
@@ -442,15 +480,14 @@ def _check_key(key: bytes | None, run_id: str, step: int) -> None:
 
 def _decode_fields(key: bytes | None, buf: bytes) -> RankStep:
     """The message read field by field: any OTLP layout, every check."""
-    spans = [item for number, kind, item in _fields(buf, 0, len(buf))
-             if number == 1 and kind == 2]
+    spans = [item for number, kind, item in _fields(buf, 0, len(buf)) if number == 1 and kind == 2]
     if len(spans) != 1:
         raise DecodeError(f"expected 1 resource, got {len(spans)}")
     speaker: _Speaker | None = None
     scopes: list[tuple[int, int]] = []
     for number, kind, item in _fields(buf, *spans[0]):
         if number == 1 and kind == 2:
-            raw = buf[item[0]:item[1]]
+            raw = buf[item[0] : item[1]]
             speaker = _SPEAKERS.get(raw)
             if speaker is None:
                 if len(_SPEAKERS) >= _BLOCKS_MAX:
@@ -477,9 +514,16 @@ def _decode_fields(key: bytes | None, buf: bytes) -> RankStep:
         raise DecodeError(f"expected points of exactly one step, got {first} and {second}")
     step = steps.pop()
     _check_key(key, run_id, step)
-    return RankStep(run_id=run_id, step=step, rank=speaker.rank,
-                    world_size=speaker.world_size, host=speaker.host,
-                    coords=dict(speaker.coords), values=values, replay=speaker.replay)
+    return RankStep(
+        run_id=run_id,
+        step=step,
+        rank=speaker.rank,
+        world_size=speaker.world_size,
+        host=speaker.host,
+        coords=dict(speaker.coords),
+        values=values,
+        replay=speaker.replay,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,11 +538,14 @@ class _Speaker:
     replay: bool = False
 
     @classmethod
-    def parse(cls, resource: Mapping[str, str | int | float | bool]) -> "_Speaker":
+    def parse(cls, resource: Mapping[str, str | int | float | bool]) -> _Speaker:
         run_id = resource.get(RUN_ID_ATTR)
         if not isinstance(run_id, str):
-            raise DecodeError(f"resource attribute {RUN_ID_ATTR} missing" if run_id is None
-                              else f"resource attribute {RUN_ID_ATTR} must be a string")
+            raise DecodeError(
+                f"resource attribute {RUN_ID_ATTR} missing"
+                if run_id is None
+                else f"resource attribute {RUN_ID_ATTR} must be a string"
+            )
         rank, world_size = _int_attr(resource, RANK_ATTR), _int_attr(resource, WORLD_SIZE_ATTR)
         if not 0 <= rank < world_size:
             raise DecodeError(f"rank {rank} outside world size {world_size}")
@@ -510,8 +557,14 @@ class _Speaker:
                     raise DecodeError(f"resource attribute {attr} must be >= 0")
                 coords.append((group, index))
         host = resource.get(HOST_ATTR, "")
-        return cls(run_id, rank, world_size, host if isinstance(host, str) else str(host),
-                   tuple(coords), resource.get(REPLAY_ATTR) is True)
+        return cls(
+            run_id,
+            rank,
+            world_size,
+            host if isinstance(host, str) else str(host),
+            tuple(coords),
+            resource.get(REPLAY_ATTR) is True,
+        )
 
 
 _SPEAKERS: dict[bytes, _Speaker] = {}
@@ -551,10 +604,10 @@ def _metric(buf: bytes, span: tuple[int, int]) -> tuple[str, list[tuple[int, int
     return name, gauges
 
 
-_ATTR_TAG = _POINT_ATTR << 3 | 2          # 0x3a
+_ATTR_TAG = _POINT_ATTR << 3 | 2  # 0x3a
 _AS_DOUBLE_TAG, _AS_INT_TAG = 4 << 3 | 1, 6 << 3 | 1
-_TIME_TAGS = (2 << 3 | 1, 3 << 3 | 1)     # start_time_unix_nano, time_unix_nano
-_DATA_POINT_TAG = 1 << 3 | 2              # Gauge.data_points
+_TIME_TAGS = (2 << 3 | 1, 3 << 3 | 1)  # start_time_unix_nano, time_unix_nano
+_DATA_POINT_TAG = 1 << 3 | 2  # Gauge.data_points
 
 
 class _Points:
@@ -589,15 +642,18 @@ class _Points:
                 pos = _skip(buf, pos, end)
                 continue
             block = None
-            if stop - start >= _TAIL and buf[stop - _TAIL] == _TIME_TAG_3 and \
-                    buf[stop - 9] == _AS_DOUBLE_TAG:
+            if (
+                stop - start >= _TAIL
+                and buf[stop - _TAIL] == _TIME_TAG_3
+                and buf[stop - 9] == _AS_DOUBLE_TAG
+            ):
                 # WireEncoder's layout: attributes, then time and value; taken only where
                 # the attributes parse as exactly that, else as any point is
                 value: float | None = unpack_double(buf, stop - 8)[0]
-                raw = buf[start:stop - _TAIL]
+                raw = buf[start : stop - _TAIL]
                 stripped = raw.startswith(prefix)
                 if stripped:
-                    raw = raw[len(prefix):]
+                    raw = raw[len(prefix) :]
                 block = blocks.get(raw)
                 if block is None:
                     try:
@@ -612,7 +668,7 @@ class _Points:
                 raw, value = _point(buf, start, stop)
                 stripped = raw.startswith(prefix)
                 if stripped:  # the message's step, then labels: look the labels up
-                    raw = raw[len(prefix):]
+                    raw = raw[len(prefix) :]
                 block = blocks.get(raw)
                 if block is None:
                     if len(blocks) >= _BLOCKS_MAX:
@@ -621,7 +677,7 @@ class _Points:
             if block.step is not None:
                 self.steps.add(block.step)
                 if block.step_field and not stripped:
-                    prefix = self.prefix = raw[:block.step_field]
+                    prefix = self.prefix = raw[: block.step_field]
             elif not stripped:
                 raise DecodeError(f"point of {name!r} has no integer step")
             if not block.keys <= allowed:
@@ -714,7 +770,7 @@ class _Block:
     step_field: int  # bytes of a leading step attribute (0: none leads)
 
     @classmethod
-    def parse(cls, raw: bytes) -> "_Block":
+    def parse(cls, raw: bytes) -> _Block:
         step = nonfinite = None
         labels = []
         kvs = _key_values(raw)
@@ -734,8 +790,7 @@ class _Block:
         if len(keys) != len(labels):
             raise DecodeError("a point repeats a label")
         leading = kvs[0][0] == STEP_ATTR if kvs else False
-        return cls(step, tuple(labels), keys, nonfinite,
-                   _field_end(raw, 0) if leading else 0)
+        return cls(step, tuple(labels), keys, nonfinite, _field_end(raw, 0) if leading else 0)
 
 
 _BLOCKS: dict[bytes, _Block] = {}
@@ -793,7 +848,7 @@ def _sender(buf: bytes) -> bytes | None:
         size, start = _read_varint(buf, pos + 1, end)
     except DecodeError:  # what is wrong is for the field-by-field reading to say
         return None
-    return buf[pos:start + size]
+    return buf[pos : start + size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -809,13 +864,13 @@ class _Layout:
 
     size: int
     template: int  # the message's bytes (little-endian) where they must not change
-    mask: int      # 0xFF at those bytes, 0 at the steps, times and values
+    mask: int  # 0xFF at those bytes, 0 at the steps, times and values
     unpack: Callable[[bytes], tuple]  # (step varint, value) of each point, in turn
     keys: tuple[SeriesKey, ...]
     speaker: _Speaker
 
     @classmethod
-    def learn(cls, buf: bytes, record: RankStep) -> "_Layout | None":
+    def learn(cls, buf: bytes, record: RankStep) -> _Layout | None:
         """The layout of ``buf``, which ``_decode_fields`` read as ``record``; None unless
         every point is laid out as ``WireEncoder`` writes a finite value (step attribute
         first, labels, time, value)."""
@@ -823,32 +878,49 @@ class _Layout:
         fmt, mask, keys, pos = ["<"], bytearray(b"\xff" * len(buf)), [], 0
         try:
             for name, start, stop in _data_points(buf):
-                if stop - start < _TAIL or buf[stop - _TAIL] != _TIME_TAG_3 or \
-                        buf[stop - 9] != _AS_DOUBLE_TAG or buf[start] != _ATTR_TAG:
+                if (
+                    stop - start < _TAIL
+                    or buf[stop - _TAIL] != _TIME_TAG_3
+                    or buf[stop - 9] != _AS_DOUBLE_TAG
+                    or buf[start] != _ATTR_TAG
+                ):
                     return None
                 step_end = start + _field_end(buf[start:stop], 0)
                 step_attr = buf[start:step_end]  # AnyValue.int_value (3) last: the varint
-                if _key_values(step_attr) != [(STEP_ATTR, record.step)] or \
-                        not step_attr.endswith(b"\x18" + varint):
+                if _key_values(step_attr) != [(STEP_ATTR, record.step)] or not step_attr.endswith(
+                    b"\x18" + varint
+                ):
                     return None
-                labels = buf[step_end:stop - _TAIL]  # as ``_Points.gauge`` looked them up
+                labels = buf[step_end : stop - _TAIL]  # as ``_Points.gauge`` looked them up
                 block = _BLOCKS.get(labels) or _Block.parse(labels)
                 if block.step is not None or block.nonfinite is not None:
                     return None
                 at = step_end - len(varint)
                 fmt.append(f"{at - pos}x{len(varint)}s{stop - 8 - step_end}xd")
                 mask[at:step_end] = bytes(len(varint))
-                mask[stop - 17:stop - 9] = bytes(8)  # time_unix_nano
-                mask[stop - 8:stop] = bytes(8)       # as_double
+                mask[stop - 17 : stop - 9] = bytes(8)  # time_unix_nano
+                mask[stop - 8 : stop] = bytes(8)  # as_double
                 keys.append((name, block.labels))
                 pos = stop
         except DecodeError:
             return None
         bits = int.from_bytes(mask, "little")
-        speaker = _Speaker(record.run_id, record.rank, record.world_size, record.host,
-                           tuple(record.coords.items()), record.replay)
-        layout = cls(len(buf), int.from_bytes(buf, "little") & bits, bits,
-                     struct.Struct("".join(fmt)).unpack_from, tuple(keys), speaker)
+        speaker = _Speaker(
+            record.run_id,
+            record.rank,
+            record.world_size,
+            record.host,
+            tuple(record.coords.items()),
+            record.replay,
+        )
+        layout = cls(
+            len(buf),
+            int.from_bytes(buf, "little") & bits,
+            bits,
+            struct.Struct("".join(fmt)).unpack_from,
+            tuple(keys),
+            speaker,
+        )
         again = layout.read(None, buf)  # the layout must read its own message as the fields did
         if again is None or again.step != record.step or again.values != record.values:
             return None
@@ -872,17 +944,24 @@ class _Layout:
         speaker = self.speaker
         step = _signed(step)
         _check_key(key, speaker.run_id, step)
-        return RankStep(run_id=speaker.run_id, step=step, rank=speaker.rank,
-                        world_size=speaker.world_size, host=speaker.host,
-                        coords=dict(speaker.coords), values=dict(zip(self.keys, parts[1::2])),
-                        replay=speaker.replay)
+        return RankStep(
+            run_id=speaker.run_id,
+            step=step,
+            rank=speaker.rank,
+            world_size=speaker.world_size,
+            host=speaker.host,
+            coords=dict(speaker.coords),
+            values=dict(zip(self.keys, parts[1::2])),
+            replay=speaker.replay,
+        )
 
 
 def _data_points(buf: bytes) -> Iterator[tuple[str, int, int]]:
     """(metric name, start, stop) of each data point, in byte order, of a message
     ``_decode_fields`` read."""
-    (resource_metrics,) = [item for number, kind, item in _fields(buf, 0, len(buf))
-                           if number == 1 and kind == 2]
+    (resource_metrics,) = [
+        item for number, kind, item in _fields(buf, 0, len(buf)) if number == 1 and kind == 2
+    ]
     for number, kind, scope in _fields(buf, *resource_metrics):
         if number != 2 or kind != 2:  # ResourceMetrics.scope_metrics
             continue
@@ -909,11 +988,11 @@ class _Senders:
     def __init__(self, max_senders: int, max_bytes: int) -> None:
         self.max_senders, self.max_bytes = max_senders, max_bytes
         self._seen: dict[bytes, _Layout | int] = {}
-        self._bytes = 0            # of the messages of the layouts held
+        self._bytes = 0  # of the messages of the layouts held
         self._used: set[bytes] = set()  # senders whose layout read a message since the sweep
         self._messages = self._swept_at = 0
 
-    def heard(self, sender: bytes) -> "_Layout | int | None":
+    def heard(self, sender: bytes) -> _Layout | int | None:
         """A message from ``sender``: its layout, or the length of its last message."""
         self._messages += 1
         return self._seen.get(sender)
@@ -921,8 +1000,7 @@ class _Senders:
     def used(self, sender: bytes) -> None:
         self._used.add(sender)
 
-    def note(self, sender: bytes, seen: "_Layout | int | None", buf: bytes,
-             record: RankStep) -> None:
+    def note(self, sender: bytes, seen: _Layout | int | None, buf: bytes, record: RankStep) -> None:
         """After ``buf`` was read field by field: the sender's layout is learned from its
         second message in a row of one length, where it fits."""
         if isinstance(seen, _Layout):

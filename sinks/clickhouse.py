@@ -15,8 +15,9 @@ import atexit
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 import clickhouse_connect
@@ -51,7 +52,7 @@ def connect(url: str, *, username: str = "default", password_env: str = "") -> A
     ``username`` and the password held by the environment variable ``password_env``.
     """
     if url.startswith("chdb:///"):
-        os.makedirs(url[len("chdb://"):], exist_ok=True)
+        os.makedirs(url[len("chdb://") :], exist_ok=True)
         client = clickhouse_connect.get_client(dsn=url)
         # an embedded connection still open at interpreter exit can crash the process in
         # the engine's static teardown (SIGSEGV after all work is done: chdb-core#177)
@@ -88,7 +89,8 @@ class ClickHouseSink:
     # (table, columns) -> their ClickHouse types, described once: an insert without them
     # asks the store first (DESCRIBE TABLE, ~0.6 ms of a 2-4 ms small insert on chdb)
     _types: dict[tuple[str, tuple[str, ...]], Sequence[Any]] = field(
-        default_factory=dict, init=False, repr=False)
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.database.isidentifier():
@@ -108,17 +110,30 @@ class ClickHouseSink:
         self._command(
             f"CREATE TABLE IF NOT EXISTS {db}.schema_migrations (version UInt32, "
             "description String, applied_at DateTime64(3) DEFAULT now64(3)) "
-            "ENGINE = ReplacingMergeTree ORDER BY version")
-        applied = {row[0] for row in self._retry(lambda: self.client.query(
-            f"SELECT version FROM {db}.schema_migrations FINAL").result_rows)}
+            "ENGINE = ReplacingMergeTree ORDER BY version"
+        )
+        applied = {
+            row[0]
+            for row in self._retry(
+                lambda: (
+                    self.client.query(
+                        f"SELECT version FROM {db}.schema_migrations FINAL"
+                    ).result_rows
+                )
+            )
+        }
         for migration in MIGRATIONS:
             if migration.version in applied:
                 continue
             for statement in migration.statements:
                 self._command(statement.replace("{db}", db))
-            self._retry(lambda m=migration: self.client.insert(
-                f"{db}.schema_migrations", [[m.version, m.description]],
-                column_names=["version", "description"]))
+            self._retry(
+                lambda m=migration: self.client.insert(
+                    f"{db}.schema_migrations",
+                    [[m.version, m.description]],
+                    column_names=["version", "description"],
+                )
+            )
         if sensitive_artifacts:
             table = _sensitive_table(sensitive_ttl_days)
             self._command(table.ddl(db))
@@ -150,8 +165,9 @@ class ClickHouseSink:
             self._write_group(table, known, group[0], group)
         return len(rows)
 
-    def write_or_reject(self, table: str, rows: Sequence[Mapping[str, Any]]
-                        ) -> list[tuple[Mapping[str, Any], str]]:
+    def write_or_reject(
+        self, table: str, rows: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[Mapping[str, Any], str]]:
         """Store every row that can be stored; return the others with the store's reason.
 
         A rejected write is bisected until the rows that cannot be stored (a value outside
@@ -167,8 +183,7 @@ class ClickHouseSink:
             if len(rows) == 1:
                 return [(rows[0], f"{table}: {exc}")]
         half = len(rows) // 2
-        return self.write_or_reject(table, rows[:half]) + \
-            self.write_or_reject(table, rows[half:])
+        return self.write_or_reject(table, rows[:half]) + self.write_or_reject(table, rows[half:])
 
     def write_columns(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
         """Store rows given column-wise (``{column: values}``, equal lengths); returns how many."""
@@ -182,21 +197,27 @@ class ClickHouseSink:
         n = lengths.pop() if lengths else 0
         names = [c for c in known if c in columns]
         for start in range(0, n, self.batch_rows):
-            data = [columns[c][start:start + self.batch_rows] for c in names]
+            data = [columns[c][start : start + self.batch_rows] for c in names]
             self._insert(table, names, data)
         return n
 
-    def _write_group(self, table: str, known: tuple[str, ...], first: Mapping[str, Any],
-                     rows: Sequence[Mapping[str, Any]]) -> None:
+    def _write_group(
+        self,
+        table: str,
+        known: tuple[str, ...],
+        first: Mapping[str, Any],
+        rows: Sequence[Mapping[str, Any]],
+    ) -> None:
         """Rows that all carry ``first``'s columns (a KeyError says one does not)."""
         unknown = set(first) - set(known)
         if unknown:
-            raise RejectedRows(f"{table}: unknown column(s) {sorted(unknown)}; "
-                               f"known: {list(known)}")
+            raise RejectedRows(
+                f"{table}: unknown column(s) {sorted(unknown)}; known: {list(known)}"
+            )
         names = [c for c in known if c in first]
         data = [[row[c] for row in rows] for c in names]  # all before any insert; > zip(*rows)
         for start in range(0, len(rows), self.batch_rows):
-            self._insert(table, names, [column[start:start + self.batch_rows] for column in data])
+            self._insert(table, names, [column[start : start + self.batch_rows] for column in data])
 
     def _insert(self, table: str, columns: list[str], data: list[Sequence[Any]]) -> None:
         name, key = f"{self.database}.{table}", (table, tuple(columns))
@@ -207,8 +228,9 @@ class ClickHouseSink:
                 types = self.client.create_insert_context(name, columns).column_types
                 self._types[key] = types
             try:
-                self.client.insert(name, data, column_names=columns, column_types=types,
-                                   column_oriented=True)
+                self.client.insert(
+                    name, data, column_names=columns, column_types=types, column_oriented=True
+                )
             except Exception:
                 self._types.pop(key, None)  # a failed insert describes the table again
                 raise
@@ -229,8 +251,11 @@ class ClickHouseSink:
                 if waited >= self.retry_max_s:
                     raise StoreUnavailable(f"store unavailable after {waited:.1f}s: {exc}") from exc
                 self.retries += 1
-                log.warning("probewire sink: store call failed (%s); retrying in %.1fs",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else exc, delay)
+                log.warning(
+                    "probewire sink: store call failed (%s); retrying in %.1fs",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else exc,
+                    delay,
+                )
                 self.sleep(delay)
                 waited += delay
                 delay = min(delay * 2, 5.0)
@@ -241,4 +266,3 @@ def _known_columns(table: str) -> tuple[str, ...]:
         return TABLE_COLUMNS[table]
     except KeyError:
         raise RejectedRows(f"unknown table {table!r}; known: {sorted(TABLE_COLUMNS)}") from None
-

@@ -35,19 +35,37 @@ __all__ = ["READER_FILE", "ReadServer", "find_reader", "store_owner"]
 READER_FILE = "probewire-reader.json"
 
 # URL parameters of ClickHouse's HTTP interface that are not settings
-_NOT_SETTINGS = frozenset({"query", "database", "default_format", "query_id", "session_id",
-                           "session_timeout", "session_check", "compress", "decompress",
-                           "user", "password", "quota_key", "buffer_size", "wait_end_of_query",
-                           "enable_http_compression", "send_progress_in_http_headers",
-                           "http_headers_progress_interval_ms", "readonly"})
+_NOT_SETTINGS = frozenset(
+    {
+        "query",
+        "database",
+        "default_format",
+        "query_id",
+        "session_id",
+        "session_timeout",
+        "session_check",
+        "compress",
+        "decompress",
+        "user",
+        "password",
+        "quota_key",
+        "buffer_size",
+        "wait_end_of_query",
+        "enable_http_compression",
+        "send_progress_in_http_headers",
+        "http_headers_progress_interval_ms",
+        "readonly",
+    }
+)
 _MAX_BODY = 1 << 20
 
 
 class ReadServer:
     """Serves read-only SQL on ``host:port`` (0: a free port) for the chdb store at ``path``."""
 
-    def __init__(self, path: str | os.PathLike[str], *, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         import chdb
 
         self.path = Path(path).resolve()
@@ -76,8 +94,9 @@ class ReadServer:
             def _serve(self, body: bytes) -> None:
                 url = urlsplit(self.path)
                 if url.path in ("/ping", "/"):
-                    params = {k: v[-1] for k, v in parse_qs(url.query,
-                                                            keep_blank_values=True).items()}
+                    params = {
+                        k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()
+                    }
                     if url.path == "/ping" or ("query" not in params and not body):
                         self._reply(200, b"Ok.\n", {})
                         return
@@ -88,8 +107,11 @@ class ReadServer:
 
             def _reply(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
                 self.send_response(status)
-                for key, value in {"Content-Type": "text/plain; charset=UTF-8", **headers,
-                                   "Content-Length": str(len(payload))}.items():
+                for key, value in {
+                    "Content-Type": "text/plain; charset=UTF-8",
+                    **headers,
+                    "Content-Length": str(len(payload)),
+                }.items():
                     self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(payload)
@@ -106,15 +128,25 @@ class ReadServer:
     def execute(self, params: dict[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
         """One request: ``(status, payload, headers)`` as a ClickHouse server answers it."""
         if params.get("compress") == "1":
-            return 400, (b"Code: 1001. DB::Exception: this endpoint answers uncompressed "
-                         b"(compress=1 is not supported); turn compression off in the "
-                         b"client\n"), {"X-ClickHouse-Exception-Code": "1001"}
-        sql = " ".join(part for part in (params.get("query", ""),
-                                         body.decode("utf-8", "replace")) if part.strip())
+            return (
+                400,
+                (
+                    b"Code: 1001. DB::Exception: this endpoint answers uncompressed "
+                    b"(compress=1 is not supported); turn compression off in the "
+                    b"client\n"
+                ),
+                {"X-ClickHouse-Exception-Code": "1001"},
+            )
+        sql = " ".join(
+            part
+            for part in (params.get("query", ""), body.decode("utf-8", "replace"))
+            if part.strip()
+        )
         fmt = params.get("default_format") or "TabSeparated"
-        binds = {k[len("param_"):]: v for k, v in params.items() if k.startswith("param_")}
-        settings = {k: v for k, v in params.items()
-                    if k not in _NOT_SETTINGS and not k.startswith("param_")}
+        binds = {k[len("param_") :]: v for k, v in params.items() if k.startswith("param_")}
+        settings = {
+            k: v for k, v in params.items() if k not in _NOT_SETTINGS and not k.startswith("param_")
+        }
         try:
             with self._lock:
                 self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
@@ -125,19 +157,30 @@ class ReadServer:
                 self.queries += 1
         except Exception as exc:  # the engine's error, passed on as a server would
             text = str(exc).strip()
-            code = text.split(".", 1)[0].removeprefix("Code: ") if text.startswith("Code:") \
-                else "1001"
+            code = (
+                text.split(".", 1)[0].removeprefix("Code: ") if text.startswith("Code:") else "1001"
+            )
             return 500, (text + "\n").encode(), {"X-ClickHouse-Exception-Code": code}
-        summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
-                   "elapsed_ns": str(int((time.perf_counter() - started) * 1e9))}
-        return 200, result.bytes(), {"X-ClickHouse-Format": fmt,
-                                     "X-ClickHouse-Timezone": time.strftime("%Z") or "UTC",
-                                     "X-ClickHouse-Summary": json.dumps(summary)}
+        summary = {
+            "read_rows": str(result.rows_read()),
+            "read_bytes": str(result.bytes_read()),
+            "elapsed_ns": str(int((time.perf_counter() - started) * 1e9)),
+        }
+        return (
+            200,
+            result.bytes(),
+            {
+                "X-ClickHouse-Format": fmt,
+                "X-ClickHouse-Timezone": time.strftime("%Z") or "UTC",
+                "X-ClickHouse-Summary": json.dumps(summary),
+            },
+        )
 
     def start(self) -> str:
         """Serve on a background thread and publish the address in the store directory."""
-        self._thread = threading.Thread(target=self._http.serve_forever, name="probewire-reader",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, name="probewire-reader", daemon=True
+        )
         self._thread.start()
         tmp = self.path / (READER_FILE + ".tmp")
         tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)}))
@@ -198,8 +241,13 @@ def store_owner(path: str | os.PathLike[str]) -> str | None:
     if not _alive(pid):
         return None
     try:
-        cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                       .decode(errors="replace").split())  # one line, whatever the argv
+        cmd = " ".join(
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+            .split()
+        )  # one line, whatever the argv
     except OSError:
         cmd = ""
     return f"pid {pid}" + (f" ({cmd[:120]})" if cmd else "")

@@ -7,7 +7,8 @@ detail tables (ReplacingMergeTree on the natural key), and state rows replace ea
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .clickhouse import ClickHouseSink
 from .schema import RECENT_TABLES
@@ -34,19 +35,26 @@ def promote(sink: ClickHouseSink, run_id: str, steps: Sequence[int]) -> None:
     for recent in RECENT_TABLES:
         target = recent.name.removesuffix("_recent")
         columns = ", ".join((*recent.writer_columns, recent.version))
-        sink._command(f"INSERT INTO {db}.{target} ({columns}) SELECT {columns} "
-                     f"FROM {db}.{recent.name} WHERE run_id = {_quote(run_id)} "
-                     f"AND step IN ({', '.join(str(int(s)) for s in steps)})")
+        sink._command(
+            f"INSERT INTO {db}.{target} ({columns}) SELECT {columns} "
+            f"FROM {db}.{recent.name} WHERE run_id = {_quote(run_id)} "
+            f"AND step IN ({', '.join(str(int(s)) for s in steps)})"
+        )
 
 
-def save_state(sink: ClickHouseSink, run_id: str, key: str, step: int,
-               state: dict[str, Any]) -> None:
-    sink.write("stream_state", [{"run_id": run_id, "key": key, "step": int(step),
-                                 "state": json.dumps(state)}])
+def save_state(
+    sink: ClickHouseSink, run_id: str, key: str, step: int, state: dict[str, Any]
+) -> None:
+    sink.write(
+        "stream_state",
+        [{"run_id": run_id, "key": key, "step": int(step), "state": json.dumps(state)}],
+    )
 
 
 def load_state(sink: ClickHouseSink, run_id: str, key: str) -> dict[str, Any] | None:
-    sql = (f"SELECT state FROM {sink.database}.stream_state FINAL "
-           f"WHERE run_id = {_quote(run_id)} AND key = {_quote(key)}")
+    sql = (
+        f"SELECT state FROM {sink.database}.stream_state FINAL "
+        f"WHERE run_id = {_quote(run_id)} AND key = {_quote(key)}"
+    )
     rows = sink._retry(lambda: sink.client.query(sql).result_rows)
     return json.loads(rows[0][0]) if rows else None

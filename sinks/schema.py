@@ -78,9 +78,11 @@ class Table:
         ttl = f"\nTTL {self.ttl}" if self.ttl else ""
         comment = self.comment.replace("'", "\\'")
         key = self.key[0] if len(self.key) == 1 else f"({', '.join(self.key)})"
-        return (f"CREATE TABLE IF NOT EXISTS {db}.{self.name} (\n    {columns}\n)\n"
-                f"ENGINE = ReplacingMergeTree({self.version})\n"
-                f"ORDER BY {key}{ttl}\nCOMMENT '{comment}'")
+        return (
+            f"CREATE TABLE IF NOT EXISTS {db}.{self.name} (\n    {columns}\n)\n"
+            f"ENGINE = ReplacingMergeTree({self.version})\n"
+            f"ORDER BY {key}{ttl}\nCOMMENT '{comment}'"
+        )
 
     @property
     def writer_columns(self) -> tuple[str, ...]:
@@ -89,8 +91,7 @@ class Table:
 
 
 def _inserted_at() -> Column:
-    return Column(_VERSION, "DateTime64(6)", "now64(6)",
-                  "version: the latest insert of a key wins")
+    return Column(_VERSION, "DateTime64(6)", "now64(6)", "version: the latest insert of a key wins")
 
 
 def _name(name: str, comment: str = "") -> Column:
@@ -103,40 +104,56 @@ def _f(name: str, comment: str = "") -> Column:
 
 
 _RUN = _name("run_id")
-_STATUS_DOC = ("running; finished (the run closed its monitor, or sent no step for "
-               "stream.stage2.run_idle_s); crashed (an exception left a step)")
+_STATUS_DOC = (
+    "running; finished (the run closed its monitor, or sent no step for "
+    "stream.stage2.run_idle_s); crashed (an exception left a step)"
+)
 _STEP = Column("step", "UInt64", comment="optimizer step")
 
-RUNS = Table("runs", "one row per training run, replaced as the run progresses", (
-    _RUN,
-    Column("world_size", "UInt32", comment="ranks in the job"),
-    Column("first_step", "UInt64", "0"),
-    Column("last_step", "UInt64", "0"),
-    Column("started_at", "DateTime64(3)", "now64(3)"),
-    Column("updated_at", "DateTime64(3)", "now64(3)", "version"),
-    Column("status", "LowCardinality(String)", "'running'", _STATUS_DOC),
-    Column("config", "String", "'{}'", "the run configuration as JSON"),
-    Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
-), key=("run_id",), version="updated_at")
+RUNS = Table(
+    "runs",
+    "one row per training run, replaced as the run progresses",
+    (
+        _RUN,
+        Column("world_size", "UInt32", comment="ranks in the job"),
+        Column("first_step", "UInt64", "0"),
+        Column("last_step", "UInt64", "0"),
+        Column("started_at", "DateTime64(3)", "now64(3)"),
+        Column("updated_at", "DateTime64(3)", "now64(3)", "version"),
+        Column("status", "LowCardinality(String)", "'running'", _STATUS_DOC),
+        Column("config", "String", "'{}'", "the run configuration as JSON"),
+        Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
+    ),
+    key=("run_id",),
+    version="updated_at",
+)
 
 # step_metrics columns added by migration 2 (structure P0 signals at their probe cadence,
 # and the straggler's own-time ratio)
 _STEP_METRICS_V2 = (
     _f("media_scale", "gamma = RMS of the media tokens / RMS of the text embeddings"),
     _f("residual_ratio_min", "R_b of the weakest residual branch (token mean)"),
-    Column("residual_ratio_branch", "Nullable(String)", "NULL",
-           "the weakest branch: layer L attn|mlp"),
+    Column(
+        "residual_ratio_branch", "Nullable(String)", "NULL", "the weakest branch: layer L attn|mlp"
+    ),
     _f("residual_stream_norm", "N_s at the weakest branch (token mean)"),
     _f("residual_branch_norm", "N_b of the weakest branch (token mean)"),
-    _f("straggler_own_ratio", "own time of straggler_rank / median own time of the other "
-                              "ranks (own time = local step time - its collective wait)"),
+    _f(
+        "straggler_own_ratio",
+        "own time of straggler_rank / median own time of the other "
+        "ranks (own time = local step time - its collective wait)",
+    ),
 )
 
 # step_metrics columns added by migration 3: the learning rates of the step's update
 _STEP_METRICS_V3 = (
     _f("lr", "learning rate: the largest over the optimizer's parameter groups"),
-    Column("lr_groups", "Map(LowCardinality(String), Float64)", "map()",
-           "learning rate per parameter group (its name, else its index)"),
+    Column(
+        "lr_groups",
+        "Map(LowCardinality(String), Float64)",
+        "map()",
+        "learning rate per parameter group (its name, else its index)",
+    ),
 )
 
 # step_metrics columns added by migration 4 (issue 18): the seeds' series formed in the
@@ -162,67 +179,91 @@ _STEP_METRICS_V4 = (
     Column("replay_mismatch_step", "UInt8", "0", "replays of this step that did not reproduce"),
 )
 
-STEP_METRICS = Table("step_metrics", "every step, unsmoothed: the reduced P0 series", (
-    _RUN, _STEP,
-    Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
-    Column("flops", "Float64", "0", "cumulative estimated FLOPs through this step"),
-    Column("step_tokens", "UInt64", "0", "valid tokens of this step (N_tok)"),
-    _f("loss", "L = sum of loss sums / sum of valid tokens over ranks"),
-    _f("loss_worst_rank", "L_max: the largest per-rank mean loss"),
-    Column("loss_worst_rank_id", "Nullable(UInt32)", "NULL", "the rank holding L_max"),
-    _f("grad_norm", "G2 before clipping"),
-    _f("clip_rate", "fraction of the recent window of steps with G2 above the clip threshold"),
-    Column("clipped", "UInt8", "0", "1 when G2 exceeded the clip threshold at this step"),
-    _f("loss_z", "robust spike score of the loss"),
-    _f("grad_z", "robust spike score of G2"),
-    Column("loss_spike", "UInt8", "0"),
-    Column("grad_spike", "UInt8", "0"),
-    Column("cospike", "UInt8", "0", "loss and G2 spiked at this step"),
-    Column("cospike_count", "UInt64", "0", "cumulative co-spikes"),
-    Column("cospike_magnitude", "Float64", "0", "cumulative co-spike magnitude"),
-    _f("step_time_s", "tau = max over ranks of the local step time"),
-    _f("tokens_per_s", "N_tok / tau"),
-    _f("compute_rate", "Phi: estimated FLOP/s per device"),
-    _f("straggler_score", "S = tau / median local step time"),
-    Column("straggler_rank", "Nullable(UInt32)", "NULL",
-           "the slowest rank: the largest own time"),
-    _f("peak_memory_bytes", "peak device memory, max over ranks"),
-    Column("peak_memory_rank", "Nullable(UInt32)", "NULL", "the rank with the peak"),
-    _f("moe_maxvio", "expert MaxVio = I - 1, worst layer"),
-    _f("moe_shard_imbalance", "expert-parallel shard imbalance, worst layer"),
-    _f("moe_h_norm", "normalized routing entropy, lowest layer"),
-    _f("output_absmax", "absolute maximum of the model output"),
-    *_STEP_METRICS_V2,
-    *_STEP_METRICS_V3,
-    *_STEP_METRICS_V4,
-    Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
-    Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
-    Column("replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"),
-    Column("ranks_reporting", "UInt32", "0"),
-    Column("ranks_missing", "Array(UInt32)", "[]"),
-    Column("complete_reason", "LowCardinality(String)", "''",
-           "all_ranks, deadline or later_step"),
-    Column("warmup", "UInt8", "0", "1 while the spike detectors warm up"),
-    _inserted_at(),
-), key=("run_id", "step"))
+STEP_METRICS = Table(
+    "step_metrics",
+    "every step, unsmoothed: the reduced P0 series",
+    (
+        _RUN,
+        _STEP,
+        Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
+        Column("flops", "Float64", "0", "cumulative estimated FLOPs through this step"),
+        Column("step_tokens", "UInt64", "0", "valid tokens of this step (N_tok)"),
+        _f("loss", "L = sum of loss sums / sum of valid tokens over ranks"),
+        _f("loss_worst_rank", "L_max: the largest per-rank mean loss"),
+        Column("loss_worst_rank_id", "Nullable(UInt32)", "NULL", "the rank holding L_max"),
+        _f("grad_norm", "G2 before clipping"),
+        _f("clip_rate", "fraction of the recent window of steps with G2 above the clip threshold"),
+        Column("clipped", "UInt8", "0", "1 when G2 exceeded the clip threshold at this step"),
+        _f("loss_z", "robust spike score of the loss"),
+        _f("grad_z", "robust spike score of G2"),
+        Column("loss_spike", "UInt8", "0"),
+        Column("grad_spike", "UInt8", "0"),
+        Column("cospike", "UInt8", "0", "loss and G2 spiked at this step"),
+        Column("cospike_count", "UInt64", "0", "cumulative co-spikes"),
+        Column("cospike_magnitude", "Float64", "0", "cumulative co-spike magnitude"),
+        _f("step_time_s", "tau = max over ranks of the local step time"),
+        _f("tokens_per_s", "N_tok / tau"),
+        _f("compute_rate", "Phi: estimated FLOP/s per device"),
+        _f("straggler_score", "S = tau / median local step time"),
+        Column(
+            "straggler_rank", "Nullable(UInt32)", "NULL", "the slowest rank: the largest own time"
+        ),
+        _f("peak_memory_bytes", "peak device memory, max over ranks"),
+        Column("peak_memory_rank", "Nullable(UInt32)", "NULL", "the rank with the peak"),
+        _f("moe_maxvio", "expert MaxVio = I - 1, worst layer"),
+        _f("moe_shard_imbalance", "expert-parallel shard imbalance, worst layer"),
+        _f("moe_h_norm", "normalized routing entropy, lowest layer"),
+        _f("output_absmax", "absolute maximum of the model output"),
+        *_STEP_METRICS_V2,
+        *_STEP_METRICS_V3,
+        *_STEP_METRICS_V4,
+        Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
+        Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
+        Column(
+            "replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"
+        ),
+        Column("ranks_reporting", "UInt32", "0"),
+        Column("ranks_missing", "Array(UInt32)", "[]"),
+        Column(
+            "complete_reason", "LowCardinality(String)", "''", "all_ranks, deadline or later_step"
+        ),
+        Column("warmup", "UInt8", "0", "1 while the spike detectors warm up"),
+        _inserted_at(),
+    ),
+    key=("run_id", "step"),
+)
 
-SOURCE_METRICS = Table("source_metrics", "loss by data source or modality", (
-    _RUN, _STEP, _name("source"),
-    Column("loss", "Float64", comment="valid-token mean loss of the source"),
-    Column("token_share", "Float64", comment="share of the step's valid tokens"),
-    Column("tokens", "UInt64", comment="valid tokens of the source in this step"),
-    _inserted_at(),
-), key=("run_id", "source", "step"))
+SOURCE_METRICS = Table(
+    "source_metrics",
+    "loss by data source or modality",
+    (
+        _RUN,
+        _STEP,
+        _name("source"),
+        Column("loss", "Float64", comment="valid-token mean loss of the source"),
+        Column("token_share", "Float64", comment="share of the step's valid tokens"),
+        Column("tokens", "UInt64", comment="valid tokens of the source in this step"),
+        _inserted_at(),
+    ),
+    key=("run_id", "source", "step"),
+)
 
-RANK_METRICS = Table("rank_metrics", "per-rank components of retained steps", (
-    _RUN, _STEP,
-    Column("rank", "UInt32"),
-    _name("metric"),
-    Column("labels", "String", "''", "sorted k=v|k=v, bounded"),
-    Column("value", "Float64"),
-    Column("late", "UInt8", "0", "1 when the rank reported after its step was reduced"),
-    _inserted_at(),
-), key=("run_id", "metric", "step", "labels", "rank"))
+RANK_METRICS = Table(
+    "rank_metrics",
+    "per-rank components of retained steps",
+    (
+        _RUN,
+        _STEP,
+        Column("rank", "UInt32"),
+        _name("metric"),
+        Column("labels", "String", "''", "sorted k=v|k=v, bounded"),
+        Column("value", "Float64"),
+        Column("late", "UInt8", "0", "1 when the rank reported after its step was reduced"),
+        _inserted_at(),
+    ),
+    key=("run_id", "metric", "step", "labels", "rank"),
+)
+
 
 def _scan_column(field: str) -> Column:
     """A reduced one-pass scan field (``catalog.TENSOR_FIELDS``): counts default to 0, the
@@ -235,106 +276,171 @@ def _scan_column(field: str) -> Column:
     return Column(field, "Float64", comment="element count" if field == n else "")
 
 
-TENSOR_STATS = Table("tensor_stats", "one-pass tensor statistics reduced across ranks", (
-    _RUN, _STEP, _name("tensor"),
-    _name("kind", "fwd, bwd, grad, param, update, ..."),
-    *(_scan_column(field) for field in TENSOR_FIELDS),
-    _inserted_at(),
-), key=("run_id", "kind", "tensor", "step"))
+TENSOR_STATS = Table(
+    "tensor_stats",
+    "one-pass tensor statistics reduced across ranks",
+    (
+        _RUN,
+        _STEP,
+        _name("tensor"),
+        _name("kind", "fwd, bwd, grad, param, update, ..."),
+        *(_scan_column(field) for field in TENSOR_FIELDS),
+        _inserted_at(),
+    ),
+    key=("run_id", "kind", "tensor", "step"),
+)
 
-TENSOR_NAMES = Table("tensor_names", "each tensor label a run reported, written once (the "
-                     "first time) with its bounded dimensions: block, role, expert", (
-    _RUN, _name("tensor", "the tensor label of tensor_stats: the full module or parameter name"),
-    Column("layer", "Nullable(Int32)", "NULL", "block index; NULL outside the blocks"),
-    _name("role", "the name inside its block, expert index removed (the whole name outside "
-                  "the blocks; block: the block output)"),
-    Column("expert", "Nullable(Int32)", "NULL", "expert index; NULL when not one expert's"),
-    Column("first_step", "UInt64", comment="the step whose detail first carried it"),
-    _inserted_at(),
-), key=("run_id", "tensor"))
+TENSOR_NAMES = Table(
+    "tensor_names",
+    "each tensor label a run reported, written once (the "
+    "first time) with its bounded dimensions: block, role, expert",
+    (
+        _RUN,
+        _name("tensor", "the tensor label of tensor_stats: the full module or parameter name"),
+        Column("layer", "Nullable(Int32)", "NULL", "block index; NULL outside the blocks"),
+        _name(
+            "role",
+            "the name inside its block, expert index removed (the whole name outside "
+            "the blocks; block: the block output)",
+        ),
+        Column("expert", "Nullable(Int32)", "NULL", "expert index; NULL when not one expert's"),
+        Column("first_step", "UInt64", comment="the step whose detail first carried it"),
+        _inserted_at(),
+    ),
+    key=("run_id", "tensor"),
+)
 
-GRAD_GROUP_STATS = Table("grad_group_stats", "G_mean, G_max, Z_g per parameter group, every step", (
-    _RUN, _STEP, _name("group", "embedding, expert or other"),
-    Column("elements", "UInt64", comment="P: gradient elements of the group"),
-    _f("grad_abs_mean", "sum |g| / (P - non-finite)"),
-    _f("grad_abs_max", "max |g| over finite elements"),
-    _f("grad_zero_frac", "exact zeros / P"),
-    _inserted_at(),
-), key=("run_id", "group", "step"))
+GRAD_GROUP_STATS = Table(
+    "grad_group_stats",
+    "G_mean, G_max, Z_g per parameter group, every step",
+    (
+        _RUN,
+        _STEP,
+        _name("group", "embedding, expert or other"),
+        Column("elements", "UInt64", comment="P: gradient elements of the group"),
+        _f("grad_abs_mean", "sum |g| / (P - non-finite)"),
+        _f("grad_abs_max", "max |g| over finite elements"),
+        _f("grad_zero_frac", "exact zeros / P"),
+        _inserted_at(),
+    ),
+    key=("run_id", "group", "step"),
+)
 
-EXPERT_STATS = Table("expert_stats", "per-expert valid-token loads of retained steps", (
-    _RUN, _STEP, _name("layer"),
-    Column("expert", "UInt32"),
-    Column("tokens", "Float64", comment="c_i summed over ranks"),
-    Column("shard", "UInt32", "0", "expert-parallel shard of the expert"),
-    _inserted_at(),
-), key=("run_id", "layer", "step", "expert"))
+EXPERT_STATS = Table(
+    "expert_stats",
+    "per-expert valid-token loads of retained steps",
+    (
+        _RUN,
+        _STEP,
+        _name("layer"),
+        Column("expert", "UInt32"),
+        Column("tokens", "Float64", comment="c_i summed over ranks"),
+        Column("shard", "UInt32", "0", "expert-parallel shard of the expert"),
+        _inserted_at(),
+    ),
+    key=("run_id", "layer", "step", "expert"),
+)
 
-_CULPRIT = Column("culprit", "LowCardinality(String)", "''",
-                  "who carries it: rank 3, source code, layer 2, ... (part of the key)")
+_CULPRIT = Column(
+    "culprit",
+    "LowCardinality(String)",
+    "''",
+    "who carries it: rank 3, source code, layer 2, ... (part of the key)",
+)
 
-ANOMALIES = Table("anomalies", "what the detectors flagged", (
-    _RUN, _STEP,
-    _name("signal", "what moved: loss, grad_norm, cospike, loss_by_source, step_time, ..."),
-    _name("kind", "spike, cospike, nonfinite, threshold or drift"),
-    Column("value", "Float64"),
-    _f("baseline"),
-    _f("z"),
-    _CULPRIT,
-    Column("detected_at", "DateTime64(3)", "now64(3)"),
-    _inserted_at(),
-), key=("run_id", "step", "signal", "kind", "culprit"))
+ANOMALIES = Table(
+    "anomalies",
+    "what the detectors flagged",
+    (
+        _RUN,
+        _STEP,
+        _name("signal", "what moved: loss, grad_norm, cospike, loss_by_source, step_time, ..."),
+        _name("kind", "spike, cospike, nonfinite, threshold or drift"),
+        Column("value", "Float64"),
+        _f("baseline"),
+        _f("z"),
+        _CULPRIT,
+        Column("detected_at", "DateTime64(3)", "now64(3)"),
+        _inserted_at(),
+    ),
+    key=("run_id", "step", "signal", "kind", "culprit"),
+)
 
-ALERTS = Table("alerts", "pages and warnings sent", (
-    _RUN, _STEP, _name("signal"),
-    _name("severity", "page or warn"),
-    Column("value", "Float64"),
-    _f("baseline"),
-    _f("z"),
-    Column("tokens", "UInt64", "0"),
-    Column("ranks", "Array(UInt32)", "[]"),
-    Column("message", "String", "''"),
-    Column("next_steps", "Array(String)", "[]"),
-    _CULPRIT,
-    Column("fired_at", "DateTime64(3)", "now64(3)"),
-    _inserted_at(),
-), key=("run_id", "step", "signal", "culprit"))
+ALERTS = Table(
+    "alerts",
+    "pages and warnings sent",
+    (
+        _RUN,
+        _STEP,
+        _name("signal"),
+        _name("severity", "page or warn"),
+        Column("value", "Float64"),
+        _f("baseline"),
+        _f("z"),
+        Column("tokens", "UInt64", "0"),
+        Column("ranks", "Array(UInt32)", "[]"),
+        Column("message", "String", "''"),
+        Column("next_steps", "Array(String)", "[]"),
+        _CULPRIT,
+        Column("fired_at", "DateTime64(3)", "now64(3)"),
+        _inserted_at(),
+    ),
+    key=("run_id", "step", "signal", "culprit"),
+)
 
-EVALUATIONS = Table("evaluations", "checkpoint evaluations", (
-    _RUN, _STEP,
-    Column("tokens", "UInt64", "0"),
-    Column("flops", "Float64", "0"),
-    _name("suite"),
-    _name("metric", "bpb, nll, accuracy, exact_match, ..."),
-    Column("value", "Float64"),
-    Column("weights_stream", "LowCardinality(String)", "'raw'", "raw or ema"),
-    Column("reference", "UInt8", "0", "1 for the weight stream decisions are made on"),
-    Column("n_items", "UInt32", "0"),
-    *(Column(f"{part}_version", "LowCardinality(String)", "''")
-      for part in ("dataset", "tokenizer", "prompt", "decoding", "postprocess", "judge")),
-    Column("evaluated_at", "DateTime64(3)", "now64(3)"),
-    _inserted_at(),
-), key=("run_id", "suite", "metric", "weights_stream", "step"))
+EVALUATIONS = Table(
+    "evaluations",
+    "checkpoint evaluations",
+    (
+        _RUN,
+        _STEP,
+        Column("tokens", "UInt64", "0"),
+        Column("flops", "Float64", "0"),
+        _name("suite"),
+        _name("metric", "bpb, nll, accuracy, exact_match, ..."),
+        Column("value", "Float64"),
+        Column("weights_stream", "LowCardinality(String)", "'raw'", "raw or ema"),
+        Column("reference", "UInt8", "0", "1 for the weight stream decisions are made on"),
+        Column("n_items", "UInt32", "0"),
+        *(
+            Column(f"{part}_version", "LowCardinality(String)", "''")
+            for part in ("dataset", "tokenizer", "prompt", "decoding", "postprocess", "judge")
+        ),
+        Column("evaluated_at", "DateTime64(3)", "now64(3)"),
+        _inserted_at(),
+    ),
+    key=("run_id", "suite", "metric", "weights_stream", "step"),
+)
 
-DEAD_LETTERS = Table("dead_letters", "malformed input, kept with the reason", (
-    Column("topic", "LowCardinality(String)"),
-    Column("partition", "UInt32"),
-    Column("offset", "UInt64"),
-    Column("key", "String", "''"),
-    Column("reason", "String"),
-    Column("payload_b64", "String", "''"),
-    Column("received_at", "DateTime64(3)", "now64(3)"),
-    _inserted_at(),
-), key=("topic", "partition", "offset"))
+DEAD_LETTERS = Table(
+    "dead_letters",
+    "malformed input, kept with the reason",
+    (
+        Column("topic", "LowCardinality(String)"),
+        Column("partition", "UInt32"),
+        Column("offset", "UInt64"),
+        Column("key", "String", "''"),
+        Column("reason", "String"),
+        Column("payload_b64", "String", "''"),
+        Column("received_at", "DateTime64(3)", "now64(3)"),
+        _inserted_at(),
+    ),
+    key=("topic", "partition", "offset"),
+)
 
-STREAM_STATE = Table("stream_state", "detector windows and other state of the stream", (
-    _RUN,
-    Column("key", "String"),
-    Column("step", "Int64", comment="last step folded into the state"),
-    Column("state", "String", comment="JSON"),
-    Column("updated_at", "DateTime64(6)", "now64(6)", "version"),
-), key=("run_id", "key"), version="updated_at")
-
+STREAM_STATE = Table(
+    "stream_state",
+    "detector windows and other state of the stream",
+    (
+        _RUN,
+        Column("key", "String"),
+        Column("step", "Int64", comment="last step folded into the state"),
+        Column("state", "String", comment="JSON"),
+        Column("updated_at", "DateTime64(6)", "now64(6)", "version"),
+    ),
+    key=("run_id", "key"),
+    version="updated_at",
+)
 
 
 def _recent(table: Table) -> Table:
@@ -344,33 +450,58 @@ def _recent(table: Table) -> Table:
     retention policy keeps into ``table`` (seeds 001 §12): the buffer survives a worker
     restart because it lives in the store, not in the worker.
     """
-    return Table(f"{table.name}_recent", f"look-back buffer of {table.name} (1 day)",
-                 table.columns, table.key, table.version,
-                 ttl=f"toDateTime({table.version}) + INTERVAL 1 DAY")
+    return Table(
+        f"{table.name}_recent",
+        f"look-back buffer of {table.name} (1 day)",
+        table.columns,
+        table.key,
+        table.version,
+        ttl=f"toDateTime({table.version}) + INTERVAL 1 DAY",
+    )
 
 
-RECENT_TABLES: tuple[Table, ...] = tuple(_recent(t) for t in (RANK_METRICS, TENSOR_STATS,
-                                                               EXPERT_STATS))
+RECENT_TABLES: tuple[Table, ...] = tuple(
+    _recent(t) for t in (RANK_METRICS, TENSOR_STATS, EXPERT_STATS)
+)
 
-TABLES: tuple[Table, ...] = (RUNS, STEP_METRICS, SOURCE_METRICS, RANK_METRICS, TENSOR_STATS,
-                             EXPERT_STATS, GRAD_GROUP_STATS, TENSOR_NAMES, ANOMALIES, ALERTS,
-                             EVALUATIONS, DEAD_LETTERS, STREAM_STATE, *RECENT_TABLES)
+TABLES: tuple[Table, ...] = (
+    RUNS,
+    STEP_METRICS,
+    SOURCE_METRICS,
+    RANK_METRICS,
+    TENSOR_STATS,
+    EXPERT_STATS,
+    GRAD_GROUP_STATS,
+    TENSOR_NAMES,
+    ANOMALIES,
+    ALERTS,
+    EVALUATIONS,
+    DEAD_LETTERS,
+    STREAM_STATE,
+    *RECENT_TABLES,
+)
 
 
 def sensitive_artifacts(ttl_days: int) -> Table:
     """The opt-in table of raw samples and token traces; rows expire after ``ttl_days``."""
     if not 1 <= int(ttl_days) <= 90:
         raise ValueError(f"ttl_days must lie in [1, 90], got {ttl_days!r}")
-    return Table("sensitive_artifacts", "opt-in raw samples and token traces, short-lived", (
-        _RUN, _STEP,
-        Column("rank", "UInt32"),
-        _name("kind", "sample, token_trace, ..."),
-        Column("name", "String", "''"),
-        Column("content", "String"),
-        Column("created_at", "DateTime64(3)", "now64(3)"),
-        _inserted_at(),
-    ), key=("run_id", "step", "rank", "kind", "name"),
-        ttl=f"toDateTime(created_at) + INTERVAL {int(ttl_days)} DAY")
+    return Table(
+        "sensitive_artifacts",
+        "opt-in raw samples and token traces, short-lived",
+        (
+            _RUN,
+            _STEP,
+            Column("rank", "UInt32"),
+            _name("kind", "sample, token_trace, ..."),
+            Column("name", "String", "''"),
+            Column("content", "String"),
+            Column("created_at", "DateTime64(3)", "now64(3)"),
+            _inserted_at(),
+        ),
+        key=("run_id", "step", "rank", "kind", "name"),
+        ttl=f"toDateTime(created_at) + INTERVAL {int(ttl_days)} DAY",
+    )
 
 
 SENSITIVE_ARTIFACTS = "sensitive_artifacts"
@@ -390,31 +521,59 @@ class Migration:
 
 
 MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "runs, step/source/rank metrics, tensor and expert statistics (and their "
-                 "look-back buffers), anomalies, alerts, evaluations, dead letters, "
-                 "stream state",
-              tuple(t.ddl("{db}") for t in TABLES)),
-    Migration(2, "step_metrics: media scale, the weakest residual branch, the straggler's "
-                 "own-time ratio",
-              tuple(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-                    "AFTER output_absmax" for c in reversed(_STEP_METRICS_V2))),
-    Migration(3, "step_metrics: learning rates; runs: status crashed",
-              (*(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-                 "AFTER straggler_own_ratio" for c in reversed(_STEP_METRICS_V3)),
-               f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'")),
-    Migration(4, "step_metrics: the seeds' formed series and the guard's per-step events; "
-                 "grad_group_stats",
-              (*(f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-                 "AFTER lr_groups" for c in reversed(_STEP_METRICS_V4)),
-               GRAD_GROUP_STATS.ddl("{db}"))),
-    Migration(5, "step_metrics: compact parts up to 256 MiB",
-              # one data file per part instead of one or two per column: a 50,000-row insert
-              # into the 61-column table spent ~0.15 s creating a wide part's files; merges
-              # still write wide parts above the limit; no stored value changes
-              ("ALTER TABLE {db}.step_metrics MODIFY SETTING "
-               f"min_bytes_for_wide_part = {256 << 20}",)),
-    Migration(6, "tensor_names: each tensor label of a run once, with its block, role and "
-                 "expert", (TENSOR_NAMES.ddl("{db}"),)),
+    Migration(
+        1,
+        "runs, step/source/rank metrics, tensor and expert statistics (and their "
+        "look-back buffers), anomalies, alerts, evaluations, dead letters, "
+        "stream state",
+        tuple(t.ddl("{db}") for t in TABLES),
+    ),
+    Migration(
+        2,
+        "step_metrics: media scale, the weakest residual branch, the straggler's own-time ratio",
+        tuple(
+            f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+            "AFTER output_absmax"
+            for c in reversed(_STEP_METRICS_V2)
+        ),
+    ),
+    Migration(
+        3,
+        "step_metrics: learning rates; runs: status crashed",
+        (
+            *(
+                f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+                "AFTER straggler_own_ratio"
+                for c in reversed(_STEP_METRICS_V3)
+            ),
+            f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'",
+        ),
+    ),
+    Migration(
+        4,
+        "step_metrics: the seeds' formed series and the guard's per-step events; grad_group_stats",
+        (
+            *(
+                f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
+                "AFTER lr_groups"
+                for c in reversed(_STEP_METRICS_V4)
+            ),
+            GRAD_GROUP_STATS.ddl("{db}"),
+        ),
+    ),
+    Migration(
+        5,
+        "step_metrics: compact parts up to 256 MiB",
+        # one data file per part instead of one or two per column: a 50,000-row insert
+        # into the 61-column table spent ~0.15 s creating a wide part's files; merges
+        # still write wide parts above the limit; no stored value changes
+        (f"ALTER TABLE {{db}}.step_metrics MODIFY SETTING min_bytes_for_wide_part = {256 << 20}",),
+    ),
+    Migration(
+        6,
+        "tensor_names: each tensor label of a run once, with its block, role and expert",
+        (TENSOR_NAMES.ddl("{db}"),),
+    ),
 )
 
 
@@ -430,7 +589,9 @@ class View:
 # One row per (run_id, step): the nine P0 signals, held-out bits per byte alongside (the
 # latest reference-stream ``bpb`` evaluation at or before the step; with several suites
 # at one step, the one with the most items).
-_FIRST_SCREEN = View("first_screen", """
+_FIRST_SCREEN = View(
+    "first_screen",
+    """
 SELECT
     s.run_id AS run_id, s.step AS step, s.tokens AS tokens, s.flops AS flops,
     s.loss AS loss, s.loss_worst_rank AS loss_worst_rank,
@@ -452,21 +613,27 @@ ASOF LEFT JOIN (
     WHERE metric = 'bpb' AND reference = 1
     GROUP BY run_id, step
 ) AS e ON s.run_id = e.run_id AND s.step >= e.step
-""")
+""",
+)
 
-_LOSS_BY_SOURCE = View("loss_by_source", """
+_LOSS_BY_SOURCE = View(
+    "loss_by_source",
+    """
 SELECT src.run_id AS run_id, src.step AS step, run.tokens AS tokens, src.source AS source,
        src.loss AS loss, src.token_share AS token_share, src.tokens AS source_tokens
 FROM (SELECT run_id, step, source, loss, token_share, tokens
       FROM {db}.source_metrics FINAL) AS src
 LEFT JOIN (SELECT run_id, step, tokens FROM {db}.step_metrics FINAL) AS run
     ON src.run_id = run.run_id AND src.step = run.step
-""")
+""",
+)
 
 # RMS, absolute mean, mean and excess kurtosis from the reduced power sums, over the finite
 # elements the sums cover (m = n - nonfinite, as ``scan.summarize``); the zero fraction over
 # all n elements (kurtosis only where sum3/sum4 were measured and the variance resolvable).
-_TENSOR_VIEW = View("tensor_view", """
+_TENSOR_VIEW = View(
+    "tensor_view",
+    """
 SELECT run_id, step, tensor, kind, n, abs_max, nonfinite, rms, abs_mean, zero_frac, mean,
     if(m > 0 AND m4 IS NOT NULL AND m2 > 1e-10 * e2, m4 / (m2 * m2) - 3, NULL)
         AS excess_kurtosis
@@ -480,12 +647,15 @@ FROM (
         sum4 / m - 4 * mu * sum3 / m + 6 * mu * mu * e2 - 3 * pow(mu, 4) AS m4
     FROM {db}.tensor_stats FINAL
 )
-""")
+""",
+)
 
 # Per (run, step, layer): I, MaxVio, H_norm, dead ratio and shard imbalance from the
 # expert loads c_i (seeds 001 §7). H = log T - sum c_i log c_i / T over c_i > 0.
 # Layers that received no valid token are left out, not reported as zero.
-_EXPERT_BALANCE = View("expert_balance", """
+_EXPERT_BALANCE = View(
+    "expert_balance",
+    """
 SELECT run_id, step, layer,
     count() AS experts,
     sum(tokens) AS layer_tokens,
@@ -501,6 +671,7 @@ SELECT run_id, step, layer,
 FROM {db}.expert_stats FINAL
 GROUP BY run_id, step, layer
 HAVING layer_tokens > 0
-""")
+""",
+)
 
 VIEWS: tuple[View, ...] = (_FIRST_SCREEN, _LOSS_BY_SOURCE, _TENSOR_VIEW, _EXPERT_BALANCE)

@@ -12,9 +12,10 @@ import json
 import logging
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Sequence
+from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = ["AlertmanagerWebhook", "to_alertmanager"]
@@ -25,13 +26,20 @@ log = logging.getLogger(__name__)
 def to_alertmanager(alert: dict[str, Any]) -> dict[str, Any]:
     """One probewire alert row as an Alertmanager alert (labels identify, annotations explain)."""
     return {
-        "labels": {"alertname": f"probewire_{alert['signal']}", "run_id": alert["run_id"],
-                   "signal": alert["signal"], "severity": alert["severity"]},
-        "annotations": {"summary": alert["message"],
-                        "description": "open next: " + " -> ".join(alert["next_steps"]),
-                        "step": str(alert["step"]), "tokens": str(alert["tokens"]),
-                        "ranks": ",".join(map(str, alert["ranks"]))},
-        "startsAt": datetime.now(timezone.utc).isoformat(),
+        "labels": {
+            "alertname": f"probewire_{alert['signal']}",
+            "run_id": alert["run_id"],
+            "signal": alert["signal"],
+            "severity": alert["severity"],
+        },
+        "annotations": {
+            "summary": alert["message"],
+            "description": "open next: " + " -> ".join(alert["next_steps"]),
+            "step": str(alert["step"]),
+            "tokens": str(alert["tokens"]),
+            "ranks": ",".join(map(str, alert["ranks"])),
+        },
+        "startsAt": datetime.now(UTC).isoformat(),
     }
 
 
@@ -57,14 +65,18 @@ class AlertmanagerWebhook:
         if not self.url or not alerts:
             return True
         body = json.dumps([to_alertmanager(a) for a in alerts]).encode()
-        request = urllib.request.Request(self.url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 ok = 200 <= response.status < 300
         except (urllib.error.URLError, OSError) as exc:
-            log.warning("probewire: alert webhook %s failed: %s", where(self.url),
-                        getattr(exc, "reason", exc))
+            log.warning(
+                "probewire: alert webhook %s failed: %s",
+                where(self.url),
+                getattr(exc, "reason", exc),
+            )
             ok = False
         except (ValueError, http.client.InvalidURL):  # its text may hold the secret: not logged
             log.warning("probewire: alert webhook %s failed: not a valid URL", where(self.url))

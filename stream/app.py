@@ -18,8 +18,9 @@ Delivery is at-least-once and every write is idempotent:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import faust
 
@@ -52,10 +53,14 @@ class _App(faust.App):
         self.add_future(self.probewire_worker.open())
 
 
-def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
-               open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
-               before_event: Callable[..., bool] = lambda agent, partition=None: False
-               ) -> faust.App:
+def create_app(
+    config: StreamConfig,
+    kafka: KafkaConfig,
+    topics: TopicConfig,
+    open_store: Callable[[], ClickHouseSink],
+    heartbeat_path: Path,
+    before_event: Callable[..., bool] = lambda agent, partition=None: False,
+) -> faust.App:
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
     use_fetch_wait(config.fetch_max_wait_ms)
@@ -83,9 +88,15 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
         datadir=str(heartbeat_path.parent / "faust-{conf.id}"),
     )
     client_config = kafka.client_config()  # a missing SASL password fails here, at build
-    worker = Worker(config, topics, lambda: Publisher(client_config, config.max_message_bytes),
-                    open_store, heartbeat_path, before_event,
-                    make_gap_reader=lambda: GapReader(client_config, config.app_id))
+    worker = Worker(
+        config,
+        topics,
+        lambda: Publisher(client_config, config.max_message_bytes),
+        open_store,
+        heartbeat_path,
+        before_event,
+        make_gap_reader=lambda: GapReader(client_config, config.app_id),
+    )
     app.probewire_worker = worker
 
     @app.agent(app.topic(topics.metrics))
@@ -142,8 +153,7 @@ def create_app(config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig,
                 rows = [r for r in map(_evaluation_row, batch) if r is not None]
                 await worker.store_rows("evaluations", rows)
                 for row in rows:
-                    progress = worker.heartbeat.runs.setdefault(row["run_id"],
-                                                                {"steps_written": 0})
+                    progress = worker.heartbeat.runs.setdefault(row["run_id"], {"steps_written": 0})
                     progress["evals_written"] = progress.get("evals_written", 0) + 1
 
     @app.timer(interval=0.05)
@@ -160,10 +170,27 @@ def _evaluation_row(payload: bytes) -> dict[str, Any] | None:
     try:
         record = json.loads(payload)
         value = record.get("value")
-        row = {k: record[k] for k in (
-            "run_id", "step", "tokens", "flops", "suite", "metric", "n_items", "weights_stream",
-            "reference", "dataset_version", "tokenizer_version", "prompt_version",
-            "decoding_version", "postprocess_version", "judge_version") if k in record}
+        row = {
+            k: record[k]
+            for k in (
+                "run_id",
+                "step",
+                "tokens",
+                "flops",
+                "suite",
+                "metric",
+                "n_items",
+                "weights_stream",
+                "reference",
+                "dataset_version",
+                "tokenizer_version",
+                "prompt_version",
+                "decoding_version",
+                "postprocess_version",
+                "judge_version",
+            )
+            if k in record
+        }
         row["value"] = float("nan") if value is None else float(value)
     except (ValueError, TypeError, AttributeError):
         return None

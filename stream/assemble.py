@@ -38,7 +38,7 @@ REPLAY = "replay"
 _GROUP_ORDER = tuple(g.value for g in Group)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _distinguishing(replicated_over: frozenset[Group]) -> tuple[str, ...]:
     """The parallel groups whose coordinates tell two non-replica ranks apart."""
     return tuple(g for g in _GROUP_ORDER if Group(g) not in replicated_over)
@@ -49,7 +49,7 @@ def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]
     return tuple(coords.get(g, 0) for g in groups)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(name: str) -> tuple[Reduction, tuple[str, ...]]:
     """A metric's reduction and the groups whose coordinates make its replica classes."""
     spec = CATALOG[name]
@@ -81,8 +81,9 @@ def _apply(reduction: Reduction, values: Sequence[float]) -> float:
     raise ValueError(f"no cross-rank value for reduction {reduction}")
 
 
-def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep],
-                reason: str) -> ReducedStep:
+def reduce_step(
+    run_id: str, step: int, world_size: int, records: list[RankStep], reason: str
+) -> ReducedStep:
     """Reduce one step's per-rank records with the catalog's rules."""
     records = sorted(records, key=lambda r: r.rank)
     values = [r.values for r in records]
@@ -124,11 +125,17 @@ def reduce_step(run_id: str, step: int, world_size: int, records: list[RankStep]
         reduced[key] = _apply(reduction, representatives)
     reporting = [r.rank for r in records]
     return ReducedStep(
-        run_id=run_id, step=step, world_size=world_size, ranks_reporting=reporting,
-        ranks_missing=sorted(set(range(world_size)) - set(reporting)), reduced=reduced,
+        run_id=run_id,
+        step=step,
+        world_size=world_size,
+        ranks_reporting=reporting,
+        ranks_missing=sorted(set(range(world_size)) - set(reporting)),
+        reduced=reduced,
         per_rank={r.rank: dict(r.values) for r in records},
         hosts={r.rank: r.host for r in records},
-        coords={r.rank: dict(r.coords) for r in records}, complete_reason=reason)
+        coords={r.rank: dict(r.coords) for r in records},
+        complete_reason=reason,
+    )
 
 
 @dataclass(slots=True)
@@ -142,8 +149,8 @@ class _Pending:
 @dataclass(slots=True, kw_only=True)
 class AddResult:
     completed: list[ReducedStep]
-    late: RankStep | None = None      # arrived after its step was emitted
-    duplicate: bool = False           # re-delivery of a message already counted
+    late: RankStep | None = None  # arrived after its step was emitted
+    duplicate: bool = False  # re-delivery of a message already counted
 
 
 class StepAssembler:
@@ -178,17 +185,25 @@ class StepAssembler:
         if len(pending.records) < pending.world_size:
             return AddResult(completed=[])
         completed = [self._emit(key, "all_ranks")]
-        earlier = sorted(k for k, p in self._pending.items() if k[0] == record.run_id
-                         and len(k) == 2 and k[1] < record.step
-                         and p.partition == pending.partition)
+        earlier = sorted(
+            k
+            for k, p in self._pending.items()
+            if k[0] == record.run_id
+            and len(k) == 2
+            and k[1] < record.step
+            and p.partition == pending.partition
+        )
         completed = [self._emit(k, "later_step") for k in earlier] + completed
         return AddResult(completed=completed)
 
     def _add_replay(self, record: RankStep, now: float, partition: int) -> AddResult:
         key = (record.run_id, record.step, REPLAY)
         done = self._done.get(key)
-        pending = None if done is not None else self._pending.setdefault(
-            key, _Pending(record.world_size, now, partition))
+        pending = (
+            None
+            if done is not None
+            else self._pending.setdefault(key, _Pending(record.world_size, now, partition))
+        )
         if pending is None or record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)  # this rank's replay is counted
         pending.records[record.rank] = record
@@ -198,8 +213,10 @@ class StepAssembler:
 
     def expire(self, now: float) -> list[ReducedStep]:
         """Emit every pending step whose deadline has passed, in (run, step) order."""
-        due = sorted((k for k, p in self._pending.items()
-                      if now - p.first_seen >= self.deadline_s), key=lambda k: k[:2])
+        due = sorted(
+            (k for k, p in self._pending.items() if now - p.first_seen >= self.deadline_s),
+            key=lambda k: k[:2],
+        )
         return [self._emit(k, "deadline") for k in due]
 
     def flush(self) -> list[ReducedStep]:
@@ -213,5 +230,6 @@ class StepAssembler:
         self._done[key] = frozenset(pending.records)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)
-        return reduce_step(key[0], key[1], pending.world_size, list(pending.records.values()),
-                           reason)
+        return reduce_step(
+            key[0], key[1], pending.world_size, list(pending.records.values()), reason
+        )

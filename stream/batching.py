@@ -16,8 +16,9 @@ One batch is in flight at a time; the caller holds it between ``take`` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import check
 from .stage2 import Stage2Output
@@ -29,9 +30,9 @@ __all__ = ["Batch", "BatchConfig", "StoreBatch"]
 class BatchConfig:
     """Stage 2's store batches (``stream.batch``)."""
 
-    steps: int = 500                 # write once this many step messages wait ...
-    within_s: float = 0.25           # ... or this long after the oldest (alerts never wait)
-    retry_max_s: float = 5.0         # longest pause between retries of a failed write
+    steps: int = 500  # write once this many step messages wait ...
+    within_s: float = 0.25  # ... or this long after the oldest (alerts never wait)
+    retry_max_s: float = 5.0  # longest pause between retries of a failed write
     max_backlog_steps: int = 50_000  # stop taking input while this many wait for the store
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class Batch:
         if self.oldest_at is None:
             self.oldest_at = now
 
-    def extend(self, later: "Batch") -> None:
+    def extend(self, later: Batch) -> None:
         for run_id, out in later.outputs.items():
             self.outputs.setdefault(run_id, Stage2Output()).extend(out)
         self.acks += later.acks
@@ -92,8 +93,11 @@ class StoreBatch:
 
     @property
     def oldest_at(self) -> float | None:
-        times = [b.oldest_at for b in (self._in_flight, self._pending)
-                 if b is not None and b.oldest_at is not None]
+        times = [
+            b.oldest_at
+            for b in (self._in_flight, self._pending)
+            if b is not None and b.oldest_at is not None
+        ]
         return min(times) if times else None
 
     @property
@@ -106,8 +110,11 @@ class StoreBatch:
         p, now = self._pending, self.clock()
         if self._in_flight is not None or p.oldest_at is None or now < self._retry_at:
             return False
-        return len(p.acks) >= self.config.steps or now - p.oldest_at >= self.config.within_s \
+        return (
+            len(p.acks) >= self.config.steps
+            or now - p.oldest_at >= self.config.within_s
             or self.failures > 0
+        )
 
     def take(self, snapshot: Callable[[str], tuple[int, dict[str, Any]]]) -> Batch | None:
         """Start a write: the pending batch with each run's state as it stands now (call in

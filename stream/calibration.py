@@ -12,8 +12,8 @@ gives no threshold.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -22,11 +22,16 @@ from .detect import calibrate
 __all__ = ["COLUMNS", "Calibration", "calibrate_run", "held_level"]
 
 # stream setting -> step_metrics column it is calibrated on
-CALIBRATED = {"loss_z_threshold": "loss", "grad_z_threshold": "grad_norm",
-              "signal_z_threshold": "step_time_s"}
+CALIBRATED = {
+    "loss_z_threshold": "loss",
+    "grad_z_threshold": "grad_norm",
+    "signal_z_threshold": "step_time_s",
+}
 # held-level setting -> (step_metrics column, the stream setting naming k)
-HELD = {"maxvio_threshold": ("moe_maxvio", "maxvio_steps"),
-        "straggler_ratio": ("straggler_own_ratio", "straggler_steps")}
+HELD = {
+    "maxvio_threshold": ("moe_maxvio", "maxvio_steps"),
+    "straggler_ratio": ("straggler_own_ratio", "straggler_steps"),
+}
 COLUMNS = tuple(sorted({*CALIBRATED.values(), *(c for c, _ in HELD.values())}))
 
 
@@ -38,8 +43,9 @@ class Calibration:
     n_steps: int
 
 
-def held_level(values: Sequence[float | None], steps: int, skip: int, quantile: float,
-               margin: float) -> float | None:
+def held_level(
+    values: Sequence[float | None], steps: int, skip: int, quantile: float, margin: float
+) -> float | None:
     """margin x quantile of the rolling minimum over ``steps`` consecutive measured values
     (a missing value breaks the run), ignoring the first ``skip`` values; None when no
     run of ``steps`` values exists."""
@@ -53,17 +59,22 @@ def held_level(values: Sequence[float | None], steps: int, skip: int, quantile: 
     return margin * float(np.quantile(np.asarray(held, dtype=np.float64), quantile))
 
 
-def calibrate_run(series: Mapping[str, Sequence[float | None]], window: int,
-                  quantile: float = 0.999, margin: float = 1.5,
-                  held_steps: Mapping[str, int] | None = None) -> list[Calibration]:
+def calibrate_run(
+    series: Mapping[str, Sequence[float | None]],
+    window: int,
+    quantile: float = 0.999,
+    margin: float = 1.5,
+    held_steps: Mapping[str, int] | None = None,
+) -> list[Calibration]:
     """One threshold per calibrated setting; missing values (None) are dropped first.
     ``held_steps`` maps each HELD setting's k setting (``maxvio_steps``, ...) to its value
     (default 3); a held-level series that is absent gives no row."""
     out = []
     for setting, column in CALIBRATED.items():
         values = [v for v in series.get(column, []) if v is not None and math.isfinite(v)]
-        out.append(Calibration(setting, column, calibrate(values, window, quantile, margin),
-                               len(values)))
+        out.append(
+            Calibration(setting, column, calibrate(values, window, quantile, margin), len(values))
+        )
     for setting, (column, k_setting) in HELD.items():
         values = list(series.get(column, []))
         k = (held_steps or {}).get(k_setting, 3)

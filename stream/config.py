@@ -25,12 +25,12 @@ class StreamConfig:
     """The Faust worker: step completion, per-run processing, store batches, bounds, health."""
 
     app_id: str = "probewire"
-    role: str = "all"                 # one of ROLES; see docs/deployment.md
-    deadline_s: float = 30.0          # stage 1 reduces what arrived after this long
+    role: str = "all"  # one of ROLES; see docs/deployment.md
+    deadline_s: float = 30.0  # stage 1 reduces what arrived after this long
     max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
     alert_webhook_url: str = ""
     web_bind: str = "127.0.0.1"
-    fetch_max_wait_ms: int = 50       # Tansu answers a waiting fetch only at its deadline
+    fetch_max_wait_ms: int = 50  # Tansu answers a waiting fetch only at its deadline
     stage2: Stage2Config = field(default_factory=Stage2Config)
     batch: BatchConfig = field(default_factory=BatchConfig)
     bounds: Bounds = field(default_factory=Bounds)
@@ -41,13 +41,22 @@ class StreamConfig:
         check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
         check(self.deadline_s > 0, "deadline_s", "must be > 0")
         check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")
-        check(10_000 <= self.max_message_bytes <= 100_000_000, "max_message_bytes",
-              "must lie in [10000, 100000000] (the broker's message.max.bytes)")
+        check(
+            10_000 <= self.max_message_bytes <= 100_000_000,
+            "max_message_bytes",
+            "must lie in [10000, 100000000] (the broker's message.max.bytes)",
+        )
         with within("stage2"):
-            check(self.stage2.max_wait_s > self.deadline_s, "max_wait_s",
-                  f"must be > stream.deadline_s ({self.deadline_s}): a step completed by "
-                  "its deadline would find its gap skipped")
+            check(
+                self.stage2.max_wait_s > self.deadline_s,
+                "max_wait_s",
+                f"must be > stream.deadline_s ({self.deadline_s}): a step completed by "
+                "its deadline would find its gap skipped",
+            )
         with within("health"):
-            check(self.health.stall_s > self.stage2.max_wait_s, "stall_s",
-                  f"must be > stream.stage2.max_wait_s ({self.stage2.max_wait_s}): steps "
-                  "wait that long for a gap by design")
+            check(
+                self.health.stall_s > self.stage2.max_wait_s,
+                "stall_s",
+                f"must be > stream.stage2.max_wait_s ({self.stage2.max_wait_s}): steps "
+                "wait that long for a gap by design",
+            )

@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 from faust.transport.drivers.aiokafka import Consumer as _FaustConsumer
 from mode.services import WaitResults

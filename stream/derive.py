@@ -65,9 +65,7 @@ def _loss_components(
     sums = _vector("loss_sums", loss_sums)
     counts = _counts("token_counts", token_counts)
     if sums.shape != counts.shape:
-        raise ValueError(
-            f"loss_sums has {sums.size} ranks but token_counts has {counts.size}"
-        )
+        raise ValueError(f"loss_sums has {sums.size} ranks but token_counts has {counts.size}")
     if np.any(sums[counts == 0] != 0):
         raise ValueError("loss_sums must be 0 on a rank whose token_counts is 0")
     return sums, counts
@@ -140,7 +138,8 @@ def loss_by_group(
         valid = _scalar("total_tokens", total_tokens, positive=False)
     return {
         group: (s / n, n / valid if valid else math.nan, n)
-        for group, (s, n) in totals.items() if n > 0
+        for group, (s, n) in totals.items()
+        if n > 0
     }
 
 
@@ -192,8 +191,9 @@ whose reported wait covers its whole step (clock or measurement skew) would othe
 have an own time of 0, and a ratio against it no bound (the old clamp reached 2e11)."""
 
 
-def own_times(step_times: Mapping[int, float], waits: Mapping[int, float],
-              floor: float = OWN_FLOOR) -> dict[int, float]:
+def own_times(
+    step_times: Mapping[int, float], waits: Mapping[int, float], floor: float = OWN_FLOOR
+) -> dict[int, float]:
     """Per rank r its own time o_r = tau_r - min(max(w_r, 0), tau_r), at least floor * tau_r.
 
     ``waits`` holds the exposed collective wait w_r each rank reported (summed over ops;
@@ -238,11 +238,16 @@ def own_time_ratios(own: Mapping[int, float]) -> dict[int, float]:
     return dict(sorted(ratios.items()))
 
 
-def rank_means(loss_sums: Mapping[int, float], token_counts: Mapping[int, float]) -> dict[int, float]:
+def rank_means(
+    loss_sums: Mapping[int, float], token_counts: Mapping[int, float]
+) -> dict[int, float]:
     """L_r = S_r / N_r per rank (seeds 001 §3, local mean loss); a rank with no valid token,
     or with only one of the two components, has no measurement and is left out."""
-    return {r: float(loss_sums[r]) / float(n) for r, n in token_counts.items()
-            if r in loss_sums and n > 0}
+    return {
+        r: float(loss_sums[r]) / float(n)
+        for r, n in token_counts.items()
+        if r in loss_sums and n > 0
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +330,13 @@ def rms_from_components(sum_sq: float, count: float) -> float | None:
     return math.sqrt(float(sum_sq) / n) if n > 0 else None
 
 
-def media_scale(media_sum_sq: float | None, media_n: float | None, text_sum_sq: float | None,
-                text_n: float | None, eps: float = 1e-12) -> float | None:
+def media_scale(
+    media_sum_sq: float | None,
+    media_n: float | None,
+    text_sum_sq: float | None,
+    text_n: float | None,
+    eps: float = 1e-12,
+) -> float | None:
     """gamma = RMS(e_media) / (RMS(e_text) + eps) over the embeddings entering the backbone,
     each RMS from its cross-rank sum of squares and element count (seeds 001 §9). None
     unless all four were reported and both counts are > 0; NaN for a NaN or negative sum
@@ -336,8 +346,10 @@ def media_scale(media_sum_sq: float | None, media_n: float | None, text_sum_sq: 
         return None
     if not (media_sum_sq >= 0 and text_sum_sq >= 0):
         return math.nan
-    media, text = rms_from_components(media_sum_sq, media_n), rms_from_components(
-        text_sum_sq, text_n)
+    media, text = (
+        rms_from_components(media_sum_sq, media_n),
+        rms_from_components(text_sum_sq, text_n),
+    )
     return media / (text + _scalar("eps", eps, positive=True))
 
 
@@ -362,8 +374,13 @@ class GradStats:
     zero_frac: float | None
 
 
-def grad_stats(abs_sum: float | None, abs_max: float | None, zeros: float | None,
-               elements: float | None, nonfinite: float | None) -> GradStats | None:
+def grad_stats(
+    abs_sum: float | None,
+    abs_max: float | None,
+    zeros: float | None,
+    elements: float | None,
+    nonfinite: float | None,
+) -> GradStats | None:
     """G_mean = Σ|g| / (P − non-finite) (Σ|g| runs over finite elements), G_max = max |g|,
     Z_g = zeros / P, from the cross-rank sums (max for G_max) of the gradient components
     (seeds 001 §4). None when no element was reported (P absent or 0); a mean over no
@@ -374,8 +391,11 @@ def grad_stats(abs_sum: float | None, abs_max: float | None, zeros: float | None
     if p == 0:
         return None
     finite = p - _scalar("nonfinite", nonfinite or 0.0, positive=False)
-    return GradStats(abs_mean=float(abs_sum) / finite if finite > 0 else None,
-                     abs_max=abs_max, zero_frac=_scalar("zeros", zeros, positive=False) / p)
+    return GradStats(
+        abs_mean=float(abs_sum) / finite if finite > 0 else None,
+        abs_max=abs_max,
+        zero_frac=_scalar("zeros", zeros, positive=False) / p,
+    )
 
 
 def comm_wait_frac(waits: Mapping[int, float], tau: float | None) -> float | None:
@@ -389,8 +409,7 @@ def comm_wait_frac(waits: Mapping[int, float], tau: float | None) -> float | Non
     return min(max(max(finite), 0.0), tau) / tau
 
 
-def update_ratio(update_sum_sq: float, param_sum_sq: float, eps: float = 1e-12
-                 ) -> float | None:
+def update_ratio(update_sum_sq: float, param_sum_sq: float, eps: float = 1e-12) -> float | None:
     """ρ = ‖Δw‖ / (‖w‖ + ε) over the scanned parameters (seeds 001 §6: RMS(Δw)/RMS(w) with
     the same elements on both sides, so the element counts cancel), from the cross-rank
     sums of Δw² and w². None when no parameter was scanned (‖w‖² = 0 and ‖Δw‖² = 0)."""
@@ -398,8 +417,7 @@ def update_ratio(update_sum_sq: float, param_sum_sq: float, eps: float = 1e-12
         raise ValueError("update_sum_sq and param_sum_sq must be >= 0")
     if update_sum_sq == 0 and param_sum_sq == 0:
         return None
-    return math.sqrt(update_sum_sq) / (math.sqrt(param_sum_sq) + _scalar("eps", eps,
-                                                                          positive=True))
+    return math.sqrt(update_sum_sq) / (math.sqrt(param_sum_sq) + _scalar("eps", eps, positive=True))
 
 
 def dead_expert_ratio(layers: Sequence[Sequence[float]]) -> float | None:

@@ -147,23 +147,44 @@ class RobustSpikeDetector:
         if not math.isfinite(x) or x + self.eps <= 0.0:
             direction = 0 if math.isnan(x) else (1 if x > 0 else -1)
             return SpikeResult(
-                x=x, u=None, median=None, mad=None, z=None, direction=direction,
-                spike=True, warmup=warmup, nonfinite=True,
+                x=x,
+                u=None,
+                median=None,
+                mad=None,
+                z=None,
+                direction=direction,
+                spike=True,
+                warmup=warmup,
+                nonfinite=True,
             )
         u = math.log(x + self.eps)
         if warmup:
             self._add(u)
             return SpikeResult(
-                x=x, u=u, median=None, mad=None, z=None, direction=0,
-                spike=False, warmup=True, nonfinite=False,
+                x=x,
+                u=u,
+                median=None,
+                mad=None,
+                z=None,
+                direction=0,
+                spike=False,
+                warmup=True,
+                nonfinite=False,
             )
         q, d = sorted_median_mad(self._sorted)
         z = abs(robust_z(u - q, d, self.min_spread))
         direction = (u > q) - (u < q)
         self._add(u)
         return SpikeResult(
-            x=x, u=u, median=q, mad=d, z=z, direction=direction,
-            spike=direction > 0 and z > self.threshold, warmup=False, nonfinite=False,
+            x=x,
+            u=u,
+            median=q,
+            mad=d,
+            z=z,
+            direction=direction,
+            spike=direction > 0 and z > self.threshold,
+            warmup=False,
+            nonfinite=False,
         )
 
     def peek(self, x: float) -> SpikeResult:
@@ -274,7 +295,10 @@ class CoSpikeTracker:
                 magnitude = min(loss.z, grad.z)
                 self.cumulative_magnitude += magnitude
         return CoSpikeResult(
-            co_spike=co_spike, nonfinite=nonfinite, magnitude=magnitude, count=self.count,
+            co_spike=co_spike,
+            nonfinite=nonfinite,
+            magnitude=magnitude,
+            count=self.count,
             nonfinite_count=self.nonfinite_count,
             cumulative_magnitude=self.cumulative_magnitude,
         )
@@ -376,8 +400,7 @@ class RankLevels:
     recent: int = 40
     min_history: int | None = None
     floor: float = 1.0
-    _recent: dict[int, deque[tuple[int, float]]] = field(init=False, repr=False,
-                                                         compare=False)
+    _recent: dict[int, deque[tuple[int, float]]] = field(init=False, repr=False, compare=False)
     _history: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
     _sorted: dict[int, list[float]] = field(init=False, repr=False, compare=False)
     _step: int | None = field(init=False, repr=False, compare=False)
@@ -391,7 +414,8 @@ class RankLevels:
             self.min_history = self.window
         if not 3 <= self.min_history <= self.window:
             raise ValueError(
-                f"min_history must be in [3, window={self.window}], got {self.min_history!r}")
+                f"min_history must be in [3, window={self.window}], got {self.min_history!r}"
+            )
         self._recent, self._history, self._sorted, self._step = {}, {}, {}, None
 
     def update(self, step: int, ratios: Mapping[int, float]) -> None:
@@ -457,16 +481,29 @@ class RankLevels:
         return sorted(self._recent)
 
     def to_state(self) -> dict[str, object]:
-        return {"window": self.window, "recent": self.recent, "min_history": self.min_history,
-                "floor": self.floor, "step": self._step,
-                "ranks": {str(r): {"recent": [list(p) for p in self._recent[r]],
-                                   "history": list(self._history.get(r, ()))}
-                          for r in self._recent}}
+        return {
+            "window": self.window,
+            "recent": self.recent,
+            "min_history": self.min_history,
+            "floor": self.floor,
+            "step": self._step,
+            "ranks": {
+                str(r): {
+                    "recent": [list(p) for p in self._recent[r]],
+                    "history": list(self._history.get(r, ())),
+                }
+                for r in self._recent
+            },
+        }
 
     @classmethod
     def from_state(cls, state: Mapping[str, object]) -> RankLevels:
-        levels = cls(window=int(state["window"]), recent=int(state["recent"]),
-                     min_history=int(state["min_history"]), floor=float(state.get("floor", 1.0)))
+        levels = cls(
+            window=int(state["window"]),
+            recent=int(state["recent"]),
+            min_history=int(state["min_history"]),
+            floor=float(state.get("floor", 1.0)),
+        )
         levels._step = None if state["step"] is None else int(state["step"])
         for rank, saved in state["ranks"].items():
             recent = [(int(s), float(u)) for s, u in saved["recent"]]

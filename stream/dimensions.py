@@ -30,10 +30,10 @@ def tensor_dimensions(tensor: str) -> tuple[int | None, str, int | None]:
     blocks), and the expert index (None when the tensor is not one expert's)."""
     depth, key = layer_of_tensor(tensor)
     inside = math.isfinite(depth) and depth >= 0
-    rest = tensor[len(key):].lstrip(".") if inside else tensor
+    rest = tensor[len(key) :].lstrip(".") if inside else tensor
     match = _EXPERT.search(rest)
     expert = int(match.group(1)) if match else None
     if match:
-        head = rest[:match.start(1) - 1]  # up to "experts", without ".<index>"
-        rest = head + rest[match.end(1):]
+        head = rest[: match.start(1) - 1]  # up to "experts", without ".<index>"
+        rest = head + rest[match.end(1) :]
     return (int(depth) if inside else None), (rest or BLOCK_ROLE), expert

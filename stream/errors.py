@@ -4,8 +4,8 @@ nothing of probewire, and every package may import it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 __all__ = ["ConfigError", "check", "within"]
 

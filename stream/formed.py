@@ -9,14 +9,30 @@ components the step lacks (not measured at this step's cadence) is None, never z
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Grad, Label, Modality, Moe,
-                                          Output, System, Tensor)
+from probewire.instrument.catalog import (
+    GRAD_GROUPS,
+    Attn,
+    Grad,
+    Label,
+    Modality,
+    Moe,
+    Output,
+    System,
+    Tensor,
+)
 from probewire.instrument.wire import Labels, SeriesKey
 
-from .derive import (comm_wait_frac, dead_expert_ratio, grad_stats, ratio_from_components,
-                     rms_from_components, update_ratio)
+from .derive import (
+    comm_wait_frac,
+    dead_expert_ratio,
+    grad_stats,
+    ratio_from_components,
+    rms_from_components,
+    update_ratio,
+)
 from .records import ReducedStep
 
 __all__ = ["by_name", "formed_series", "grad_group_rows"]
@@ -44,8 +60,11 @@ def _sum(names: dict[str, dict[Labels, float]], name: str) -> float | None:
 
 def _grad(values: dict[SeriesKey, float], labels: tuple) -> dict[str, Any]:
     stats = grad_stats(*(values.get((name, labels)) for name in _GRAD))
-    return {"grad_abs_mean": stats and stats.abs_mean, "grad_abs_max": stats and stats.abs_max,
-            "grad_zero_frac": stats and stats.zero_frac}
+    return {
+        "grad_abs_mean": stats and stats.abs_mean,
+        "grad_abs_max": stats and stats.abs_max,
+        "grad_zero_frac": stats and stats.zero_frac,
+    }
 
 
 def grad_group_rows(item: ReducedStep) -> list[dict[str, Any]]:
@@ -57,8 +76,15 @@ def grad_group_rows(item: ReducedStep) -> list[dict[str, Any]]:
         stats = _grad(item.reduced, labels)
         elements = item.reduced.get((Grad.ELEMENTS, labels))
         if elements:
-            rows.append({"run_id": item.run_id, "step": item.step, "group": group,
-                         "elements": int(elements), **stats})
+            rows.append(
+                {
+                    "run_id": item.run_id,
+                    "step": item.step,
+                    "group": group,
+                    "elements": int(elements),
+                    **stats,
+                }
+            )
     return rows
 
 
@@ -72,8 +98,9 @@ def _update_ratio(names: dict[str, dict[Labels, float]]) -> float | None:
     both = sorted(set(by_kind["param"]) & set(by_kind["update"]))
     if not both:
         return None
-    return update_ratio(math.fsum(by_kind["update"][t] for t in both),
-                        math.fsum(by_kind["param"][t] for t in both))
+    return update_ratio(
+        math.fsum(by_kind["update"][t] for t in both), math.fsum(by_kind["param"][t] for t in both)
+    )
 
 
 def _expert_layers(names: dict[str, dict[Labels, float]]) -> list[list[float]]:
@@ -84,16 +111,16 @@ def _expert_layers(names: dict[str, dict[Labels, float]]) -> list[list[float]]:
     return [[by.get(i, 0.0) for i in range(max(by) + 1)] for by in layers.values()]
 
 
-def formed_series(item: ReducedStep, names: dict[str, dict[Labels, float]],
-                  waits: Mapping[int, float]) -> dict[str, Any]:
+def formed_series(
+    item: ReducedStep, names: dict[str, dict[Labels, float]], waits: Mapping[int, float]
+) -> dict[str, Any]:
     """The step's formed series (the step_metrics columns of migration 4), from its reduced
     values, those grouped by name (``by_name``), and the exposed collective wait of each rank
     that reported one (``comm.wait_s`` summed over ops)."""
     red = item.reduced
     positions = red.get((Output.POSITIONS, ()))
     bos = rms_from_components(*(_sum(names, n) or 0.0 for n in (Attn.BOS_SUM_SQ, Attn.BOS_N)))
-    other = rms_from_components(*(_sum(names, n) or 0.0
-                                  for n in (Attn.VALUE_SUM_SQ, Attn.VALUE_N)))
+    other = rms_from_components(*(_sum(names, n) or 0.0 for n in (Attn.VALUE_SUM_SQ, Attn.VALUE_N)))
     logits = [red.get((n, ())) for n in (Output.LOGITS_SUM_SQ, Output.LOGITS_N)]
     return {
         **_grad(red, ()),
@@ -103,10 +130,12 @@ def formed_series(item: ReducedStep, names: dict[str, dict[Labels, float]],
         "top2_gap_mean": ratio_from_components(red.get((Output.TOP2_GAP_SUM, ())), positions),
         "top2_tie_frac": ratio_from_components(red.get((Output.TOP2_EQUAL, ())), positions),
         "dead_expert_ratio": dead_expert_ratio(_expert_layers(names)),
-        "encoder_grad_share": ratio_from_components(red.get((Modality.ENCODER_GRAD_SQ, ())),
-                                                    red.get((Modality.ALL_GRAD_SQ, ()))),
-        "mtp_agreement": ratio_from_components(_sum(names, Output.MTP_AGREE),
-                                               _sum(names, Output.MTP_POSITIONS)),
+        "encoder_grad_share": ratio_from_components(
+            red.get((Modality.ENCODER_GRAD_SQ, ())), red.get((Modality.ALL_GRAD_SQ, ()))
+        ),
+        "mtp_agreement": ratio_from_components(
+            _sum(names, Output.MTP_AGREE), _sum(names, Output.MTP_POSITIONS)
+        ),
         "bos_value_grad_rms": bos,
         "bos_value_grad_ratio": ratio_from_components(bos, other),
         "ep_bias_abs_sum": _sum(names, Moe.BIAS_ABS_SUM),

@@ -20,8 +20,8 @@ partition's first), while the new partitions are still paused.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 __all__ = ["GapReader", "GapWatch", "Refetched"]
 
@@ -82,14 +82,20 @@ class GapReader:
     joins it (it assigns partitions itself) and commits nothing. Blocking: run it in an
     executor."""
 
-    def __init__(self, client_config: Mapping[str, str], group_id: str,
-                 wait_s: float = 1.0) -> None:
+    def __init__(
+        self, client_config: Mapping[str, str], group_id: str, wait_s: float = 1.0
+    ) -> None:
         from confluent_kafka import Consumer
 
         # a short fetch wait: Tansu answers a waiting fetch only at its deadline
-        self._consumer = Consumer({
-            **client_config, "group.id": group_id, "enable.auto.commit": "false",
-            "fetch.wait.max.ms": "10"})
+        self._consumer = Consumer(
+            {
+                **client_config,
+                "group.id": group_id,
+                "enable.auto.commit": "false",
+                "fetch.wait.max.ms": "10",
+            }
+        )
         self._wait_s = wait_s
 
     def starts(self, topic: str, partitions: Iterable[int]) -> dict[int, int]:
@@ -102,7 +108,8 @@ class GapReader:
         deadline = time.monotonic() + self._wait_s
         try:
             committed = self._consumer.committed(
-                [TopicPartition(topic, p) for p in partitions], timeout=self._wait_s)
+                [TopicPartition(topic, p) for p in partitions], timeout=self._wait_s
+            )
         except KafkaException:
             return {}
         found: dict[int, int] = {}
@@ -113,7 +120,8 @@ class GapReader:
             elif left > 0:
                 try:
                     found[tp.partition], _ = self._consumer.get_watermark_offsets(
-                        TopicPartition(topic, tp.partition), timeout=left)
+                        TopicPartition(topic, tp.partition), timeout=left
+                    )
                 except KafkaException:
                     pass
         return found
@@ -128,8 +136,9 @@ class GapReader:
         while time.monotonic() < deadline:
             for m in self._consumer.consume(end - start, 0.05):
                 if m.error() is None and start <= m.offset() < end:
-                    found[m.offset()] = Refetched(m.key(), m.value(),
-                                                  _Message(topic, partition, m.offset()))
+                    found[m.offset()] = Refetched(
+                        m.key(), m.value(), _Message(topic, partition, m.offset())
+                    )
                 if m.error() is None and m.offset() >= end - 1:
                     deadline = 0.0  # read up to the gap's end: whatever is missing is gone
         self._consumer.unassign()

@@ -14,9 +14,10 @@ import os
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import check
 
@@ -24,8 +25,9 @@ __all__ = ["HealthConfig", "Heartbeat", "Progress", "default_heartbeat_path", "r
 
 
 def default_heartbeat_path(component: str) -> Path:
-    base = os.environ.get("PROBEWIRE_HEARTBEAT_DIR", os.path.join(tempfile.gettempdir(),
-                                                                  "probewire"))
+    base = os.environ.get(
+        "PROBEWIRE_HEARTBEAT_DIR", os.path.join(tempfile.gettempdir(), "probewire")
+    )
     return Path(base) / f"{component}.heartbeat"
 
 
@@ -43,8 +45,14 @@ class Heartbeat:
         if status is not None:
             self.status = status
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"component": self.component, "ts": time.time(), "status": self.status,
-                "pid": os.getpid(), "runs": self.runs, **(extra or {})}
+        body = {
+            "component": self.component,
+            "ts": time.time(),
+            "status": self.status,
+            "pid": os.getpid(),
+            "runs": self.runs,
+            **(extra or {}),
+        }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, default=str))
         os.replace(tmp, self.path)
@@ -62,7 +70,7 @@ def read_heartbeat(path: Path) -> dict[str, Any] | None:
 class HealthConfig:
     """When the worker stops being healthy (``stream.health``)."""
 
-    stall_s: float = 120.0        # input waiting this long with no output
+    stall_s: float = 120.0  # input waiting this long with no output
     deadletter_spike: int = 1000  # dead letters within window_s
     window_s: float = 60.0
 
@@ -75,10 +83,10 @@ class HealthConfig:
 @dataclass(slots=True)
 class _Stage:
     waiting: int = 0
-    waiting_since: float | None = None   # arrival of the oldest input without output
+    waiting_since: float | None = None  # arrival of the oldest input without output
     last_output: float | None = None
     outputs: int = 0
-    error: str = ""                      # the last failure (a store or broker error)
+    error: str = ""  # the last failure (a store or broker error)
 
 
 class Progress:
@@ -87,8 +95,8 @@ class Progress:
     def __init__(self, config: HealthConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock
-        self.agents: dict[str, str] = {}    # name -> "running" | "crashed: ..." | "stopped"
-        self.crashes: dict[str, str] = {}   # name -> the first crash (kept: see agent_crashed)
+        self.agents: dict[str, str] = {}  # name -> "running" | "crashed: ..." | "stopped"
+        self.crashes: dict[str, str] = {}  # name -> the first crash (kept: see agent_crashed)
         self.stages: dict[str, _Stage] = {}
         self._dead_letters: deque[float] = deque()
         self.dead_letters = 0
@@ -127,31 +135,52 @@ class Progress:
     # -- the verdict --------------------------------------------------------------------------
     def reasons(self) -> list[str]:
         now, cfg = self.clock(), self.config
-        out = [f"agent {name} {state}" + ("" if self.agents.get(name, "") == state else
-                                          " (restarted; its input is held: restart the worker)")
-               for name, state in sorted(self.crashes.items())]
+        out = [
+            f"agent {name} {state}"
+            + (
+                ""
+                if self.agents.get(name, "") == state
+                else " (restarted; its input is held: restart the worker)"
+            )
+            for name, state in sorted(self.crashes.items())
+        ]
         for name, s in sorted(self.stages.items()):
             if not s.waiting or s.waiting_since is None:
                 continue
             progress = max(s.waiting_since, s.last_output or s.waiting_since)
             if now - progress >= cfg.stall_s:
                 error = f" (last error: {s.error})" if s.error else ""
-                out.append(f"{name}: {s.waiting} input(s) waiting, no output for "
-                           f"{now - progress:.0f}s{error}")
+                out.append(
+                    f"{name}: {s.waiting} input(s) waiting, no output for "
+                    f"{now - progress:.0f}s{error}"
+                )
         while self._dead_letters and now - self._dead_letters[0] > cfg.window_s:
             self._dead_letters.popleft()
         if len(self._dead_letters) >= cfg.deadletter_spike:
-            out.append(f"{len(self._dead_letters)} dead letters in the last "
-                       f"{cfg.window_s:.0f}s (spike threshold {cfg.deadletter_spike})")
+            out.append(
+                f"{len(self._dead_letters)} dead letters in the last "
+                f"{cfg.window_s:.0f}s (spike threshold {cfg.deadletter_spike})"
+            )
         return out
 
     def report(self) -> dict[str, Any]:
         """The heartbeat's health fields: verdict, reasons, agents, stages."""
         reasons = self.reasons()
         now = self.clock()
-        return {"healthy": not reasons, "reasons": reasons, "agents": dict(self.agents),
-                "dead_letters": self.dead_letters,
-                "stages": {name: {"waiting": s.waiting, "outputs": s.outputs,
-                                  "output_age_s": None if s.last_output is None
-                                  else round(now - s.last_output, 1), "error": s.error}
-                           for name, s in self.stages.items()}}
+        return {
+            "healthy": not reasons,
+            "reasons": reasons,
+            "agents": dict(self.agents),
+            "dead_letters": self.dead_letters,
+            "stages": {
+                name: {
+                    "waiting": s.waiting,
+                    "outputs": s.outputs,
+                    "output_age_s": None
+                    if s.last_output is None
+                    else round(now - s.last_output, 1),
+                    "error": s.error,
+                }
+                for name, s in self.stages.items()
+            },
+        }

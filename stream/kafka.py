@@ -27,19 +27,28 @@ class KafkaConfig:
     def __post_init__(self) -> None:
         check(bool(self.bootstrap.strip()), "bootstrap", "must not be empty")
         protocols = {"PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"}
-        check(self.security_protocol in protocols, "security_protocol",
-              f"must be one of {sorted(protocols)}, got {self.security_protocol!r}")
+        check(
+            self.security_protocol in protocols,
+            "security_protocol",
+            f"must be one of {sorted(protocols)}, got {self.security_protocol!r}",
+        )
         if self.security_protocol.startswith("SASL"):
             mechanisms = {"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
-            check(self.sasl_mechanism in mechanisms, "sasl_mechanism",
-                  f"must be one of {sorted(mechanisms)} with SASL, got {self.sasl_mechanism!r}")
+            check(
+                self.sasl_mechanism in mechanisms,
+                "sasl_mechanism",
+                f"must be one of {sorted(mechanisms)} with SASL, got {self.sasl_mechanism!r}",
+            )
 
     def sasl_password(self) -> str:
         """The SASL password, from the environment variable ``sasl_password_env``; a
         ConfigError naming the variable when it is unset or empty."""
         password = os.environ.get(self.sasl_password_env, "")
-        check(bool(password), "kafka.sasl_password_env",
-              f"SASL needs the password in the environment variable {self.sasl_password_env}")
+        check(
+            bool(password),
+            "kafka.sasl_password_env",
+            f"SASL needs the password in the environment variable {self.sasl_password_env}",
+        )
         return password
 
     def client_config(self) -> dict[str, str]:
@@ -74,8 +83,16 @@ class TopicConfig:
 
     def all(self) -> dict[str, int]:
         """Every topic with its partition count; per-run topics use one partition per run key."""
-        names = [self.metrics, self.steps, self.control, self.checkpoints, self.evals,
-                 self.alerts, self.deadletter, self.runs]
+        names = [
+            self.metrics,
+            self.steps,
+            self.control,
+            self.checkpoints,
+            self.evals,
+            self.alerts,
+            self.deadletter,
+            self.runs,
+        ]
         return {name: self.partitions for name in names}
 
 
@@ -90,7 +107,10 @@ def broker_credentials(kafka: KafkaConfig):
     if kafka.security_protocol in ("SSL", "SASL_SSL"):
         ssl_context = create_ssl_context(cafile=kafka.ssl_ca_location or None)
     if kafka.security_protocol.startswith("SASL"):
-        return faust.SASLCredentials(username=kafka.sasl_username,
-                                     password=kafka.sasl_password(),
-                                     mechanism=kafka.sasl_mechanism, ssl_context=ssl_context)
+        return faust.SASLCredentials(
+            username=kafka.sasl_username,
+            password=kafka.sasl_password(),
+            mechanism=kafka.sasl_mechanism,
+            ssl_context=ssl_context,
+        )
     return faust.SSLCredentials(ssl_context) if ssl_context is not None else None

@@ -53,8 +53,7 @@ def parse_event(payload: bytes | None) -> RunEvent:
         raise EventError(f"run event is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise EventError("run event is not a JSON object")
-    run_id, event, rank, at = (body.get(k) for k in ("run_id", "event", "rank",
-                                                     "time_unix_nano"))
+    run_id, event, rank, at = (body.get(k) for k in ("run_id", "event", "rank", "time_unix_nano"))
     if not isinstance(run_id, str) or not run_id or ":" in run_id:
         raise EventError(f"run event: bad run_id {run_id!r}")
     if event not in EVENTS:
@@ -67,8 +66,14 @@ def parse_event(payload: bytes | None) -> RunEvent:
     if config is not None and not isinstance(config, dict):
         raise EventError("run event: config must be an object")
     error = body.get("error", "")
-    return RunEvent(run_id=run_id, event=event, rank=rank, time_unix_nano=at, config=config,
-                    error=str(error)[:1000])
+    return RunEvent(
+        run_id=run_id,
+        event=event,
+        rank=rank,
+        time_unix_nano=at,
+        config=config,
+        error=str(error)[:1000],
+    )
 
 
 class RunLifecycle:
@@ -77,7 +82,7 @@ class RunLifecycle:
     def __init__(self) -> None:
         self.started_ns = -1
         self.config: dict[str, Any] = {}
-        self.ended: str | None = None     # "finished" or "crashed" for the current attempt
+        self.ended: str | None = None  # "finished" or "crashed" for the current attempt
         self.ended_ns = -1
         self.error = ""
 
@@ -108,11 +113,16 @@ class RunLifecycle:
         return json.dumps(self.config, sort_keys=True, allow_nan=False, default=str)
 
     def to_state(self) -> dict[str, Any]:
-        return {"started_ns": self.started_ns, "config": self.config, "ended": self.ended,
-                "ended_ns": self.ended_ns, "error": self.error}
+        return {
+            "started_ns": self.started_ns,
+            "config": self.config,
+            "ended": self.ended,
+            "ended_ns": self.ended_ns,
+            "error": self.error,
+        }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any] | None) -> "RunLifecycle":
+    def from_state(cls, state: dict[str, Any] | None) -> RunLifecycle:
         run = cls()
         if state:
             run.started_ns, run.config = int(state["started_ns"]), dict(state["config"])

@@ -31,12 +31,20 @@ from dataclasses import dataclass, field
 
 from .detect import RobustSpikeDetector
 
-__all__ = ["ExplosionLocator", "Localisation", "layer_of_tensor", "layer_views",
-           "locate_explosion", "walk_order"]
+__all__ = [
+    "ExplosionLocator",
+    "Localisation",
+    "layer_of_tensor",
+    "layer_views",
+    "locate_explosion",
+    "walk_order",
+]
 
 _BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|blocks|h|layer)\.(\d+))(?:\.|$)")
-_EMBED = re.compile(r"(.*\.)?(embed\w*|wte|wpe|pos|tok_embeddings|word_embeddings|"
-                    r"position_embeddings)(\..*)?")
+_EMBED = re.compile(
+    r"(.*\.)?(embed\w*|wte|wpe|pos|tok_embeddings|word_embeddings|"
+    r"position_embeddings)(\..*)?"
+)
 
 
 def layer_of_tensor(tensor: str) -> tuple[float, str]:
@@ -56,8 +64,11 @@ def layer_views(values: Mapping[str, float]) -> dict[str, float]:
         _, key = layer_of_tensor(tensor)
         value = float(value)
         prev = out.get(key)
-        out[key] = value if prev is None or math.isnan(value) or (
-            not math.isnan(prev) and value > prev) else prev
+        out[key] = (
+            value
+            if prev is None or math.isnan(value) or (not math.isnan(prev) and value > prev)
+            else prev
+        )
     return out
 
 
@@ -66,8 +77,7 @@ def walk_order(layers: Iterable[str]) -> list[str]:
     depth = {}
     for key in layers:
         match = _BLOCK.match(key)
-        depth[key] = (float(match.group(2)) if match else
-                      -1.0 if key == "embeddings" else math.inf)
+        depth[key] = float(match.group(2)) if match else -1.0 if key == "embeddings" else math.inf
     return sorted(depth, key=lambda k: (-depth[k], k))
 
 
@@ -103,9 +113,11 @@ class ExplosionLocator:
             detector = self._detectors.get(tensor)
             if detector is None:
                 detector = self._detectors[tensor] = RobustSpikeDetector(
-                    window=self.window, min_history=self.min_history, threshold=self.threshold)
+                    window=self.window, min_history=self.min_history, threshold=self.threshold
+                )
             layers.setdefault(layer_of_tensor(tensor)[1], []).append(
-                (tensor, detector.update(float(values[tensor]))))
+                (tensor, detector.update(float(values[tensor])))
+            )
         walked: list[tuple[str, float | None]] = []
         for layer in walk_order(layers):
             scored = layers[layer]
@@ -113,16 +125,20 @@ class ExplosionLocator:
             walked.append((layer, max(zs) if zs else None))
             spikes = [(t, r) for t, r in scored if r.spike]  # type: ignore[attr-defined]
             if spikes:
-                tensor, r = max(spikes, key=lambda tr: math.inf if tr[1].z is None
-                                else tr[1].z)  # type: ignore[attr-defined]
+                tensor, r = max(spikes, key=lambda tr: math.inf if tr[1].z is None else tr[1].z)  # type: ignore[attr-defined]
                 baseline = None if r.median is None else math.exp(r.median)
                 return Localisation(layer, tensor, r.x, baseline, r.z, tuple(walked))
         return None
 
 
-def locate_explosion(history: Sequence[Mapping[str, float]], current: Mapping[str, float], *,
-                     window: int = 20, min_history: int = 5, threshold: float = 6.0
-                     ) -> Localisation | None:
+def locate_explosion(
+    history: Sequence[Mapping[str, float]],
+    current: Mapping[str, float],
+    *,
+    window: int = 20,
+    min_history: int = 5,
+    threshold: float = 6.0,
+) -> Localisation | None:
     """Pure form: the layer ``current`` names after the steps in ``history`` (oldest first)."""
     locator = ExplosionLocator(window=window, min_history=min_history, threshold=threshold)
     for values in history:

@@ -30,11 +30,20 @@ def describe_value(signal: str, kind: str, value: float | None) -> str:
     return f"{value:.4g}"
 
 
-def alert_message(signal: str, kind: str, step: int, value: float, baseline: float | None,
-                  z: float | None, culprit: str) -> str:
+def alert_message(
+    signal: str,
+    kind: str,
+    step: int,
+    value: float,
+    baseline: float | None,
+    z: float | None,
+    culprit: str,
+) -> str:
     """One line: ``"loss_worst_rank spike at step 130: 5.545 nats/token against baseline
     2.301 nats/token, z=41.0; carried by rank 2"``."""
     z_text = "" if z is None else f", z={z:.1f}"
     carried = f"; carried by {culprit}" if culprit else ""
-    return (f"{what_moved(signal, kind)} at step {step}: {describe_value(signal, kind, value)}"
-            f" against baseline {describe_value(signal, kind, baseline)}{z_text}{carried}")
+    return (
+        f"{what_moved(signal, kind)} at step {step}: {describe_value(signal, kind, value)}"
+        f" against baseline {describe_value(signal, kind, baseline)}{z_text}{carried}"
+    )

@@ -63,11 +63,10 @@ class StepOrderer:
         return {"next_step": self.next_step, "held": [saved[step] for step in self.held]}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], max_wait_s: float, now: float) -> "StepOrderer":
+    def from_state(cls, state: dict[str, Any], max_wait_s: float, now: float) -> StepOrderer:
         """Held steps restart their wait at ``now``."""
         held = [ReducedStep.from_bytes(base64.b64decode(text)) for text in state["held"]]
         return cls(max_wait_s, state["next_step"], {i.step: (now, i) for i in held})
-
 
 
 class SkippedSteps:
@@ -77,8 +76,9 @@ class SkippedSteps:
     When more gaps than ``max_ranges`` are open, the oldest range is forgotten (counted in
     ``forgotten``): a step of it that still arrives is then taken for a re-delivery."""
 
-    def __init__(self, ranges: list[tuple[int, int]] | None = None,
-                 max_ranges: int = 10_000) -> None:
+    def __init__(
+        self, ranges: list[tuple[int, int]] | None = None, max_ranges: int = 10_000
+    ) -> None:
         self.max_ranges = max_ranges
         self._ranges: list[list[int]] = sorted([int(a), int(b)] for a, b in ranges or [])
         self.forgotten = 0

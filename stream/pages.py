@@ -9,8 +9,9 @@ latest step, instead of paging again; one on consecutive steps continues its eve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 __all__ = ["Episode", "PageGate"]
 
@@ -69,8 +70,7 @@ class PageGate:
         return episode
 
     def to_state(self) -> dict[str, Any]:
-        return {k: [e.first_step, e.last_step, e.count, e.record]
-                for k, e in self.episodes.items()}
+        return {k: [e.first_step, e.last_step, e.count, e.record] for k, e in self.episodes.items()}
 
     @classmethod
     def from_state(cls, rearm_steps: int, state: Mapping[str, Any]) -> PageGate:
@@ -80,6 +80,7 @@ class PageGate:
                 gate.episodes[key] = Episode(first_step=saved, last_step=saved)
             else:
                 first, last, count, record = saved
-                gate.episodes[key] = Episode(first_step=int(first), last_step=int(last),
-                                             count=int(count), record=record)
+                gate.episodes[key] = Episode(
+                    first_step=int(first), last_step=int(last), count=int(count), record=record
+                )
         return gate

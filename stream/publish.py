@@ -17,14 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .errors import check
 
-__all__ = ["RECORD_OVERHEAD_BYTES", "PublishError", "Publisher", "broker_message_limit",
-           "check_message_limit"]
+__all__ = [
+    "RECORD_OVERHEAD_BYTES",
+    "PublishError",
+    "Publisher",
+    "broker_message_limit",
+    "check_message_limit",
+]
 
 RECORD_OVERHEAD_BYTES = 1024
 """What a message needs beyond its value in the broker's accounting: the record batch
@@ -44,13 +50,25 @@ class PublishError(RuntimeError):
 class Publisher:
     """One producer with a polling thread; ``send`` is awaited from the event loop."""
 
-    def __init__(self, client_config: dict[str, str], max_message_bytes: int, *,
-                 timeout_s: float = 20.0, retry_max_s: float = 5.0,
-                 on_retry: Callable[[str], None] | None = None) -> None:
-        self._producer = Producer({
-            **client_config, "message.max.bytes": max_message_bytes + 65_536,
-            "linger.ms": 5, "acks": "all", "message.timeout.ms": int(timeout_s * 1000),
-            "socket.timeout.ms": 5000})
+    def __init__(
+        self,
+        client_config: dict[str, str],
+        max_message_bytes: int,
+        *,
+        timeout_s: float = 20.0,
+        retry_max_s: float = 5.0,
+        on_retry: Callable[[str], None] | None = None,
+    ) -> None:
+        self._producer = Producer(
+            {
+                **client_config,
+                "message.max.bytes": max_message_bytes + 65_536,
+                "linger.ms": 5,
+                "acks": "all",
+                "message.timeout.ms": int(timeout_s * 1000),
+                "socket.timeout.ms": 5000,
+            }
+        )
         self.max_message_bytes = max_message_bytes
         self.retry_max_s = retry_max_s
         self.on_retry = on_retry or (lambda reason: None)
@@ -66,8 +84,10 @@ class Publisher:
     async def send(self, topic: str, key: bytes | None, value: bytes) -> None:
         """Publish and wait for the broker's acknowledgement (see the module docstring)."""
         if len(value) > self.max_message_bytes:
-            raise PublishError(f"message of {len(value)} bytes over the limit of "
-                               f"{self.max_message_bytes} (stream.max_message_bytes)")
+            raise PublishError(
+                f"message of {len(value)} bytes over the limit of "
+                f"{self.max_message_bytes} (stream.max_message_bytes)"
+            )
         delay = 0.1
         while True:
             error = await self._attempt(topic, key, value)
@@ -88,6 +108,7 @@ class Publisher:
 
         def report(err: KafkaError | None, _msg: Any) -> None:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(err))
+
         while True:
             try:
                 self._producer.produce(topic, value=value, key=key, on_delivery=report)
@@ -106,17 +127,24 @@ class Publisher:
         return left
 
 
-_PERMANENT = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG_SIZE,
-                        KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.RECORD_LIST_TOO_LARGE,
-                        KafkaError.INVALID_RECORD})
+_PERMANENT = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+    }
+)
 
 
 def _retriable(error: KafkaError) -> bool:
     return error.code() not in _PERMANENT and not error.fatal()
 
 
-def broker_message_limit(client_config: dict[str, str], topics: Sequence[str],
-                         timeout_s: float = 10.0) -> tuple[int, str] | None:
+def broker_message_limit(
+    client_config: dict[str, str], topics: Sequence[str], timeout_s: float = 10.0
+) -> tuple[int, str] | None:
     """The smallest ``max.message.bytes`` the broker states for ``topics`` (a topic's own,
     which defaults to the broker's ``message.max.bytes``), with its topic. None when the
     broker states none or does not answer (Tansu states only what a topic was created
@@ -140,8 +168,11 @@ def broker_message_limit(client_config: dict[str, str], topics: Sequence[str],
         if entry is not None and str(entry.value).isdigit():
             found.append((int(entry.value), resource.name))
     if not found:
-        log.warning("probewire: the broker states no max.message.bytes for %s; "
-                    "stream.max_message_bytes is not checked against it", ", ".join(topics))
+        log.warning(
+            "probewire: the broker states no max.message.bytes for %s; "
+            "stream.max_message_bytes is not checked against it",
+            ", ".join(topics),
+        )
     return min(found) if found else None
 
 
@@ -152,7 +183,10 @@ def check_message_limit(max_message_bytes: int, limit: tuple[int, str] | None) -
         return
     largest, topic = limit
     fits = largest - RECORD_OVERHEAD_BYTES
-    check(max_message_bytes <= fits, "stream.max_message_bytes",
-          f"{max_message_bytes} is over what topic {topic} takes (max.message.bytes="
-          f"{largest}, less {RECORD_OVERHEAD_BYTES} bytes of record overhead): set it to at "
-          f"most {fits}, or raise the topic's max.message.bytes")
+    check(
+        max_message_bytes <= fits,
+        "stream.max_message_bytes",
+        f"{max_message_bytes} is over what topic {topic} takes (max.message.bytes="
+        f"{largest}, less {RECORD_OVERHEAD_BYTES} bytes of record overhead): set it to at "
+        f"most {fits}, or raise the topic's max.message.bytes",
+    )

@@ -78,9 +78,9 @@ class _Layout:
 
     size: int
     index: dict[SeriesKey, int]
-    reduced: np.ndarray   # column of each reduced series, in the step's order
-    series: np.ndarray    # column of each series of a rank, in the ranks' shared order
-    keys_json: bytes      # ',"keys":[...]}': the header's end
+    reduced: np.ndarray  # column of each reduced series, in the step's order
+    series: np.ndarray  # column of each series of a rank, in the ranks' shared order
+    keys_json: bytes  # ',"keys":[...]}': the header's end
 
 
 @functools.lru_cache(maxsize=_LAYOUTS_MAX)
@@ -90,9 +90,13 @@ def _layout(reduced: tuple[SeriesKey, ...], series: tuple[SeriesKey, ...]) -> _L
     keys = sorted(set(reduced).union(series))
     index = {k: i for i, k in enumerate(keys)}
     texts = json.dumps([_encode_key(k) for k in keys], separators=(",", ":"))
-    return _Layout(len(keys), index, np.array([index[k] for k in reduced], np.intp),
-                   np.array([index[k] for k in series], np.intp),
-                   f',"keys":{texts}}}'.encode())
+    return _Layout(
+        len(keys),
+        index,
+        np.array([index[k] for k in reduced], np.intp),
+        np.array([index[k] for k in series], np.intp),
+        f',"keys":{texts}}}'.encode(),
+    )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -124,12 +128,16 @@ class ReducedStep:
             values = np.full((len(ranks), layout.size), np.nan)
             mask = np.zeros((len(ranks), layout.size), np.uint8)
             values[:, layout.series] = np.fromiter(
-                chain.from_iterable(per_rank[r].values() for r in ranks), np.float64,
-                len(ranks) * len(series)).reshape(len(ranks), len(series))
+                chain.from_iterable(per_rank[r].values() for r in ranks),
+                np.float64,
+                len(ranks) * len(series),
+            ).reshape(len(ranks), len(series))
             mask[:, layout.series] = 1
         else:
-            layout = _layout(tuple(self.reduced), tuple(sorted(
-                set().union(*(v.keys() for v in per_rank.values())))))
+            layout = _layout(
+                tuple(self.reduced),
+                tuple(sorted(set().union(*(v.keys() for v in per_rank.values())))),
+            )
             index = layout.index
             values = np.full((len(ranks), layout.size), np.nan)
             mask = np.zeros((len(ranks), layout.size), np.uint8)
@@ -139,21 +147,38 @@ class ReducedStep:
                 mask[i, cols] = 1
         reduced = np.full(layout.size, np.nan)
         reduced_mask = np.zeros(layout.size, np.uint8)
-        reduced[layout.reduced] = np.fromiter(self.reduced.values(), np.float64,
-                                              len(self.reduced))
+        reduced[layout.reduced] = np.fromiter(self.reduced.values(), np.float64, len(self.reduced))
         reduced_mask[layout.reduced] = 1
-        header = json.dumps({  # "keys" last, written once per layout
-            "run_id": self.run_id, "step": self.step, "world_size": self.world_size,
-            "ranks_reporting": self.ranks_reporting, "ranks_missing": self.ranks_missing,
-            "hosts": {str(r): h for r, h in self.hosts.items()},
-            "coords": {str(r): c for r, c in self.coords.items()},
-            "complete_reason": self.complete_reason, "ranks": ranks},
-            separators=(",", ":")).encode()[:-1] + layout.keys_json
-        return b"".join((struct.pack("<I", len(header)), header, reduced.tobytes(),
-                         reduced_mask.tobytes(), values.tobytes(), mask.tobytes()))
+        header = (
+            json.dumps(
+                {  # "keys" last, written once per layout
+                    "run_id": self.run_id,
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "ranks_reporting": self.ranks_reporting,
+                    "ranks_missing": self.ranks_missing,
+                    "hosts": {str(r): h for r, h in self.hosts.items()},
+                    "coords": {str(r): c for r, c in self.coords.items()},
+                    "complete_reason": self.complete_reason,
+                    "ranks": ranks,
+                },
+                separators=(",", ":"),
+            ).encode()[:-1]
+            + layout.keys_json
+        )
+        return b"".join(
+            (
+                struct.pack("<I", len(header)),
+                header,
+                reduced.tobytes(),
+                reduced_mask.tobytes(),
+                values.tobytes(),
+                mask.tobytes(),
+            )
+        )
 
     @classmethod
-    def from_bytes(cls, payload: bytes | None) -> "ReducedStep":
+    def from_bytes(cls, payload: bytes | None) -> ReducedStep:
         """The step ``to_bytes`` wrote; a RecordError for anything else."""
         try:
             step = cls._from_bytes(payload or b"")
@@ -164,14 +189,14 @@ class ReducedStep:
         return step
 
     @classmethod
-    def _from_bytes(cls, payload: bytes) -> "ReducedStep":
+    def _from_bytes(cls, payload: bytes) -> ReducedStep:
         (size,) = struct.unpack_from("<I", payload)
-        header = payload[4:4 + size]
+        header = payload[4 : 4 + size]
         cut = header.rfind(b',"keys":')  # the last field; no string holds an unescaped '"'
         if cut < 0 or not header.endswith(b"}"):
             raise ValueError("no keys in the header")
         head = json.loads(header[:cut] + b"}")
-        keys = _decode_keys(header[cut + 8:-1])
+        keys = _decode_keys(header[cut + 8 : -1])
         ranks = head.pop("ranks")
         k, r, offset = len(keys), len(ranks), 4 + size
         reduced = np.frombuffer(payload, np.float64, k, offset)
@@ -182,16 +207,26 @@ class ReducedStep:
         if reduced_mask.all():  # the usual step: every series reduced, every rank all
             head["reduced"] = dict(zip(keys, reduced.tolist()))
         else:
-            head["reduced"] = {keys[j]: v for j, v in zip(
-                np.flatnonzero(reduced_mask).tolist(), reduced[reduced_mask == 1].tolist())}
+            head["reduced"] = {
+                keys[j]: v
+                for j, v in zip(
+                    np.flatnonzero(reduced_mask).tolist(), reduced[reduced_mask == 1].tolist()
+                )
+            }
         if mask.all():
-            head["per_rank"] = {rank: dict(zip(keys, row))
-                                for rank, row in zip(ranks, values.tolist())}
+            head["per_rank"] = {
+                rank: dict(zip(keys, row)) for rank, row in zip(ranks, values.tolist())
+            }
         else:
             head["per_rank"] = {
-                rank: {keys[j]: v for j, v in zip(np.flatnonzero(mask[i]).tolist(),
-                                                  values[i, mask[i] == 1].tolist())}
-                for i, rank in enumerate(ranks)}
+                rank: {
+                    keys[j]: v
+                    for j, v in zip(
+                        np.flatnonzero(mask[i]).tolist(), values[i, mask[i] == 1].tolist()
+                    )
+                }
+                for i, rank in enumerate(ranks)
+            }
         head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
         head["coords"] = {int(x): c for x, c in head["coords"].items()}
         return cls(**head)

@@ -18,16 +18,22 @@ Every finding is returned, and stage 2 records every one (anomaly row, retention
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Mapping
+from typing import Any
 
-from .detect import (MIN_SPREAD, ClipRateWindow, CoSpikeTracker, RankLevels,
-                     RobustSpikeDetector, SpikeResult)
+from .detect import (
+    MIN_SPREAD,
+    ClipRateWindow,
+    CoSpikeTracker,
+    RankLevels,
+    RobustSpikeDetector,
+    SpikeResult,
+)
 from .pages import PageGate
 
-__all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors",
-           "next_steps"]
+__all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors", "next_steps"]
 
 PACE_RATIO = 1.5
 """A step-time spike names the rank whose own-time ratio held at least this far above its
@@ -49,10 +55,10 @@ class Category(IntEnum):
 _WHAT_TO_OPEN = {
     Category.JOB: "job state: ranks_missing / late data in step_metrics and rank_metrics",
     Category.LOSS: "loss: loss_worst_rank and its rank, loss_by_source against each source's "
-                   "own history",
+    "own history",
     Category.GRAD: "gradient norm and spikes: grad_norm, loss_z/grad_z, clip_rate, co-spikes",
     Category.TIME: "step time: step_time_s per rank, straggler_score and straggler_own_ratio, "
-                   "exposed collective wait",
+    "exposed collective wait",
     Category.MEMORY: "memory: peak_memory_bytes per rank and its growth",
     Category.EXPERTS: "expert balance: moe_maxvio, H_norm and per-expert load in expert_stats",
     Category.LAYERS: "layer views: tensor_view backward abs max walking inward from the output",
@@ -69,13 +75,13 @@ class Finding:
     """One anomaly at one step; ``page`` marks the P0 conditions that become alerts."""
 
     signal: str
-    kind: str                 # spike | cospike | nonfinite | threshold | drift | straggler
+    kind: str  # spike | cospike | nonfinite | threshold | drift | straggler
     value: float
     baseline: float | None
     z: float | None
     category: Category
     page: bool
-    culprit: str = ""         # "rank 3", "source code", "layer 2", ...
+    culprit: str = ""  # "rank 3", "source code", "layer 2", ...
     ranks: list[int] = field(default_factory=list)
 
 
@@ -86,20 +92,20 @@ class DetectorConfig:
     window: int = 100
     loss_z: float = 6.0
     grad_z: float = 6.0
-    signal_z: float = 8.0            # single-signal pages (worst rank, source, step time...)
-    min_spread: float = MIN_SPREAD   # floor under every robust score's spread (log units)
-    straggler_ratio: float = 5.0     # one rank's own-time ratio over its own baseline...
-    straggler_steps: int = 3         # ...on every one of this many consecutive steps: a page
-    straggler_held_ratio: float = 1.05   # or (3+ ranks): above this on nine steps in ten...
-    straggler_held_steps: int = 40       # ...of this many consecutive steps
+    signal_z: float = 8.0  # single-signal pages (worst rank, source, step time...)
+    min_spread: float = MIN_SPREAD  # floor under every robust score's spread (log units)
+    straggler_ratio: float = 5.0  # one rank's own-time ratio over its own baseline...
+    straggler_steps: int = 3  # ...on every one of this many consecutive steps: a page
+    straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
+    straggler_held_steps: int = 40  # ...of this many consecutive steps
     straggler_held_quantile: float = 0.1
     clip_threshold: float = 1.0
     clip_window: int = 100
-    memory_growth: float = 0.2       # page when peak memory exceeds its baseline by 20%
-    maxvio_threshold: float = 2.0    # busiest expert carries 3x the mean load
-    maxvio_steps: int = 3            # ... on this many consecutive steps after warm-up
-    media_scale_min: float = 0.1     # γ below this: media the backbone can ignore
-    residual_ratio_min: float = 2.0 ** -8  # R_b below bf16's relative precision: swallowed
+    memory_growth: float = 0.2  # page when peak memory exceeds its baseline by 20%
+    maxvio_threshold: float = 2.0  # busiest expert carries 3x the mean load
+    maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
+    media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
+    residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
     rearm_steps: int = 50
 
 
@@ -114,14 +120,28 @@ class RankSeries:
     source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
 
 
-def _spike_finding(signal: str, res: SpikeResult, category: Category, page: bool,
-                   culprit: str = "", ranks: list[int] | None = None) -> Finding | None:
+def _spike_finding(
+    signal: str,
+    res: SpikeResult,
+    category: Category,
+    page: bool,
+    culprit: str = "",
+    ranks: list[int] | None = None,
+) -> Finding | None:
     if not res.spike or (res.direction is not None and res.direction < 0 and not res.nonfinite):
         return None
     baseline = None if res.median is None else math.exp(res.median)
-    return Finding(signal=signal, kind="nonfinite" if res.nonfinite else "spike",
-                   value=res.x, baseline=baseline, z=res.z, category=category, page=page,
-                   culprit=culprit, ranks=ranks or [])
+    return Finding(
+        signal=signal,
+        kind="nonfinite" if res.nonfinite else "spike",
+        value=res.x,
+        baseline=baseline,
+        z=res.z,
+        category=category,
+        page=page,
+        culprit=culprit,
+        ranks=ranks or [],
+    )
 
 
 class SignalDetectors:
@@ -136,11 +156,12 @@ class SignalDetectors:
             "grad_norm": self._detector(config.grad_z),
             **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[2:]},
         }
-        self.sources: dict[str, RobustSpikeDetector] = {}      # L_source / L, per source
+        self.sources: dict[str, RobustSpikeDetector] = {}  # L_source / L, per source
         self.source_loss: dict[str, RobustSpikeDetector] = {}  # L_source, per source
-        self.rank_loss: dict[int, RobustSpikeDetector] = {}    # L_r, per rank
-        self.levels = RankLevels(window=config.window, recent=max(
-            config.straggler_steps, config.straggler_held_steps))
+        self.rank_loss: dict[int, RobustSpikeDetector] = {}  # L_r, per rank
+        self.levels = RankLevels(
+            window=config.window, recent=max(config.straggler_steps, config.straggler_held_steps)
+        )
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
         self.memory_baseline: float | None = None
@@ -151,12 +172,18 @@ class SignalDetectors:
         self.pages = PageGate(config.rearm_steps)
 
     def _detector(self, threshold: float) -> RobustSpikeDetector:
-        return RobustSpikeDetector(window=self.config.window, threshold=threshold,
-                                   min_spread=self.config.min_spread)
+        return RobustSpikeDetector(
+            window=self.config.window, threshold=threshold, min_spread=self.config.min_spread
+        )
 
     # -- one step ---------------------------------------------------------------------------
-    def observe(self, step: int, view: dict[str, Any], sources: Mapping[str, float],
-                ranks: RankSeries | None = None) -> tuple[dict[str, Any], list[Finding]]:
+    def observe(
+        self,
+        step: int,
+        view: dict[str, Any],
+        sources: Mapping[str, float],
+        ranks: RankSeries | None = None,
+    ) -> tuple[dict[str, Any], list[Finding]]:
         """Update every detector with one step's P0 view; return derived fields and every
         finding (paging or not: the page gate is ``pages``, applied by stage 2).
 
@@ -166,8 +193,11 @@ class SignalDetectors:
         found: list[Finding | None] = []
         derived: dict[str, Any] = {}
         loss = self.spikes["loss"].update(view["loss"]) if view["loss"] is not None else None
-        grad = self.spikes["grad_norm"].update(view["grad_norm"]) \
-            if view["grad_norm"] is not None else None
+        grad = (
+            self.spikes["grad_norm"].update(view["grad_norm"])
+            if view["grad_norm"] is not None
+            else None
+        )
         derived["loss_z"] = None if loss is None else loss.z
         derived["grad_z"] = None if grad is None else grad.z
         derived["loss_spike"] = int(bool(loss and loss.spike))
@@ -175,33 +205,63 @@ class SignalDetectors:
         derived["warmup"] = int(bool(loss is None or loss.warmup))
         for res, name in ((loss, "loss"), (grad, "grad_norm")):
             if res is not None and res.nonfinite:
-                found.append(Finding(signal=name, kind="nonfinite", value=res.x, baseline=None,
-                                     z=None, category=Category.LOSS if name == "loss"
-                                     else Category.GRAD, page=True))
+                found.append(
+                    Finding(
+                        signal=name,
+                        kind="nonfinite",
+                        value=res.x,
+                        baseline=None,
+                        z=None,
+                        category=Category.LOSS if name == "loss" else Category.GRAD,
+                        page=True,
+                    )
+                )
             elif res is not None and res.spike:
                 found.append(_spike_finding(name, res, Category.GRAD, page=False))
         if loss is not None and grad is not None:
             co = self.cospikes.update(loss, grad)
-            derived.update(cospike=int(co.co_spike), cospike_count=co.count,
-                           cospike_magnitude=co.cumulative_magnitude)
+            derived.update(
+                cospike=int(co.co_spike),
+                cospike_count=co.count,
+                cospike_magnitude=co.cumulative_magnitude,
+            )
             if co.co_spike and not co.nonfinite:
-                found.append(Finding(signal="cospike", kind="cospike", value=view["loss"],
-                                     baseline=_exp(loss.median), z=co.magnitude,
-                                     category=Category.GRAD, page=True))
+                found.append(
+                    Finding(
+                        signal="cospike",
+                        kind="cospike",
+                        value=view["loss"],
+                        baseline=_exp(loss.median),
+                        z=co.magnitude,
+                        category=Category.GRAD,
+                        page=True,
+                    )
+                )
         else:
-            derived.update(cospike=0, cospike_count=self.cospikes.count,
-                           cospike_magnitude=self.cospikes.cumulative_magnitude)
+            derived.update(
+                cospike=0,
+                cospike_count=self.cospikes.count,
+                cospike_magnitude=self.cospikes.cumulative_magnitude,
+            )
         if view["grad_norm"] is not None:
-            clip = self.clip.update(view["grad_norm"] if view.get("clipped") is None
-                                    else (math.inf if view["clipped"] else 0.0))
+            clip = self.clip.update(
+                view["grad_norm"]
+                if view.get("clipped") is None
+                else (math.inf if view["clipped"] else 0.0)
+            )
             derived.update(clip_rate=clip.rate, clipped=int(clip.clipped))
         else:
             derived.update(clip_rate=None, clipped=0)
         found += self._job(view)
         worst = self._worst_rank(view, ranks.loss)
         found += worst
-        found += self._sources(view, sources, ranks.source_loss_without_worst if any(
-            f is not None and f.page for f in worst) else None)
+        found += self._sources(
+            view,
+            sources,
+            ranks.source_loss_without_worst
+            if any(f is not None and f.page for f in worst)
+            else None,
+        )
         found += self._straggler(step, ranks.own_ratio)
         found += self._single_signals(view)
         found += self._memory(step, view)
@@ -222,36 +282,83 @@ class SignalDetectors:
         self.missing_run = {r: self.missing_run.get(r, 0) + 1 for r in missing}
         if missing:
             page = any(self.missing_run[r] >= 2 for r in missing)
-            found.append(Finding(signal="ranks_missing", kind="threshold",
-                                 value=float(len(view["ranks_missing"])), baseline=0.0, z=None,
-                                 category=Category.JOB, page=page,
-                                 culprit="ranks " + ",".join(map(str, view["ranks_missing"])),
-                                 ranks=list(view["ranks_missing"])))
+            found.append(
+                Finding(
+                    signal="ranks_missing",
+                    kind="threshold",
+                    value=float(len(view["ranks_missing"])),
+                    baseline=0.0,
+                    z=None,
+                    category=Category.JOB,
+                    page=page,
+                    culprit="ranks " + ",".join(map(str, view["ranks_missing"])),
+                    ranks=list(view["ranks_missing"]),
+                )
+            )
         if view.get("replay_mismatch_step"):
-            found.append(Finding(signal="replay_mismatch", kind="threshold",
-                                 value=float(view["replay_mismatch_step"]), baseline=0.0, z=None,
-                                 category=Category.JOB, page=True,
-                                 culprit="hardware: a replay did not reproduce its loss"))
+            found.append(
+                Finding(
+                    signal="replay_mismatch",
+                    kind="threshold",
+                    value=float(view["replay_mismatch_step"]),
+                    baseline=0.0,
+                    z=None,
+                    category=Category.JOB,
+                    page=True,
+                    culprit="hardware: a replay did not reproduce its loss",
+                )
+            )
         return found
 
-    def _culprit_move(self, signal: str, culprit: str, ranks: list[int], value: float,
-                      gap: SpikeResult, own: SpikeResult | None) -> Finding | None:
+    def _culprit_move(
+        self,
+        signal: str,
+        culprit: str,
+        ranks: list[int],
+        value: float,
+        gap: SpikeResult,
+        own: SpikeResult | None,
+    ) -> Finding | None:
         """The worst-rank and per-source rule: a page when the gap to the whole (L_max / L,
         L_source / L) and the culprit's own loss against its own history both rose; the gap
         alone (the rest fell: an easy batch elsewhere) is an anomaly that does not page."""
         if gap.nonfinite:
-            return Finding(signal=signal, kind="nonfinite", value=value, baseline=None,
-                           z=None, category=Category.LOSS, page=True, culprit=culprit,
-                           ranks=ranks)
+            return Finding(
+                signal=signal,
+                kind="nonfinite",
+                value=value,
+                baseline=None,
+                z=None,
+                category=Category.LOSS,
+                page=True,
+                culprit=culprit,
+                ranks=ranks,
+            )
         if not (gap.spike and gap.direction > 0):
             return None
         if own is not None and own.spike and own.direction > 0 and not own.nonfinite:
-            return Finding(signal=signal, kind="spike", value=value,
-                           baseline=_exp(own.median), z=own.z, category=Category.LOSS,
-                           page=True, culprit=culprit, ranks=ranks)
-        return Finding(signal=signal, kind="gap", value=gap.x, baseline=_exp(gap.median),
-                       z=gap.z, category=Category.LOSS, page=False, culprit=culprit,
-                       ranks=ranks)
+            return Finding(
+                signal=signal,
+                kind="spike",
+                value=value,
+                baseline=_exp(own.median),
+                z=own.z,
+                category=Category.LOSS,
+                page=True,
+                culprit=culprit,
+                ranks=ranks,
+            )
+        return Finding(
+            signal=signal,
+            kind="gap",
+            value=gap.x,
+            baseline=_exp(gap.median),
+            z=gap.z,
+            category=Category.LOSS,
+            page=False,
+            culprit=culprit,
+            ranks=ranks,
+        )
 
     def _worst_rank(self, view: dict[str, Any], losses: Mapping[int, float]) -> list[Finding]:
         """L_max / L against its history, and the worst rank's own L_r against that rank's
@@ -269,11 +376,18 @@ class SignalDetectors:
         if not (view["loss"] and view["loss_worst_rank"] is not None and view["loss"] > 0):
             return []
         gap = self.spikes["worst_rank_ratio"].update(view["loss_worst_rank"] / view["loss"])
-        return [self._culprit_move("loss_worst_rank", f"rank {rank}", [rank],
-                                   view["loss_worst_rank"], gap, own)]
+        return [
+            self._culprit_move(
+                "loss_worst_rank", f"rank {rank}", [rank], view["loss_worst_rank"], gap, own
+            )
+        ]
 
-    def _sources(self, view: dict[str, Any], sources: Mapping[str, float],
-                 without_worst: Mapping[str, float] | None = None) -> list[Finding]:
+    def _sources(
+        self,
+        view: dict[str, Any],
+        sources: Mapping[str, float],
+        without_worst: Mapping[str, float] | None = None,
+    ) -> list[Finding]:
         """Each source's L_source / L and its own L_source, both against their histories
         (seeds 001 §3: compare each group against its own history). When the worst rank's
         own loss paged at this step (``without_worst``: each source's loss over the other
@@ -286,16 +400,24 @@ class SignalDetectors:
             if own is None:
                 own = self.source_loss[source] = self._detector(self.config.signal_z)
                 self.sources[source] = self._detector(self.config.signal_z)
-            rest = None if without_worst is None or source not in without_worst \
+            rest = (
+                None
+                if without_worst is None or source not in without_worst
                 else own.peek(without_worst[source])
+            )
             own_res = own.update(value)
             if not (view["loss"] and math.isfinite(view["loss"])):
                 continue
             gap = self.sources[source].update(value / view["loss"])
-            finding = self._culprit_move("loss_by_source", f"source {source}", [], value, gap,
-                                         own_res)
-            if finding is not None and without_worst is not None and finding.kind == "spike" \
-                    and not (rest is not None and rest.spike and rest.direction > 0):
+            finding = self._culprit_move(
+                "loss_by_source", f"source {source}", [], value, gap, own_res
+            )
+            if (
+                finding is not None
+                and without_worst is not None
+                and finding.kind == "spike"
+                and not (rest is not None and rest.spike and rest.direction > 0)
+            ):
                 finding.kind, finding.page = "via_rank", False
             found.append(finding)
         return found
@@ -324,22 +446,36 @@ class SignalDetectors:
         self.levels.update(step, ratios)
         tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
         if len(ratios) >= 3:
-            tiers.append((cfg.straggler_held_steps, cfg.straggler_held_quantile,
-                          cfg.straggler_held_ratio))
+            tiers.append(
+                (cfg.straggler_held_steps, cfg.straggler_held_quantile, cfg.straggler_held_ratio)
+            )
         best: tuple[float, int, float] | None = None  # (level / threshold, rank, level)
         for rank in sorted(ratios):
             for steps, q, threshold in tiers:
                 level = self.levels.held(rank, steps, q)
-                if level is not None and level >= threshold and (
-                        best is None or level / threshold > best[0]):
+                if (
+                    level is not None
+                    and level >= threshold
+                    and (best is None or level / threshold > best[0])
+                ):
                     best = (level / threshold, rank, level)
         if best is None:
             return []
         _, rank, level = best
         base = self.levels.baseline(rank)
-        return [Finding(signal="step_time", kind="straggler", value=level * base,
-                        baseline=base, z=None, category=Category.TIME, page=True,
-                        culprit=f"rank {rank}", ranks=[rank])]
+        return [
+            Finding(
+                signal="step_time",
+                kind="straggler",
+                value=level * base,
+                baseline=base,
+                z=None,
+                category=Category.TIME,
+                page=True,
+                culprit=f"rank {rank}",
+                ranks=[rank],
+            )
+        ]
 
     def _single_signals(self, view: dict[str, Any]) -> list[Finding]:
         """Step time against its own history: a spike is an anomaly, and pages when it holds
@@ -351,17 +487,40 @@ class SignalDetectors:
             up = res.spike and (res.direction > 0 or res.nonfinite)
             self.step_time_run = self.step_time_run + 1 if up else 0
             rank = self._pace_setter()
-            found.append(_spike_finding(
-                "step_time", res, Category.TIME, self.step_time_run >= self.config.straggler_steps,
-                "" if rank is None else f"rank {rank}", None if rank is None else [rank]))
+            found.append(
+                _spike_finding(
+                    "step_time",
+                    res,
+                    Category.TIME,
+                    self.step_time_run >= self.config.straggler_steps,
+                    "" if rank is None else f"rank {rank}",
+                    None if rank is None else [rank],
+                )
+            )
         if view.get("output_absmax") is not None:
-            found.append(_spike_finding("output_absmax", self.spikes["output_absmax"].update(
-                view["output_absmax"]), Category.LAYERS, True, "output layer"))
+            found.append(
+                _spike_finding(
+                    "output_absmax",
+                    self.spikes["output_absmax"].update(view["output_absmax"]),
+                    Category.LAYERS,
+                    True,
+                    "output layer",
+                )
+            )
         gamma = view.get("media_scale")
         if gamma is not None and gamma < self.config.media_scale_min:
-            found.append(Finding(signal="media_scale", kind="threshold", value=gamma,
-                                 baseline=self.config.media_scale_min, z=None,
-                                 category=Category.LAYERS, page=True, culprit="media projector"))
+            found.append(
+                Finding(
+                    signal="media_scale",
+                    kind="threshold",
+                    value=gamma,
+                    baseline=self.config.media_scale_min,
+                    z=None,
+                    category=Category.LAYERS,
+                    page=True,
+                    culprit="media projector",
+                )
+            )
         return [f for f in found if f is not None]
 
     def _pace_setter(self) -> int | None:
@@ -390,10 +549,19 @@ class SignalDetectors:
         if growth <= self.config.memory_growth:
             return []
         rank = view.get("peak_memory_rank")
-        return [Finding(signal="peak_memory", kind="drift", value=peak,
-                        baseline=self.memory_baseline, z=None, category=Category.MEMORY,
-                        page=True, culprit=f"rank {rank}" if rank is not None else "",
-                        ranks=[rank] if rank is not None else [])]
+        return [
+            Finding(
+                signal="peak_memory",
+                kind="drift",
+                value=peak,
+                baseline=self.memory_baseline,
+                z=None,
+                category=Category.MEMORY,
+                page=True,
+                culprit=f"rank {rank}" if rank is not None else "",
+                ranks=[rank] if rank is not None else [],
+            )
+        ]
 
     def _experts(self, view: dict[str, Any], warm: bool) -> list[Finding]:
         """MaxVio above its threshold on ``maxvio_steps`` consecutive measured steps, after
@@ -408,10 +576,18 @@ class SignalDetectors:
         self.maxvio_run = self.maxvio_run + 1 if maxvio > self.config.maxvio_threshold else 0
         if self.maxvio_run < self.config.maxvio_steps or not warm:
             return []
-        return [Finding(signal="moe_maxvio", kind="threshold", value=maxvio,
-                        baseline=self.config.maxvio_threshold, z=None,
-                        category=Category.EXPERTS, page=True,
-                        culprit=view.get("moe_maxvio_layer") or "")]
+        return [
+            Finding(
+                signal="moe_maxvio",
+                kind="threshold",
+                value=maxvio,
+                baseline=self.config.maxvio_threshold,
+                z=None,
+                category=Category.EXPERTS,
+                page=True,
+                culprit=view.get("moe_maxvio_layer") or "",
+            )
+        ]
 
     def _residual(self, view: dict[str, Any]) -> list[Finding]:
         """R_b of the weakest branch below bfloat16's relative precision: a bf16 residual
@@ -419,37 +595,52 @@ class SignalDetectors:
         ratio = view.get("residual_ratio_min")
         if ratio is None or ratio >= self.config.residual_ratio_min:
             return []
-        return [Finding(signal="residual_scale", kind="threshold", value=ratio,
-                        baseline=self.config.residual_ratio_min, z=None,
-                        category=Category.LAYERS, page=True,
-                        culprit=view.get("residual_ratio_branch") or "")]
+        return [
+            Finding(
+                signal="residual_scale",
+                kind="threshold",
+                value=ratio,
+                baseline=self.config.residual_ratio_min,
+                z=None,
+                category=Category.LAYERS,
+                page=True,
+                culprit=view.get("residual_ratio_branch") or "",
+            )
+        ]
 
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
-        return {"spikes": {k: d.to_state() for k, d in self.spikes.items()},
-                "sources": {k: d.to_state() for k, d in self.sources.items()},
-                "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
-                "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
-                "levels": self.levels.to_state(),
-                "cospikes": self.cospikes.to_state(), "clip": self.clip.to_state(),
-                "memory_baseline": self.memory_baseline, "memory_seen": self.memory_seen,
-                "maxvio_run": self.maxvio_run, "step_time_run": self.step_time_run,
-                "missing_run": {str(r): n for r, n in self.missing_run.items()},
-                "pages": self.pages.to_state()}
+        return {
+            "spikes": {k: d.to_state() for k, d in self.spikes.items()},
+            "sources": {k: d.to_state() for k, d in self.sources.items()},
+            "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
+            "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
+            "levels": self.levels.to_state(),
+            "cospikes": self.cospikes.to_state(),
+            "clip": self.clip.to_state(),
+            "memory_baseline": self.memory_baseline,
+            "memory_seen": self.memory_seen,
+            "maxvio_run": self.maxvio_run,
+            "step_time_run": self.step_time_run,
+            "missing_run": {str(r): n for r, n in self.missing_run.items()},
+            "pages": self.pages.to_state(),
+        }
 
     @classmethod
-    def from_state(cls, config: DetectorConfig, state: dict[str, Any]) -> "SignalDetectors":
+    def from_state(cls, config: DetectorConfig, state: dict[str, Any]) -> SignalDetectors:
         """Rebuild from ``to_state``; keys a state saved by an older version lacks start
         fresh (a rank's or source's own-loss window, the straggler levels)."""
         det = cls(config)
         det.spikes = {k: RobustSpikeDetector.from_state(v) for k, v in state["spikes"].items()}
         det.sources = {k: RobustSpikeDetector.from_state(v) for k, v in state["sources"].items()}
-        det.source_loss = {k: RobustSpikeDetector.from_state(v)
-                           for k, v in state.get("source_loss", {}).items()}
+        det.source_loss = {
+            k: RobustSpikeDetector.from_state(v) for k, v in state.get("source_loss", {}).items()
+        }
         for source in det.sources.keys() - det.source_loss.keys():
             det.source_loss[source] = det._detector(config.signal_z)
-        det.rank_loss = {int(k): RobustSpikeDetector.from_state(v)
-                         for k, v in state.get("rank_loss", {}).items()}
+        det.rank_loss = {
+            int(k): RobustSpikeDetector.from_state(v) for k, v in state.get("rank_loss", {}).items()
+        }
         if "levels" in state:
             det.levels = RankLevels.from_state(state["levels"])
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
@@ -459,8 +650,9 @@ class SignalDetectors:
         det.maxvio_run = int(state.get("maxvio_run", 0))  # absent in states saved before it
         det.step_time_run = int(state.get("step_time_run", 0))
         det.missing_run = {int(r): int(n) for r, n in state.get("missing_run", {}).items()}
-        det.pages = PageGate.from_state(config.rearm_steps,
-                                        state.get("pages", state.get("last_page", {})))
+        det.pages = PageGate.from_state(
+            config.rearm_steps, state.get("pages", state.get("last_page", {}))
+        )
         return det
 
 

@@ -16,7 +16,6 @@ import dataclasses
 from collections import defaultdict
 
 from probewire.instrument.catalog import CATALOG, Priority, Tensor
-
 from probewire.instrument.wire import SeriesKey
 
 from .records import ReducedStep
@@ -37,20 +36,29 @@ def split_step(step: ReducedStep, max_bytes: int) -> list[tuple[ReducedStep, byt
     whole = step.to_bytes()
     if len(whole) <= max_bytes:
         return [(step, whole)]
-    view_rank = {r: {k: v for k, v in values.items() if k[0] in PER_RANK}
-                 for r, values in step.per_rank.items()}
-    detail_rank = {r: {k: v for k, v in values.items() if k[0] not in PER_RANK}
-                   for r, values in step.per_rank.items()}
-    for keep in (lambda k: k[0] not in _TENSOR,
-                 lambda k: k[0] not in _TENSOR and CATALOG[k[0]].priority is Priority.P0):
-        main = dataclasses.replace(step, per_rank=view_rank,
-                                   reduced={k: v for k, v in step.reduced.items() if keep(k)})
+    view_rank = {
+        r: {k: v for k, v in values.items() if k[0] in PER_RANK}
+        for r, values in step.per_rank.items()
+    }
+    detail_rank = {
+        r: {k: v for k, v in values.items() if k[0] not in PER_RANK}
+        for r, values in step.per_rank.items()
+    }
+    for keep in (
+        lambda k: k[0] not in _TENSOR,
+        lambda k: k[0] not in _TENSOR and CATALOG[k[0]].priority is Priority.P0,
+    ):
+        main = dataclasses.replace(
+            step, per_rank=view_rank, reduced={k: v for k, v in step.reduced.items() if keep(k)}
+        )
         main_bytes = main.to_bytes()
         if len(main_bytes) <= max_bytes:
             break
     else:
-        raise OversizeStep(f"step {step.step} of run {step.run_id!r}: even its P0 part is "
-                           f"{len(main_bytes)} bytes, over stream.max_message_bytes={max_bytes}")
+        raise OversizeStep(
+            f"step {step.step} of run {step.run_id!r}: even its P0 part is "
+            f"{len(main_bytes)} bytes, over stream.max_message_bytes={max_bytes}"
+        )
     rest = {k: v for k, v in step.reduced.items() if k not in main.reduced}
     by_row: dict[tuple, dict[SeriesKey, float]] = defaultdict(dict)  # one tensor's fields
     for key, value in rest.items():
@@ -60,18 +68,27 @@ def split_step(step: ReducedStep, max_bytes: int) -> list[tuple[ReducedStep, byt
     return parts + [(main, main_bytes)]
 
 
-def _fit(step: ReducedStep, groups: list[dict[SeriesKey, float]],
-         per_rank: dict[int, dict[SeriesKey, float]], max_bytes: int
-         ) -> list[tuple[ReducedStep, bytes]]:
+def _fit(
+    step: ReducedStep,
+    groups: list[dict[SeriesKey, float]],
+    per_rank: dict[int, dict[SeriesKey, float]],
+    max_bytes: int,
+) -> list[tuple[ReducedStep, bytes]]:
     """A detail part of ``groups`` (tensor rows) and ``per_rank`` values, halved (by rows,
     by ranks, by a rank's series) until each part fits."""
     if not groups and not per_rank:
         return []
-    part = ReducedStep(run_id=step.run_id, step=step.step, world_size=step.world_size,
-                       ranks_reporting=sorted(per_rank), ranks_missing=[],
-                       reduced={k: v for g in groups for k, v in g.items()},
-                       per_rank=per_rank, hosts={r: step.hosts.get(r, "") for r in per_rank},
-                       complete_reason=DETAIL)
+    part = ReducedStep(
+        run_id=step.run_id,
+        step=step.step,
+        world_size=step.world_size,
+        ranks_reporting=sorted(per_rank),
+        ranks_missing=[],
+        reduced={k: v for g in groups for k, v in g.items()},
+        per_rank=per_rank,
+        hosts={r: step.hosts.get(r, "") for r in per_rank},
+        complete_reason=DETAIL,
+    )
     data = part.to_bytes()
     if len(data) <= max_bytes:
         return [(part, data)]
@@ -81,15 +98,21 @@ def _fit(step: ReducedStep, groups: list[dict[SeriesKey, float]],
     elif len(per_rank) > 1:
         ranks = sorted(per_rank)
         mid = len(ranks) // 2
-        halves = [([], {r: per_rank[r] for r in ranks[:mid]}),
-                  ([], {r: per_rank[r] for r in ranks[mid:]})]
+        halves = [
+            ([], {r: per_rank[r] for r in ranks[:mid]}),
+            ([], {r: per_rank[r] for r in ranks[mid:]}),
+        ]
     elif per_rank and len(next(iter(per_rank.values()))) > 1:
-        (rank, values), = per_rank.items()
+        ((rank, values),) = per_rank.items()
         keys = sorted(values)
         mid = len(keys) // 2
-        halves = [([], {rank: {k: values[k] for k in keys[:mid]}}),
-                  ([], {rank: {k: values[k] for k in keys[mid:]}})]
+        halves = [
+            ([], {rank: {k: values[k] for k in keys[:mid]}}),
+            ([], {rank: {k: values[k] for k in keys[mid:]}}),
+        ]
     else:
-        raise OversizeStep(f"step {step.step} of run {step.run_id!r}: one series is over "
-                           f"stream.max_message_bytes={max_bytes}")
+        raise OversizeStep(
+            f"step {step.step} of run {step.run_id!r}: one series is over "
+            f"stream.max_message_bytes={max_bytes}"
+        )
     return [p for g, r in halves for p in _fit(step, g, r, max_bytes)]

@@ -30,13 +30,14 @@ Nothing a run does makes this module raise or drop a step:
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .assemble import REPLAY
+from .dimensions import tensor_dimensions
 from .errors import check
+from .formed import grad_group_rows
 from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
@@ -44,8 +45,6 @@ from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
-from .dimensions import tensor_dimensions
-from .formed import grad_group_rows
 from .view import GUARD_STEP, P0View, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
@@ -53,32 +52,52 @@ __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 _GUARD_TOTAL = {flag: flag.removesuffix("_step") for flag in GUARD_STEP.values()}
 """Per-step guard flag -> its cumulative column (seeds 001 §4: skip and replay counters)."""
 
+
 @dataclass(kw_only=True, slots=True)
 class Stage2Config:
     """Per-run processing (``stream.stage2``): detectors, retention, step order, idle end."""
 
     detectors: DetectorConfig = field(default_factory=DetectorConfig)
-    retention_every_k: int = 100   # keep every k-th step at full detail
-    retention_halo: int = 100      # steps kept on either side of an anomaly
-    warmup_steps: int = 100        # first steps kept
-    final_steps: int = 100         # last steps kept
-    max_wait_s: float = 40.0       # a gap is skipped after this (> stream.deadline_s)
-    run_idle_s: float = 120.0      # a run with no new step for this long is finished
+    retention_every_k: int = 100  # keep every k-th step at full detail
+    retention_halo: int = 100  # steps kept on either side of an anomaly
+    warmup_steps: int = 100  # first steps kept
+    final_steps: int = 100  # last steps kept
+    max_wait_s: float = 40.0  # a gap is skipped after this (> stream.deadline_s)
+    run_idle_s: float = 120.0  # a run with no new step for this long is finished
 
     def __post_init__(self) -> None:
         d = self.detectors
         check(d.window >= 3, "detectors.window", "must be >= 3")
-        for name in ("loss_z", "grad_z", "signal_z", "min_spread", "clip_threshold",
-                     "memory_growth", "maxvio_threshold", "media_scale_min",
-                     "residual_ratio_min"):
+        for name in (
+            "loss_z",
+            "grad_z",
+            "signal_z",
+            "min_spread",
+            "clip_threshold",
+            "memory_growth",
+            "maxvio_threshold",
+            "media_scale_min",
+            "residual_ratio_min",
+        ):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
-        check(d.straggler_ratio > 1, "detectors.straggler_ratio",
-              "must be > 1 (S, a rank's own time over the others' median, is >= 1)")
+        check(
+            d.straggler_ratio > 1,
+            "detectors.straggler_ratio",
+            "must be > 1 (S, a rank's own time over the others' median, is >= 1)",
+        )
         check(d.straggler_held_ratio > 1, "detectors.straggler_held_ratio", "must be > 1")
-        check(0 < d.straggler_held_quantile < 1, "detectors.straggler_held_quantile",
-              "must lie in (0, 1)")
-        for name in ("clip_window", "rearm_steps", "maxvio_steps", "straggler_steps",
-                     "straggler_held_steps"):
+        check(
+            0 < d.straggler_held_quantile < 1,
+            "detectors.straggler_held_quantile",
+            "must lie in (0, 1)",
+        )
+        for name in (
+            "clip_window",
+            "rearm_steps",
+            "maxvio_steps",
+            "straggler_steps",
+            "straggler_held_steps",
+        ):
             check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
         check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
         for name in ("retention_halo", "warmup_steps", "final_steps"):
@@ -111,7 +130,7 @@ class Stage2Output:
         for name, values in columns.items():
             held[name] += values
 
-    def extend(self, other: "Stage2Output") -> None:
+    def extend(self, other: Stage2Output) -> None:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
         for table, columns in other.columns.items():
@@ -141,9 +160,12 @@ def _episode_update(episode: Episode, step: int, f: Finding) -> dict[str, Any]:
     first = record["message"].split(" | episode:")[0]
     z = "" if f.z is None else f", z={f.z:.1f}"
     who = f", {f.culprit}" if f.culprit and f.culprit != record["culprit"] else ""
-    return {**record, "ranks": sorted(set(record["ranks"]) | set(f.ranks)),
-            "message": f"{first} | episode: {episode.count} events, the latest at step "
-                       f"{step} ({f.kind} {describe_value(f.signal, f.kind, f.value)}{z}{who})"}
+    return {
+        **record,
+        "ranks": sorted(set(record["ranks"]) | set(f.ranks)),
+        "message": f"{first} | episode: {episode.count} events, the latest at step "
+        f"{step} ({f.kind} {describe_value(f.signal, f.kind, f.value)}{z}{who})",
+    }
 
 
 class RunPipeline:
@@ -155,20 +177,23 @@ class RunPipeline:
         self.orderer = StepOrderer(config.max_wait_s)
         self.detectors = SignalDetectors(config.detectors)
         self.retention: RetentionPolicy = RetentionPolicy(
-            k=config.retention_every_k, halo=config.retention_halo,
-            warmup_steps=config.warmup_steps, final_steps=config.final_steps)
+            k=config.retention_every_k,
+            halo=config.retention_halo,
+            warmup_steps=config.warmup_steps,
+            final_steps=config.final_steps,
+        )
         self.tokens = 0
         self.flops = 0.0
         self.guard = dict.fromkeys(_GUARD_TOTAL.values(), 0)  # cumulative guard counters
         self.last_step = -1
-        self.skipped = SkippedSteps()   # steps a gap skip passed over; may still arrive
+        self.skipped = SkippedSteps()  # steps a gap skip passed over; may still arrive
         self.world_size = 0
         self.first_step: int | None = None
         self.last_arrival = 0.0
         self.finished = False
-        self.last_control = -10**9
-        self.lifecycle = RunLifecycle()   # what the run said: config, finished, crashed
-        self.tensors: set[str] = set()    # tensor labels with a tensor_names row
+        self.last_control = -(10**9)
+        self.lifecycle = RunLifecycle()  # what the run said: config, finished, crashed
+        self.tensors: set[str] = set()  # tensor labels with a tensor_names row
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
@@ -181,9 +206,16 @@ class RunPipeline:
             if name and name not in self.tensors:
                 self.tensors.add(name)
                 layer, role, expert = tensor_dimensions(name)
-                out.rows["tensor_names"].append({
-                    "run_id": self.run_id, "tensor": name, "layer": layer, "role": role,
-                    "expert": expert, "first_step": row["step"]})
+                out.rows["tensor_names"].append(
+                    {
+                        "run_id": self.run_id,
+                        "tensor": name,
+                        "layer": layer,
+                        "role": role,
+                        "expert": expert,
+                        "first_step": row["step"],
+                    }
+                )
         return out
 
     def _accept(self, item: ReducedStep, now: float) -> Stage2Output:
@@ -207,8 +239,12 @@ class RunPipeline:
 
     def expire(self, now: float) -> Stage2Output:
         out = self._name_tensors(self._process(self.orderer.expire(now)))
-        if not self.finished and self.last_step >= 0 and not self.orderer.held \
-                and now - self.last_arrival >= self.config.run_idle_s:
+        if (
+            not self.finished
+            and self.last_step >= 0
+            and not self.orderer.held
+            and now - self.last_arrival >= self.config.run_idle_s
+        ):
             out.extend(self.finish())
         return out
 
@@ -239,8 +275,12 @@ class RunPipeline:
             try:
                 view = p0_view(item)
             except ValueError as exc:  # malformed components: refused, no state moved
-                out.refused.append((item.step, f"step {item.step} of run {self.run_id!r} "
-                                               f"refused by stage 2: {exc}"))
+                out.refused.append(
+                    (
+                        item.step,
+                        f"step {item.step} of run {self.run_id!r} refused by stage 2: {exc}",
+                    )
+                )
                 continue
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
@@ -266,39 +306,72 @@ class RunPipeline:
             view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
         else:
             derived, findings = self.detectors.observe(
-                item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks)
+                item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks
+            )
             view["clipped"] = derived.pop("clipped")
         view.pop("moe_maxvio_layer")
-        row = {"run_id": self.run_id, "step": item.step, "tokens": self.tokens,
-               "flops": self.flops, **view, **self.guard, **derived}
+        row = {
+            "run_id": self.run_id,
+            "step": item.step,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            **view,
+            **self.guard,
+            **derived,
+        }
         if after_gap:
             row["complete_reason"] = "after_gap"
         out.rows["step_metrics"].append(row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["source_metrics"] += [
-            {"run_id": self.run_id, "step": item.step, "source": s, "loss": loss,
-             "token_share": share, "tokens": int(n)} for s, (loss, share, n) in sources.items()]
+            {
+                "run_id": self.run_id,
+                "step": item.step,
+                "source": s,
+                "loss": loss,
+                "token_share": share,
+                "tokens": int(n),
+            }
+            for s, (loss, share, n) in sources.items()
+        ]
         _add_detail(out, item)
         for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
             alert = self._page(item.step, finding) if finding.page else None
             if alert is not None:
                 out.rows["alerts"].append(alert)
-        offer = self.retention.offer_late if after_gap else \
-            lambda step, payload: self.retention.offer(step, payload, bool(findings))
+        offer = (
+            self.retention.offer_late
+            if after_gap
+            else lambda step, payload: self.retention.offer(step, payload, bool(findings))
+        )
         out.promote += [s for s, _ in offer(item.step, None)]
         if findings and item.step - self.last_control > self.config.retention_halo:
             self.last_control = item.step
             reason = ", ".join(sorted({f.signal for f in findings}))
             out.controls += [
-                {"run_id": self.run_id, "action": "densify", "steps": self.config.retention_halo,
-                 "step": item.step, "reason": reason},
-                {"run_id": self.run_id, "action": "dump", "step": item.step, "reason": reason}]
+                {
+                    "run_id": self.run_id,
+                    "action": "densify",
+                    "steps": self.config.retention_halo,
+                    "step": item.step,
+                    "reason": reason,
+                },
+                {"run_id": self.run_id, "action": "dump", "step": item.step, "reason": reason},
+            ]
         return out
 
     def _anomaly_row(self, step: int, f: Finding) -> dict[str, Any]:
-        return {"run_id": self.run_id, "step": step, "signal": f.signal, "kind": f.kind,
-                "value": f.value, "baseline": f.baseline, "z": f.z, "culprit": f.culprit}
+        return {
+            "run_id": self.run_id,
+            "step": step,
+            "signal": f.signal,
+            "kind": f.kind,
+            "value": f.value,
+            "baseline": f.baseline,
+            "z": f.z,
+            "culprit": f.culprit,
+        }
 
     def _page(self, step: int, f: Finding) -> dict[str, Any] | None:
         """The page record to send: a new page, the updated record of the page whose
@@ -313,40 +386,62 @@ class RunPipeline:
         return episode.record
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:
-        return {"run_id": self.run_id, "step": step, "signal": f.signal, "severity": "page",
-                "culprit": f.culprit,
-                "value": f.value, "baseline": f.baseline, "z": f.z, "tokens": self.tokens,
-                "ranks": list(f.ranks),
-                "message": alert_message(f.signal, f.kind, step, f.value, f.baseline, f.z,
-                                         f.culprit),
-                "next_steps": next_steps(f.category)}
+        return {
+            "run_id": self.run_id,
+            "step": step,
+            "signal": f.signal,
+            "severity": "page",
+            "culprit": f.culprit,
+            "value": f.value,
+            "baseline": f.baseline,
+            "z": f.z,
+            "tokens": self.tokens,
+            "ranks": list(f.ranks),
+            "message": alert_message(f.signal, f.kind, step, f.value, f.baseline, f.z, f.culprit),
+            "next_steps": next_steps(f.category),
+        }
 
     def _run_row(self, status: str) -> dict[str, Any]:
         """``status`` is what stage 2 knows (running, or finished when idle); what the run
         said about itself wins (``RunLifecycle.status``)."""
-        return {"run_id": self.run_id, "world_size": self.world_size,
-                "first_step": self.first_step or 0, "last_step": max(self.last_step, 0),
-                "status": self.lifecycle.status(status == "finished"),
-                "config": self.lifecycle.config_json()}
+        return {
+            "run_id": self.run_id,
+            "world_size": self.world_size,
+            "first_step": self.first_step or 0,
+            "last_step": max(self.last_step, 0),
+            "status": self.lifecycle.status(status == "finished"),
+            "config": self.lifecycle.config_json(),
+        }
 
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "flops": self.flops, "guard": self.guard,
-                "last_step": self.last_step,
-                "skipped": self.skipped.to_state(), "world_size": self.world_size,
-                "first_step": self.first_step, "finished": self.finished,
-                "last_control": self.last_control, "lifecycle": self.lifecycle.to_state(),
-                "detectors": self.detectors.to_state(), "retention": self.retention.to_state(),
-                "orderer": self.orderer.to_state(), "tensors": sorted(self.tensors)}
+        return {
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "guard": self.guard,
+            "last_step": self.last_step,
+            "skipped": self.skipped.to_state(),
+            "world_size": self.world_size,
+            "first_step": self.first_step,
+            "finished": self.finished,
+            "last_control": self.last_control,
+            "lifecycle": self.lifecycle.to_state(),
+            "detectors": self.detectors.to_state(),
+            "retention": self.retention.to_state(),
+            "orderer": self.orderer.to_state(),
+            "tensors": sorted(self.tensors),
+        }
 
     @classmethod
-    def from_state(cls, run_id: str, config: Stage2Config, state: dict[str, Any],
-                   now: float) -> "RunPipeline":
+    def from_state(
+        cls, run_id: str, config: Stage2Config, state: dict[str, Any], now: float
+    ) -> RunPipeline:
         run = cls(run_id, config)
         run.tokens, run.flops, run.last_step = state["tokens"], state["flops"], state["last_step"]
         run.guard.update(state.get("guard", {}))  # absent: a state saved before the counters
-        run.skipped = SkippedSteps([(s, s) if isinstance(s, int) else tuple(s)
-                                    for s in state["skipped"]])  # ints: before version 2
+        run.skipped = SkippedSteps(
+            [(s, s) if isinstance(s, int) else tuple(s) for s in state["skipped"]]
+        )  # ints: before version 2
         run.world_size, run.first_step = state["world_size"], state["first_step"]
         run.finished, run.last_control = state["finished"], state["last_control"]
         run.lifecycle = RunLifecycle.from_state(state.get("lifecycle"))  # absent before v3

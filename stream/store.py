@@ -7,7 +7,8 @@ comes back (with the reason) instead of failing the batch, and ``StoreUnavailabl
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows
 from probewire.sinks.retained import promote, save_state
@@ -41,8 +42,9 @@ def write_batch(sink: ClickHouseSink, batch: Batch) -> list[tuple[str, Mapping[s
             rows[table] += as_rows
             owner.update((id(row), row["run_id"]) for row in as_rows)
     for table, table_rows in rows.items():
-        rejected += [(owner[id(row)], row, reason)
-                     for row, reason in sink.write_or_reject(table, table_rows)]
+        rejected += [
+            (owner[id(row)], row, reason) for row, reason in sink.write_or_reject(table, table_rows)
+        ]
     for run_id, out in batch.outputs.items():
         promote(sink, run_id, sorted(set(out.promote)))
     for run_id, (step, state) in batch.states.items():

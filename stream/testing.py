@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import numpy as np
 
@@ -30,8 +30,8 @@ class SimRun:
     world_size: int = 8
     steps: int = 80
     seed: int = 0
-    missing: dict[int, set[int]] = field(default_factory=dict)   # step -> ranks that stay silent
-    empty: set[tuple[int, int]] = field(default_factory=set)     # (step, rank) with 0 tokens
+    missing: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that stay silent
+    empty: set[tuple[int, int]] = field(default_factory=set)  # (step, rank) with 0 tokens
     cospike_step: int | None = None
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
@@ -45,27 +45,46 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
-        return {Loss.SUM: mean_loss * tokens, Loss.TOKENS: float(tokens),
-                Grad.NORM_SQ: grad * grad, System.STEP_TIME: 0.1 + 0.001 * rank}
+        return {
+            Loss.SUM: mean_loss * tokens,
+            Loss.TOKENS: float(tokens),
+            Grad.NORM_SQ: grad * grad,
+            System.STEP_TIME: 0.1 + 0.001 * rank,
+        }
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
-        parts = [c for r in range(self.world_size)
-                 if (c := self.components(step, r)) is not None]
+        parts = [c for r in range(self.world_size) if (c := self.components(step, r)) is not None]
         sums = np.array([c[Loss.SUM] for c in parts], dtype=np.float64)
         counts = np.array([c[Loss.TOKENS] for c in parts], dtype=np.float64)
         valid = counts > 0
         return float(sums.sum() / counts.sum()), float(np.max(sums[valid] / counts[valid]))
 
 
-def send(run: SimRun, bootstrap: str, topic: str, steps: Iterable[int],
-         duplicates: Iterable[tuple[int, int]] = ()) -> int:
+def send(
+    run: SimRun,
+    bootstrap: str,
+    topic: str,
+    steps: Iterable[int],
+    duplicates: Iterable[tuple[int, int]] = (),
+) -> int:
     """Publish the given steps for every rank (plus re-sent duplicates); returns messages."""
-    transports = [KafkaTransport({"bootstrap.servers": bootstrap}, topic)
-                  for _ in range(run.world_size)]
-    emitters = [StepEmitter(RankIdentity(run_id=run.run_id, rank=r, world_size=run.world_size,
-                                         host=f"node{r // 4}", coords={Group.DATA.value: r}),
-                            transports[r]) for r in range(run.world_size)]
+    transports = [
+        KafkaTransport({"bootstrap.servers": bootstrap}, topic) for _ in range(run.world_size)
+    ]
+    emitters = [
+        StepEmitter(
+            RankIdentity(
+                run_id=run.run_id,
+                rank=r,
+                world_size=run.world_size,
+                host=f"node{r // 4}",
+                coords={Group.DATA.value: r},
+            ),
+            transports[r],
+        )
+        for r in range(run.world_size)
+    ]
     sent, dup = 0, set(duplicates)
     for step in steps:
         for rank in range(run.world_size):
@@ -85,6 +104,9 @@ def own_topics(tag: str, partitions: int = 4) -> TopicConfig:
     """Every topic name suffixed with ``tag``: a stack on a broker other tests share (one
     per test session) reads none of their messages, dead letters or steps."""
     default = TopicConfig()
-    names = {f.name: f"{getattr(default, f.name)}.{tag}" for f in dataclasses.fields(default)
-             if f.type in (str, "str")}
+    names = {
+        f.name: f"{getattr(default, f.name)}.{tag}"
+        for f in dataclasses.fields(default)
+        if f.type in (str, "str")
+    }
     return TopicConfig(**names, partitions=partitions)

@@ -33,7 +33,7 @@ __all__ = ["Bounds", "Checked", "StepValidator"]
 
 _COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.nonnegative)
 _INDEX_LABELS = frozenset({Label.EXPERT, Label.SHARD})
-_UINT32 = 2 ** 32
+_UINT32 = 2**32
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,15 +41,21 @@ class Bounds:
     """Limits on what one rank message may claim (``stream.bounds``)."""
 
     max_world_size: int = 65_536
-    max_step: int = 2 ** 53          # steps are exact in a float64 (the store's Float columns)
+    max_step: int = 2**53  # steps are exact in a float64 (the store's Float columns)
     max_step_ahead: int = 1_000_000  # beyond the run's newest step: a corrupt step number
-    max_label_values: int = 10_000   # distinct values of one label key in one run
+    max_label_values: int = 10_000  # distinct values of one label key in one run
     max_label_length: int = 256
-    max_runs: int = 10_000           # runs remembered for the per-run checks
+    max_runs: int = 10_000  # runs remembered for the per-run checks
 
     def __post_init__(self) -> None:
-        for name in ("max_world_size", "max_step", "max_step_ahead", "max_label_values",
-                     "max_label_length", "max_runs"):
+        for name in (
+            "max_world_size",
+            "max_step",
+            "max_step_ahead",
+            "max_label_values",
+            "max_label_length",
+            "max_runs",
+        ):
             check(getattr(self, name) >= 1, name, "must be >= 1")
 
 
@@ -95,21 +101,30 @@ class StepValidator:
         else:
             self._runs.move_to_end(record.run_id)
             if record.world_size != run.world_size:
-                return Checked(None, f"world size {record.world_size} of rank {record.rank} "
-                                     f"disagrees with run {record.run_id!r}'s world size "
-                                     f"{run.world_size}")
+                return Checked(
+                    None,
+                    f"world size {record.world_size} of rank {record.rank} "
+                    f"disagrees with run {record.run_id!r}'s world size "
+                    f"{run.world_size}",
+                )
             if record.step > run.newest_step + self.bounds.max_step_ahead:
-                return Checked(None, f"step {record.step} is more than max_step_ahead="
-                                     f"{self.bounds.max_step_ahead} beyond the run's newest "
-                                     f"step {run.newest_step}")
+                return Checked(
+                    None,
+                    f"step {record.step} is more than max_step_ahead="
+                    f"{self.bounds.max_step_ahead} beyond the run's newest "
+                    f"step {run.newest_step}",
+                )
         dropped = self._over_cardinality(record, run)
         run.newest_step = max(run.newest_step, record.step)
         if not dropped:
             return Checked(record)
         keys = ", ".join(sorted({k for k, _ in dropped}))
-        return Checked(record, f"{len(dropped)} point(s) dropped: label {keys} of run "
-                               f"{record.run_id!r} over max_label_values="
-                               f"{self.bounds.max_label_values}")
+        return Checked(
+            record,
+            f"{len(dropped)} point(s) dropped: label {keys} of run "
+            f"{record.run_id!r} over max_label_values="
+            f"{self.bounds.max_label_values}",
+        )
 
     def _refusal(self, record: RankStep) -> str | None:
         b = self.bounds
@@ -129,19 +144,22 @@ class StepValidator:
             if labels not in labels_ok:  # a rank sends the same label sets every step
                 for key, text in labels:
                     if len(text) > b.max_label_length or "|" in text:
-                        return (f"label {key} of {name} must be at most {b.max_label_length} "
-                                f"characters without '|', got {text[:40]!r}")
+                        return (
+                            f"label {key} of {name} must be at most {b.max_label_length} "
+                            f"characters without '|', got {text[:40]!r}"
+                        )
                     if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
-                        return (f"label {key} of {name} must be an index in 0..2^32-1, "
-                                f"got {text!r}")
+                        return f"label {key} of {name} must be an index in 0..2^32-1, got {text!r}"
                 if len(labels_ok) >= _CHECKED_MAX:
                     labels_ok.clear()
                 labels_ok.add(labels)
             if name == Loss.SUM:
                 tokens = record.values.get((Loss.TOKENS, labels))
                 if tokens is None or (tokens == 0 and value != 0):
-                    return (f"{Loss.SUM} {dict(labels) or ''} needs its {Loss.TOKENS} (> 0 "
-                            "where the sum is not 0)")
+                    return (
+                        f"{Loss.SUM} {dict(labels) or ''} needs its {Loss.TOKENS} (> 0 "
+                        "where the sum is not 0)"
+                    )
         return None
 
     def _over_cardinality(self, record: RankStep, run: _Run) -> list[tuple[str, str]]:

@@ -10,34 +10,74 @@ from collections import defaultdict
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from probewire.instrument.catalog import (TENSOR_FIELDS, Comm, Grad, Group, Guard, Label, Loss,
-                                          Memory, Modality, Moe, Optim, Output, Residual,
-                                          System, Tensor)
+from probewire.instrument.catalog import (
+    TENSOR_FIELDS,
+    Comm,
+    Grad,
+    Group,
+    Guard,
+    Label,
+    Loss,
+    Memory,
+    Modality,
+    Moe,
+    Optim,
+    Output,
+    Residual,
+    System,
+    Tensor,
+)
 from probewire.instrument.wire import Labels, SeriesKey
 
-from .derive import (compute_rate, expert_balance, global_mean_loss, grad_norm, loss_by_group,
-                     mean_from_components, media_scale, own_time_ratios, own_times, rank_means,
-                     shard_imbalance, straggler_score, tokens_per_s, worst_rank_loss)
+from .derive import (
+    compute_rate,
+    expert_balance,
+    global_mean_loss,
+    grad_norm,
+    loss_by_group,
+    mean_from_components,
+    media_scale,
+    own_time_ratios,
+    own_times,
+    rank_means,
+    shard_imbalance,
+    straggler_score,
+    tokens_per_s,
+    worst_rank_loss,
+)
 from .formed import by_name, formed_series
 from .records import ReducedStep
 from .signals import RankSeries
 
-__all__ = ["GUARD_STEP", "PER_RANK", "P0View", "RankReads", "detail_rows", "p0_view",
-           "rank_columns", "rank_reads"]
+__all__ = [
+    "GUARD_STEP",
+    "PER_RANK",
+    "P0View",
+    "RankReads",
+    "detail_rows",
+    "p0_view",
+    "rank_columns",
+    "rank_reads",
+]
 
-GUARD_STEP = {Guard.SKIPPED: "skipped_step", Guard.REPLAYED: "replayed_step",
-              Guard.REPLAY_MISMATCH: "replay_mismatch_step"}
+GUARD_STEP = {
+    Guard.SKIPPED: "skipped_step",
+    Guard.REPLAYED: "replayed_step",
+    Guard.REPLAY_MISMATCH: "replay_mismatch_step",
+}
 """The spike guard's events of this step, by the view column holding them; stage 2 keeps
 their cumulative counts (``skipped``, ``replayed``, ``replay_mismatch``) in its state."""
 
-PER_RANK = frozenset({Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED,
-                      Memory.PEAK_RSS})
+PER_RANK = frozenset(
+    {Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED, Memory.PEAK_RSS}
+)
 """The metrics whose per-rank values the view reads (any labels); the rest of a step's
 per-rank values are detail only."""
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
 _RATIO_SUM, _STREAM_NORM_SUM, _BRANCH_NORM_SUM = (
-    Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm"))
+    Residual.name(stat, "sum") for stat in ("ratio", "stream_norm", "branch_norm")
+)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -82,18 +122,21 @@ class _SeriesReads(NamedTuple):
     """What the view and the detail read of a rank's series, found once per series order
     (ranks send the same series in the same order step after step)."""
 
-    keys: list[SeriesKey]                 # the view's series (``PER_RANK``), in order...
-    positions: Any                        # ...their itemgetter in the rank's values
-    names: list[str]                      # every series' metric name...
-    texts: list[str]                      # ...and label text (``rank_metrics`` columns)
+    keys: list[SeriesKey]  # the view's series (``PER_RANK``), in order...
+    positions: Any  # ...their itemgetter in the rank's values
+    names: list[str]  # every series' metric name...
+    texts: list[str]  # ...and label text (``rank_metrics`` columns)
 
 
 @functools.lru_cache(maxsize=64)
 def _series_reads(series: tuple[SeriesKey, ...]) -> _SeriesReads:
     at = [i for i, (name, _) in enumerate(series) if name in PER_RANK]
-    return _SeriesReads([series[i] for i in at], itemgetter(*at) if at else None,
-                        [name for name, _ in series],
-                        ["|".join(f"{k}={v}" for k, v in labels) for _, labels in series])
+    return _SeriesReads(
+        [series[i] for i in at],
+        itemgetter(*at) if at else None,
+        [name for name, _ in series],
+        ["|".join(f"{k}={v}" for k, v in labels) for _, labels in series],
+    )
 
 
 def _per_rank(reads: RankReads, name: str) -> dict[int, float]:
@@ -110,8 +153,7 @@ def _rank_waits(reads: RankReads) -> dict[int, list[float]]:
     return waits
 
 
-def _straggler(own: dict[int, float], ratios: dict[int, float]
-               ) -> tuple[int | None, float | None]:
+def _straggler(own: dict[int, float], ratios: dict[int, float]) -> tuple[int | None, float | None]:
     """The rank with the largest own time (``derive.own_times``), and its own-time ratio
     (``derive.own_time_ratios``: over the median of the others; None with a single rank)."""
     if not own:
@@ -129,13 +171,17 @@ def _rank_series(reads: RankReads, ratios: dict[int, float], worst: int | None) 
             source = dict(labels).get(Label.SOURCE)
             if source is not None:
                 by_source.setdefault(source, ([], []))[index].extend(
-                    v for r, v in by_rank.items() if r != worst)
-    return RankSeries(loss=rank_means(_per_rank(reads, Loss.SUM), _per_rank(reads, Loss.TOKENS)),
-                      own_ratio=ratios,
-                      source_loss_without_worst={  # sum, then divide (seeds 001 §3)
-                          s: math.fsum(sums) / math.fsum(counts)
-                          for s, (sums, counts) in by_source.items()
-                          if sums and math.fsum(counts) > 0})
+                    v for r, v in by_rank.items() if r != worst
+                )
+    return RankSeries(
+        loss=rank_means(_per_rank(reads, Loss.SUM), _per_rank(reads, Loss.TOKENS)),
+        own_ratio=ratios,
+        source_loss_without_worst={  # sum, then divide (seeds 001 §3)
+            s: math.fsum(sums) / math.fsum(counts)
+            for s, (sums, counts) in by_source.items()
+            if sums and math.fsum(counts) > 0
+        },
+    )
 
 
 def _moe(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
@@ -144,8 +190,12 @@ def _moe(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, 
     for labels, count in _labelled(names, Moe.EXPERT_TOKENS).items():
         lab = dict(labels)
         layers[lab[Label.LAYER]][int(lab[Label.EXPERT])] = count
-    out: dict[str, Any] = {"moe_maxvio": None, "moe_maxvio_layer": None,
-                           "moe_shard_imbalance": None, "moe_h_norm": None}
+    out: dict[str, Any] = {
+        "moe_maxvio": None,
+        "moe_maxvio_layer": None,
+        "moe_shard_imbalance": None,
+        "moe_h_norm": None,
+    }
     ep = Group.EXPERT.value
     ep_size = len({r.get(ep, 0) for r in item.coords.values()}) if item.coords else 1
     for layer, by_expert in sorted(layers.items()):
@@ -156,8 +206,11 @@ def _moe(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[str, 
         if out["moe_maxvio"] is None or balance.max_violation > out["moe_maxvio"]:
             out["moe_maxvio"], out["moe_maxvio_layer"] = balance.max_violation, f"layer {layer}"
         if balance.entropy_norm is not None:
-            out["moe_h_norm"] = balance.entropy_norm if out["moe_h_norm"] is None \
+            out["moe_h_norm"] = (
+                balance.entropy_norm
+                if out["moe_h_norm"] is None
                 else min(out["moe_h_norm"], balance.entropy_norm)
+            )
         if ep_size > 1 and len(counts) % ep_size == 0:
             per = len(counts) // ep_size
             shard = shard_imbalance(counts, [i // per for i in range(len(counts))])
@@ -178,25 +231,38 @@ def _residual(item: ReducedStep, names: dict[str, dict[Labels, float]]) -> dict[
         mean = mean_from_components(ratio, n)
         if weakest is None or mean < weakest[0]:
             norms = [red.get((name, labels)) for name in (_STREAM_NORM_SUM, _BRANCH_NORM_SUM)]
-            weakest = (mean, labels, *(None if v is None else mean_from_components(v, n)
-                                       for v in norms))
+            weakest = (
+                mean,
+                labels,
+                *(None if v is None else mean_from_components(v, n) for v in norms),
+            )
     if weakest is None:
-        return {"residual_ratio_min": None, "residual_ratio_branch": None,
-                "residual_stream_norm": None, "residual_branch_norm": None}
+        return {
+            "residual_ratio_min": None,
+            "residual_ratio_branch": None,
+            "residual_stream_norm": None,
+            "residual_branch_norm": None,
+        }
     lab = dict(weakest[1])
-    return {"residual_ratio_min": weakest[0],
-            "residual_ratio_branch": f"layer {lab.get(Label.LAYER, '?')} "
-                                     f"{lab.get(Label.BRANCH, '?')}",
-            "residual_stream_norm": weakest[2], "residual_branch_norm": weakest[3]}
+    return {
+        "residual_ratio_min": weakest[0],
+        "residual_ratio_branch": f"layer {lab.get(Label.LAYER, '?')} {lab.get(Label.BRANCH, '?')}",
+        "residual_stream_norm": weakest[2],
+        "residual_branch_norm": weakest[3],
+    }
 
 
 def _learning_rates(names: dict[str, dict[Labels, float]]) -> dict[str, Any]:
     """η per parameter group (label param_group) and the largest of them (``lr``)."""
-    groups = {dict(labels).get(Label.PARAM_GROUP, ""): v
-              for labels, v in _labelled(names, Optim.LR).items()}
+    groups = {
+        dict(labels).get(Label.PARAM_GROUP, ""): v
+        for labels, v in _labelled(names, Optim.LR).items()
+    }
     finite = [v for v in groups.values() if math.isfinite(v)]
-    return {"lr": max(finite) if finite else (next(iter(groups.values())) if groups else None),
-            "lr_groups": groups}
+    return {
+        "lr": max(finite) if finite else (next(iter(groups.values())) if groups else None),
+        "lr_groups": groups,
+    }
 
 
 class P0View(NamedTuple):
@@ -223,8 +289,9 @@ def p0_view(item: ReducedStep) -> P0View:
     tau = _get(red, System.STEP_TIME)
     taus = _per_rank(reads, System.STEP_TIME)
     # own time: the step time less the rank's exposed wait (its finite waits summed)
-    own = own_times(taus, {r: math.fsum(w for w in ws if math.isfinite(w))
-                           for r, ws in waits.items()})
+    own = own_times(
+        taus, {r: math.fsum(w for w in ws if math.isfinite(w)) for r, ws in waits.items()}
+    )
     ratios = own_time_ratios(own)
     straggler_rank, own_ratio = _straggler(own, ratios)
     flops = _get(red, System.FLOPS)
@@ -246,8 +313,17 @@ def p0_view(item: ReducedStep) -> P0View:
         "peak_memory_bytes": max(memory.values()) if memory else None,
         "peak_memory_rank": max(memory, key=memory.__getitem__) if memory else None,
         "output_absmax": _get(red, Output.LOGITS_ABS_MAX),
-        "media_scale": media_scale(*(_get(red, n) for n in (
-            Modality.MEDIA_SUM_SQ, Modality.MEDIA_N, Modality.TEXT_SUM_SQ, Modality.TEXT_N))),
+        "media_scale": media_scale(
+            *(
+                _get(red, n)
+                for n in (
+                    Modality.MEDIA_SUM_SQ,
+                    Modality.MEDIA_N,
+                    Modality.TEXT_SUM_SQ,
+                    Modality.TEXT_N,
+                )
+            )
+        ),
         **{GUARD_STEP[name]: int(_get(red, name) or 0) for name in GUARD_STEP},
         "ranks_reporting": len(item.ranks_reporting),
         "ranks_missing": list(item.ranks_missing),
@@ -260,8 +336,9 @@ def p0_view(item: ReducedStep) -> P0View:
     return P0View(view, _sources(names, tokens), _rank_series(reads, ratios, worst_id))
 
 
-def _sources(names: dict[str, dict[Labels, float]],
-             tokens: float) -> dict[str, tuple[float, float, float]]:
+def _sources(
+    names: dict[str, dict[Labels, float]], tokens: float
+) -> dict[str, tuple[float, float, float]]:
     """Per data source: (L_mu, pi_mu, N_mu) of the sources with valid tokens (seeds §3)."""
     source_sums = _labelled(names, Loss.SUM)
     sums, counts = {}, {}
@@ -290,8 +367,15 @@ def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
         values += vals.values()
         ranks += [rank] * len(vals)
     n = len(values)
-    return {"run_id": [item.run_id] * n, "step": [item.step] * n, "rank": ranks,
-            "metric": metrics, "labels": labels, "value": values, "late": [late] * n}
+    return {
+        "run_id": [item.run_id] * n,
+        "step": [item.step] * n,
+        "rank": ranks,
+        "metric": metrics,
+        "labels": labels,
+        "value": values,
+        "late": [late] * n,
+    }
 
 
 def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
@@ -305,14 +389,26 @@ def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:
         if field is not None:
             row = tensors.get((tensor, kind))
             if row is None:
-                row = tensors[tensor, kind] = {**base, "tensor": tensor or "",
-                                               "kind": kind or "", "sum3": None, "sum4": None}
+                row = tensors[tensor, kind] = {
+                    **base,
+                    "tensor": tensor or "",
+                    "kind": kind or "",
+                    "sum3": None,
+                    "sum4": None,
+                }
             row[field] = value
             continue
         name, labels = key
         if name == Moe.EXPERT_TOKENS:
             lab = dict(labels)
-            experts.append({**base, "layer": lab[Label.LAYER], "expert": int(lab[Label.EXPERT]),
-                            "tokens": value, "shard": int(lab.get(Label.SHARD, 0))})
+            experts.append(
+                {
+                    **base,
+                    "layer": lab[Label.LAYER],
+                    "expert": int(lab[Label.EXPERT]),
+                    "tokens": value,
+                    "shard": int(lab.get(Label.SHARD, 0)),
+                }
+            )
     n = TENSOR_FIELDS[0]  # a tensor's row needs its element count
     return {"tensor_stats": [t for t in tensors.values() if n in t], "expert_stats": experts}

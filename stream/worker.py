@@ -17,9 +17,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any
 
 from probewire.instrument.wire import DecodeError, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
@@ -33,7 +34,7 @@ from .gaps import GapReader, GapWatch
 from .health import Heartbeat, Progress
 from .kafka import TopicConfig
 from .lifecycle import EventError, parse_event
-from .publish import PublishError, Publisher
+from .publish import Publisher, PublishError
 from .records import RecordError, ReducedStep
 from .split import OversizeStep, split_step
 from .stage2 import RunPipeline, Stage2Output
@@ -52,16 +53,22 @@ the agent waits (memory stays bounded while the broker is slow)."""
 class Worker:
     """Stage 1, stage 2, dead letters and evaluations of one worker process."""
 
-    def __init__(self, config: StreamConfig, topics: TopicConfig,
-                 make_publisher: Callable[[], Publisher], open_store: Callable[[], ClickHouseSink], heartbeat_path: Path,
-                 before_event: Callable[..., bool] = lambda agent, partition=None: False,
-                 make_gap_reader: Callable[[], GapReader] | None = None) -> None:
+    def __init__(
+        self,
+        config: StreamConfig,
+        topics: TopicConfig,
+        make_publisher: Callable[[], Publisher],
+        open_store: Callable[[], ClickHouseSink],
+        heartbeat_path: Path,
+        before_event: Callable[..., bool] = lambda agent, partition=None: False,
+        make_gap_reader: Callable[[], GapReader] | None = None,
+    ) -> None:
         self.config = config
         self.topics = topics
         self.make_publisher = make_publisher
         self.publisher: Publisher | None = None  # made in the worker process, on start
         self.make_gap_reader = make_gap_reader
-        self.gaps: GapReader | None = None        # made on start, as the publisher
+        self.gaps: GapReader | None = None  # made on start, as the publisher
         self.gap_watch = GapWatch()
         self.publishing = asyncio.Event()
         self.open_store = open_store
@@ -127,10 +134,11 @@ class Worker:
 
     def write_heartbeat(self, status: str | None = None) -> None:
         unconfirmed = self._unconfirmed.values()
-        self.progress.waiting("stage1", sum(map(len, self.waiting.values()))
-                              + sum(n for n, _ in unconfirmed),
-                              min([*self.waiting_since.values(), *(t for _, t in unconfirmed)],
-                                  default=None))
+        self.progress.waiting(
+            "stage1",
+            sum(map(len, self.waiting.values())) + sum(n for n, _ in unconfirmed),
+            min([*self.waiting_since.values(), *(t for _, t in unconfirmed)], default=None),
+        )
         self.progress.waiting("stage2", self.batch.waiting, self.batch.oldest_at)
         try:
             self.heartbeat.beat(status, self.progress.report())
@@ -160,7 +168,8 @@ class Worker:
         if self.gaps is None:
             return
         starts = await asyncio.get_running_loop().run_in_executor(
-            None, self.gaps.starts, self.topics.metrics, sorted(partitions))
+            None, self.gaps.starts, self.topics.metrics, sorted(partitions)
+        )
         for partition, offset in starts.items():
             self.gap_watch.begin(partition, offset)
 
@@ -169,16 +178,20 @@ class Worker:
         message: decode, validate, gather; publish each step its message completes."""
         message = event.message
         if self.before_event("assemble", message.partition):  # a test's fault: as if the
-            event.ack()                                       # consumer skipped this one
+            event.ack()  # consumer skipped this one
             return
         await self.publishing.wait()
         skipped = self.gap_watch.gap(message.partition, message.offset)
         if skipped is not None and self.gaps is not None:
             for missed in await asyncio.get_running_loop().run_in_executor(
-                    None, self.gaps.read, message.topic, message.partition, *skipped):
-                log.warning("rank message at partition %d offset %d read again by offset "
-                            "(the consumer skipped it)", message.partition,
-                            missed.message.offset)
+                None, self.gaps.read, message.topic, message.partition, *skipped
+            ):
+                log.warning(
+                    "rank message at partition %d offset %d read again by offset "
+                    "(the consumer skipped it)",
+                    message.partition,
+                    missed.message.offset,
+                )
                 await self._gather(missed)
         await self._gather(event)
 
@@ -201,13 +214,26 @@ class Worker:
             event.ack()
             return
         if result.late is not None:
-            log.warning("late data: run %s step %d rank %d (partition %d offset %d) arrived "
-                        "after its step was reduced", record.run_id, record.step, record.rank,
-                        event.message.partition, event.message.offset)
-            late = ReducedStep(run_id=record.run_id, step=record.step,
-                               world_size=record.world_size, ranks_reporting=[record.rank],
-                               ranks_missing=[], reduced={}, per_rank={record.rank: record.values},
-                               hosts={record.rank: record.host}, complete_reason="late")
+            log.warning(
+                "late data: run %s step %d rank %d (partition %d offset %d) arrived "
+                "after its step was reduced",
+                record.run_id,
+                record.step,
+                record.rank,
+                event.message.partition,
+                event.message.offset,
+            )
+            late = ReducedStep(
+                run_id=record.run_id,
+                step=record.step,
+                world_size=record.world_size,
+                ranks_reporting=[record.rank],
+                ranks_missing=[],
+                reduced={},
+                per_rank={record.rank: record.values},
+                hosts={record.rank: record.host},
+                complete_reason="late",
+            )
             self.waiting.setdefault((record.run_id, record.step, "late"), []).append(event)
             await self.publish_step(late, key=(record.run_id, record.step, "late"))
             return
@@ -216,19 +242,25 @@ class Worker:
         self.waiting_since.setdefault(key, now)
         for reduced in result.completed:
             if reduced.ranks_missing:
-                log.warning("run %s step %d reduced (%s) without ranks %s; closed at partition "
-                            "%d offset %d by step %d rank %d", reduced.run_id, reduced.step,
-                            reduced.complete_reason, reduced.ranks_missing[:20],
-                            event.message.partition, event.message.offset, record.step,
-                            record.rank)
+                log.warning(
+                    "run %s step %d reduced (%s) without ranks %s; closed at partition "
+                    "%d offset %d by step %d rank %d",
+                    reduced.run_id,
+                    reduced.step,
+                    reduced.complete_reason,
+                    reduced.ranks_missing[:20],
+                    event.message.partition,
+                    event.message.offset,
+                    record.step,
+                    record.rank,
+                )
             await self.publish_step(reduced)
 
     async def publish_step(self, reduced: ReducedStep, key: Any = None) -> None:
         """Hand a reduced step to the broker and return: the agent goes on with the next
         message while the broker confirms (one round trip per step bounded stage 1 at
         ~120 steps/s). Up to ``MAX_IN_FLIGHT`` steps wait for confirmation at once."""
-        key = key or _wait_key(reduced.run_id, reduced.step,
-                               reduced.complete_reason == REPLAY)
+        key = key or _wait_key(reduced.run_id, reduced.step, reduced.complete_reason == REPLAY)
         events = self.waiting.pop(key, [])
         since = self.waiting_since.pop(key, time.monotonic())
         await self._in_flight.acquire()
@@ -246,16 +278,21 @@ class Worker:
                     await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
             except (OversizeStep, PublishError) as exc:
                 reason = str(exc)
-                log.error("probewire: step %d of run %s not published: %s", reduced.step,
-                          reduced.run_id, reason)
+                log.error(
+                    "probewire: step %d of run %s not published: %s",
+                    reduced.step,
+                    reduced.run_id,
+                    reason,
+                )
                 for event in events:
                     await self.dead_letter(event, f"reduced step not published: {reason}")
             for event in events:
                 event.ack()
             self.progress.output("stage1")
         except Exception as exc:  # a bug: the step's messages stay unacknowledged
-            log.exception("probewire: step %d of run %s: delivery failed", reduced.step,
-                          reduced.run_id)
+            log.exception(
+                "probewire: step %d of run %s: delivery failed", reduced.step, reduced.run_id
+            )
             self.progress.failed("stage1", f"delivery of step {reduced.step} failed: {exc}")
         finally:
             self._in_flight.release()
@@ -307,25 +344,31 @@ class Worker:
                 await asyncio.sleep(1.0)
                 continue
             if run_id not in self.runs:
-                self.runs[run_id] = RunPipeline(run_id, self.config.stage2) if state is None \
-                    else RunPipeline.from_state(run_id, self.config.stage2, state,
-                                                time.monotonic())
+                self.runs[run_id] = (
+                    RunPipeline(run_id, self.config.stage2)
+                    if state is None
+                    else RunPipeline.from_state(run_id, self.config.stage2, state, time.monotonic())
+                )
         return self.runs[run_id]
 
     async def send_alerts(self, run_id: str, out: Stage2Output) -> None:
         """Alerts and control messages leave at once (a restart may repeat one, never lose);
         steps stage 2 refused become dead letters."""
         for _, reason in out.refused:
-            await self._send_dead_letter(run_id.encode(), {
-                "reason": reason, **_origin("stage2", reason.encode()), "payload_b64": ""})
+            await self._send_dead_letter(
+                run_id.encode(),
+                {"reason": reason, **_origin("stage2", reason.encode()), "payload_b64": ""},
+            )
         alerts = out.rows.get("alerts", [])
         try:
             for alert in alerts:
-                await self.publisher.send(self.topics.alerts, run_id.encode(),
-                                          json.dumps(alert).encode())
+                await self.publisher.send(
+                    self.topics.alerts, run_id.encode(), json.dumps(alert).encode()
+                )
             for control in out.controls:
-                await self.publisher.send(self.topics.control, run_id.encode(),
-                                          json.dumps(control).encode())
+                await self.publisher.send(
+                    self.topics.control, run_id.encode(), json.dumps(control).encode()
+                )
         except PublishError as exc:  # the alert row is still stored with the batch
             log.error("probewire: alert of run %s not published: %s", run_id, exc.reason)
         if alerts:
@@ -358,8 +401,12 @@ class Worker:
             except (StoreUnavailable, RejectedRows) as exc:
                 delay = self.batch.failed(batch, str(exc))
                 self.progress.failed("stage2", str(exc))
-                log.error("probewire: store write of %d step(s) failed (%s); retrying in %.1fs",
-                          len(batch.acks), exc, delay)
+                log.error(
+                    "probewire: store write of %d step(s) failed (%s); retrying in %.1fs",
+                    len(batch.acks),
+                    exc,
+                    delay,
+                )
                 return
             for run_id, row, reason in rejected:
                 await self.dead_letter_row(run_id, row, reason)
@@ -380,18 +427,27 @@ class Worker:
     async def dead_letter(self, event: Any, reason: str) -> None:
         payload = event.value if isinstance(event.value, bytes) else b""
         limit = self.config.max_message_bytes // 2  # base64 and the envelope must fit
-        body = {"reason": reason, "topic": event.message.topic,
-                "partition": event.message.partition, "offset": event.message.offset,
-                "payload_b64": base64.b64encode(payload[:limit]).decode(),
-                "truncated": len(payload) > limit}
+        body = {
+            "reason": reason,
+            "topic": event.message.topic,
+            "partition": event.message.partition,
+            "offset": event.message.offset,
+            "payload_b64": base64.b64encode(payload[:limit]).decode(),
+            "truncated": len(payload) > limit,
+        }
         await self._send_dead_letter(event.key, body)
 
     async def dead_letter_row(self, run_id: str, row: Any, reason: str) -> None:
         text = json.dumps(row, default=str).encode()
         reason = f"store refused a row: {reason}"
-        await self._send_dead_letter(run_id.encode(), {
-            "reason": reason, **_origin("store", run_id.encode() + text),
-            "payload_b64": base64.b64encode(text).decode()})
+        await self._send_dead_letter(
+            run_id.encode(),
+            {
+                "reason": reason,
+                **_origin("store", run_id.encode() + text),
+                "payload_b64": base64.b64encode(text).decode(),
+            },
+        )
 
     async def _send_dead_letter(self, key: bytes | None, body: dict[str, Any]) -> None:
         self.progress.dead_letter()
@@ -399,8 +455,7 @@ class Worker:
         try:
             await self.publisher.send(self.topics.deadletter, key, json.dumps(body).encode())
         except PublishError as exc:
-            log.error("probewire: dead letter not published (%s): %s", exc.reason,
-                      body["reason"])
+            log.error("probewire: dead letter not published (%s): %s", exc.reason, body["reason"])
 
     async def store_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Rows of the dead-letter or evaluation agents, retried while the store is down."""
@@ -446,11 +501,20 @@ def dead_letter_row(payload: bytes) -> dict[str, Any]:
         body = json.loads(payload)
         if not isinstance(body, dict):
             raise TypeError("not an object")
-        return {"topic": str(body.get("topic", "")), "partition": int(body.get("partition", 0)),
-                "offset": int(body.get("offset", 0)), "key": str(body.get("key", "")),
-                "reason": str(body.get("reason", "")),
-                "payload_b64": str(body.get("payload_b64", ""))}
+        return {
+            "topic": str(body.get("topic", "")),
+            "partition": int(body.get("partition", 0)),
+            "offset": int(body.get("offset", 0)),
+            "key": str(body.get("key", "")),
+            "reason": str(body.get("reason", "")),
+            "payload_b64": str(body.get("payload_b64", "")),
+        }
     except (ValueError, TypeError) as exc:
-        return {"topic": "", "partition": 0, "offset": 0, "key": "",
-                "reason": f"unreadable dead letter: {exc}",
-                "payload_b64": base64.b64encode(payload or b"").decode()}
+        return {
+            "topic": "",
+            "partition": 0,
+            "offset": 0,
+            "key": "",
+            "reason": f"unreadable dead letter: {exc}",
+            "payload_b64": base64.b64encode(payload or b"").decode(),
+        }

@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -101,9 +101,21 @@ def _query_store(store: Path, sql: str) -> list[dict]:
     """Read a chdb store that another process wrote, from a fresh process (chdb: one
     data directory per process), as a list of row dicts."""
     out = subprocess.run(
-        [sys.executable, "-m", "probewire.deploy.cli", "sql", "--store", str(store),
-         "--format", "json", sql],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "sql",
+            "--store",
+            str(store),
+            "--format",
+            "json",
+            sql,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode != 0:
         raise AssertionError(f"probewire sql failed ({out.returncode}): {out.stderr}")
     import json

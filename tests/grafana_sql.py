@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_DIR = ROOT / "deploy" / "grafana"
@@ -41,10 +41,16 @@ def variables(dashboard: dict) -> list[dict]:
 
 def queries(dashboard: dict) -> list[tuple[str, str]]:
     """(where, SQL) of every panel target and annotation (variables: ``resolve``)."""
-    found = [(f"panel {p['id']} {t['refId']}", t["rawSql"])
-             for p in panels(dashboard) for t in p.get("targets", [])]
-    found += [(f"annotation {a['name']}", a["target"]["rawSql"])
-              for a in dashboard["annotations"]["list"] if "target" in a]
+    found = [
+        (f"panel {p['id']} {t['refId']}", t["rawSql"])
+        for p in panels(dashboard)
+        for t in p.get("targets", [])
+    ]
+    found += [
+        (f"annotation {a['name']}", a["target"]["rawSql"])
+        for a in dashboard["annotations"]["list"]
+        if "target" in a
+    ]
     return found
 
 
@@ -71,16 +77,21 @@ def render(sql: str, values: dict[str, list[str]], *, span_s: float = 7 * 86400)
             raise ValueError(f"${name} has {len(chosen)} values: give it a format")
         return chosen[0]
 
-    sql = _TIME_FILTER.sub(lambda m: f"{m.group(1)} >= toDateTime({now - int(span_s)}) AND "
-                                     f"{m.group(1)} <= toDateTime({now + 3600})", sql)
+    sql = _TIME_FILTER.sub(
+        lambda m: (
+            f"{m.group(1)} >= toDateTime({now - int(span_s)}) AND "
+            f"{m.group(1)} <= toDateTime({now + 3600})"
+        ),
+        sql,
+    )
     sql = _VAR.sub(one, sql)
     assert "$" not in sql, sql
     return sql
 
 
-def resolve(dashboard: dict, run: Callable[[str], list[tuple]], *,
-            choose: dict[str, str] | None = None) -> tuple[dict[str, list[str]],
-                                                           dict[str, list[str]]]:
+def resolve(
+    dashboard: dict, run: Callable[[str], list[tuple]], *, choose: dict[str, str] | None = None
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """(selected values, all listed values) per variable; ``run(sql)`` returns rows.
     ``choose`` picks one listed value of a variable (a textbox's text) instead of the default."""
     choose = choose or {}

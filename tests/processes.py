@@ -19,5 +19,6 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
         time.sleep(2.0)
         proc.kill()
         _, err = proc.communicate()
-        raise AssertionError(f"still running after {timeout_s:.0f}s; stderr:\n"
-                             f"{(err or '')[-6000:]}") from None
+        raise AssertionError(
+            f"still running after {timeout_s:.0f}s; stderr:\n{(err or '')[-6000:]}"
+        ) from None

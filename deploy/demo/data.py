@@ -49,16 +49,19 @@ def _docstrings() -> str:
 
 def _sources() -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    return "\n\n".join((stdlib / f"{m}.py").read_text(encoding="utf-8")
-                       for m in _MODULES if (stdlib / f"{m}.py").is_file())
+    return "\n\n".join(
+        (stdlib / f"{m}.py").read_text(encoding="utf-8")
+        for m in _MODULES
+        if (stdlib / f"{m}.py").is_file()
+    )
 
 
 @dataclass(slots=True)
 class Batch:
-    tokens: torch.Tensor   # [B, T] inputs (BOS then bytes)
+    tokens: torch.Tensor  # [B, T] inputs (BOS then bytes)
     targets: torch.Tensor  # [B, T] next bytes, IGNORE where padded
-    source: torch.Tensor   # [B] index into SOURCES
-    media: torch.Tensor | None = None       # [B, N, S, S] images in [0, 1] (media path only)
+    source: torch.Tensor  # [B] index into SOURCES
+    media: torch.Tensor | None = None  # [B, N, S, S] images in [0, 1] (media path only)
     media_mask: torch.Tensor | None = None  # [B, N] bool: which of the N image slots are present
 
 
@@ -66,8 +69,16 @@ class Batch:
 class Corpus:
     texts: dict[str, np.ndarray]  # source -> uint8 bytes
 
-    def batch(self, rng: np.random.Generator, batch_size: int, seq_len: int,
-              min_len: int, *, media_tiles: int = 0, image_size: int = 16) -> Batch:
+    def batch(
+        self,
+        rng: np.random.Generator,
+        batch_size: int,
+        seq_len: int,
+        min_len: int,
+        *,
+        media_tiles: int = 0,
+        image_size: int = 16,
+    ) -> Batch:
         """Padded rows of random valid length in [min_len, seq_len]; with ``media_tiles``
         also 0..media_tiles images per row (drawn after the text, so the text of a given
         ``rng`` state does not depend on whether media is on, captions aside)."""
@@ -79,7 +90,7 @@ class Corpus:
             data = self.texts[SOURCES[s]]
             n = int(rng.integers(min_len, seq_len + 1))  # valid targets in this row
             start = int(rng.integers(0, len(data) - n))
-            chunk = torch.from_numpy(data[start:start + n].astype(np.int64))
+            chunk = torch.from_numpy(data[start : start + n].astype(np.int64))
             tokens[i, 1:n] = chunk[:-1]
             targets[i, :n] = chunk
             source[i] = s

@@ -27,27 +27,29 @@ class Fault:
     """A fault starting at ``step``; subclasses override the hooks they need."""
 
     name: ClassVar[str]
-    signal: ClassVar[str]        # the P0 signal that pages
-    culprit: ClassVar[str]       # what `explain` names
+    signal: ClassVar[str]  # the P0 signal that pages
+    culprit: ClassVar[str]  # what `explain` names
     also_pages: ClassVar[tuple[str, ...]] = ()  # other P0 signals the same fault raises
-    within: ClassVar[int] = 0    # the page comes at most this many steps after ``step``
+    within: ClassVar[int] = 0  # the page comes at most this many steps after ``step``
     # what `probewire explain` at the paging step shows: a finding of this stage (and
     # signal, when given) that names explain_culprit(), scored moved when explain_moves
     explain_stage: ClassVar[str] = "gradient"
     explain_signal: ClassVar[str | None] = None
     explain_moves: ClassVar[bool] = True
     explain_gap: ClassVar[str] = ""  # why explain does not (yet) name the culprit
-    demo_args: ClassVar[tuple[str, ...]] = ()   # train.py flags the signature needs
-    presets: ClassVar[tuple[str, ...]] = ()     # model presets it applies to (): any; the
+    demo_args: ClassVar[tuple[str, ...]] = ()  # train.py flags the signature needs
+    presets: ClassVar[tuple[str, ...]] = ()  # model presets it applies to (): any; the
     #                                             first is the one `probewire demo` picks
     step: int = 100
 
     def check_preset(self, preset: str) -> None:
         """A FaultError when the fault needs a model structure ``preset`` lacks."""
         if self.presets and preset not in self.presets:
-            raise FaultError(f"{self.name} needs a model with "
-                             f"{' or '.join(self.presets)} structure: run it with "
-                             f"--preset {self.presets[0]} (got --preset {preset})")
+            raise FaultError(
+                f"{self.name} needs a model with "
+                f"{' or '.join(self.presets)} structure: run it with "
+                f"--preset {self.presets[0]} (got --preset {preset})"
+            )
 
     def expected_culprit(self) -> str:
         """What the paging alert names (signals with a single culprit); "" when the step
@@ -61,8 +63,9 @@ class Fault:
     def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
         return batch
 
-    def on_step_start(self, step: int, rank: int, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer) -> None:
+    def on_step_start(
+        self, step: int, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
         return None
 
     def on_step_end(self, step: int, rank: int) -> None:

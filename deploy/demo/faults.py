@@ -22,10 +22,26 @@ from .fault import Fault, FaultError, _core, _scramble
 from .model import IGNORE, PRESETS
 from .structure_faults import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
-__all__ = ["FAULTS", "SCENARIOS", "BadRank", "Bf16Swallow", "EasyBatch", "Fault", "FaultError",
-           "FlakyReplay", "IgnoredMedia", "LayerExplosion", "MemoryCreep", "NanWeight",
-           "PoisonedBatch", "RoutingCollapse", "SourceRegression", "Straggler",
-           "demo_train_args", "parse_fault"]
+__all__ = [
+    "FAULTS",
+    "SCENARIOS",
+    "BadRank",
+    "Bf16Swallow",
+    "EasyBatch",
+    "Fault",
+    "FaultError",
+    "FlakyReplay",
+    "IgnoredMedia",
+    "LayerExplosion",
+    "MemoryCreep",
+    "NanWeight",
+    "PoisonedBatch",
+    "RoutingCollapse",
+    "SourceRegression",
+    "Straggler",
+    "demo_train_args",
+    "parse_fault",
+]
 
 
 @dataclass(kw_only=True)
@@ -86,8 +102,10 @@ class SourceRegression(Fault):
         if step < self.step:
             return batch
         if self.source not in SOURCES:
-            raise FaultError(f"source-regression: unknown source {self.source!r}; "
-                             f"sources are {', '.join(SOURCES)}")
+            raise FaultError(
+                f"source-regression: unknown source {self.source!r}; "
+                f"sources are {', '.join(SOURCES)}"
+            )
         g = torch.Generator().manual_seed(10_000 + step)
         rows = batch.source == SOURCES.index(self.source)
         if self.per_step > 0:
@@ -132,7 +150,7 @@ class EasyBatch(Fault):
     runs (``simulate``) the rank's loss is ``loss_scale`` x its own."""
 
     name: ClassVar[str] = "easy-batch"
-    signal: ClassVar[str] = ""   # pages nothing
+    signal: ClassVar[str] = ""  # pages nothing
     culprit: ClassVar[str] = "rank"
     explain_stage: ClassVar[str] = "loss"
     explain_signal: ClassVar[str | None] = "loss_worst_rank"
@@ -149,8 +167,11 @@ class EasyBatch(Fault):
         self._model = _core(model)
 
     def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
-        if rank != self.rank or not self.step <= step < self.step + self.steps \
-                or self._model is None:
+        if (
+            rank != self.rank
+            or not self.step <= step < self.step + self.steps
+            or self._model is None
+        ):
             return batch
         with torch.no_grad():
             guess = self._model(batch.tokens, batch.media, batch.media_mask).argmax(-1)
@@ -223,7 +244,7 @@ class Straggler(Fault):
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10
-    factor: float = 0.0   # > 0: sleep (factor - 1) x this rank's median step time before
+    factor: float = 0.0  # > 0: sleep (factor - 1) x this rank's median step time before
     #                       ``step`` instead of delay_s (1.5: "slowed by half its step")
     _started: float | None = field(default=None, repr=False)
     _durations: list[float] = field(default_factory=list, repr=False)
@@ -344,9 +365,22 @@ class NanWeight(Fault):
                 _core(model).blocks[self.layer].mlp.down.weight[0, 0] = float("nan")
 
 
-FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (
-    BadRank, SourceRegression, PoisonedBatch, LayerExplosion, Straggler, MemoryCreep,
-    RoutingCollapse, IgnoredMedia, Bf16Swallow, FlakyReplay, NanWeight)}
+FAULTS: dict[str, type[Fault]] = {
+    cls.name: cls
+    for cls in (
+        BadRank,
+        SourceRegression,
+        PoisonedBatch,
+        LayerExplosion,
+        Straggler,
+        MemoryCreep,
+        RoutingCollapse,
+        IgnoredMedia,
+        Bf16Swallow,
+        FlakyReplay,
+        NanWeight,
+    )
+}
 """The fault gallery: each fault pages its ``signal``. Scenario faults that must page
 nothing (``easy-batch``) are in ``SCENARIOS``; ``parse_fault`` knows both."""
 
@@ -359,8 +393,9 @@ def parse_fault(text: str) -> Fault:
     name, _, step = head.partition("@")
     cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip())
     if cls is None:
-        raise FaultError(f"unknown fault {name!r}; known: "
-                         f"{', '.join(sorted({*FAULTS, *SCENARIOS}))}")
+        raise FaultError(
+            f"unknown fault {name!r}; known: {', '.join(sorted({*FAULTS, *SCENARIOS}))}"
+        )
     kwargs: dict[str, Any] = {}
     if step:
         if not step.isdigit():
@@ -371,8 +406,10 @@ def parse_fault(text: str) -> Fault:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in known or key == "step":
-            raise FaultError(f"{name}: bad parameter {item!r}; parameters: "
-                             f"{', '.join(sorted(k for k in known if k != 'step'))}")
+            raise FaultError(
+                f"{name}: bad parameter {item!r}; parameters: "
+                f"{', '.join(sorted(k for k in known if k != 'step'))}"
+            )
         kind = type(getattr(cls(), key))
         try:
             kwargs[key] = kind(value)
@@ -390,8 +427,15 @@ def demo_train_args(specs: list[str], preset: str | None = None) -> list[str]:
     if preset is not None and preset not in PRESETS:
         raise FaultError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     if preset is None:
-        preset = next((p for f in faults for p in f.presets
-                       if all(not g.presets or p in g.presets for g in faults)), "tiny")
+        preset = next(
+            (
+                p
+                for f in faults
+                for p in f.presets
+                if all(not g.presets or p in g.presets for g in faults)
+            ),
+            "tiny",
+        )
     for fault in faults:
         fault.check_preset(preset)
     args = ["--preset", preset]

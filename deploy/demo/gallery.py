@@ -20,16 +20,17 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from probewire.deploy.settings import ClickHouseSettings, Settings
+from probewire.deploy.stack import LocalStack, spawn, stop_process
 from probewire.stream.config import StreamConfig
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
-from probewire.deploy.stack import LocalStack, spawn, stop_process
 
 from .run import DemoResult, train_run
 
@@ -37,12 +38,15 @@ __all__ = ["Explain", "Gallery", "cpu_burner", "read_gallery"]
 
 
 @contextmanager
-def cpu_burner(processes: int = 1, limit_s: float = 900.0, log: Path | None = None
-               ) -> Iterator[list[int]]:
+def cpu_burner(
+    processes: int = 1, limit_s: float = 900.0, log: Path | None = None
+) -> Iterator[list[int]]:
     """``processes`` busy loops, each bounded to ``limit_s`` seconds, stopped by PID on
     exit (their own sessions: nothing else is signalled); yields their PIDs."""
-    code = ("import time\nend = time.monotonic() + %r\nwhile time.monotonic() < end:\n"
-            "    pass\n" % float(limit_s))
+    code = (
+        "import time\nend = time.monotonic() + %r\nwhile time.monotonic() < end:\n"
+        "    pass\n" % float(limit_s)
+    )
     procs = []
     sink = open(log or os.devnull, "ab")
     try:
@@ -73,11 +77,14 @@ class Gallery:
 
     def settings(self) -> Settings:
         return Settings(
-            clickhouse=ClickHouseSettings(url="chdb:///" + str(self.store).lstrip("/"),
-                                          database=self.database),
-            stream=StreamConfig(app_id=f"probewire-{uuid.uuid4().hex[:8]}",
-                                stage2=Stage2Config(detectors=DetectorConfig(window=self.window),
-                                                    **self.stage2)))
+            clickhouse=ClickHouseSettings(
+                url="chdb:///" + str(self.store).lstrip("/"), database=self.database
+            ),
+            stream=StreamConfig(
+                app_id=f"probewire-{uuid.uuid4().hex[:8]}",
+                stage2=Stage2Config(detectors=DetectorConfig(window=self.window), **self.stage2),
+            ),
+        )
 
     def start(self) -> None:
         if self.stack is not None:
@@ -92,15 +99,30 @@ class Gallery:
             raise
         self.stack = stack
 
-    def run(self, run_id: str, *, ranks: int = 2, steps: int = 150,
-            train_args: list[str] | None = None, trace: Path | None = None,
-            burner: int = 0, timeout_s: float = 900.0) -> DemoResult:
+    def run(
+        self,
+        run_id: str,
+        *,
+        ranks: int = 2,
+        steps: int = 150,
+        train_args: list[str] | None = None,
+        trace: Path | None = None,
+        burner: int = 0,
+        timeout_s: float = 900.0,
+    ) -> DemoResult:
         """Train one run through the shared stack (``burner`` busy loops alongside)."""
         self.start()
         assert self.stack is not None
         with cpu_burner(burner, limit_s=timeout_s) if burner else _nothing():
-            result = train_run(self.stack, run_id=run_id, ranks=ranks, steps=steps,
-                               trace=trace, extra_train_args=train_args, timeout_s=timeout_s)
+            result = train_run(
+                self.stack,
+                run_id=run_id,
+                ranks=ranks,
+                steps=steps,
+                trace=trace,
+                extra_train_args=train_args,
+                timeout_s=timeout_s,
+            )
         self.runs.append(run_id)
         return result
 
@@ -132,17 +154,37 @@ class Explain:
     window: int = 50
 
 
-def read_gallery(store: Path, sql: dict[str, str], explains: list[Explain] = (),
-                 database: str = "probewire", timeout_s: float = 600.0) -> dict[str, Any]:
+def read_gallery(
+    store: Path,
+    sql: dict[str, str],
+    explains: list[Explain] = (),
+    database: str = "probewire",
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
     """Run every query and explanation on ``store`` in one fresh process (another process
     wrote it): {"sql": {name: rows as dicts}, "explain": {run_id: explain's JSON}}."""
     spec = store.parent / f"read-{uuid.uuid4().hex[:8]}.json"
-    spec.write_text(json.dumps({"database": database, "sql": sql,
-                                "explain": [dataclasses.asdict(e) for e in explains]}))
+    spec.write_text(
+        json.dumps(
+            {"database": database, "sql": sql, "explain": [dataclasses.asdict(e) for e in explains]}
+        )
+    )
     try:
-        out = subprocess.run([sys.executable, "-m", "probewire.deploy.demo.gallery", "read",
-                              "--store", str(store), "--spec", str(spec)],
-                             capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "probewire.deploy.demo.gallery",
+                "read",
+                "--store",
+                str(store),
+                "--spec",
+                str(spec),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     finally:
         spec.unlink(missing_ok=True)
     if out.returncode != 0:
@@ -161,21 +203,24 @@ def _read(store: Path, spec: dict[str, Any]) -> dict[str, Any]:
         result = client.query(query)
         return [dict(zip(result.column_names, r)) for r in result.result_rows]
 
-    out: dict[str, Any] = {"sql": {name: rows(q) for name, q in spec["sql"].items()},
-                           "explain": {}}
+    out: dict[str, Any] = {"sql": {name: rows(q) for name, q in spec["sql"].items()}, "explain": {}}
     for item in spec["explain"]:
         step = item["fallback"]
         if item["signal"]:
-            first = client.query(f"SELECT step FROM {db}.alerts FINAL WHERE run_id = {{r:String}} "
-                                 "AND signal = {s:String} ORDER BY step LIMIT 1",
-                                 parameters={"r": item["run_id"], "s": item["signal"]})
+            first = client.query(
+                f"SELECT step FROM {db}.alerts FINAL WHERE run_id = {{r:String}} "
+                "AND signal = {s:String} ORDER BY step LIMIT 1",
+                parameters={"r": item["run_id"], "s": item["signal"]},
+            )
             step = int(first.result_rows[0][0]) if first.result_rows else step
         result = explain(client, db, item["run_id"], step, window=item["window"])
         out["explain"][item["run_id"]] = {
-            "step": step, "headline": result.headline(),
+            "step": step,
+            "headline": result.headline(),
             "first": None if result.first is None else result.first.signal,
             "pages": [dataclasses.asdict(p) for p in result.pages],
-            "findings": [dataclasses.asdict(f) for f in result.findings]}
+            "findings": [dataclasses.asdict(f) for f in result.findings],
+        }
     return out
 
 

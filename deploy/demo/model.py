@@ -35,10 +35,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BOS", "IGNORE", "PRESETS", "TinyConfig", "TinyLM", "VOCAB", "flops_per_token",
-           "load_checkpoint", "mtp_targets", "save_checkpoint", "token_loss_sum"]
+__all__ = [
+    "BOS",
+    "IGNORE",
+    "PRESETS",
+    "TinyConfig",
+    "TinyLM",
+    "VOCAB",
+    "flops_per_token",
+    "load_checkpoint",
+    "mtp_targets",
+    "save_checkpoint",
+    "token_loss_sum",
+]
 
-VOCAB = 257   # 256 byte values + BOS
+VOCAB = 257  # 256 byte values + BOS
 BOS = 256
 IGNORE = -100  # label of a padded / invalid target position
 
@@ -98,16 +109,23 @@ class TinyConfig:
         return self.media_tiles * self.media_tokens_per_image
 
     @classmethod
-    def preset(cls, name: str, **overrides: object) -> "TinyConfig":
+    def preset(cls, name: str, **overrides: object) -> TinyConfig:
         """tiny: the dense model; moe: 8 experts, top-2, bias balancing; media: 2 images per
         row; full: all of them plus gated branches, gated attention and one MTP head."""
         presets: dict[str, dict[str, object]] = {
             "tiny": {},
             "moe": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01, "balance_rate": 0.05},
             "media": {"media_tiles": 2},
-            "full": {"n_experts": 8, "top_k": 2, "aux_loss_weight": 0.01, "balance_rate": 0.05,
-                     "media_tiles": 2,
-                     "gated_branches": True, "attn_gate": True, "mtp_depth": 1},
+            "full": {
+                "n_experts": 8,
+                "top_k": 2,
+                "aux_loss_weight": 0.01,
+                "balance_rate": 0.05,
+                "media_tiles": 2,
+                "gated_branches": True,
+                "attn_gate": True,
+                "mtp_depth": 1,
+            },
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
@@ -235,7 +253,7 @@ class MoE(nn.Module):
                 with torch.no_grad():
                     self.router.expert_bias += self.balance_rate * torch.sign(load.mean() - load)
             if self.aux_loss_weight > 0 and out.requires_grad:
-                share = load / load.sum()                       # f_i (no gradient)
+                share = load / load.sum()  # f_i (no gradient)
                 prob = torch.softmax(logits.float(), dim=-1).mean(0)  # P_i
                 aux = self.aux_loss_weight * n_experts * (share * prob).sum()
                 out = _AttachAuxLoss.apply(out, aux)
@@ -283,8 +301,9 @@ class MediaProjector(nn.Module):
         super().__init__()
         self.proj = nn.Linear(cfg.encoder_dim, cfg.d_model)
 
-    def forward(self, features: torch.Tensor, token_mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         y = self.proj(features)
         return y if token_mask is None else y * token_mask.unsqueeze(-1).to(y.dtype)
 
@@ -321,11 +340,17 @@ class TinyLM(nn.Module):
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)  # matrices only: gate logits keep gate_init
         if cfg.media_tiles:  # media tokens enter at the text embeddings' scale: γ ≈ 1 at init
-            nn.init.normal_(self.projector.proj.weight, std=0.02 / cfg.encoder_dim ** 0.5)
+            nn.init.normal_(self.projector.proj.weight, std=0.02 / cfg.encoder_dim**0.5)
             nn.init.zeros_(self.projector.proj.bias)
 
-    def forward(self, tokens: torch.Tensor, media: torch.Tensor | None = None,
-                media_mask: torch.Tensor | None = None, *, return_mtp: bool = False):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        media: torch.Tensor | None = None,
+        media_mask: torch.Tensor | None = None,
+        *,
+        return_mtp: bool = False,
+    ):
         """Logits [B, T, V] for ``tokens`` [B, T]; with ``media`` [B, N, S, S] (N ≤
         ``media_tiles``; ``media_mask`` [B, N] marks the images present) the media tokens are
         prepended. ``return_mtp``: also the MTP logits, one [B, T, V] per depth."""
@@ -342,25 +367,28 @@ class TinyLM(nn.Module):
             return logits
         return logits, [head(h) for head in getattr(self, "mtp", ())]
 
-    def _prepend_media(self, x: torch.Tensor, media: torch.Tensor,
-                       media_mask: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _prepend_media(
+        self, x: torch.Tensor, media: torch.Tensor, media_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         b, n = media.shape[:2]
         if n > self.cfg.media_tiles:
             raise ValueError(f"{n} images per row; the model takes at most {self.cfg.media_tiles}")
         per = self.cfg.media_tokens_per_image
-        present = (media_mask if media_mask is not None
-                   else torch.ones(b, n, dtype=torch.bool, device=media.device))
-        token_mask = present.repeat_interleave(per, dim=1)                     # [B, M]
+        present = (
+            media_mask
+            if media_mask is not None
+            else torch.ones(b, n, dtype=torch.bool, device=media.device)
+        )
+        token_mask = present.repeat_interleave(per, dim=1)  # [B, M]
         m = token_mask.shape[1]
         media_x = self.projector(self.encoder(media.to(x.dtype)), token_mask)
         media_x = media_x + self.media_pos(torch.arange(m, device=x.device))
         length = m + x.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        keys = torch.cat([token_mask, torch.ones(b, x.shape[1], dtype=torch.bool,
-                                                 device=x.device)], dim=1)
-        allowed = causal & (keys[:, None, :] | torch.eye(length, dtype=torch.bool,
-                                                          device=x.device))
+        keys = torch.cat(
+            [token_mask, torch.ones(b, x.shape[1], dtype=torch.bool, device=x.device)], dim=1
+        )
+        allowed = causal & (keys[:, None, :] | torch.eye(length, dtype=torch.bool, device=x.device))
         return torch.cat([media_x, x], dim=1), allowed[:, None], m
 
     def flops_per_token(self) -> float:
@@ -378,8 +406,12 @@ def flops_per_token(model: TinyLM) -> float:
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Σ over valid targets of the token NLL (nats); padded targets are IGNORE."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
 
 
 def mtp_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
@@ -389,8 +421,9 @@ def mtp_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
     return out
 
 
-def save_checkpoint(model: TinyLM, path: Path,
-                    ema: dict[str, torch.Tensor] | nn.Module | None = None) -> None:
+def save_checkpoint(
+    model: TinyLM, path: Path, ema: dict[str, torch.Tensor] | nn.Module | None = None
+) -> None:
     """Save config and weights; ``ema`` (a running average of the weights, as a state dict
     or a module of the same architecture) is stored beside them under the key "ema"."""
     blob = {"config": asdict(model.cfg), "model": model.state_dict()}

@@ -36,23 +36,49 @@ import argparse
 import math
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from probewire.instrument.catalog import (Comm, Grad, Label, Loss, Memory, Moe, Output, System,
-                                          Tensor)
+from probewire.instrument.catalog import (
+    Comm,
+    Grad,
+    Label,
+    Loss,
+    Memory,
+    Moe,
+    Output,
+    System,
+    Tensor,
+)
 
-from .faults import (BadRank, EasyBatch, Fault, LayerExplosion, MemoryCreep, PoisonedBatch,
-                     SourceRegression, Straggler, parse_fault)
+from .faults import (
+    BadRank,
+    EasyBatch,
+    Fault,
+    LayerExplosion,
+    MemoryCreep,
+    PoisonedBatch,
+    SourceRegression,
+    Straggler,
+    parse_fault,
+)
 
 __all__ = ["SIMULATED", "SimulatedRun", "simulated_run", "write_simulated_run"]
 
-_PARAMS = 1.2e8          # model size behind the 6·N·D FLOP estimate
+_PARAMS = 1.2e8  # model size behind the 6·N·D FLOP estimate
 _RANDOM_BYTES = math.log(256.0)  # loss of a uniform random byte: what a scrambled batch costs
-SIMULATED = (BadRank, EasyBatch, SourceRegression, PoisonedBatch, LayerExplosion, Straggler,
-             MemoryCreep)
+SIMULATED = (
+    BadRank,
+    EasyBatch,
+    SourceRegression,
+    PoisonedBatch,
+    LayerExplosion,
+    Straggler,
+    MemoryCreep,
+)
 """The demo faults the simulator can put into a run."""
 
 
@@ -75,24 +101,32 @@ def _backward_order(layers: int) -> list[str]:
     return order + ["embed"]
 
 
-def _tensor_parts(sigma: float, n: float, world_size: int, rank: int,
-                  rng: np.random.Generator) -> dict[str, float]:
+def _tensor_parts(
+    sigma: float, n: float, world_size: int, rank: int, rng: np.random.Generator
+) -> dict[str, float]:
     """One rank's share of the power sums of n draws from N(0, sigma²) (n split evenly)."""
     m = n / world_size
-    return {Tensor.N: m, Tensor.SUM: float(rng.normal(0.0, sigma * math.sqrt(m))),
-            Tensor.SUM_SQ: m * sigma * sigma * (1 + 0.01 * float(rng.normal())),
-            Tensor.ABS_SUM: m * sigma * math.sqrt(2 / math.pi),
-            Tensor.ABS_MAX: 5.0 * sigma * (1 + 0.05 * float(rng.normal())) * (1 - 0.01 * rank),
-            Tensor.ZEROS: 0.0, Tensor.NONFINITE: 0.0, Tensor.SUM3: 0.0,
-            Tensor.SUM4: 3.0 * m * sigma ** 4}
+    return {
+        Tensor.N: m,
+        Tensor.SUM: float(rng.normal(0.0, sigma * math.sqrt(m))),
+        Tensor.SUM_SQ: m * sigma * sigma * (1 + 0.01 * float(rng.normal())),
+        Tensor.ABS_SUM: m * sigma * math.sqrt(2 / math.pi),
+        Tensor.ABS_MAX: 5.0 * sigma * (1 + 0.05 * float(rng.normal())) * (1 - 0.01 * rank),
+        Tensor.ZEROS: 0.0,
+        Tensor.NONFINITE: 0.0,
+        Tensor.SUM3: 0.0,
+        Tensor.SUM4: 3.0 * m * sigma**4,
+    }
 
 
 def _faults(faults: Sequence[Fault | str]) -> list[Fault]:
     out = [parse_fault(f) if isinstance(f, str) else f for f in faults]
     for f in out:
         if not isinstance(f, SIMULATED):
-            raise ValueError(f"{f.name}: the simulator has no model of it; it simulates "
-                             f"{', '.join(cls.name for cls in SIMULATED)}")
+            raise ValueError(
+                f"{f.name}: the simulator has no model of it; it simulates "
+                f"{', '.join(cls.name for cls in SIMULATED)}"
+            )
     return out
 
 
@@ -101,25 +135,40 @@ def _active(fault: Fault, t: int, steps: int = 0) -> bool:
     return t >= fault.step and (not steps or t < fault.step + steps)
 
 
-def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: int = 4,
-                  layers: int = 4, experts: int = 8,
-                  sources: Sequence[tuple[str, float]] = (("web", 0.8), ("code", 0.15),
-                                                          ("math", 0.05)),
-                  retain_every: int = 10, eval_every: int = 20, halo: int = 2,
-                  detector_window: int = 30, faults: Sequence[Fault | str] = (),
-                  seed: int = 0) -> SimulatedRun:
+def simulated_run(
+    run_id: str = "synthetic",
+    *,
+    steps: int = 120,
+    world_size: int = 4,
+    layers: int = 4,
+    experts: int = 8,
+    sources: Sequence[tuple[str, float]] = (("web", 0.8), ("code", 0.15), ("math", 0.05)),
+    retain_every: int = 10,
+    eval_every: int = 20,
+    halo: int = 2,
+    detector_window: int = 30,
+    faults: Sequence[Fault | str] = (),
+    seed: int = 0,
+) -> SimulatedRun:
     """Simulate ``steps`` steps of a ``world_size``-rank job with the demo ``faults``."""
-    from probewire.stream.assemble import reduce_step
     from probewire.instrument.wire import RankStep, series_key
+    from probewire.stream.assemble import reduce_step
     from probewire.stream.signals import DetectorConfig
     from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
 
     rng = np.random.default_rng(seed)
     faults = _faults(faults)
     of = lambda cls: [f for f in faults if isinstance(f, cls)]  # noqa: E731
-    pipeline = RunPipeline(run_id, Stage2Config(
-        detectors=DetectorConfig(window=detector_window), retention_every_k=retain_every,
-        retention_halo=halo, warmup_steps=halo, final_steps=halo))
+    pipeline = RunPipeline(
+        run_id,
+        Stage2Config(
+            detectors=DetectorConfig(window=detector_window),
+            retention_every_k=retain_every,
+            retention_halo=halo,
+            warmup_steps=halo,
+            final_steps=halo,
+        ),
+    )
     tensor_steps = {t for t in range(steps) if t % retain_every == 0}
     tensor_steps |= {s for f in of(LayerExplosion) for s in range(f.step - halo, f.step + halo + 1)}
     tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -139,8 +188,9 @@ def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: in
         compute = 0.45 * np.exp(rng.normal(0, 0.02, world_size))
         for f in of(Straggler):
             if _active(f, t, f.duration):
-                compute[f.rank] = compute[f.rank] * f.factor if f.factor > 0 else \
-                    compute[f.rank] + f.delay_s
+                compute[f.rank] = (
+                    compute[f.rank] * f.factor if f.factor > 0 else compute[f.rank] + f.delay_s
+                )
         done = float(compute.max())  # synchronous DDP: every rank waits for the last one
         records = []
         for r in range(world_size):
@@ -163,41 +213,72 @@ def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: in
                 values[series_key(Loss.TOKENS, {Label.SOURCE: source})] = n
                 total_sum, total_n = total_sum + mean * n, total_n + n
             comm = 0.05 * (1 + 0.05 * float(rng.random()))
-            creep = sum(f.mib_per_step * (1 << 20) * (t - f.step + 1) for f in of(MemoryCreep)
-                        if f.rank == r and _active(f, t))
-            values.update({
-                series_key(Loss.SUM): total_sum, series_key(Loss.TOKENS): total_n,
-                series_key(Grad.NORM_SQ): g2 * g2,
-                series_key(System.STEP_TIME): done + comm,
-                series_key(Comm.WAIT, {Label.OP: "ddp_allreduce"}): done - compute[r] + comm,
-                series_key(System.FLOPS): 6 * _PARAMS * total_n,
-                series_key(Memory.PEAK_ALLOCATED):
-                    20e9 + r * 1e8 + t * 2e6 + 1e6 * float(rng.normal()) + creep,
-                series_key(Output.LOGITS_ABS_MAX):
-                    25.0 * (1 + 0.05 * float(rng.normal())) * math.sqrt(boost)})
+            creep = sum(
+                f.mib_per_step * (1 << 20) * (t - f.step + 1)
+                for f in of(MemoryCreep)
+                if f.rank == r and _active(f, t)
+            )
+            values.update(
+                {
+                    series_key(Loss.SUM): total_sum,
+                    series_key(Loss.TOKENS): total_n,
+                    series_key(Grad.NORM_SQ): g2 * g2,
+                    series_key(System.STEP_TIME): done + comm,
+                    series_key(Comm.WAIT, {Label.OP: "ddp_allreduce"}): done - compute[r] + comm,
+                    series_key(System.FLOPS): 6 * _PARAMS * total_n,
+                    series_key(Memory.PEAK_ALLOCATED): 20e9
+                    + r * 1e8
+                    + t * 2e6
+                    + 1e6 * float(rng.normal())
+                    + creep,
+                    series_key(Output.LOGITS_ABS_MAX): 25.0
+                    * (1 + 0.05 * float(rng.normal()))
+                    * math.sqrt(boost),
+                }
+            )
             if t in tensor_steps:
                 hit = False  # walking from the output inward: all from the origin on blows up
                 for tensor in _backward_order(layers):
                     hit = hit or (origin is not None and tensor == f"layers.{origin}.mlp")
                     for kind, sigma in (("bwd", 1e-3), ("grad", 1e-4)):
-                        parts = _tensor_parts(sigma * (boost if hit else 1.0), 1e6, world_size,
-                                              r, rng)
+                        parts = _tensor_parts(
+                            sigma * (boost if hit else 1.0), 1e6, world_size, r, rng
+                        )
                         for name, v in parts.items():
                             values[series_key(name, {Label.TENSOR: tensor, Label.KIND: kind})] = v
-            records.append(RankStep(run_id=run_id, step=t, rank=r, world_size=world_size,
-                                    host=f"node{r // 8}", coords={"dp": r}, values=values))
+            records.append(
+                RankStep(
+                    run_id=run_id,
+                    step=t,
+                    rank=r,
+                    world_size=world_size,
+                    host=f"node{r // 8}",
+                    coords={"dp": r},
+                    values=values,
+                )
+            )
         sums = np.array([rec.values[series_key(Loss.SUM)] for rec in records])
         counts = np.array([rec.values[series_key(Loss.TOKENS)] for rec in records])
         means = sums / counts
-        run.reference[t] = (float(sums.sum() / counts.sum()), float(means.max()),
-                            int(np.argmax(means)))
+        run.reference[t] = (
+            float(sums.sum() / counts.sum()),
+            float(means.max()),
+            int(np.argmax(means)),
+        )
         reduced = reduce_step(run_id, t, world_size, records, "all_ranks")
         for i in range(layers):  # c_i summed over ranks, as stage 1 reduces it
             loads = rng.normal(1.0, 0.05, experts) * float(counts.sum()) * 2 / experts
             for e, c in enumerate(loads):
-                reduced.reduced[series_key(Moe.EXPERT_TOKENS, {
-                    Label.LAYER: str(i), Label.EXPERT: str(e),
-                    Label.SHARD: str(e * 2 // experts)})] = c
+                reduced.reduced[
+                    series_key(
+                        Moe.EXPERT_TOKENS,
+                        {
+                            Label.LAYER: str(i),
+                            Label.EXPERT: str(e),
+                            Label.SHARD: str(e * 2 // experts),
+                        },
+                    )
+                ] = c
         out = pipeline.accept(reduced, float(t))
         for table, rows in out.rows.items():
             tables[table] += rows
@@ -207,12 +288,22 @@ def simulated_run(run_id: str = "synthetic", *, steps: int = 120, world_size: in
         last_row = out.rows["step_metrics"][-1] if out.rows.get("step_metrics") else last_row
         if t % eval_every == 0 and t > 0:
             for stream, reference, shift in (("raw", 1, 0.0), ("ema", 0, -0.01)):
-                tables["evaluations"].append({
-                    "run_id": run_id, "step": t, "tokens": last_row["tokens"],
-                    "flops": last_row["flops"], "suite": "heldout", "metric": "bpb",
-                    "value": last_row["loss"] * 1.02 / math.log(2) / 3.8 + shift,
-                    "weights_stream": stream, "reference": reference, "n_items": 512,
-                    "dataset_version": "heldout-v1", "tokenizer_version": "tok-v1"})
+                tables["evaluations"].append(
+                    {
+                        "run_id": run_id,
+                        "step": t,
+                        "tokens": last_row["tokens"],
+                        "flops": last_row["flops"],
+                        "suite": "heldout",
+                        "metric": "bpb",
+                        "value": last_row["loss"] * 1.02 / math.log(2) / 3.8 + shift,
+                        "weights_stream": stream,
+                        "reference": reference,
+                        "n_items": 512,
+                        "dataset_version": "heldout-v1",
+                        "tokenizer_version": "tok-v1",
+                    }
+                )
     out = pipeline.finish()
     for table, rows in out.rows.items():
         tables[table] += rows
@@ -232,23 +323,33 @@ def write_simulated_run(sink: Any, run: SimulatedRun) -> int:
 def _main(argv: Sequence[str] | None = None) -> int:
     from probewire.sinks.clickhouse import ClickHouseSink, connect
 
-    parser = argparse.ArgumentParser(prog="python -m probewire.deploy.demo.simulate",
-                                     description="Write a simulated run into a store.")
+    parser = argparse.ArgumentParser(
+        prog="python -m probewire.deploy.demo.simulate",
+        description="Write a simulated run into a store.",
+    )
     parser.add_argument("--store", required=True, help="chdb data directory")
     parser.add_argument("--database", default="probewire")
     parser.add_argument("--run-id", default="demo-synthetic")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--fault", action="append", metavar="NAME[@STEP][:K=V,...]",
-                        help="a demo fault (repeatable); default: a source regression at "
-                             "half the run and a layer explosion at 70%% of it")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        metavar="NAME[@STEP][:K=V,...]",
+        help="a demo fault (repeatable); default: a source regression at "
+        "half the run and a layer explosion at 70%% of it",
+    )
     args = parser.parse_args(argv)
-    sink = ClickHouseSink(connect("chdb:///" + os.path.abspath(args.store).lstrip("/")),
-                          args.database)
+    sink = ClickHouseSink(
+        connect("chdb:///" + os.path.abspath(args.store).lstrip("/")), args.database
+    )
     sink.migrate()
-    faults = args.fault or [f"source-regression@{args.steps // 2}:source=math,per_step=0.002",
-                            f"layer-explosion@{int(args.steps * 0.7)}:layer=2,scale=50"]
-    run = simulated_run(args.run_id, steps=args.steps, retain_every=25, halo=5,
-                        detector_window=50, faults=faults)
+    faults = args.fault or [
+        f"source-regression@{args.steps // 2}:source=math,per_step=0.002",
+        f"layer-explosion@{int(args.steps * 0.7)}:layer=2,scale=50",
+    ]
+    run = simulated_run(
+        args.run_id, steps=args.steps, retain_every=25, halo=5, detector_window=50, faults=faults
+    )
     print(f"wrote {write_simulated_run(sink, run)} rows of run {args.run_id} into {args.store}")
     return 0
 

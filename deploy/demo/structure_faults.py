@@ -49,14 +49,16 @@ class RoutingCollapse(Fault):
 
     def on_step_start(self, step, rank, model, optimizer) -> None:
         if step >= self.step:
-            _core(model).blocks[self.layer].mlp.router.expert_bias[:self.experts] = self.bias
+            _core(model).blocks[self.layer].mlp.router.expert_bias[: self.experts] = self.bias
 
     def check_preset(self, preset: str) -> None:
         super().check_preset(preset)
         cfg = TinyConfig.preset(preset)
         if not 0 <= self.layer < cfg.n_layer or not 1 <= self.experts < cfg.n_experts:
-            raise FaultError(f"routing-collapse: layer must be in 0..{cfg.n_layer - 1} and "
-                             f"experts in 1..{cfg.n_experts - 1} for --preset {preset}")
+            raise FaultError(
+                f"routing-collapse: layer must be in 0..{cfg.n_layer - 1} and "
+                f"experts in 1..{cfg.n_experts - 1} for --preset {preset}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -38,8 +38,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from probewire.deploy.settings import KafkaSettings
-from probewire.instrument import (ControlListener, KafkaTransport, ProbeConfig, RankIdentity,
-                                  attach)
+from probewire.instrument import ControlListener, KafkaTransport, ProbeConfig, RankIdentity, attach
 
 from .data import SOURCES, load_corpus
 from .faults import FaultError, parse_fault
@@ -90,20 +89,37 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-topic", default="probewire.checkpoints")
     p.add_argument("--trace", type=Path)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", choices=PRESETS, default="tiny",
-                   help="demo model structure (moe: experts; media: images; full: all)")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="tiny",
+        help="demo model structure (moe: experts; media: images; full: all)",
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--p1-every", type=int, default=100,
-                   help="steps between tensor scans (the probes' scan tier)")
+    p.add_argument(
+        "--p1-every",
+        type=int,
+        default=100,
+        help="steps between tensor scans (the probes' scan tier)",
+    )
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     p.add_argument("--ckpt-dir", type=Path, help="where --save-every writes checkpoints")
-    p.add_argument("--fault", action="append", default=[], metavar="NAME[@STEP][:K=V,...]",
-                   help="inject a real training fault (see probewire.deploy.demo.faults)")
-    p.add_argument("--guard-factor", type=float, default=3.0,
-                   help="spike guard: replay a step whose loss exceeds this x its running mean")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="NAME[@STEP][:K=V,...]",
+        help="inject a real training fault (see probewire.deploy.demo.faults)",
+    )
+    p.add_argument(
+        "--guard-factor",
+        type=float,
+        default=3.0,
+        help="spike guard: replay a step whose loss exceeds this x its running mean",
+    )
     args = p.parse_args(argv)
     try:
         args.faults = [parse_fault(text) for text in args.fault]
@@ -119,8 +135,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}",
-                            rank=args.rank, world_size=args.world_size)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        rank=args.rank,
+        world_size=args.world_size,
+    )
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     cfg = TinyConfig.preset(args.preset)
     # experts a step does not route to, and the MTP heads the loop does not train, get no
@@ -134,17 +154,31 @@ def main(argv: list[str] | None = None) -> None:
     kafka = KafkaSettings(bootstrap=args.bootstrap).client_config()
     # attach once: observation points, optimizer hooks, control listener, exporters
     monitor = attach(
-        model, opt,
-        identity=RankIdentity(run_id=args.run_id, rank=args.rank, world_size=args.world_size,
-                              local_rank=args.rank, coords={"dp": args.rank}),
-        config=ProbeConfig(clip_threshold=args.clip, sources=SOURCES,
-                           cadence={"step": 1, "scan": args.p1_every, "demand": 0}),
+        model,
+        opt,
+        identity=RankIdentity(
+            run_id=args.run_id,
+            rank=args.rank,
+            world_size=args.world_size,
+            local_rank=args.rank,
+            coords={"dp": args.rank},
+        ),
+        config=ProbeConfig(
+            clip_threshold=args.clip,
+            sources=SOURCES,
+            cadence={"step": 1, "scan": args.p1_every, "demand": 0},
+        ),
         transport=KafkaTransport(kafka, args.topic),
-        control=ControlListener(kafka, run_id=args.run_id, rank=args.rank,
-                                topic=args.control_topic),
+        control=ControlListener(
+            kafka, run_id=args.run_id, rank=args.rank, topic=args.control_topic
+        ),
         events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None,
-        run_config={k: v for k, v in vars(args).items()
-                    if k not in ("faults", "rank", "master_port", "bootstrap", "trace")})
+        run_config={
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("faults", "rank", "master_port", "bootstrap", "trace")
+        },
+    )
     trace = open(args.trace / f"rank{args.rank}.jsonl", "w") if args.trace else None
     if args.ckpt_dir is not None and args.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -157,10 +191,17 @@ def main(argv: list[str] | None = None) -> None:
                 for fault in args.faults:
                     fault.on_step_start(step, args.rank, model, opt)
                 # data: a few rows per micro-batch; random valid lengths pad some rows
-                batches = [corpus.batch(rng, args.batch_size, cfg.seq_len, min_len=8,
-                                        media_tiles=cfg.media_tiles,
-                                        image_size=cfg.image_size)
-                           for _ in range(args.micro_batches)]
+                batches = [
+                    corpus.batch(
+                        rng,
+                        args.batch_size,
+                        cfg.seq_len,
+                        min_len=8,
+                        media_tiles=cfg.media_tiles,
+                        image_size=cfg.image_size,
+                    )
+                    for _ in range(args.micro_batches)
+                ]
                 for fault in args.faults:
                     batches = [fault.on_batch(step, args.rank, b) for b in batches]
                 n_valid = sum(int((b.targets != IGNORE).sum()) for b in batches)
@@ -168,35 +209,47 @@ def main(argv: list[str] | None = None) -> None:
                 # forward/backward: the objective is this rank's valid-token mean loss
                 for i, batch in enumerate(batches):
                     last = i == len(batches) - 1
-                    s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE,
-                                  source=batch.source)
+                    s.micro_batch(
+                        tokens=batch.tokens, mask=batch.targets != IGNORE, source=batch.source
+                    )
                     with nullcontext() if last else model.no_sync():
-                        logits, mtp = model(batch.tokens, batch.media, batch.media_mask,
-                                            return_mtp=True)
-                        losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 batch.targets.reshape(-1), ignore_index=IGNORE,
-                                                 reduction="none").view_as(batch.targets)
+                        logits, mtp = model(
+                            batch.tokens, batch.media, batch.media_mask, return_mtp=True
+                        )
+                        losses = F.cross_entropy(
+                            logits.float().reshape(-1, logits.shape[-1]),
+                            batch.targets.reshape(-1),
+                            ignore_index=IGNORE,
+                            reduction="none",
+                        ).view_as(batch.targets)
                         s.loss(losses)
                         # MTP heads (preset full) train on the targets k places ahead; the
                         # monitored loss stays the main head's
                         objective = losses.sum() + sum(
-                            F.cross_entropy(z.float().reshape(-1, z.shape[-1]),
-                                            mtp_targets(batch.targets, k).reshape(-1),
-                                            ignore_index=IGNORE, reduction="sum")
-                            for k, z in enumerate(mtp, 1))
+                            F.cross_entropy(
+                                z.float().reshape(-1, z.shape[-1]),
+                                mtp_targets(batch.targets, k).reshape(-1),
+                                ignore_index=IGNORE,
+                                reduction="sum",
+                            )
+                            for k, z in enumerate(mtp, 1)
+                        )
                         (objective / max(n_valid, 1)).backward()
                     loss_sum += losses.detach().double().sum()
                 # spike guard: replay a suspicious step on the same batches (no update) and
                 # check that it reproduces the loss; a replay that does not points at hardware
                 mean_loss = loss_sum.item() / max(n_valid, 1)  # note: host sync point
                 flaky = any(f.replay_differs(step) for f in args.faults)
-                if flaky or (running_loss is not None and mean_loss > args.guard_factor
-                             * running_loss):
+                if flaky or (
+                    running_loss is not None and mean_loss > args.guard_factor * running_loss
+                ):
                     replay = _replay_loss(model.module, batches, perturb=flaky)
-                    s.replayed(reproduced=abs(replay - loss_sum.item())
-                               <= 1e-6 * abs(loss_sum.item()))
-                running_loss = mean_loss if running_loss is None else \
-                    0.95 * running_loss + 0.05 * mean_loss
+                    s.replayed(
+                        reproduced=abs(replay - loss_sum.item()) <= 1e-6 * abs(loss_sum.item())
+                    )
+                running_loss = (
+                    mean_loss if running_loss is None else 0.95 * running_loss + 0.05 * mean_loss
+                )
                 # this rank's wait on DDP's gradient all-reduce (complete once backward has
                 # returned), sent every step: the stream takes it off the rank's step time
                 wait_s = comm_wait.take()
@@ -213,10 +266,19 @@ def main(argv: list[str] | None = None) -> None:
             local_tokens += n_valid
             local_flops += flops_per_token * sum(b.tokens.numel() for b in batches)
             if trace:
-                trace.write(json.dumps({"step": step, "loss_sum": loss_value, "tokens": n_valid,
-                                        "clip_total_norm": norm_value,
-                                        "step_time_s": monitor.last_step_time_s,
-                                        "comm_wait_s": wait_s}) + "\n")
+                trace.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss_sum": loss_value,
+                            "tokens": n_valid,
+                            "clip_total_norm": norm_value,
+                            "step_time_s": monitor.last_step_time_s,
+                            "comm_wait_s": wait_s,
+                        }
+                    )
+                    + "\n"
+                )
             if args.save_every and (step + 1) % args.save_every == 0:
                 # every rank joins the one collective; rank 0 saves and announces
                 totals = torch.tensor([float(local_tokens), local_flops], dtype=torch.float64)
@@ -245,10 +307,17 @@ def _replay_loss(model: torch.nn.Module, batches: list, perturb: bool) -> float:
         if perturb:
             bits = weight.data[32, 0].view(torch.int32)
             bits ^= 1 << 23
-        total = sum(float(F.cross_entropy(model(b.tokens, b.media, b.media_mask).float()
-                                          .transpose(1, 2), b.targets, ignore_index=IGNORE,
-                                          reduction="sum"))
-                    for b in batches)
+        total = sum(
+            float(
+                F.cross_entropy(
+                    model(b.tokens, b.media, b.media_mask).float().transpose(1, 2),
+                    b.targets,
+                    ignore_index=IGNORE,
+                    reduction="sum",
+                )
+            )
+            for b in batches
+        )
         weight.data[32, 0] = saved
     return total
 

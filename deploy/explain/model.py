@@ -24,13 +24,13 @@ class Finding:
     signal: str
     value: float | None
     baseline: float | None
-    ratio: float | None           # value / baseline
-    z: float | None               # robust score against the signal's own history
-    culprit: str | None           # "rank 3", "source code", "layer 2 (layers.2.mlp)", ...
+    ratio: float | None  # value / baseline
+    z: float | None  # robust score against the signal's own history
+    culprit: str | None  # "rank 3", "source code", "layer 2 (layers.2.mlp)", ...
     moved: bool
     onset_step: int | None = None  # first step of the scanned stretch at which it had moved
     note: str = ""
-    at: int | None = None         # the step value, baseline and z describe
+    at: int | None = None  # the step value, baseline and z describe
 
     @property
     def size(self) -> float:
@@ -53,7 +53,7 @@ class Page:
     baseline: float | None
     z: float | None
     message: str
-    finding: str | None = None     # the explain finding that shows the same signal
+    finding: str | None = None  # the explain finding that shows the same signal
     episode_step: int | None = None
 
 
@@ -70,9 +70,10 @@ class Explanation:
     def ranked(self) -> list[Finding]:
         """Findings that moved, in the escalation order; within a stage, those moved at the
         explained step first, then by the size of the move there."""
-        return sorted((f for f in self.findings if f.moved),
-                      key=lambda f: (STAGES.index(f.stage), f.at not in (None, self.step),
-                                     -f.size))
+        return sorted(
+            (f for f in self.findings if f.moved),
+            key=lambda f: (STAGES.index(f.stage), f.at not in (None, self.step), -f.size),
+        )
 
     @property
     def moved(self) -> list[Finding]:
@@ -97,24 +98,32 @@ class Explanation:
             size = _fmt(p.value)
             if p.baseline is not None:
                 size += f" vs baseline {_fmt(p.baseline)}"
-            extras = [f"×{p.value / p.baseline:.3g}" if p.value is not None and p.baseline
-                      and math.isfinite(p.value) else "",
-                      f"z={p.z:.1f}" if p.z is not None and math.isfinite(p.z) else ""]
+            extras = [
+                f"×{p.value / p.baseline:.3g}"
+                if p.value is not None and p.baseline and math.isfinite(p.value)
+                else "",
+                f"z={p.z:.1f}" if p.z is not None and math.isfinite(p.z) else "",
+            ]
             extras = [e for e in extras if e]
             if extras:
                 size += f" ({', '.join(extras)})"
             shown = next((f for f in self.findings if f.signal == p.finding), None)
             culprit = p.culprit or (shown.culprit if shown is not None else "")
             who = f"; carried by {culprit}" if culprit else ""
-            when = f"at step {self.step}" if p.episode_step is None else \
-                f"at step {self.step} (inside the page episode of step {p.episode_step})"
+            when = (
+                f"at step {self.step}"
+                if p.episode_step is None
+                else f"at step {self.step} (inside the page episode of step {p.episode_step})"
+            )
             also = sorted({q.signal for q in self.pages[1:]} - {p.signal})
             tail = f" Also paged: {', '.join(also)}." if also else ""
             return f"Paged {when}: {p.signal} ({p.stage}) {size}{who}.{tail}"
         f = self.first
         if f is None:
-            return (f"Nothing moved against its own baseline in steps {self.scanned_from}–"
-                    f"{self.step}; open the layer views (tensor_view) next.")
+            return (
+                f"Nothing moved against its own baseline in steps {self.scanned_from}–"
+                f"{self.step}; open the layer views (tensor_view) next."
+            )
         at = f.at if f.at is not None else self.step
         when = f"at step {at}"
         if f.onset_step is not None and f.onset_step < at:
@@ -124,8 +133,10 @@ class Explanation:
         size = _fmt(f.value)
         if f.baseline is not None:
             size += f" vs baseline {_fmt(f.baseline)}"
-        extras = [f"×{f.ratio:.3g}" if f.ratio is not None else "",
-                  f"z={f.z:.1f}" if f.z is not None and math.isfinite(f.z) else ""]
+        extras = [
+            f"×{f.ratio:.3g}" if f.ratio is not None else "",
+            f"z={f.z:.1f}" if f.z is not None and math.isfinite(f.z) else "",
+        ]
         extras = [e for e in extras if e]
         if extras:
             size += f" ({', '.join(extras)})"

@@ -86,9 +86,18 @@ def _trend(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return slope, float(np.median(y - slope * x))
 
 
-def _score(hist_steps: np.ndarray, hist: np.ndarray, scan_steps: np.ndarray, scan: np.ndarray,
-           *, log: bool, min_change: float, z_threshold: float, trend_window: int | None,
-           min_history: int = 5) -> _Score:
+def _score(
+    hist_steps: np.ndarray,
+    hist: np.ndarray,
+    scan_steps: np.ndarray,
+    scan: np.ndarray,
+    *,
+    log: bool,
+    min_change: float,
+    z_threshold: float,
+    trend_window: int | None,
+    min_history: int = 5,
+) -> _Score:
     """Score the scanned values against the history (see the module docstring).
 
     With ``trend_window`` the baseline follows the Theil–Sen line of the last
@@ -131,9 +140,15 @@ def _score(hist_steps: np.ndarray, hist: np.ndarray, scan_steps: np.ndarray, sca
     return _Score(base, z, ratio, onset is not None, onset, s)
 
 
-def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
-          min_change: float = 0.02, jump_ratio: float = 3.0,
-          min_history: int = 20) -> Explanation:
+def score(
+    ld: Loaded,
+    *,
+    trend_window: int = 20,
+    z_threshold: float = 6.0,
+    min_change: float = 0.02,
+    jump_ratio: float = 3.0,
+    min_history: int = 20,
+) -> Explanation:
     """Walk the escalation order over ``ld`` (see the module docstring)."""
     data, step = ld.data, ld.step
     start = ld.start
@@ -143,20 +158,37 @@ def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
     def col(name: str) -> tuple[np.ndarray, np.ndarray]:
         return data.series(name), data.present(name)
 
-    def scored(stage: str, signal: str, values: np.ndarray, present: np.ndarray, *,
-               log: bool = True, change: float = min_change, culprit: str | None = None,
-               note: str = "", shown: np.ndarray | None = None, falls: bool = False,
-               history: int = min_history) -> Finding | None:
+    def scored(
+        stage: str,
+        signal: str,
+        values: np.ndarray,
+        present: np.ndarray,
+        *,
+        log: bool = True,
+        change: float = min_change,
+        culprit: str | None = None,
+        note: str = "",
+        shown: np.ndarray | None = None,
+        falls: bool = False,
+        history: int = min_history,
+    ) -> Finding | None:
         """Score one series; None when it was not measured in the scanned steps.
         ``falls``: the signal is worse when it falls, so 1/x is scored (x is reported)."""
         h, sc_ = hist & present, scan & present
         if not sc_.any():
             return None
         score_on = 1.0 / values if falls else values
-        sc = _score(data.steps[h], score_on[h], data.steps[sc_], score_on[sc_], log=log,
-                    min_change=change, z_threshold=z_threshold,
-                    trend_window=trend_window if log and shown is None and not falls else None,
-                    min_history=history)
+        sc = _score(
+            data.steps[h],
+            score_on[h],
+            data.steps[sc_],
+            score_on[sc_],
+            log=log,
+            min_change=change,
+            z_threshold=z_threshold,
+            trend_window=trend_window if log and shown is None and not falls else None,
+            min_history=history,
+        )
         at = sc.at if sc.at is not None else int(data.steps[sc_][-1])
         i = int(np.flatnonzero(data.steps == at)[0])
         value, baseline = float(values[i]), sc.baseline
@@ -168,43 +200,94 @@ def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
             baseline = value / sc.ratio if sc.ratio else None
         if at != step:
             note = "; ".join(n for n in (f"value at step {at}", note) if n)
-        finding = Finding(stage, signal, value, baseline, sc.ratio, sc.z, culprit, sc.moved,
-                          sc.onset, note, at)
+        finding = Finding(
+            stage, signal, value, baseline, sc.ratio, sc.z, culprit, sc.moved, sc.onset, note, at
+        )
         findings.append(finding)
         return finding
 
     # 1. Job state: missing ranks, incomplete steps, late data, replays.
     scan_steps = data.steps[scan]
-    in_scan = [(int(s), m) for s, m, keep in zip(data.steps, data.column("ranks_missing"), scan)
-               if keep]
+    in_scan = [
+        (int(s), m) for s, m, keep in zip(data.steps, data.column("ranks_missing"), scan) if keep
+    ]
     missing = {s: m for s, m in in_scan if m}
     ranks = sorted({r for m in missing.values() for r in m})
-    findings.append(Finding(
-        "job state", "ranks_missing", float(len(data.at("ranks_missing", step))), 0.0, None,
-        None, f"ranks {', '.join(map(str, ranks))}" if ranks else None, bool(missing),
-        min(missing) if missing else None,
-        f"ranks missing on {len(missing)} of {len(in_scan)} scanned steps" if missing
-        else "every rank reported", step))
-    reasons = {int(s): r for s, r, keep in zip(data.steps, data.column("complete_reason"), scan)
-               if keep and r not in ("all_ranks", "", None)}
+    findings.append(
+        Finding(
+            "job state",
+            "ranks_missing",
+            float(len(data.at("ranks_missing", step))),
+            0.0,
+            None,
+            None,
+            f"ranks {', '.join(map(str, ranks))}" if ranks else None,
+            bool(missing),
+            min(missing) if missing else None,
+            f"ranks missing on {len(missing)} of {len(in_scan)} scanned steps"
+            if missing
+            else "every rank reported",
+            step,
+        )
+    )
+    reasons = {
+        int(s): r
+        for s, r, keep in zip(data.steps, data.column("complete_reason"), scan)
+        if keep and r not in ("all_ranks", "", None)
+    }
     if reasons:
-        findings.append(Finding("job state", "complete_reason", float(len(reasons)), 0.0, None,
-                                None, None, True, min(reasons),
-                                ", ".join(f"step {s}: {r}" for s, r in sorted(reasons.items())),
-                                step))
+        findings.append(
+            Finding(
+                "job state",
+                "complete_reason",
+                float(len(reasons)),
+                0.0,
+                None,
+                None,
+                None,
+                True,
+                min(reasons),
+                ", ".join(f"step {s}: {r}" for s, r in sorted(reasons.items())),
+                step,
+            )
+        )
     if ld.late:
         late_ranks = sorted({r for _, rs in ld.late for r in rs})
-        findings.append(Finding("job state", "late_data", float(len(ld.late)), 0.0, None, None,
-                                f"ranks {', '.join(map(str, late_ranks))}", True, ld.late[0][0],
-                                "rank data arrived after its step was reduced", step))
+        findings.append(
+            Finding(
+                "job state",
+                "late_data",
+                float(len(ld.late)),
+                0.0,
+                None,
+                None,
+                f"ranks {', '.join(map(str, late_ranks))}",
+                True,
+                ld.late[0][0],
+                "rank data arrived after its step was reduced",
+                step,
+            )
+        )
     for counter in ("replay_mismatch", "skipped", "replayed"):
         values = data.series(counter)
         before = values[hist][-1] if hist.any() else 0.0
         grew = [int(s) for s, v in zip(scan_steps, values[scan]) if v > before]
         if grew:
-            findings.append(Finding("job state", counter, float(values[-1]), float(before),
-                                    None, None, None, True, grew[0],
-                                    f"+{values[-1] - before:.0f} in the scanned steps", step))
+            findings.append(
+                Finding(
+                    "job state",
+                    counter,
+                    float(values[-1]),
+                    float(before),
+                    None,
+                    None,
+                    None,
+                    True,
+                    grew[0],
+                    f"+{values[-1] - before:.0f} in the scanned steps",
+                    step,
+                )
+            )
 
     # 2. Loss: L, the worst rank's gap L_max / L, each source against its own history.
     loss, has_loss = col("loss")
@@ -213,14 +296,24 @@ def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
     worst_rank = data.at("loss_worst_rank_id", step)
     rank_culprit = None if worst_rank is None else f"rank {worst_rank}"
     loss_finding = scored("loss", "loss", loss, has_loss)
-    gap_finding = scored("loss", "loss_worst_rank", gap, has_gap, culprit=rank_culprit,
-                         shown=data.series("loss_worst_rank"),
-                         note="scored as L_max / L against its own history")
+    gap_finding = scored(
+        "loss",
+        "loss_worst_rank",
+        gap,
+        has_gap,
+        culprit=rank_culprit,
+        shown=data.series("loss_worst_rank"),
+        note="scored as L_max / L against its own history",
+    )
     source_findings = _sources(ld, hist, scan, loss, z_threshold, min_change, min_history)
     findings.extend(source_findings)
-    carrier = (rank_culprit if gap_finding is not None and gap_finding.moved else
-               next((f.culprit for f in sorted(source_findings, key=lambda f: -f.size)
-                     if f.moved), None))
+    carrier = (
+        rank_culprit
+        if gap_finding is not None and gap_finding.moved
+        else next(
+            (f.culprit for f in sorted(source_findings, key=lambda f: -f.size) if f.moved), None
+        )
+    )
     if loss_finding is not None and carrier:
         findings[findings.index(loss_finding)] = replace(loss_finding, culprit=carrier)
 
@@ -232,32 +325,57 @@ def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
     cospikes = [int(s) for s, c in zip(scan_steps, data.series("cospike")[scan]) if c > 0]
     count = data.series("cospike_count")
     if cospikes or np.isfinite(count).any():
-        findings.append(Finding("gradient", "cospike_count", float(count[-1]),
-                                float(count[hist][-1]) if hist.any() else 0.0, None, None,
-                                layer_culprit if cospikes else None, bool(cospikes),
-                                cospikes[0] if cospikes else None,
-                                f"co-spikes at steps {cospikes}" if cospikes else "",
-                                cospikes[-1] if cospikes else step))
-    scored("gradient", "output_absmax", *col("output_absmax"), change=0.1,
-           culprit=layer_culprit)
+        findings.append(
+            Finding(
+                "gradient",
+                "cospike_count",
+                float(count[-1]),
+                float(count[hist][-1]) if hist.any() else 0.0,
+                None,
+                None,
+                layer_culprit if cospikes else None,
+                bool(cospikes),
+                cospikes[0] if cospikes else None,
+                f"co-spikes at steps {cospikes}" if cospikes else "",
+                cospikes[-1] if cospikes else step,
+            )
+        )
+    scored("gradient", "output_absmax", *col("output_absmax"), change=0.1, culprit=layer_culprit)
 
     # 4. Step time: the straggler; 5. memory: the peak rank and its growth.
     straggler = data.at("straggler_rank", step)
     who = None if straggler is None else f"rank {straggler}"
-    scored("step time", "step_time_s", *col("step_time_s"), change=0.05, culprit=who,
-           note=_rank_note(ld))
-    scored("step time", "straggler_score", *col("straggler_score"), change=0.05,
-           culprit=who)
-    scored("step time", "straggler_own_ratio", *col("straggler_own_ratio"), change=0.05,
-           culprit=who, note="own time (step time - collective wait) over the other ranks'")
+    scored(
+        "step time",
+        "step_time_s",
+        *col("step_time_s"),
+        change=0.05,
+        culprit=who,
+        note=_rank_note(ld),
+    )
+    scored("step time", "straggler_score", *col("straggler_score"), change=0.05, culprit=who)
+    scored(
+        "step time",
+        "straggler_own_ratio",
+        *col("straggler_own_ratio"),
+        change=0.05,
+        culprit=who,
+        note="own time (step time - collective wait) over the other ranks'",
+    )
     peak = data.series("peak_memory_bytes")
     peak_rank = data.at("peak_memory_rank", step)
     growth = ""
     if np.isfinite(peak).sum() >= 2:
         first = peak[np.isfinite(peak)][0]
         growth = f"{100 * (peak[-1] / first - 1):+.1f}% over steps {data.steps[0]}–{step}"
-    scored("memory", "peak_memory_bytes", *col("peak_memory_bytes"), change=0.02,
-           culprit=None if peak_rank is None else f"rank {peak_rank}", note=growth)
+    scored(
+        "memory",
+        "peak_memory_bytes",
+        *col("peak_memory_bytes"),
+        change=0.02,
+        culprit=None if peak_rank is None else f"rank {peak_rank}",
+        note=growth,
+    )
 
     # 6. Expert balance: the worst layer and its busiest expert.
     moe_culprit = None
@@ -265,26 +383,44 @@ def score(ld: Loaded, *, trend_window: int = 20, z_threshold: float = 6.0,
         s, layer_name, _vio, expert, _h = ld.moe
         where = f"layer {layer_name}" if str(layer_name).isdigit() else layer_name
         moe_culprit = f"expert {expert} of {where} (step {s})"
-    scored("expert balance", "moe_maxvio", *col("moe_maxvio"), log=False, change=0.1,
-           culprit=moe_culprit)
+    scored(
+        "expert balance",
+        "moe_maxvio",
+        *col("moe_maxvio"),
+        log=False,
+        change=0.1,
+        culprit=moe_culprit,
+    )
 
     # 7. Layer views: the media scale γ and the weakest residual branch R_b (P0 at the
     # structure probes' cadence, so few history points), both worse when they fall; then
     # the backward walk.
-    scored("layers", "media_scale", *col("media_scale"), falls=True, change=0.5,
-           culprit="media projector", history=3)
+    scored(
+        "layers",
+        "media_scale",
+        *col("media_scale"),
+        falls=True,
+        change=0.5,
+        culprit="media projector",
+        history=3,
+    )
     ratio, has_ratio = col("residual_ratio_min")
-    residual = scored("layers", "residual_ratio_min", ratio, has_ratio, falls=True, change=0.5,
-                      history=3)
+    residual = scored(
+        "layers", "residual_ratio_min", ratio, has_ratio, falls=True, change=0.5, history=3
+    )
     if residual is not None and residual.moved:
         findings[findings.index(residual)] = replace(
-            residual, culprit=_residual_cause(ld, hist & has_ratio,
-                                              int(data.steps[has_ratio][-1]), jump_ratio))
+            residual,
+            culprit=_residual_cause(
+                ld, hist & has_ratio, int(data.steps[has_ratio][-1]), jump_ratio
+            ),
+        )
     if layer is not None:
         findings.append(layer)
     tokens = data.at("tokens", step)
-    return Explanation(ld.run_id, step, int(tokens or 0), start, tuple(findings),
-                       _pages(ld, findings))
+    return Explanation(
+        ld.run_id, step, int(tokens or 0), start, tuple(findings), _pages(ld, findings)
+    )
 
 
 def _pages(ld: Loaded, findings: list[Finding]) -> tuple[Page, ...]:
@@ -298,23 +434,48 @@ def _pages(ld: Loaded, findings: list[Finding]) -> tuple[Page, ...]:
             finding = finding.format(source=row["culprit"].removeprefix("source "))
         if row["signal"] == "step_time" and "straggler_own_ratio" not in names:
             finding = "step_time_s"
-        return Page(stage, row["signal"], row["culprit"], row["value"], row["baseline"],
-                    row["z"], row.get("message") or "", finding if finding in names else None,
-                    episode_step)
+        return Page(
+            stage,
+            row["signal"],
+            row["culprit"],
+            row["value"],
+            row["baseline"],
+            row["z"],
+            row.get("message") or "",
+            finding if finding in names else None,
+            episode_step,
+        )
 
     pages = [page(row, None) for row in ld.alerts]
     paged = {(p.signal, p.culprit) for p in pages}
-    pages += [page(row, int(row["page_step"])) for row in ld.episode_events
-              if row["kind"] not in _NON_PAGING_KINDS and (row["signal"], row["culprit"])
-              not in paged and not (row["signal"] in ("loss", "grad_norm")
-                                    and row["kind"] != "nonfinite")]
-    return tuple(sorted(pages, key=lambda p: (p.episode_step is not None,
-                                              STAGES.index(p.stage),
-                                              -(abs(p.z) if p.z is not None else math.inf))))
+    pages += [
+        page(row, int(row["page_step"]))
+        for row in ld.episode_events
+        if row["kind"] not in _NON_PAGING_KINDS
+        and (row["signal"], row["culprit"]) not in paged
+        and not (row["signal"] in ("loss", "grad_norm") and row["kind"] != "nonfinite")
+    ]
+    return tuple(
+        sorted(
+            pages,
+            key=lambda p: (
+                p.episode_step is not None,
+                STAGES.index(p.stage),
+                -(abs(p.z) if p.z is not None else math.inf),
+            ),
+        )
+    )
 
 
-def _sources(ld: Loaded, hist: np.ndarray, scan: np.ndarray, loss: np.ndarray,
-             z_threshold: float, min_change: float, min_history: int) -> list[Finding]:
+def _sources(
+    ld: Loaded,
+    hist: np.ndarray,
+    scan: np.ndarray,
+    loss: np.ndarray,
+    z_threshold: float,
+    min_change: float,
+    min_history: int,
+) -> list[Finding]:
     data = ld.data
     index = {int(s): i for i, s in enumerate(data.steps)}
     by_source: dict[str, np.ndarray] = {}
@@ -327,15 +488,35 @@ def _sources(ld: Loaded, hist: np.ndarray, scan: np.ndarray, loss: np.ndarray,
         if not np.isfinite(values[scan]).any():
             continue
         ratio = values / loss
-        sc = _score(data.steps[hist], ratio[hist], data.steps[scan], ratio[scan], log=True,
-                    min_change=min_change, z_threshold=z_threshold, trend_window=None,
-                    min_history=min_history)
+        sc = _score(
+            data.steps[hist],
+            ratio[hist],
+            data.steps[scan],
+            ratio[scan],
+            log=True,
+            min_change=min_change,
+            z_threshold=z_threshold,
+            trend_window=None,
+            min_history=min_history,
+        )
         at = sc.at if sc.at is not None else ld.step
         value = float(values[int(np.flatnonzero(data.steps == at)[0])])
         baseline = value / sc.ratio if sc.ratio else None
-        out.append(Finding("loss", f"source:{source}", value, baseline, sc.ratio, sc.z,
-                           f"source {source}", sc.moved, sc.onset,
-                           "scored as L_source / L against its own history", at))
+        out.append(
+            Finding(
+                "loss",
+                f"source:{source}",
+                value,
+                baseline,
+                sc.ratio,
+                sc.z,
+                f"source {source}",
+                sc.moved,
+                sc.onset,
+                "scored as L_source / L against its own history",
+                at,
+            )
+        )
     return sorted(out, key=lambda f: -(f.z if f.z is not None and math.isfinite(f.z) else 1e300))
 
 
@@ -376,10 +557,12 @@ def _rank_note(ld: Loaded) -> str:
     ratio = own_time_ratios(own)[slowest]
     if not ld.waits:
         return f"rank {slowest} at {own[slowest]:.4g}, {ratio:.2f}× the other ranks' median"
-    return (f"rank {slowest}: own time {own[slowest]:.4g} s (step "
-            f"{ld.step_times[slowest]:.4g} s - collective wait "
-            f"{ld.waits.get(slowest, 0.0):.4g} s), {ratio:.2f}× the other ranks' median own "
-            "time")
+    return (
+        f"rank {slowest}: own time {own[slowest]:.4g} s (step "
+        f"{ld.step_times[slowest]:.4g} s - collective wait "
+        f"{ld.waits.get(slowest, 0.0):.4g} s), {ratio:.2f}× the other ranks' median own "
+        "time"
+    )
 
 
 def _depth(tensor: str) -> float:
@@ -429,14 +612,31 @@ def _layers(ld: Loaded, start: int, jump_ratio: float) -> Finding | None:
     if found is None:
         walk = jumps(latest)
         top = max(walk, key=lambda t: t[2]) if walk else None
-        return Finding("layers", f"{kind} |g|max", None if top is None else values[top[1]][latest],
-                       None if top is None else top[3], None if top is None else top[2], None,
-                       None, False, None,
-                       f"no layer jumped ≥{jump_ratio:g}× its own history at step {latest}",
-                       latest)
+        return Finding(
+            "layers",
+            f"{kind} |g|max",
+            None if top is None else values[top[1]][latest],
+            None if top is None else top[3],
+            None if top is None else top[2],
+            None,
+            None,
+            False,
+            None,
+            f"no layer jumped ≥{jump_ratio:g}× its own history at step {latest}",
+            latest,
+        )
     depth, tensor, ratio, base = found
     name = "output" if depth == math.inf else "embeddings" if depth < 0 else f"layer {int(depth)}"
-    return Finding("layers", f"{kind} |g|max", values[tensor][latest], base, ratio, None,
-                   f"{name} ({tensor})", True, onset,
-                   f"first jump walking from the output inward, tensor_stats step {latest}",
-                   latest)
+    return Finding(
+        "layers",
+        f"{kind} |g|max",
+        values[tensor][latest],
+        base,
+        ratio,
+        None,
+        f"{name} ({tensor})",
+        True,
+        onset,
+        f"first jump walking from the output inward, tensor_stats step {latest}",
+        latest,
+    )

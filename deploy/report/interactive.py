@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,7 @@ __all__ = ["AXES", "CHARTS", "Chart", "build_figures", "render_html"]
 
 AXES = {"tokens": "cumulative tokens", "flops": "cumulative FLOPs", "step": "step"}
 _GIB = float(1 << 30)
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-           "#17becf")
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 
 
@@ -50,33 +49,87 @@ class Chart:
 
 
 CHARTS: tuple[Chart, ...] = (
-    Chart("loss", "Loss: mean L and worst rank L_max", "nats/token",
-          (("loss", "L"), ("loss_worst_rank", "L_max")),
-          frozenset({"loss", "loss_worst_rank"})),
-    Chart("source", "Loss by source (share of the run's tokens)", "nats/token",
-          signals=frozenset({"loss_by_source"})),
+    Chart(
+        "loss",
+        "Loss: mean L and worst rank L_max",
+        "nats/token",
+        (("loss", "L"), ("loss_worst_rank", "L_max")),
+        frozenset({"loss", "loss_worst_rank"}),
+    ),
+    Chart(
+        "source",
+        "Loss by source (share of the run's tokens)",
+        "nats/token",
+        signals=frozenset({"loss_by_source"}),
+    ),
     Chart("lr", "Learning rate", "1/step"),
-    Chart("grad", "Gradient norm G2 (pre-clip)", "1", (("grad_norm", "G2"),),
-          frozenset({"grad_norm"}), log=True),
-    Chart("clip", "Clip rate", "fraction of steps", (("clip_rate", "clip rate"),),
-          frozenset({"clip_rate"})),
-    Chart("cospike", "Co-spikes (cumulative)", "count", (("cospike_count", "co-spikes"),),
-          frozenset({"cospike"})),
+    Chart(
+        "grad",
+        "Gradient norm G2 (pre-clip)",
+        "1",
+        (("grad_norm", "G2"),),
+        frozenset({"grad_norm"}),
+        log=True,
+    ),
+    Chart(
+        "clip",
+        "Clip rate",
+        "fraction of steps",
+        (("clip_rate", "clip rate"),),
+        frozenset({"clip_rate"}),
+    ),
+    Chart(
+        "cospike",
+        "Co-spikes (cumulative)",
+        "count",
+        (("cospike_count", "co-spikes"),),
+        frozenset({"cospike"}),
+    ),
     Chart("eval", "Evaluations", "value (bpb: bits/byte)", signals=frozenset({"bpb"})),
-    Chart("time", "System: step time", "s", (("step_time_s", "step time"),),
-          frozenset({"step_time", "step_time_s", "straggler_score"})),
-    Chart("throughput", "System: throughput", "tokens/s", (("tokens_per_s", "tokens/s"),),
-          frozenset({"tokens_per_s"})),
-    Chart("compute", "System: compute rate per device", "FLOP/s",
-          (("compute_rate", "Phi"),), frozenset({"compute_rate"})),
-    Chart("memory", "System: peak memory, max over ranks", "GiB",
-          (("peak_memory_bytes", "peak"),), frozenset({"peak_memory", "peak_memory_bytes"}),
-          scale=_GIB),
-    Chart("experts", "Expert balance: MaxVio (worst layer)", "1",
-          (("moe_maxvio", "MaxVio"),),
-          frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"})),
-    Chart("output", "Output |x|max", "1", (("output_absmax", "|x|max"),),
-          frozenset({"output_absmax"}), log=True),
+    Chart(
+        "time",
+        "System: step time",
+        "s",
+        (("step_time_s", "step time"),),
+        frozenset({"step_time", "step_time_s", "straggler_score"}),
+    ),
+    Chart(
+        "throughput",
+        "System: throughput",
+        "tokens/s",
+        (("tokens_per_s", "tokens/s"),),
+        frozenset({"tokens_per_s"}),
+    ),
+    Chart(
+        "compute",
+        "System: compute rate per device",
+        "FLOP/s",
+        (("compute_rate", "Phi"),),
+        frozenset({"compute_rate"}),
+    ),
+    Chart(
+        "memory",
+        "System: peak memory, max over ranks",
+        "GiB",
+        (("peak_memory_bytes", "peak"),),
+        frozenset({"peak_memory", "peak_memory_bytes"}),
+        scale=_GIB,
+    ),
+    Chart(
+        "experts",
+        "Expert balance: MaxVio (worst layer)",
+        "1",
+        (("moe_maxvio", "MaxVio"),),
+        frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"}),
+    ),
+    Chart(
+        "output",
+        "Output |x|max",
+        "1",
+        (("output_absmax", "|x|max"),),
+        frozenset({"output_absmax"}),
+        log=True,
+    ),
 )
 
 
@@ -89,13 +142,28 @@ def _at(data: FirstScreenData, steps: np.ndarray) -> dict[str, list[float | None
     """The three x coordinates of ``steps`` of the run (None where a step is not stored)."""
     index = {s: i for i, s in enumerate(data.steps["step"].tolist())}
     rows = [index.get(s) for s in np.asarray(steps, dtype=np.float64).tolist()]
-    return {axis: [None if i is None or not np.isfinite(data.steps[axis][i])
-                   else float(data.steps[axis][i]) for i in rows] for axis in AXES}
+    return {
+        axis: [
+            None
+            if i is None or not np.isfinite(data.steps[axis][i])
+            else float(data.steps[axis][i])
+            for i in rows
+        ]
+        for axis in AXES
+    }
 
 
-def _series(fig: go.Figure, run: int, data: FirstScreenData, label: str, unit: str,
-            x: dict[str, list[float | None]], y: np.ndarray, dash: int = 0,
-            markers: bool = False) -> None:
+def _series(
+    fig: go.Figure,
+    run: int,
+    data: FirstScreenData,
+    label: str,
+    unit: str,
+    x: dict[str, list[float | None]],
+    y: np.ndarray,
+    dash: int = 0,
+    markers: bool = False,
+) -> None:
     """A raw trace (x switchable through ``meta``) and its smoothed twin (hidden until
     smoothing is on; it never replaces the raw trace)."""
     if not np.isfinite(np.asarray(y, dtype=np.float64)).any():
@@ -103,20 +171,35 @@ def _series(fig: go.Figure, run: int, data: FirstScreenData, label: str, unit: s
     name = f"{data.run_id} · {label}"
     color = _COLORS[run % len(_COLORS)]
     meta = {"x": x, "role": "raw", "run": data.run_id, "label": label, "unit": unit}
-    fig.add_trace(go.Scatter(
-        x=x["tokens"], y=_list(y), name=name, legendgroup=data.run_id,
-        mode="lines+markers" if markers else "lines",
-        line={"color": color, "width": 1.2, "dash": _DASHES[dash % len(_DASHES)]},
-        marker={"size": 5}, meta=meta,
-        hovertemplate=f"<b>{html.escape(name)}</b><br>%{{x:.4s}}<br>%{{y:.5g}} "
-                      f"{html.escape(unit)}<extra></extra>"))
-    fig.add_trace(go.Scatter(
-        x=x["tokens"], y=_list(y), name=f"{name} (smoothed)", legendgroup=data.run_id,
-        mode="lines", visible=False, showlegend=False,
-        line={"color": color, "width": 2.4, "dash": _DASHES[dash % len(_DASHES)]},
-        meta={**meta, "role": "smooth"},
-        hovertemplate=f"<b>{html.escape(name)} (smoothed)</b><br>%{{x:.4s}}<br>%{{y:.5g}} "
-                      f"{html.escape(unit)}<extra></extra>"))
+    fig.add_trace(
+        go.Scatter(
+            x=x["tokens"],
+            y=_list(y),
+            name=name,
+            legendgroup=data.run_id,
+            mode="lines+markers" if markers else "lines",
+            line={"color": color, "width": 1.2, "dash": _DASHES[dash % len(_DASHES)]},
+            marker={"size": 5},
+            meta=meta,
+            hovertemplate=f"<b>{html.escape(name)}</b><br>%{{x:.4s}}<br>%{{y:.5g}} "
+            f"{html.escape(unit)}<extra></extra>",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x["tokens"],
+            y=_list(y),
+            name=f"{name} (smoothed)",
+            legendgroup=data.run_id,
+            mode="lines",
+            visible=False,
+            showlegend=False,
+            line={"color": color, "width": 2.4, "dash": _DASHES[dash % len(_DASHES)]},
+            meta={**meta, "role": "smooth"},
+            hovertemplate=f"<b>{html.escape(name)} (smoothed)</b><br>%{{x:.4s}}<br>%{{y:.5g}} "
+            f"{html.escape(unit)}<extra></extra>",
+        )
+    )
 
 
 def _panel_of(anomaly: dict[str, Any]) -> str | None:
@@ -136,25 +219,51 @@ def _anomalies(fig: go.Figure, chart: Chart, data: FirstScreenData) -> None:
         column = chart.columns[0][0] if chart.columns else None
         value = data.steps[column][hit[0]] if column and hit.size else np.nan
         y.append(float(value) / chart.scale if np.isfinite(value) else float(a["value"]))
-    text = [f"{what_moved(a['signal'], a['kind'])} at step {a['step']}: "
-            f"{describe_value(a['signal'], a['kind'], a['value'])}"
-            + (f" ({a['culprit']})" if a["culprit"] else "") for a in marks]
-    x = {"tokens": [float(a["tokens"]) for a in marks],
-         "flops": [None if a["flops"] is None else float(a["flops"]) for a in marks],
-         "step": [float(a["step"]) for a in marks]}
-    fig.add_trace(go.Scatter(
-        x=x["tokens"], y=y, mode="markers", name=f"{data.run_id} · anomaly",
-        legendgroup=data.run_id, showlegend=False, text=text,
-        marker={"symbol": "triangle-down", "size": 11, "color": "red",
-                "line": {"color": "black", "width": 1}},
-        meta={"x": x, "role": "anomaly", "run": data.run_id},
-        hovertemplate="%{text}<extra></extra>"))
+    text = [
+        f"{what_moved(a['signal'], a['kind'])} at step {a['step']}: "
+        f"{describe_value(a['signal'], a['kind'], a['value'])}"
+        + (f" ({a['culprit']})" if a["culprit"] else "")
+        for a in marks
+    ]
+    x = {
+        "tokens": [float(a["tokens"]) for a in marks],
+        "flops": [None if a["flops"] is None else float(a["flops"]) for a in marks],
+        "step": [float(a["step"]) for a in marks],
+    }
+    fig.add_trace(
+        go.Scatter(
+            x=x["tokens"],
+            y=y,
+            mode="markers",
+            name=f"{data.run_id} · anomaly",
+            legendgroup=data.run_id,
+            showlegend=False,
+            text=text,
+            marker={
+                "symbol": "triangle-down",
+                "size": 11,
+                "color": "red",
+                "line": {"color": "black", "width": 1},
+            },
+            meta={"x": x, "role": "anomaly", "run": data.run_id},
+            hovertemplate="%{text}<extra></extra>",
+        )
+    )
 
 
 def _pages(runs: list[FirstScreenData]) -> list[dict[str, Any]]:
-    return [{"run": d.run_id, "step": float(a["step"]), "tokens": float(a["tokens"]),
-             "flops": None if a["flops"] is None else float(a["flops"]),
-             "text": a["message"]} for d in runs for a in d.alerts if a["severity"] == "page"]
+    return [
+        {
+            "run": d.run_id,
+            "step": float(a["step"]),
+            "tokens": float(a["tokens"]),
+            "flops": None if a["flops"] is None else float(a["flops"]),
+            "text": a["message"],
+        }
+        for d in runs
+        for a in d.alerts
+        if a["severity"] == "page"
+    ]
 
 
 def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
@@ -169,33 +278,66 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
             shares = source_shares(data.sources)
             for dash, (source, (step, loss, _)) in enumerate(sorted(data.sources.items())):
                 share = shares[source]
-                label = source + (f" ({100 * share:.0f}% of tokens)" if np.isfinite(share)
-                                  else "")
+                label = source + (f" ({100 * share:.0f}% of tokens)" if np.isfinite(share) else "")
                 _series(fig, i, data, label, chart.unit, _at(data, step), loss, dash)
         if chart.key == "eval":
             for dash, ev in enumerate(sorted(data.evals, key=lambda e: e.name)):
                 unit = "bits/byte" if ev.metric == "bpb" else ev.metric
-                x_ev = {"tokens": _list(ev.tokens), "flops": _list(ev.flops),
-                        "step": _list(ev.step)}
-                _series(fig, i, data, ev.name + (" [reference]" if ev.reference else ""),
-                        unit, x_ev, ev.value, dash, markers=True)
+                x_ev = {
+                    "tokens": _list(ev.tokens),
+                    "flops": _list(ev.flops),
+                    "step": _list(ev.step),
+                }
+                _series(
+                    fig,
+                    i,
+                    data,
+                    ev.name + (" [reference]" if ev.reference else ""),
+                    unit,
+                    x_ev,
+                    ev.value,
+                    dash,
+                    markers=True,
+                )
         _anomalies(fig, chart, data)
     drawn = any(t.meta["role"] == "raw" for t in fig.data)
     yaxis: dict[str, Any] = {"title": {"text": chart.unit}, "zeroline": False}
     if chart.key == "cospike":  # a count: from 0, integer ticks
         top = max([1.0] + [float(np.nanmax(d.steps["cospike_count"])) for d in runs])
         yaxis.update(range=[0, top * 1.1], tick0=0, dtick=max(1, int(np.ceil(top / 5))))
-    if chart.log and drawn and all(np.nanmin(np.array(tr.y, dtype=np.float64)) > 0
-                                   for tr in fig.data if tr.meta["role"] == "raw"):
+    if (
+        chart.log
+        and drawn
+        and all(
+            np.nanmin(np.array(tr.y, dtype=np.float64)) > 0
+            for tr in fig.data
+            if tr.meta["role"] == "raw"
+        )
+    ):
         yaxis["type"] = "log"
     fig.update_layout(
-        title={"text": chart.title, "font": {"size": 14}}, height=320,
-        margin={"l": 60, "r": 20, "t": 40, "b": 40}, hovermode="closest",
-        xaxis={"title": {"text": AXES["tokens"]}, "exponentformat": "SI"}, yaxis=yaxis,
-        legend={"font": {"size": 10}}, meta={"chart": chart.key, "drawn": drawn},
-        annotations=[] if drawn else [{"text": "not measured", "showarrow": False,
-                                       "xref": "paper", "yref": "paper", "x": 0.5, "y": 0.5,
-                                       "font": {"color": "gray", "size": 16}}])
+        title={"text": chart.title, "font": {"size": 14}},
+        height=320,
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
+        hovermode="closest",
+        xaxis={"title": {"text": AXES["tokens"]}, "exponentformat": "SI"},
+        yaxis=yaxis,
+        legend={"font": {"size": 10}},
+        meta={"chart": chart.key, "drawn": drawn},
+        annotations=[]
+        if drawn
+        else [
+            {
+                "text": "not measured",
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 0.5,
+                "y": 0.5,
+                "font": {"color": "gray", "size": 16},
+            }
+        ],
+    )
     return fig
 
 
@@ -216,13 +358,13 @@ def _cell(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _table(rows: list[dict[str, Any]], columns: tuple[str, ...], empty: str,
-           css: str = "") -> str:
+def _table(rows: list[dict[str, Any]], columns: tuple[str, ...], empty: str, css: str = "") -> str:
     if not rows:
         return f"<p class='none'>{html.escape(empty)}</p>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>"
-                   for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows
+    )
     return f"<table class='{css}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -234,23 +376,33 @@ def _config_rows(runs: list[FirstScreenData]) -> list[dict[str, Any]]:
     rows = []
     for key in keys:
         values = [c.get(key) for c in configs]
-        rows.append({"key": key, "differs": "yes" if len({json.dumps(v, sort_keys=True)
-                                                             for v in values}) > 1 else "",
-                     **{d.run_id: v for d, v in zip(runs, values)}})
+        rows.append(
+            {
+                "key": key,
+                "differs": "yes"
+                if len({json.dumps(v, sort_keys=True) for v in values}) > 1
+                else "",
+                **{d.run_id: v for d, v in zip(runs, values)},
+            }
+        )
     return rows
 
 
 def _with_units(row: dict[str, Any]) -> dict[str, Any]:
     """An anomaly row whose value and baseline carry their unit (a gap: its ratio to L)."""
-    return {**row, **{k: describe_value(row["signal"], row["kind"], row[k])
-                      for k in ("value", "baseline")}}
+    return {
+        **row,
+        **{k: describe_value(row["signal"], row["kind"], row[k]) for k in ("value", "baseline")},
+    }
 
 
 def _facts(data: FirstScreenData) -> str:
     steps, tokens = data.steps["step"], data.steps["tokens"]
     run = data.run or {}
-    facts = [f"steps {int(steps[0])}–{int(steps[-1])} ({steps.size} stored)",
-             f"{int(tokens[-1]):,} tokens"]
+    facts = [
+        f"steps {int(steps[0])}–{int(steps[-1])} ({steps.size} stored)",
+        f"{int(tokens[-1]):,} tokens",
+    ]
     if run:
         facts = [f"status {run['status']}", f"world size {run['world_size']}"] + facts
     return f"<li><b>{html.escape(data.run_id)}</b>: {html.escape(' · '.join(facts))}</li>"
@@ -310,23 +462,46 @@ def render_html(runs: list[FirstScreenData], figures: list[go.Figure] | None = N
     figures = build_figures(runs) if figures is None else figures
     names = ", ".join(d.run_id for d in runs)
     title = f"probewire report: {names}"
-    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     divs = "\n".join(
         f"<div class='pw-chart' id='chart-{fig.layout.meta['chart']}' "
         f"data-chart='{fig.layout.meta['chart']}'><script type='application/json'>"
-        + fig.to_json().replace("</", "<\\/") + "</script></div>" for fig in figures)
+        + fig.to_json().replace("</", "<\\/")
+        + "</script></div>"
+        for fig in figures
+    )
     options = "".join(f"<option value='{k}'>{html.escape(v)}</option>" for k, v in AXES.items())
     config_rows = _config_rows(runs)
     tables = []
     for data in runs:
         tables.append(f"<h3>{html.escape(data.run_id)}: alerts ({len(data.alerts)})</h3>")
-        tables.append(_table(data.alerts, ("step", "tokens", "severity", "signal", "culprit",
-                                           "value", "baseline", "z", "ranks", "message",
-                                           "next_steps"), "No alert fired."))
+        tables.append(
+            _table(
+                data.alerts,
+                (
+                    "step",
+                    "tokens",
+                    "severity",
+                    "signal",
+                    "culprit",
+                    "value",
+                    "baseline",
+                    "z",
+                    "ranks",
+                    "message",
+                    "next_steps",
+                ),
+                "No alert fired.",
+            )
+        )
         tables.append(f"<h3>{html.escape(data.run_id)}: anomalies ({len(data.anomalies)})</h3>")
-        tables.append(_table([_with_units(a) for a in data.anomalies], ("step", "tokens", "signal", "kind", "culprit",
-                                              "value", "baseline", "z"),
-                             "No anomaly detected."))
+        tables.append(
+            _table(
+                [_with_units(a) for a in data.anomalies],
+                ("step", "tokens", "signal", "kind", "culprit", "value", "baseline", "z"),
+                "No anomaly detected.",
+            )
+        )
     pages = json.dumps(_pages(runs)).replace("</", "<\\/")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>

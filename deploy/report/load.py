@@ -11,8 +11,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EvalSeries", "FirstScreenData", "RunNotFound", "load_first_screen", "load_runs",
-           "source_shares"]
+__all__ = [
+    "EvalSeries",
+    "FirstScreenData",
+    "RunNotFound",
+    "load_first_screen",
+    "load_runs",
+    "source_shares",
+]
 
 
 class RunNotFound(LookupError):
@@ -47,7 +53,7 @@ class FirstScreenData:
 
     run_id: str
     run: dict[str, Any] | None
-    steps: dict[str, np.ndarray]                                  # first_screen columns
+    steps: dict[str, np.ndarray]  # first_screen columns
     sources: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # step, loss, tokens
     evals: list[EvalSeries] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
@@ -65,8 +71,9 @@ class FirstScreenData:
         return value if isinstance(value, dict) else {"config": value}
 
 
-def source_shares(sources: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
-                  ) -> dict[str, float]:
+def source_shares(
+    sources: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> dict[str, float]:
     """Each source's share of the run's valid tokens: its tokens summed over the stored
     steps over all sources' tokens (NaN when no source counted a token)."""
     totals = {s: float(np.nansum(tokens)) for s, (_, _, tokens) in sources.items()}
@@ -91,46 +98,75 @@ def _floats(values: list[Any]) -> np.ndarray:
 def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenData:
     """Read one run's first screen; ``RunNotFound`` names the runs that do exist."""
     db = database
-    names, rows = _query(client, f"SELECT * FROM {db}.first_screen "
-                                 "WHERE run_id = {run:String} ORDER BY step", run_id)
+    names, rows = _query(
+        client,
+        f"SELECT * FROM {db}.first_screen WHERE run_id = {{run:String}} ORDER BY step",
+        run_id,
+    )
     if not rows:
-        known = [r[0] for r in client.query(
-            f"SELECT run_id FROM {db}.step_metrics GROUP BY run_id "
-            "ORDER BY max(inserted_at) DESC LIMIT 10").result_rows]
+        known = [
+            r[0]
+            for r in client.query(
+                f"SELECT run_id FROM {db}.step_metrics GROUP BY run_id "
+                "ORDER BY max(inserted_at) DESC LIMIT 10"
+            ).result_rows
+        ]
         hint = f"; runs in {db}: {', '.join(known)}" if known else f"; {db} holds no run yet"
         raise RunNotFound(f"run {run_id!r} has no steps in {db}.step_metrics{hint}")
-    steps = {name: _floats([r[i] for r in rows]) for i, name in enumerate(names)
-             if name != "run_id"}
-    _, lr_rows = _query(client, f"SELECT lr FROM {db}.step_metrics FINAL "
-                                "WHERE run_id = {run:String} ORDER BY step", run_id)
+    steps = {
+        name: _floats([r[i] for r in rows]) for i, name in enumerate(names) if name != "run_id"
+    }
+    _, lr_rows = _query(
+        client,
+        f"SELECT lr FROM {db}.step_metrics FINAL WHERE run_id = {{run:String}} ORDER BY step",
+        run_id,
+    )
     lr = _floats([r[0] for r in lr_rows])
     lr = None if np.isnan(lr).all() else lr  # no optimizer probe: not measured, never zero
     runs = _dicts(client, f"SELECT * FROM {db}.runs FINAL WHERE run_id = {{run:String}}", run_id)
     by_source: dict[str, list[tuple]] = {}
-    for row in _query(client, f"SELECT source, step, loss, source_tokens FROM "
-                              f"{db}.loss_by_source WHERE run_id = {{run:String}} "
-                              "ORDER BY source, step", run_id)[1]:
+    for row in _query(
+        client,
+        f"SELECT source, step, loss, source_tokens FROM "
+        f"{db}.loss_by_source WHERE run_id = {{run:String}} "
+        "ORDER BY source, step",
+        run_id,
+    )[1]:
         by_source.setdefault(row[0], []).append(row[1:])
-    sources = {source: tuple(_floats(list(col)) for col in zip(*values))
-               for source, values in by_source.items()}
+    sources = {
+        source: tuple(_floats(list(col)) for col in zip(*values))
+        for source, values in by_source.items()
+    }
     by_eval: dict[tuple[str, str, str, int], list[tuple]] = {}
     for suite, metric, stream, reference, *point in _query(
-            client, f"SELECT suite, metric, weights_stream, reference, step, tokens, flops, "
-                    f"value FROM {db}.evaluations FINAL WHERE run_id = {{run:String}} "
-                    "ORDER BY suite, metric, weights_stream, step", run_id)[1]:
+        client,
+        f"SELECT suite, metric, weights_stream, reference, step, tokens, flops, "
+        f"value FROM {db}.evaluations FINAL WHERE run_id = {{run:String}} "
+        "ORDER BY suite, metric, weights_stream, step",
+        run_id,
+    )[1]:
         by_eval.setdefault((suite, metric, stream, reference), []).append(tuple(point))
-    evals = [EvalSeries(suite, metric, stream, bool(reference),
-                        *(_floats(list(col)) for col in zip(*points)))
-             for (suite, metric, stream, reference), points in by_eval.items()]
-    anomalies = _dicts(client, f"""
+    evals = [
+        EvalSeries(
+            suite, metric, stream, bool(reference), *(_floats(list(col)) for col in zip(*points))
+        )
+        for (suite, metric, stream, reference), points in by_eval.items()
+    ]
+    anomalies = _dicts(
+        client,
+        f"""
         SELECT a.step AS step, s.tokens AS tokens, s.flops AS flops, a.signal AS signal,
                a.kind AS kind, a.value AS value, a.baseline AS baseline, a.z AS z,
                a.culprit AS culprit
         FROM (SELECT * FROM {db}.anomalies FINAL WHERE run_id = {{run:String}}) AS a
         LEFT JOIN (SELECT step, tokens, flops FROM {db}.step_metrics FINAL
                    WHERE run_id = {{run:String}}) AS s ON a.step = s.step
-        ORDER BY a.step, a.signal, a.kind""", run_id)
-    alerts = _dicts(client, f"""
+        ORDER BY a.step, a.signal, a.kind""",
+        run_id,
+    )
+    alerts = _dicts(
+        client,
+        f"""
         SELECT a.step AS step, a.tokens AS tokens, s.flops AS flops, a.signal AS signal,
                a.severity AS severity, a.value AS value, a.baseline AS baseline, a.z AS z,
                a.culprit AS culprit, a.ranks AS ranks, a.message AS message,
@@ -138,9 +174,12 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
         FROM (SELECT * FROM {db}.alerts FINAL WHERE run_id = {{run:String}}) AS a
         LEFT JOIN (SELECT step, flops FROM {db}.step_metrics FINAL
                    WHERE run_id = {{run:String}}) AS s ON a.step = s.step
-        ORDER BY a.step, a.signal""", run_id)
-    return FirstScreenData(run_id, runs[0] if runs else None, steps, sources, evals,
-                           anomalies, alerts, lr)
+        ORDER BY a.step, a.signal""",
+        run_id,
+    )
+    return FirstScreenData(
+        run_id, runs[0] if runs else None, steps, sources, evals, anomalies, alerts, lr
+    )
 
 
 def load_runs(client: Any, database: str, run_ids: list[str]) -> list[FirstScreenData]:

@@ -36,7 +36,7 @@ class Panel:
     key: str
     title: str
     ylabel: str
-    columns: tuple[tuple[str, str], ...] = ()       # (column, legend label)
+    columns: tuple[tuple[str, str], ...] = ()  # (column, legend label)
     right: tuple[tuple[str, str], ...] = ()
     right_label: str = ""
     signals: frozenset[str] = frozenset()
@@ -45,29 +45,68 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("loss", "Loss: mean L and worst rank L_max", "nats/token",
-          (("loss", "L"), ("loss_worst_rank", "L_max")),
-          signals=frozenset({"loss", "loss_worst_rank"})),
-    Panel("source", "Loss by source (own history)", "nats/token",
-          signals=frozenset({"loss_by_source"})),
-    Panel("grad", "Gradient norm G2 and clip rate", "G2 (pre-clip)",
-          (("grad_norm", "G2"),), (("clip_rate", "clip rate"),), "clip rate",
-          frozenset({"grad_norm", "clip_rate"}), log=True),
-    Panel("cospike", "Co-spikes (cumulative)", "count",
-          (("cospike_count", "co-spikes"),), signals=frozenset({"cospike"})),
-    Panel("time", "Step time and throughput", "step time (s)",
-          (("step_time_s", "step time"),), (("tokens_per_s", "tokens/s"),), "tokens/s",
-          frozenset({"step_time", "step_time_s", "tokens_per_s", "straggler_score",
-                     "compute_rate"})),
-    Panel("memory", "Peak memory, max over ranks", "GiB",
-          (("peak_memory_bytes", "peak"),),
-          signals=frozenset({"peak_memory", "peak_memory_bytes"}),
-          scale=_GIB),
-    Panel("experts", "Expert balance: MaxVio", "MaxVio",
-          (("moe_maxvio", "MaxVio (worst layer)"),),
-          signals=frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"})),
-    Panel("output", "Output |x|max", "|x|max",
-          (("output_absmax", "|x|max"),), signals=frozenset({"output_absmax"}), log=True),
+    Panel(
+        "loss",
+        "Loss: mean L and worst rank L_max",
+        "nats/token",
+        (("loss", "L"), ("loss_worst_rank", "L_max")),
+        signals=frozenset({"loss", "loss_worst_rank"}),
+    ),
+    Panel(
+        "source",
+        "Loss by source (own history)",
+        "nats/token",
+        signals=frozenset({"loss_by_source"}),
+    ),
+    Panel(
+        "grad",
+        "Gradient norm G2 and clip rate",
+        "G2 (pre-clip)",
+        (("grad_norm", "G2"),),
+        (("clip_rate", "clip rate"),),
+        "clip rate",
+        frozenset({"grad_norm", "clip_rate"}),
+        log=True,
+    ),
+    Panel(
+        "cospike",
+        "Co-spikes (cumulative)",
+        "count",
+        (("cospike_count", "co-spikes"),),
+        signals=frozenset({"cospike"}),
+    ),
+    Panel(
+        "time",
+        "Step time and throughput",
+        "step time (s)",
+        (("step_time_s", "step time"),),
+        (("tokens_per_s", "tokens/s"),),
+        "tokens/s",
+        frozenset({"step_time", "step_time_s", "tokens_per_s", "straggler_score", "compute_rate"}),
+    ),
+    Panel(
+        "memory",
+        "Peak memory, max over ranks",
+        "GiB",
+        (("peak_memory_bytes", "peak"),),
+        signals=frozenset({"peak_memory", "peak_memory_bytes"}),
+        scale=_GIB,
+    ),
+    Panel(
+        "experts",
+        "Expert balance: MaxVio",
+        "MaxVio",
+        (("moe_maxvio", "MaxVio (worst layer)"),),
+        signals=frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"}),
+    ),
+    Panel(
+        "output",
+        "Output |x|max",
+        "|x|max",
+        (("output_absmax", "|x|max"),),
+        signals=frozenset({"output_absmax"}),
+        log=True,
+    ),
     Panel("eval", "Held-out bits per byte", "bits/byte", signals=frozenset({"bpb"})),
 )
 
@@ -128,8 +167,13 @@ def _render(data: FirstScreenData) -> Figure:
         ax.grid(True, alpha=0.3)
         drawn = False
         for column, label in panel.columns:
-            drawn |= _draw(ax, tokens, data.steps[column] / panel.scale, label,
-                           drawstyle="steps-post" if column == "cospike_count" else "default")
+            drawn |= _draw(
+                ax,
+                tokens,
+                data.steps[column] / panel.scale,
+                label,
+                drawstyle="steps-post" if column == "cospike_count" else "default",
+            )
         if panel.key == "source":
             shares = source_shares(data.sources)
             for source, (step, loss, _) in sorted(data.sources.items()):
@@ -139,44 +183,70 @@ def _render(data: FirstScreenData) -> Figure:
         if panel.key == "eval":
             for ev in sorted(data.evals, key=lambda e: e.name):
                 if ev.metric == "bpb":
-                    drawn |= _draw(ax, ev.tokens, ev.value,
-                                   f"{ev.suite} ({ev.stream})"
-                                   + (" [reference]" if ev.reference else ""), marker="o",
-                                   markersize=3, linestyle="-" if ev.reference else "--")
+                    drawn |= _draw(
+                        ax,
+                        ev.tokens,
+                        ev.value,
+                        f"{ev.suite} ({ev.stream})" + (" [reference]" if ev.reference else ""),
+                        marker="o",
+                        markersize=3,
+                        linestyle="-" if ev.reference else "--",
+                    )
         right = [(c, label) for c, label in panel.right if np.isfinite(data.steps[c]).any()]
         if right:
             twin = ax.twinx()
             twin.set_ylabel(panel.right_label)
             for column, label in right:
-                drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray",
-                               alpha=0.7)
+                drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray", alpha=0.7)
             twin.legend(loc="upper right", fontsize=8)
         if not drawn:
             ax.set_xticks([])
             ax.set_yticks([])
-            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center",
-                    va="center", color="gray", gid="not-measured")
+            ax.text(
+                0.5,
+                0.5,
+                "not measured",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                color="gray",
+                gid="not-measured",
+            )
             continue
         if panel.key == "cospike":  # a count: from 0, integer ticks, never a ±0.04 axis
             ax.set_ylim(0, max(1.0, float(np.nanmax(data.steps["cospike_count"]))) * 1.1)
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        if panel.log and all(np.nanmin(data.steps[c]) > 0 for c, _ in panel.columns
-                             if np.isfinite(data.steps[c]).any()):
+        if panel.log and all(
+            np.nanmin(data.steps[c]) > 0
+            for c, _ in panel.columns
+            if np.isfinite(data.steps[c]).any()
+        ):
             ax.set_yscale("log")
-        marks = [a for a in data.anomalies if _panel_of(a) == panel.key
-                 and a["tokens"] is not None]
+        marks = [a for a in data.anomalies if _panel_of(a) == panel.key and a["tokens"] is not None]
         if marks:
-            ax.plot([a["tokens"] for a in marks], [_anomaly_y(a, panel, data) for a in marks],
-                    linestyle="none", marker="v", markersize=9, color="red",
-                    markeredgecolor="black", label="anomaly", gid="anomaly", zorder=5)
+            ax.plot(
+                [a["tokens"] for a in marks],
+                [_anomaly_y(a, panel, data) for a in marks],
+                linestyle="none",
+                marker="v",
+                markersize=9,
+                color="red",
+                markeredgecolor="black",
+                label="anomaly",
+                gid="anomaly",
+                zorder=5,
+            )
         for _step, x in pages:
             if x is not None:
                 ax.axvline(x, color="red", linestyle="--", linewidth=0.8, alpha=0.6, gid="alert")
         ax.legend(loc="upper left", fontsize=8)
     run = data.run or {}
     status = f", {run['status']}" if run.get("status") else ""
-    fig.suptitle(f"probewire first screen: run {data.run_id}{status} "
-                 f"(raw values vs cumulative tokens; red = anomaly, dashed = page)", fontsize=13)
+    fig.suptitle(
+        f"probewire first screen: run {data.run_id}{status} "
+        f"(raw values vs cumulative tokens; red = anomaly, dashed = page)",
+        fontsize=13,
+    )
     return fig
 
 
@@ -185,5 +255,3 @@ def png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
-
-

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,44 +49,69 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, causal_lm: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_losses(
+    logits: torch.Tensor, labels: torch.Tensor, causal_lm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token losses and the valid mask, as transformers' ForCausalLMLoss /
     ForMaskedLMLoss compute them (float32 logits; causal: position t predicts label t+1)."""
     logits = logits.detach().float()
     if causal_lm:
         labels = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             ignore_index=IGNORE, reduction="none").view(labels.shape)
+    losses = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="none",
+    ).view(labels.shape)
     return losses, labels != IGNORE
 
 
 class ProbewireCallback(TrainerCallback):
     """Attaches at ``on_train_begin``; one step context per optimizer step."""
 
-    def __init__(self, config: ProbeConfig | None = None, *,
-                 run_config: Mapping[str, Any] | None = None,
-                 identity: RankIdentity | None = None, transport: Transport | None = None,
-                 runs: Transport | None = None, causal_lm: bool = True) -> None:
+    def __init__(
+        self,
+        config: ProbeConfig | None = None,
+        *,
+        run_config: Mapping[str, Any] | None = None,
+        identity: RankIdentity | None = None,
+        transport: Transport | None = None,
+        runs: Transport | None = None,
+        causal_lm: bool = True,
+    ) -> None:
         self.config, self.run_config = config, run_config
         self.identity, self.transport, self.runs = identity, transport, runs
         self.causal_lm = causal_lm
         self.monitor: Any = None
         self.ctx: Any = None
         self.wraps_clipping = False
-        self.scaler: Any = None   # the Trainer's GradScaler (``watch``), if any
+        self.scaler: Any = None  # the Trainer's GradScaler (``watch``), if any
         self._hook: Any = None
         self._excepthook: Any = None
         self._said = False
 
     # -- training ---------------------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         run_config = self.run_config if self.run_config is not None else _args_config(args)
         while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps it
-        self.monitor = attach(model, optimizer, identity=self.identity, config=self.config,
-                              transport=self.transport, runs=self.runs, run_config=run_config)
+        self.monitor = attach(
+            model,
+            optimizer,
+            identity=self.identity,
+            config=self.config,
+            transport=self.transport,
+            runs=self.runs,
+            run_config=run_config,
+        )
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         self._max_grad_norm = float(getattr(args, "max_grad_norm", 0.0) or 0.0)
         # the Trainer has no exception callback: an exception that leaves the script
@@ -110,8 +136,9 @@ class ProbewireCallback(TrainerCallback):
         ctx.micro_batch(tokens=ids if ids is not None else labels, mask=mask)
         ctx.loss(losses)
 
-    def clip_grad_norm(self, clip: Any, parameters: Any, max_norm: float, *args: Any,
-                       **kwargs: Any) -> Any:
+    def clip_grad_norm(
+        self, clip: Any, parameters: Any, max_norm: float, *args: Any, **kwargs: Any
+    ) -> Any:
         """Around the Trainer's clipping call (``watch``): measure, then clip."""
         parameters = list(parameters)
         if self.ctx is not None:  # an AMP loss scale is removed by the probe, not unscale_
@@ -126,9 +153,11 @@ class ProbewireCallback(TrainerCallback):
             return
         if self._max_grad_norm > 0:
             if not self._said:
-                log.warning("probewire: the Trainer clipped the gradients before any callback "
-                            "sees them; G2 is not reported (use probewire.instrument."
-                            "integrations.hf.watch(trainer) to measure before clipping)")
+                log.warning(
+                    "probewire: the Trainer clipped the gradients before any callback "
+                    "sees them; G2 is not reported (use probewire.instrument."
+                    "integrations.hf.watch(trainer) to measure before clipping)"
+                )
                 self._said = True
             return
         self.ctx.gradients()
@@ -185,8 +214,21 @@ def watch(trainer: Any, config: ProbeConfig | None = None, **kwargs: Any) -> Pro
 
 def _args_config(args: Any) -> dict[str, Any]:
     """The hyper-parameters worth keeping from ``TrainingArguments`` (JSON-able)."""
-    keys = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-            "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type",
-            "warmup_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-            "seed", "bf16", "fp16")
+    keys = (
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "max_grad_norm",
+        "num_train_epochs",
+        "max_steps",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "seed",
+        "bf16",
+        "fp16",
+    )
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}

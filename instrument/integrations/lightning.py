@@ -23,7 +23,8 @@ environment by default (``probewire run``), as with ``attach``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 try:
     import lightning.pytorch as pl
@@ -41,10 +42,15 @@ __all__ = ["ProbewireCallback"]
 class ProbewireCallback(pl.Callback):
     """See the module docstring."""
 
-    def __init__(self, config: ProbeConfig | None = None, *,
-                 run_config: Mapping[str, Any] | None = None,
-                 identity: RankIdentity | None = None, transport: Transport | None = None,
-                 runs: Transport | None = None) -> None:
+    def __init__(
+        self,
+        config: ProbeConfig | None = None,
+        *,
+        run_config: Mapping[str, Any] | None = None,
+        identity: RankIdentity | None = None,
+        transport: Transport | None = None,
+        runs: Transport | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.run_config = config, run_config
         self.identity, self.transport, self.runs = identity, transport, runs
@@ -54,14 +60,24 @@ class ProbewireCallback(pl.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = trainer.optimizers
-        run_config = self.run_config if self.run_config is not None else \
-            dict(getattr(pl_module, "hparams", {}) or {})
-        self.monitor = attach(pl_module, optimizers[0] if optimizers else None,
-                              identity=self.identity, config=self.config,
-                              transport=self.transport, runs=self.runs, run_config=run_config)
+        run_config = (
+            self.run_config
+            if self.run_config is not None
+            else dict(getattr(pl_module, "hparams", {}) or {})
+        )
+        self.monitor = attach(
+            pl_module,
+            optimizers[0] if optimizers else None,
+            identity=self.identity,
+            config=self.config,
+            transport=self.transport,
+            runs=self.runs,
+            run_config=run_config,
+        )
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.monitor is not None and self.ctx is None:
             self._step = trainer.global_step
             self.ctx = self.monitor.step(self._step).__enter__()
@@ -70,8 +86,9 @@ class ProbewireCallback(pl.Callback):
         if self.ctx is not None:
             self.ctx.gradients()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         ctx = self.ctx
         if ctx is None:
             return

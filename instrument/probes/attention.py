@@ -11,7 +11,8 @@ graph exists only in the recomputation, where the gradient hook is placed instea
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,15 +45,17 @@ def decode_value_grad(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     for layer, (bos_sq, bos_n, bos_max, sq, n) in sorted(totals.items()):
         lab = labels_of((Label.LAYER, layer))
         if bos_n > 0:
-            out += [Point(Attn.BOS_SUM_SQ, bos_sq, lab), Point(Attn.BOS_N, bos_n, lab),
-                    Point(Attn.BOS_ABS_MAX, bos_max, lab)]
+            out += [
+                Point(Attn.BOS_SUM_SQ, bos_sq, lab),
+                Point(Attn.BOS_N, bos_n, lab),
+                Point(Attn.BOS_ABS_MAX, bos_max, lab),
+            ]
         if n > 0:
             out += [Point(Attn.VALUE_SUM_SQ, sq, lab), Point(Attn.VALUE_N, n, lab)]
     return out
 
 
-def value_hook(state: StepState, ctx: StructureState, value: ValuePoint, bos_id: int
-               ) -> Callable:
+def value_hook(state: StepState, ctx: StructureState, value: ValuePoint, bos_id: int) -> Callable:
     """Forward hook of one value projection: places the gradient hook on its output."""
     key = id(value.module)
 
@@ -74,10 +77,15 @@ def value_hook(state: StepState, ctx: StructureState, value: ValuePoint, bos_id:
             at_bos = ok & bos if bos is not None else torch.zeros_like(ok)
             other = ok & ~at_bos
             width = float(g.shape[-1])
-            vec = torch.stack([
-                torch.where(at_bos, sq, 0).sum(dtype=F64), at_bos.sum(dtype=F64) * width,
-                torch.where(at_bos, peak, 0).amax().to(F64),
-                torch.where(other, sq, 0).sum(dtype=F64), other.sum(dtype=F64) * width])
+            vec = torch.stack(
+                [
+                    torch.where(at_bos, sq, 0).sum(dtype=F64),
+                    at_bos.sum(dtype=F64) * width,
+                    torch.where(at_bos, peak, 0).amax().to(F64),
+                    torch.where(other, sq, 0).sum(dtype=F64),
+                    other.sum(dtype=F64) * width,
+                ]
+            )
             state.collector.add("structure.value_grad", vec, decode_value_grad, value.layer)
             return None
 

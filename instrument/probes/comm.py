@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,9 +37,18 @@ __all__ = ["COLLECTIVES", "CommTimer"]
 TIER = tier_of(Comm.WAIT, Comm.CALLS, Comm.BYTES)
 
 COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single",
-    "barrier", "gather", "scatter",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
 )
 
 
@@ -61,7 +71,7 @@ def _on_cuda(args: tuple) -> bool:
 class _TimedWork:
     """Proxy of an async ``Work``: ``wait`` is timed, every other attribute passes through."""
 
-    def __init__(self, work: Any, timer: "CommTimer", op: str, cuda: bool) -> None:
+    def __init__(self, work: Any, timer: CommTimer, op: str, cuda: bool) -> None:
         self._work, self._timer, self._op, self._cuda = work, timer, op, cuda
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -79,10 +89,10 @@ class CommTimer:
     """Wraps ``torch.distributed`` collectives and keeps one step's per-op totals."""
 
     def __init__(self) -> None:
-        self.active = False           # set on steps where the comm metrics are due
+        self.active = False  # set on steps where the comm metrics are due
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[str, Callable] = {}
-        self._totals: dict[str, list[float]] = {}   # op -> [wait_s, calls, bytes]
+        self._totals: dict[str, list[float]] = {}  # op -> [wait_s, calls, bytes]
         self._events: list[tuple[str, Any, Any]] = []
 
     def install(self) -> None:
@@ -164,10 +174,16 @@ class CommTimer:
             out: list[Point] = []
             for op, (wait, calls, nbytes) in sorted(totals.items()):
                 labels = ((Label.OP, op),)
-                out += [Point(Comm.WAIT, wait + reported.get(op, 0.0), labels),
-                        Point(Comm.CALLS, calls, labels), Point(Comm.BYTES, nbytes, labels)]
-            out += [Point(Comm.WAIT, wait, ((Label.OP, op),))
-                    for op, wait in sorted(reported.items()) if op not in totals]
+                out += [
+                    Point(Comm.WAIT, wait + reported.get(op, 0.0), labels),
+                    Point(Comm.CALLS, calls, labels),
+                    Point(Comm.BYTES, nbytes, labels),
+                ]
+            out += [
+                Point(Comm.WAIT, wait, ((Label.OP, op),))
+                for op, wait in sorted(reported.items())
+                if op not in totals
+            ]
             return out
 
         late.append(points)

@@ -11,7 +11,8 @@ MaxVio, I, H_norm, shard imbalance and the dead-expert ratio from the summed cou
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,12 +26,28 @@ from .common import F64, labels_of, recomputing
 from .layout import StructureState
 from .tokens import TokenField, token_quantiles
 
-__all__ = ["decode_experts", "decode_margin", "decode_router_bias", "expert_bias_abs_sum",
-           "expert_token_counts", "finish_margins", "router_hook", "topk_margin"]
+__all__ = [
+    "decode_experts",
+    "decode_margin",
+    "decode_router_bias",
+    "expert_bias_abs_sum",
+    "expert_token_counts",
+    "finish_margins",
+    "router_hook",
+    "topk_margin",
+]
 
 COUNTS_TIER = tier_of(Moe.EXPERT_TOKENS)
-ROUTING_TIER = tier_of(Moe.ROUTER_BIAS, Moe.MARGIN_TOKENS, Moe.MARGIN_SUM, Moe.MARGIN_P90,
-                       Moe.MARGIN_P99, Moe.MARGIN_MAX, Moe.MARGIN_P10, Moe.MARGIN_MIN)
+ROUTING_TIER = tier_of(
+    Moe.ROUTER_BIAS,
+    Moe.MARGIN_TOKENS,
+    Moe.MARGIN_SUM,
+    Moe.MARGIN_P90,
+    Moe.MARGIN_P99,
+    Moe.MARGIN_MAX,
+    Moe.MARGIN_P10,
+    Moe.MARGIN_MIN,
+)
 BIAS_SUM_TIER = tier_of(Moe.BIAS_ABS_SUM)
 Parts = list[tuple[np.ndarray, Any]]
 
@@ -44,8 +61,9 @@ def _masked_bincount(ids: torch.Tensor, valid: torch.Tensor, size: int) -> torch
     return counts.scatter_add_(0, safe, keep.reshape(-1).to(torch.int64))
 
 
-def expert_token_counts(topk_indices: torch.Tensor, valid: torch.Tensor, n_experts: int
-                        ) -> torch.Tensor:
+def expert_token_counts(
+    topk_indices: torch.Tensor, valid: torch.Tensor, n_experts: int
+) -> torch.Tensor:
     """Valid tokens routed to each expert c_i, int64 [E] (§7: MaxVio, I P0; H_norm P1).
 
     Measurement point: the router's chosen expert ids [..., k] of one MoE layer and
@@ -83,9 +101,12 @@ def decode_experts(parts: Parts) -> list[Point]:
     out = []
     for layer, counts in sorted(totals.items()):
         if counts.sum() > 0:  # a layer that received no valid token records nothing
-            out += [Point(Moe.EXPERT_TOKENS, float(c),
-                          labels_of((Label.LAYER, layer), (Label.EXPERT, i)))
-                    for i, c in enumerate(counts.tolist())]
+            out += [
+                Point(
+                    Moe.EXPERT_TOKENS, float(c), labels_of((Label.LAYER, layer), (Label.EXPERT, i))
+                )
+                for i, c in enumerate(counts.tolist())
+            ]
     return out
 
 
@@ -95,8 +116,10 @@ def decode_router_bias(parts: Parts) -> list[Point]:
     out = []
     for values, layer in parts:
         bias, total = values[:-1].tolist(), float(values[-1])
-        out += [Point(Moe.ROUTER_BIAS, v, labels_of((Label.LAYER, layer), (Label.EXPERT, i)))
-                for i, v in enumerate(bias)]
+        out += [
+            Point(Moe.ROUTER_BIAS, v, labels_of((Label.LAYER, layer), (Label.EXPERT, i)))
+            for i, v in enumerate(bias)
+        ]
         out.append(Point(Moe.BIAS_ABS_SUM, total, labels_of((Label.LAYER, layer))))
     return out
 
@@ -110,25 +133,43 @@ def decode_margin(parts: Parts) -> list[Point]:
             continue
         lab = labels_of((Label.LAYER, layer))
         up, down = block[0].tolist(), block[1].tolist()
-        out += [Point(Moe.MARGIN_TOKENS, count, lab),
-                Point(Moe.MARGIN_SUM, up[TokenField.SUM], lab),
-                Point(Moe.MARGIN_P90, up[TokenField.P90], lab),
-                Point(Moe.MARGIN_P99, up[TokenField.P99], lab),
-                Point(Moe.MARGIN_MAX, up[TokenField.MAX], lab),
-                Point(Moe.MARGIN_P10, -down[TokenField.P90], lab),
-                Point(Moe.MARGIN_MIN, -down[TokenField.MAX], lab)]
+        out += [
+            Point(Moe.MARGIN_TOKENS, count, lab),
+            Point(Moe.MARGIN_SUM, up[TokenField.SUM], lab),
+            Point(Moe.MARGIN_P90, up[TokenField.P90], lab),
+            Point(Moe.MARGIN_P99, up[TokenField.P99], lab),
+            Point(Moe.MARGIN_MAX, up[TokenField.MAX], lab),
+            Point(Moe.MARGIN_P10, -down[TokenField.P90], lab),
+            Point(Moe.MARGIN_MIN, -down[TokenField.MAX], lab),
+        ]
     return out
 
 
 # ------------------------------------------------------------------ hooks
-def _router_output(output: Any, router: RouterPoint
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _router_output(
+    output: Any, router: RouterPoint
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(top-k expert ids [N, k] or None, selection scores [N, E] or None) of a router call."""
     items = output if isinstance(output, (tuple, list)) else (output,)
-    ids = next((t for t in items if isinstance(t, torch.Tensor) and not t.is_floating_point()
-                and t.dim() >= 1), None)
-    scores = next((t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()
-                   and t.dim() >= 1 and t.shape[-1] == router.n_experts), None)
+    ids = next(
+        (
+            t
+            for t in items
+            if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 1
+        ),
+        None,
+    )
+    scores = next(
+        (
+            t
+            for t in items
+            if isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.dim() >= 1
+            and t.shape[-1] == router.n_experts
+        ),
+        None,
+    )
     if ids is None and router.top_k is None:
         return None, None
     return ids, scores.detach() if scores is not None else None
@@ -138,8 +179,10 @@ def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> C
     """Expert counts of one MoE layer per micro-batch; on demand its margins and bias."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not (state.due[COUNTS_TIER] or state.due[ROUTING_TIER]
-                or state.due[BIAS_SUM_TIER]) or recomputing():
+        if (
+            not (state.due[COUNTS_TIER] or state.due[ROUTING_TIER] or state.due[BIAS_SUM_TIER])
+            or recomputing()
+        ):
             return None
         ids, scores = _router_output(output, router)
         if ids is None and scores is None:
@@ -155,15 +198,22 @@ def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> C
         if state.due[ROUTING_TIER] and scores is not None and ids.shape[-1] < router.n_experts:
             margin = topk_margin(scores, ids.shape[-1])
             ctx.margins.setdefault(router.layer, []).append(
-                (torch.stack([margin, -margin], dim=-1), valid))
-        if router.bias is not None and id(module) not in ctx.once and (
-                state.due[BIAS_SUM_TIER] or state.due[ROUTING_TIER]):
+                (torch.stack([margin, -margin], dim=-1), valid)
+            )
+        if (
+            router.bias is not None
+            and id(module) not in ctx.once
+            and (state.due[BIAS_SUM_TIER] or state.due[ROUTING_TIER])
+        ):
             ctx.once.add(id(module))
             bias = router.bias.detach().to(F64)
             total = expert_bias_abs_sum(bias).reshape(1)
-            state.collector.add("structure.router_bias",
-                                [bias, total] if state.due[ROUTING_TIER] else [total],
-                                decode_router_bias, router.layer)
+            state.collector.add(
+                "structure.router_bias",
+                [bias, total] if state.due[ROUTING_TIER] else [total],
+                decode_router_bias,
+                router.layer,
+            )
         return None
 
     return hook

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,15 +45,26 @@ from .common import F64
 from .tensors import TIER as SCAN_TIER
 from .tensors import TensorProbe, scale_scan
 
-__all__ = ["GradProbe", "decode_clipped", "decode_grad_detail", "decode_norms", "grad_norms",
-           "inverse_scale", "norm_kinds"]
+__all__ = [
+    "GradProbe",
+    "decode_clipped",
+    "decode_grad_detail",
+    "decode_norms",
+    "grad_norms",
+    "inverse_scale",
+    "norm_kinds",
+]
 
 NORM_TIER = tier_of(Grad.NORM_SQ, Grad.CLIPPED)
 DETAIL_TIER = tier_of(Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
 _GROUP_LABELS: tuple[Labels, ...] = tuple(((Label.GROUP, g),) for g in GRAD_GROUPS)
-_DETAIL = ((Grad.ABS_SUM, ScanFields.SUM_ABS), (Grad.ABS_MAX, ScanFields.ABS_MAX),
-           (Grad.ZEROS, ScanFields.ZEROS), (Grad.ELEMENTS, ScanFields.N),
-           (Grad.NONFINITE, ScanFields.NONFINITE))
+_DETAIL = (
+    (Grad.ABS_SUM, ScanFields.SUM_ABS),
+    (Grad.ABS_MAX, ScanFields.ABS_MAX),
+    (Grad.ZEROS, ScanFields.ZEROS),
+    (Grad.ELEMENTS, ScanFields.N),
+    (Grad.NONFINITE, ScanFields.NONFINITE),
+)
 
 
 # ------------------------------------------------------------------ device arithmetic
@@ -64,8 +76,11 @@ def norm_kinds(grads: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
     return tuple(map(tuple, by_kind.values()))
 
 
-def grad_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | float | None,
-               kinds: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
+def grad_norms(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor | float | None,
+    kinds: tuple[tuple[int, ...], ...] | None = None,
+) -> torch.Tensor:
     """``‖g‖`` over all gradient elements, loss scale removed (seeds 001 §4), shape [1].
 
     Per-tensor norms come from one fused multi-tensor kernel per (device, dtype) and their
@@ -139,8 +154,7 @@ def decode_grad_detail(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     rows = values.reshape(-1, width)
     of_row = np.asarray(row_groups, dtype=np.int64)
     out = []
-    for labels, selected in (((), rows), *((_GROUP_LABELS[g], rows[of_row == g])
-                                           for g in present)):
+    for labels, selected in (((), rows), *((_GROUP_LABELS[g], rows[of_row == g]) for g in present)):
         combined = selected.sum(axis=0)
         combined[ScanFields.ABS_MAX] = selected[:, ScanFields.ABS_MAX].max(initial=0.0)
         v = combined.tolist()
@@ -155,8 +169,9 @@ def _group_rows(gathered: GroupScan, inv_scale: Any) -> torch.Tensor:
     return rows if inv_scale is None else scale_scan(rows, inv_scale)
 
 
-def _late_detail(finish: Callable[[], torch.Tensor], row_groups: list[int],
-                 present: tuple[int, ...]) -> list[Point]:
+def _late_detail(
+    finish: Callable[[], torch.Tensor], row_groups: list[int], present: tuple[int, ...]
+) -> list[Point]:
     """``decode_grad_detail`` of rows reduced here, on the emitter thread."""
     rows = finish()
     return decode_grad_detail([(rows.numpy().reshape(-1), (row_groups, present, rows.shape[1]))])
@@ -168,10 +183,10 @@ class _Plan:
     """``record``'s per-tensor bookkeeping for one set of gradients present: a model's
     gradients keep their parameters, sizes and groups from step to step."""
 
-    present: tuple[int, ...] | None   # indices of the owned parameters with a gradient; None: all
-    infos: tuple[ParamInfo, ...]      # their parameters
-    groups: tuple[int, ...]           # the groups present, sorted
-    scan: GroupPlan                   # which gradients are scanned whole, which copied where
+    present: tuple[int, ...] | None  # indices of the owned parameters with a gradient; None: all
+    infos: tuple[ParamInfo, ...]  # their parameters
+    groups: tuple[int, ...]  # the groups present, sorted
+    scan: GroupPlan  # which gradients are scanned whole, which copied where
     kinds: tuple[tuple[int, ...], ...]  # their indices by (device, dtype), for ``grad_norms``
 
 
@@ -180,17 +195,24 @@ class _Clipped:
     """What ``clip_grad_norm_`` needs to know of the parameters it is given, once per list."""
 
     ids: tuple[int, ...]
-    owned_in_order: bool   # exactly the owned parameters, in their order: one read of .grad
-    owned: bool            # the owned parameters, in any order
-    plain: bool            # no DTensor among them
+    owned_in_order: bool  # exactly the owned parameters, in their order: one read of .grad
+    owned: bool  # the owned parameters, in any order
+    plain: bool  # no DTensor among them
 
 
 class GradProbe:
     """The rank's gradient measurements; the probe sets in ``listeners`` (the structure
     probes, a user's own) hear about the gradient point too (``on_gradients``)."""
 
-    def __init__(self, params: Sequence[ParamInfo], tensors: TensorProbe, listeners: list, *,
-                 clip_threshold: float | None, whole_gradient: bool) -> None:
+    def __init__(
+        self,
+        params: Sequence[ParamInfo],
+        tensors: TensorProbe,
+        listeners: list,
+        *,
+        clip_threshold: float | None,
+        whole_gradient: bool,
+    ) -> None:
         self._params = [info for info in params if info.owned]
         self._owned = [info.param for info in self._params]
         self._owned_ids = tuple(map(id, self._owned))
@@ -214,15 +236,31 @@ class GradProbe:
         infos = tuple(self._params[i] for i in present)
         groups = [info.group for info in infos]
         shards = [local(grads[i]) for i in present]
-        plan = _Plan(tuple(present) if missing else None, infos, tuple(sorted(set(groups))),
-                     self._tensors.plan_groups(shards, groups), norm_kinds(shards)
-                     ) if present else None
+        plan = (
+            _Plan(
+                tuple(present) if missing else None,
+                infos,
+                tuple(sorted(set(groups))),
+                self._tensors.plan_groups(shards, groups),
+                norm_kinds(shards),
+            )
+            if present
+            else None
+        )
         self._plans[missing] = plan
         return plan
 
-    def record(self, state: StepState, scaler: Any, scale: Any, *, norm: bool = True,
-               detail: bool = True, notify: bool = True,
-               grads: list[torch.Tensor | None] | None = None) -> None:
+    def record(
+        self,
+        state: StepState,
+        scaler: Any,
+        scale: Any,
+        *,
+        norm: bool = True,
+        detail: bool = True,
+        notify: bool = True,
+        grads: list[torch.Tensor | None] | None = None,
+    ) -> None:
         """Measure now: call after the last backward, before clipping. ``grads``: the
         ``.grad`` of every owned parameter in order, where the caller has just read them."""
         if not state.sampled:
@@ -243,8 +281,15 @@ class GradProbe:
                 grads = [local(g) for g in grads]  # this rank's shard
             self._measure(state, plan, grads, inv, norm, detail)
 
-    def _measure(self, state: StepState, plan: _Plan, grads: list[torch.Tensor], inv: Any,
-                 norm: bool, detail: bool) -> None:
+    def _measure(
+        self,
+        state: StepState,
+        plan: _Plan,
+        grads: list[torch.Tensor],
+        inv: Any,
+        norm: bool,
+        detail: bool,
+    ) -> None:
         if state.due[NORM_TIER] and norm:
             state.grad_norm = grad_norms(grads, inv, plan.kinds)
         groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
@@ -252,7 +297,8 @@ class GradProbe:
             entries = []
             for info, grad in zip(plan.infos, grads):  # scanned now: the clip has not run yet
                 entries += self._tensors.parameter_entries(
-                    "grad", [(info.param, grad)], emit=True, group=info.group)
+                    "grad", [(info.param, grad)], emit=True, group=info.group
+                )
             rows = self._tensors.scan_entries(state, entries, inv)
             row_groups = [e.group for e in entries]
         elif groups_due:  # group totals only: each group's small tensors in one scan
@@ -269,13 +315,22 @@ class GradProbe:
     def _clip_params(self, params: list[torch.Tensor]) -> _Clipped:
         ids = tuple(map(id, params))
         if self._clipped is None or self._clipped.ids != ids:
-            self._clipped = _Clipped(ids, ids == self._owned_ids,
-                                     frozenset(ids) == frozenset(self._owned_ids),
-                                     not any(is_dtensor(p) for p in params))
+            self._clipped = _Clipped(
+                ids,
+                ids == self._owned_ids,
+                frozenset(ids) == frozenset(self._owned_ids),
+                not any(is_dtensor(p) for p in params),
+            )
         return self._clipped
 
-    def clip_grad_norm_(self, state: StepState, parameters: Any, max_norm: float,
-                        norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        state: StepState,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+    ) -> torch.Tensor:
         """Measure, then clip with the same total norm (see ``StepContext.clip_grad_norm_``)."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         every = [p.grad for p in params]
@@ -283,10 +338,22 @@ class GradProbe:
         given = self._clip_params(params)
         # the clipping norm is this rank's one part of G2 (all its own gradients, 2-norm, not
         # sharded), or G2 is measured too: a subset, another norm, shards, replicas not counted
-        same = given.plain and norm_type == 2.0 and (given.owned or self._owned_with_grad() == {
-            id(p) for p, g in zip(params, every) if g is not None})
-        self.record(state, None, None, norm=not same,  # before clipping
-                    grads=every if given.owned_in_order else None)
+        same = (
+            given.plain
+            and norm_type == 2.0
+            and (
+                given.owned
+                or self._owned_with_grad()
+                == {id(p) for p, g in zip(params, every) if g is not None}
+            )
+        )
+        self.record(
+            state,
+            None,
+            None,
+            norm=not same,  # before clipping
+            grads=every if given.owned_in_order else None,
+        )
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
         if is_dtensor(total):  # sharded gradients: the clip needs the global norm (as torchtitan)
             total = total.full_tensor()
@@ -304,8 +371,10 @@ class GradProbe:
         if state.due[NORM_TIER]:
             if is_dtensor(total_norm):
                 if not all(p.is_replicate() for p in total_norm.placements):
-                    raise LayoutError("clipped(total_norm): pass total_norm.full_tensor(), the "
-                                      "global norm, not a Partial DTensor")
+                    raise LayoutError(
+                        "clipped(total_norm): pass total_norm.full_tensor(), the "
+                        "global norm, not a Partial DTensor"
+                    )
                 total_norm = local(total_norm)
             state.clip = total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm
 
@@ -325,5 +394,6 @@ class GradProbe:
             if callable(rows):  # reduced on the emitter thread
                 late.append(functools.partial(_late_detail, rows, row_groups, present))
             else:
-                collector.add("grad.detail", rows, decode_grad_detail,
-                              (row_groups, present, rows.shape[1]))
+                collector.add(
+                    "grad.detail", rows, decode_grad_detail, (row_groups, present, rows.shape[1])
+                )

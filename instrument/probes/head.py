@@ -13,7 +13,8 @@ nothing.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +25,14 @@ from ..state import StepState
 from ..wire import Point
 from .common import F64, first_tensor, recomputing
 
-__all__ = ["HOST_REDUCE_POSITIONS", "decode_head", "decode_top2", "logits_hook", "output_head",
-           "output_top2"]
+__all__ = [
+    "HOST_REDUCE_POSITIONS",
+    "decode_head",
+    "decode_top2",
+    "logits_hook",
+    "output_head",
+    "output_top2",
+]
 
 STATS_TIER = tier_of(Output.LOGITS_ABS_MAX, Output.LOGITS_SUM_SQ, Output.LOGITS_N)
 TOP2_TIER = tier_of(Output.POSITIONS, Output.TOP2_GAP_SUM, Output.TOP2_EQUAL)
@@ -42,8 +49,9 @@ def _row_stats(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return work.amax(-1), work.amin(-1), (work * work).sum(-1).sqrt()
 
 
-def output_head(logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = False
-                ) -> tuple[list[torch.Tensor], tuple]:
+def output_head(
+    logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = False
+) -> tuple[list[torch.Tensor], tuple]:
     """Output-logit components over valid positions of logits z [..., V] (002, 001 §6).
 
     Per position: max z, min z and ‖z‖ over the vocabulary: three reads of the logits, or
@@ -61,8 +69,9 @@ def output_head(logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = F
         top, bottom, norms = compiled(_row_stats)(z)
     else:
         top, bottom = z.amax(-1), z.amin(-1)
-        norms = torch.linalg.vector_norm(z, dim=-1, dtype=torch.promote_types(z.dtype,
-                                                                              torch.float32))
+        norms = torch.linalg.vector_norm(
+            z, dim=-1, dtype=torch.promote_types(z.dtype, torch.float32)
+        )
     if positions <= HOST_REDUCE_POSITIONS:
         rows = [top, bottom, norms, mask.reshape(-1)] if masked else [top, bottom, norms]
         return rows, ("rows", positions, masked, vocab)
@@ -73,9 +82,10 @@ def output_head(logits: torch.Tensor, mask: torch.Tensor | None, fused: bool = F
         count = mask.sum(dtype=F64).reshape(1)
     else:
         count = torch.full((1,), float(positions), dtype=F64, device=z.device)
-    return ([stacked[:2].amax(dim=1), torch.linalg.vector_norm(stacked[2], dim=0, keepdim=True),
-             count],
-            ("reduced", positions, masked, vocab))
+    return (
+        [stacked[:2].amax(dim=1), torch.linalg.vector_norm(stacked[2], dim=0, keepdim=True), count],
+        ("reduced", positions, masked, vocab),
+    )
 
 
 def decode_head(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
@@ -86,9 +96,9 @@ def decode_head(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     vocab = 1
     for values, (form, n, masked, vocab) in parts:
         if form == "rows":
-            rows = values[:3 * n].reshape(3, n)
+            rows = values[: 3 * n].reshape(3, n)
             if masked:
-                rows = rows[:, values[3 * n:4 * n] != 0]
+                rows = rows[:, values[3 * n : 4 * n] != 0]
             count = rows.shape[1]
             if count:  # NumPy's max/min propagate NaN, as the definition wants
                 maxima += [float(rows[0].max()), -float(rows[1].min())]
@@ -102,8 +112,11 @@ def decode_head(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     if not positions > 0:
         return []  # no valid position reached the head: no measurement
     abs_max = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
-    return [Point(Output.LOGITS_ABS_MAX, abs_max), Point(Output.LOGITS_SUM_SQ, sum_sq),
-            Point(Output.LOGITS_N, positions * vocab)]
+    return [
+        Point(Output.LOGITS_ABS_MAX, abs_max),
+        Point(Output.LOGITS_SUM_SQ, sum_sq),
+        Point(Output.LOGITS_N, positions * vocab),
+    ]
 
 
 def output_top2(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -128,8 +141,11 @@ def decode_top2(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
         total = [a + b for a, b in zip(total, values.tolist())]
     if not total[0] > 0:
         return []
-    return [Point(Output.POSITIONS, total[0]), Point(Output.TOP2_GAP_SUM, total[1]),
-            Point(Output.TOP2_EQUAL, total[2])]
+    return [
+        Point(Output.POSITIONS, total[0]),
+        Point(Output.TOP2_GAP_SUM, total[1]),
+        Point(Output.TOP2_EQUAL, total[2]),
+    ]
 
 
 def logits_hook(state: StepState, fused: bool = False) -> Callable:

@@ -39,7 +39,7 @@ class StructureState:
         self._key = key
         self.residual: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.margins: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.once: set[int] = set()            # gates / routers measured this step
+        self.once: set[int] = set()  # gates / routers measured this step
         self.grads_done = False
         self.pending_values: dict[int, int] = {}
 
@@ -53,8 +53,9 @@ class StructureState:
         return self._key == (state.step, state.t0)
 
     # ------------------------------------------------------------------ model call
-    def new_forward(self, state: StepState | None, ids: torch.Tensor | None,
-                    attention_mask: Any) -> None:
+    def new_forward(
+        self, state: StepState | None, ids: torch.Tensor | None, attention_mask: Any
+    ) -> None:
         mask = state.mask if state is not None else None
         text = mask if mask is not None and mask.dtype == torch.bool else None
         if text is None and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -70,8 +71,9 @@ class StructureState:
     def set_media(self, mask: torch.Tensor) -> None:
         self.media, self.layouts = mask, {}
 
-    def layout(self, lead: tuple[int, ...], text: torch.Tensor | None, media_fill: bool
-               ) -> torch.Tensor | None:
+    def layout(
+        self, lead: tuple[int, ...], text: torch.Tensor | None, media_fill: bool
+    ) -> torch.Tensor | None:
         """``text`` [B, T] laid out like an activation with leading shape ``lead``: [B, T],
         [B, M + T] (media positions ``media_fill``, or the media mask when True) or the
         flattened [B·L]; None when no layout fits."""

@@ -10,7 +10,8 @@ the stream forms L = Σ loss.sum / Σ loss.tokens, L_max and L^(μ) from them.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,9 +35,12 @@ def _expand_ids(ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return ids.expand_as(like)
 
 
-def loss_components(losses: torch.Tensor, mask: torch.Tensor | None,
-                    ids: Sequence[tuple[torch.Tensor | None, int]], n_labels: int
-                    ) -> tuple[list[torch.Tensor], tuple]:
+def loss_components(
+    losses: torch.Tensor,
+    mask: torch.Tensor | None,
+    ids: Sequence[tuple[torch.Tensor | None, int]],
+    n_labels: int,
+) -> tuple[list[torch.Tensor], tuple]:
     """Per-row loss sums and valid counts of one micro-batch, float64 (seeds 001 §3).
 
     ``losses`` are per-token NLL values [B, ...] (a 1-D tensor is one row), ``mask`` the
@@ -56,8 +60,9 @@ def loss_components(losses: torch.Tensor, mask: torch.Tensor | None,
     flat2d = losses.dim() == 2  # [B, T]: row sums without a reshape
     parts = [(values if flat2d else values.reshape(rows, -1)).sum(-1, dtype=F64)]
     if mask is None:
-        parts.append(torch.full((rows,), float(losses.numel() // rows), dtype=F64,
-                                device=losses.device))
+        parts.append(
+            torch.full((rows,), float(losses.numel() // rows), dtype=F64, device=losses.device)
+        )
     else:  # an integer count: the step's cat promotes it to float64 exactly
         parts.append((mask if flat2d else mask.reshape(rows, -1)).sum(-1))
     row_offsets: list[int] = []
@@ -72,8 +77,7 @@ def loss_components(losses: torch.Tensor, mask: torch.Tensor | None,
             token_ids.append((id_tensor, offset))
     if token_ids:
         flat_values = values.reshape(-1).to(F64)
-        flat_mask = (mask.reshape(-1).to(F64) if mask is not None
-                     else torch.ones_like(flat_values))
+        flat_mask = mask.reshape(-1).to(F64) if mask is not None else torch.ones_like(flat_values)
         sums = torch.zeros(n_labels, dtype=F64, device=losses.device)
         counts = torch.zeros(n_labels, dtype=F64, device=losses.device)
         for id_tensor, offset in token_ids:
@@ -100,11 +104,11 @@ def loss_decoder(label_points: Sequence[Labels]):
         counts = [0.0] * n_labels
         for array, (rows, row_offsets, token_level, _) in parts:
             values = array.tolist()
-            row_sums, row_counts = values[:rows], values[rows:2 * rows]
+            row_sums, row_counts = values[:rows], values[rows : 2 * rows]
             totals += row_sums
             counts_all += row_counts
             for j, offset in enumerate(row_offsets):
-                ids = values[(2 + j) * rows:(3 + j) * rows]
+                ids = values[(2 + j) * rows : (3 + j) * rows]
                 for label, s, n in zip(ids, row_sums, row_counts):
                     sums[int(label) + offset] += s
                     counts[int(label) + offset] += n
@@ -135,8 +139,9 @@ def _ids(value: Any, names: tuple[str, ...], rows: int, what: str) -> torch.Tens
     except ValueError:
         unknown = next(n for n in listed if n not in names)
         field = "sources" if what == "source" else "modalities"
-        raise ValueError(f"{what} {unknown!r} is not registered; ProbeConfig.{field} is "
-                         f"{names!r}") from None
+        raise ValueError(
+            f"{what} {unknown!r} is not registered; ProbeConfig.{field} is {names!r}"
+        ) from None
     if len(ids) != rows:
         raise ValueError(f"{len(ids)} {what} names for a micro-batch of {rows} rows")
     return torch.tensor(ids, dtype=torch.int64)
@@ -150,19 +155,28 @@ class LossProbe:
         self._sources, self._modalities = tuple(sources), tuple(modalities)
         self._n_sources = len(sources)
         self._n_labels = len(sources) + len(modalities)
-        self._decode = loss_decoder(tuple(((Label.SOURCE, name),)
-                                          for name in (*sources, *modalities)))
+        self._decode = loss_decoder(
+            tuple(((Label.SOURCE, name),) for name in (*sources, *modalities))
+        )
 
-    def record(self, state: StepState, losses: torch.Tensor, mask: torch.Tensor | None,
-               source: torch.Tensor | None, modality: torch.Tensor | None) -> None:
+    def record(
+        self,
+        state: StepState,
+        losses: torch.Tensor,
+        mask: torch.Tensor | None,
+        source: torch.Tensor | None,
+        modality: torch.Tensor | None,
+    ) -> None:
         if not state.due[TIER]:
             return
         mask = state.mask if mask is None else mask
         source = state.source if source is None else source
         modality = state.modality if modality is None else modality
         rows = losses.shape[0] if losses.dim() >= 2 else 1
-        ids = ((_ids(source, self._sources, rows, "source"), 0),
-               (_ids(modality, self._modalities, rows, "modality"), self._n_sources))
+        ids = (
+            (_ids(source, self._sources, rows, "source"), 0),
+            (_ids(modality, self._modalities, rows, "modality"), self._n_sources),
+        )
         vec, meta = loss_components(losses, mask, ids, self._n_labels)
         state.collector.add(KEY, vec, self._decode, meta)
 
@@ -170,9 +184,14 @@ class LossProbe:
         """A fused loss's Σ m·ℓ and Σ m for one micro-batch."""
         if not state.due[TIER]:
             return
-        device = next((v.device for v in (loss_sum, valid_tokens) if isinstance(v, torch.Tensor)),
-                      torch.device("cpu"))
-        parts = [v.detach().reshape(1) if isinstance(v, torch.Tensor)  # no copy: a fill kernel
-                 else torch.full((1,), float(v), dtype=F64, device=device)
-                 for v in (loss_sum, valid_tokens)]
+        device = next(
+            (v.device for v in (loss_sum, valid_tokens) if isinstance(v, torch.Tensor)),
+            torch.device("cpu"),
+        )
+        parts = [
+            v.detach().reshape(1)
+            if isinstance(v, torch.Tensor)  # no copy: a fill kernel
+            else torch.full((1,), float(v), dtype=F64, device=device)
+            for v in (loss_sum, valid_tokens)
+        ]
         state.collector.add(KEY, parts, self._decode, (1, (), False, self._n_labels))

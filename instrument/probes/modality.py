@@ -11,7 +11,8 @@ that received no media sends no media measurement, never a zero.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,21 +26,30 @@ from ..wire import Point
 from .common import F64, first_tensor, labels_of, recomputing
 from .layout import StructureState
 
-__all__ = ["decode_encoder_grad", "decode_media_scale", "decode_tokens",
-           "encoder_grad_share_components", "media_scale_components"]
+__all__ = [
+    "decode_encoder_grad",
+    "decode_media_scale",
+    "decode_tokens",
+    "encoder_grad_share_components",
+    "media_scale_components",
+]
 
 TOKENS_TIER = tier_of(Modality.TOKENS)
-SCALE_TIER = tier_of(Modality.MEDIA_SUM_SQ, Modality.MEDIA_N, Modality.TEXT_SUM_SQ,
-                     Modality.TEXT_N)
-ENCODER_TIER = tier_of(Modality.ENCODER_GRAD_SQ, Modality.ALL_GRAD_SQ, Modality.ENCODER_PARAMS,
-                       Modality.ALL_PARAMS)
+SCALE_TIER = tier_of(Modality.MEDIA_SUM_SQ, Modality.MEDIA_N, Modality.TEXT_SUM_SQ, Modality.TEXT_N)
+ENCODER_TIER = tier_of(
+    Modality.ENCODER_GRAD_SQ, Modality.ALL_GRAD_SQ, Modality.ENCODER_PARAMS, Modality.ALL_PARAMS
+)
 Parts = list[tuple[np.ndarray, Any]]
 
 
 # ------------------------------------------------------------------ device arithmetic
-def media_scale_components(media: torch.Tensor | None, text: torch.Tensor, *,
-                           media_valid: torch.Tensor | None = None,
-                           text_valid: torch.Tensor | None = None) -> torch.Tensor:
+def media_scale_components(
+    media: torch.Tensor | None,
+    text: torch.Tensor,
+    *,
+    media_valid: torch.Tensor | None = None,
+    text_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[Σe² media, media elements, Σe² text, text elements], float64 [4] (seeds §9, γ).
 
     Measurement point: the backbone's input — ``media`` [..., d] from the encoder and
@@ -66,8 +76,9 @@ def _masked_square_sum(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Ten
     return torch.stack([scanned[ScanFields.SUM_SQ], elements - scanned[ScanFields.NONFINITE]])
 
 
-def encoder_grad_share_components(encoder_grads: Iterable[torch.Tensor | None],
-                                  other_grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
+def encoder_grad_share_components(
+    encoder_grads: Iterable[torch.Tensor | None], other_grads: Iterable[torch.Tensor | None]
+) -> torch.Tensor:
     """[‖g_enc‖², ‖g‖²] float64 [2] for S_enc = ‖g_enc‖²/‖g‖² (§9, P1).
 
     Measurement point: parameter gradients after accumulation and loss-scale removal,
@@ -86,16 +97,21 @@ def encoder_grad_share_components(encoder_grads: Iterable[torch.Tensor | None],
 
 
 # ------------------------------------------------------------------ host decoding
-_SCALE_NAMES = {"media": (Modality.MEDIA_SUM_SQ, Modality.MEDIA_N),
-                "text": (Modality.TEXT_SUM_SQ, Modality.TEXT_N)}
+_SCALE_NAMES = {
+    "media": (Modality.MEDIA_SUM_SQ, Modality.MEDIA_N),
+    "text": (Modality.TEXT_SUM_SQ, Modality.TEXT_N),
+}
 
 
 def decode_tokens(parts: Parts) -> list[Point]:
     totals: dict[str, float] = {}
     for values, modality in parts:
         totals[modality] = totals.get(modality, 0.0) + float(values[0])
-    return [Point(Modality.TOKENS, v, labels_of((Label.MODALITY, k)))
-            for k, v in sorted(totals.items()) if v > 0]
+    return [
+        Point(Modality.TOKENS, v, labels_of((Label.MODALITY, k)))
+        for k, v in sorted(totals.items())
+        if v > 0
+    ]
 
 
 def decode_media_scale(parts: Parts) -> list[Point]:
@@ -114,8 +130,12 @@ def decode_media_scale(parts: Parts) -> list[Point]:
 def decode_encoder_grad(parts: Parts) -> list[Point]:
     values, (enc_params, all_params) = parts[0]
     enc, total = values.tolist()
-    return [Point(Modality.ENCODER_GRAD_SQ, enc), Point(Modality.ALL_GRAD_SQ, total),
-            Point(Modality.ENCODER_PARAMS, enc_params), Point(Modality.ALL_PARAMS, all_params)]
+    return [
+        Point(Modality.ENCODER_GRAD_SQ, enc),
+        Point(Modality.ALL_GRAD_SQ, total),
+        Point(Modality.ENCODER_PARAMS, enc_params),
+        Point(Modality.ALL_PARAMS, all_params),
+    ]
 
 
 # ------------------------------------------------------------------ hooks
@@ -131,10 +151,14 @@ def embedding_hook(state: StepState, ctx: StructureState):
         text = ctx.text
         valid = text if text is not None and tuple(text.shape) == tuple(e.shape[:-1]) else None
         if state.due[TOKENS_TIER]:
-            count = (valid.sum() if valid is not None
-                     else torch.tensor(float(math.prod(e.shape[:-1])), device=e.device))
-            state.collector.add("structure.modality_tokens", count.reshape(1), decode_tokens,
-                                "text")
+            count = (
+                valid.sum()
+                if valid is not None
+                else torch.tensor(float(math.prod(e.shape[:-1])), device=e.device)
+            )
+            state.collector.add(
+                "structure.modality_tokens", count.reshape(1), decode_tokens, "text"
+            )
         if state.due[SCALE_TIER]:
             parts = media_scale_components(None, e, text_valid=valid)[2:]
             state.collector.add("structure.media_scale", parts, decode_media_scale, "text")
@@ -155,13 +179,17 @@ def projector_hook(state: StepState, ctx: StructureState):
             return None
         mask = args[1] if len(args) > 1 else kwargs.get("token_mask", kwargs.get("mask"))
         lead = tuple(e.shape[:-1])
-        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-                and tuple(mask.shape) == lead):
+        if not (
+            isinstance(mask, torch.Tensor)
+            and mask.dtype == torch.bool
+            and tuple(mask.shape) == lead
+        ):
             mask = torch.ones(lead, dtype=torch.bool, device=e.device)
         ctx.set_media(mask)
         if state.due[TOKENS_TIER]:
-            state.collector.add("structure.modality_tokens", mask.sum().reshape(1),
-                                decode_tokens, "media")
+            state.collector.add(
+                "structure.modality_tokens", mask.sum().reshape(1), decode_tokens, "media"
+            )
         if state.due[SCALE_TIER]:
             parts = media_scale_components(e, e[..., :0, :], media_valid=mask)[:2]
             state.collector.add("structure.media_scale", parts, decode_media_scale, "media")
@@ -184,7 +212,8 @@ class EncoderShare:
             return
         vec = encoder_grad_share_components(
             [None if p.grad is None else local(p.grad) for p in self._encoder],
-            [None if p.grad is None else local(p.grad) for p in self._others])
+            [None if p.grad is None else local(p.grad) for p in self._others],
+        )
         if inv_scale is not None:
             vec = vec * torch.as_tensor(inv_scale, dtype=F64, device=vec.device).square()
         state.collector.add("structure.encoder_grad", vec, decode_encoder_grad, self._counts)

@@ -7,7 +7,8 @@ positions). The stream forms RMS = sqrt(Σ sum_sq / Σ n) from them.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,10 +39,16 @@ def decode_module_grads(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
         t[2] = peak if math.isnan(peak) else max(t[2], peak)
     out = []
     for (layer, role), (sq, n, peak) in totals.items():
-        lab = (labels_of((Label.MODULE, role)) if layer is None
-               else labels_of((Label.LAYER, layer), (Label.MODULE, role)))
-        out += [Point(Module.GRAD_SUM_SQ, sq, lab), Point(Module.GRAD_N, n, lab),
-                Point(Module.GRAD_ABS_MAX, peak, lab)]
+        lab = (
+            labels_of((Label.MODULE, role))
+            if layer is None
+            else labels_of((Label.LAYER, layer), (Label.MODULE, role))
+        )
+        out += [
+            Point(Module.GRAD_SUM_SQ, sq, lab),
+            Point(Module.GRAD_N, n, lab),
+            Point(Module.GRAD_ABS_MAX, peak, lab),
+        ]
     return out
 
 
@@ -84,8 +91,9 @@ class ModuleGrads:
             if inv_scale is not None:
                 inv = torch.as_tensor(inv_scale, dtype=F64, device=stacked.device)
                 stacked = stacked * torch.stack([inv.square(), inv])
-            state.collector.add("structure.module_grads", stacked, decode_module_grads,
-                                tuple(metas))
+            state.collector.add(
+                "structure.module_grads", stacked, decode_module_grads, tuple(metas)
+            )
 
 
 def activation_hook(state: StepState, ctx: StructureState, view: ModuleView) -> Callable:
@@ -99,10 +107,12 @@ def activation_hook(state: StepState, ctx: StructureState, view: ModuleView) -> 
         sq = x.float().square().sum(-1)
         valid = ctx.valid(tuple(x.shape[:-1]))
         ok = valid if valid is not None else torch.ones_like(sq, dtype=torch.bool)
-        vec = torch.stack([torch.where(ok, sq, 0).sum(dtype=F64),
-                           ok.sum(dtype=F64) * float(x.shape[-1])])
-        state.collector.add("structure.module_acts", vec, decode_module_acts,
-                            (view.layer, view.role))
+        vec = torch.stack(
+            [torch.where(ok, sq, 0).sum(dtype=F64), ok.sum(dtype=F64) * float(x.shape[-1])]
+        )
+        state.collector.add(
+            "structure.module_acts", vec, decode_module_acts, (view.layer, view.role)
+        )
         return None
 
     return hook

@@ -8,7 +8,8 @@ resolves to the first index in both heads. Read it with the MTP head's own accur
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +26,9 @@ __all__ = ["decode_mtp", "main_logits_hook", "mtp_hook", "mtp_top1_agreement"]
 TIER = tier_of(Output.MTP_POSITIONS, Output.MTP_AGREE)
 
 
-def mtp_top1_agreement(main_logits: torch.Tensor, mtp_logits: torch.Tensor,
-                       valid: torch.Tensor) -> torch.Tensor:
+def mtp_top1_agreement(
+    main_logits: torch.Tensor, mtp_logits: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """[positions, agreements] float64 [2] over aligned rows (the caller aligns them: per
     sequence of length S pass ``main[..., k:, :]``, ``mtp_k[..., :S-k, :]`` and the
     validity of those shared targets)."""
@@ -47,8 +49,10 @@ def decode_mtp(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     for depth, (positions, agree) in sorted(totals.items()):
         if positions > 0:
             lab = labels_of((Label.DEPTH, depth))
-            out += [Point(Output.MTP_POSITIONS, positions, lab),
-                    Point(Output.MTP_AGREE, agree, lab)]
+            out += [
+                Point(Output.MTP_POSITIONS, positions, lab),
+                Point(Output.MTP_AGREE, agree, lab),
+            ]
     return out
 
 
@@ -73,9 +77,11 @@ def mtp_hook(state: StepState, ctx: StructureState, depth: int) -> Callable:
             return None
         length = z.shape[1]
         text = ctx.text
-        valid = (text[:, depth:] if text is not None and tuple(text.shape) == tuple(
-            z.shape[:2]) else torch.ones(z.shape[0], length - depth, dtype=torch.bool,
-                                          device=z.device))
+        valid = (
+            text[:, depth:]
+            if text is not None and tuple(text.shape) == tuple(z.shape[:2])
+            else torch.ones(z.shape[0], length - depth, dtype=torch.bool, device=z.device)
+        )
         vec = mtp_top1_agreement(main[:, depth:], z.detach()[:, : length - depth], valid)
         state.collector.add("structure.mtp", vec, decode_mtp, depth)
         return None

@@ -61,8 +61,10 @@ class OptimProbe:
         self._seen: list[tuple[str, float]] | None = None
         self._state: StepState | None = None
         if len(learning_rates(optimizer)) < len(optimizer.param_groups):
-            log.warning("probewire: optim.lr is not reported for parameter groups whose lr "
-                        "is a device tensor (reading it would synchronise the device)")
+            log.warning(
+                "probewire: optim.lr is not reported for parameter groups whose lr "
+                "is a device tensor (reading it would synchronise the device)"
+            )
         self._handle = optimizer.register_step_pre_hook(self._pre_step)
 
     def open(self, state: StepState) -> None:

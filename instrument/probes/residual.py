@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,12 +29,23 @@ from .common import first_tensor, labels_of, recomputing
 from .layout import StructureState
 from .tokens import TokenField, token_quantiles
 
-__all__ = ["ROW_CHUNK_ELEMS", "ResidualStat", "block_hook", "branch_hook", "decode_gates",
-           "decode_residual", "finish_residual", "gate_hook", "gate_saturation",
-           "residual_token_values"]
+__all__ = [
+    "ROW_CHUNK_ELEMS",
+    "ResidualStat",
+    "block_hook",
+    "branch_hook",
+    "decode_gates",
+    "decode_residual",
+    "finish_residual",
+    "gate_hook",
+    "gate_saturation",
+    "residual_token_values",
+]
 
-TIER = tier_of(Residual.TOKENS, *(Residual.name(stat, field) for stat in Residual.STATS
-                                  for field in Residual.FIELDS))
+TIER = tier_of(
+    Residual.TOKENS,
+    *(Residual.name(stat, field) for stat in Residual.STATS for field in Residual.FIELDS),
+)
 GATE_TIER = tier_of(Residual.GATE_CLOSED, Residual.GATE_CHANNELS)
 ROW_CHUNK_ELEMS = 1 << 22
 """Elements per row block for [tokens, features] inputs; bounds float32 temporaries."""
@@ -51,15 +63,25 @@ class ResidualStat(enum.IntEnum):
 
 
 assert len(ResidualStat) == len(Residual.STATS)
-_FIELDS = (("sum", TokenField.SUM), ("p90", TokenField.P90), ("p99", TokenField.P99),
-           ("max", TokenField.MAX))
-_NAMES = [[(Residual.name(stat, field), column) for field, column in _FIELDS]
-          for stat in Residual.STATS]
+_FIELDS = (
+    ("sum", TokenField.SUM),
+    ("p90", TokenField.P90),
+    ("p99", TokenField.P99),
+    ("max", TokenField.MAX),
+)
+_NAMES = [
+    [(Residual.name(stat, field), column) for field, column in _FIELDS] for stat in Residual.STATS
+]
 
 
 # ------------------------------------------------------------------ device arithmetic
-def residual_token_values(stream: torch.Tensor, branch: torch.Tensor, *, eps: float = 1e-12,
-                          chunk_elems: int = ROW_CHUNK_ELEMS) -> torch.Tensor:
+def residual_token_values(
+    stream: torch.Tensor,
+    branch: torch.Tensor,
+    *,
+    eps: float = 1e-12,
+    chunk_elems: int = ROW_CHUNK_ELEMS,
+) -> torch.Tensor:
     """Per-token residual statistics, float32 [T, 6] in ``ResidualStat`` order (seeds §8).
 
     Measurement point: a block's residual add a = s + b, s [T, d] the incoming stream and
@@ -80,8 +102,10 @@ def residual_token_values(stream: torch.Tensor, branch: torch.Tensor, *, eps: fl
     d = stream.shape[-1]
     s_rows, b_rows = stream.detach().reshape(-1, d), branch.detach().reshape(-1, d)
     step = max(1, chunk_elems // max(d, 1))
-    blocks = [_residual_block(s_rows[i:i + step], b_rows[i:i + step], eps)
-              for i in range(0, s_rows.shape[0], step)]
+    blocks = [
+        _residual_block(s_rows[i : i + step], b_rows[i : i + step], eps)
+        for i in range(0, s_rows.shape[0], step)
+    ]
     if not blocks:
         return s_rows.new_zeros((0, len(ResidualStat)), dtype=torch.float32)
     return torch.cat(blocks)
@@ -101,8 +125,13 @@ def _residual_block(s_in: torch.Tensor, b_in: torch.Tensor, eps: float) -> torch
     return torch.stack([n_s, n_b, n_b / (n_s + eps), importance, angle, noop], dim=-1)
 
 
-def gate_saturation(gate: torch.Tensor, valid: torch.Tensor | None = None, *,
-                    temperature: float = 1.0, thresholds: Sequence[float]) -> torch.Tensor:
+def gate_saturation(
+    gate: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    thresholds: Sequence[float],
+) -> torch.Tensor:
     """Token blocks of F_gate(θ) = (1/d) Σ_j 1[σ(g_j/T) < θ], float64 [len(θ), 5] (§8, P1).
 
     Measurement point: the gate logits g of a gated branch, either one per channel ([d]:
@@ -140,9 +169,10 @@ def decode_gates(parts: Parts) -> list[Point]:
     for values, (layer, branch, d, thresholds) in parts:
         lab = ((Label.LAYER, layer), (Label.BRANCH, branch))
         out.append(Point(Residual.GATE_CHANNELS, float(d), labels_of(*lab)))
-        out += [Point(Residual.GATE_CLOSED, float(round(c)),
-                      labels_of(*lab, (Label.THETA, f"{t:g}")))
-                for t, c in zip(thresholds, values.tolist())]
+        out += [
+            Point(Residual.GATE_CLOSED, float(round(c)), labels_of(*lab, (Label.THETA, f"{t:g}")))
+            for t, c in zip(thresholds, values.tolist())
+        ]
     return out
 
 
@@ -161,8 +191,9 @@ def block_hook(state: StepState, ctx: StructureState, layer: int) -> Callable:
     return hook
 
 
-def branch_hook(state: StepState, ctx: StructureState, layer: int, branch: str, *,
-                keep: bool) -> Callable:
+def branch_hook(
+    state: StepState, ctx: StructureState, layer: int, branch: str, *, keep: bool
+) -> Callable:
     """Hook of one branch: per-token values against its incoming stream; ``keep`` passes
     s + b on as the next branch's stream (the feed-forward branch after attention)."""
 
@@ -183,19 +214,25 @@ def branch_hook(state: StepState, ctx: StructureState, layer: int, branch: str, 
     return hook
 
 
-def gate_hook(state: StepState, ctx: StructureState, gate: GatePoint,
-              thresholds: tuple[float, ...]) -> Callable:
+def gate_hook(
+    state: StepState, ctx: StructureState, gate: GatePoint, thresholds: tuple[float, ...]
+) -> Callable:
     """Saturation of one branch gate's channels, once per step."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not state.due[GATE_TIER] or recomputing() or id(module) in ctx.once:
             return None
         ctx.once.add(id(module))
-        block = gate_saturation(local(gate.logits), temperature=gate.temperature,
-                                thresholds=thresholds)
+        block = gate_saturation(
+            local(gate.logits), temperature=gate.temperature, thresholds=thresholds
+        )
         d = gate.logits.numel()
-        state.collector.add("structure.gates", block[:, TokenField.SUM] * d, decode_gates,
-                            (gate.layer, gate.branch, d, thresholds))
+        state.collector.add(
+            "structure.gates",
+            block[:, TokenField.SUM] * d,
+            decode_gates,
+            (gate.layer, gate.branch, d, thresholds),
+        )
         return None
 
     return hook

@@ -12,7 +12,8 @@ Statistics are per valid token: the step's ``micro_batch`` mask, else the model 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,28 +35,46 @@ from .residual import block_hook, branch_hook, finish_residual, gate_hook
 __all__ = ["StructureProbes", "attach_structure"]
 
 
-def attach_structure(state: StepState, model: nn.Module, registry: Registry,
-                     config: StructureConfig, *, logits_module: str,
-                     persistent: bool) -> "StructureProbes | None":
+def attach_structure(
+    state: StepState,
+    model: nn.Module,
+    registry: Registry,
+    config: StructureConfig,
+    *,
+    logits_module: str,
+    persistent: bool,
+) -> StructureProbes | None:
     """Discover ``model``'s structure points and hook them; None when the config is off or
     the model has no block, router, projector or MTP head to measure."""
     if not config.enabled:
         return None
     structure = discover(model, config, logits_module)
-    if not (structure.blocks or structure.routers or structure.projector is not None
-            or structure.mtp_heads):
+    if not (
+        structure.blocks
+        or structure.routers
+        or structure.projector is not None
+        or structure.mtp_heads
+    ):
         return None
-    return StructureProbes(state, model, structure, registry, config.gate_thresholds,
-                           persistent=persistent)
+    return StructureProbes(
+        state, model, structure, registry, config.gate_thresholds, persistent=persistent
+    )
 
 
 class StructureProbes:
     """Hooks and step-end work of the structure probes (see the module docstring); a probe
     set of the monitor (``step.ProbeSet``)."""
 
-    def __init__(self, state: StepState, model: nn.Module, structure: Structure,
-                 registry: Registry, thresholds: tuple[float, ...], *,
-                 persistent: bool) -> None:
+    def __init__(
+        self,
+        state: StepState,
+        model: nn.Module,
+        structure: Structure,
+        registry: Registry,
+        thresholds: tuple[float, ...],
+        *,
+        persistent: bool,
+    ) -> None:
         self.structure = structure
         self._state = state
         self._ctx = StructureState()
@@ -85,34 +104,60 @@ class StructureProbes:
                 add(s.embedding.register_forward_hook(embedding_hook(state, ctx)))
         sampled: list[tuple[Callable, Callable, dict]] = []
         for block in s.blocks:
-            sampled.append((block.module.register_forward_pre_hook,
-                            block_hook(state, ctx, block.layer), {"with_kwargs": True}))
+            sampled.append(
+                (
+                    block.module.register_forward_pre_hook,
+                    block_hook(state, ctx, block.layer),
+                    {"with_kwargs": True},
+                )
+            )
             if block.attn is not None:
-                sampled.append((block.attn.register_forward_hook, branch_hook(
-                    state, ctx, block.layer, "attn", keep=block.mlp is not None), {}))
+                sampled.append(
+                    (
+                        block.attn.register_forward_hook,
+                        branch_hook(state, ctx, block.layer, "attn", keep=block.mlp is not None),
+                        {},
+                    )
+                )
             if block.mlp is not None:
-                sampled.append((block.mlp.register_forward_hook,
-                                branch_hook(state, ctx, block.layer, "mlp", keep=False), {}))
+                sampled.append(
+                    (
+                        block.mlp.register_forward_hook,
+                        branch_hook(state, ctx, block.layer, "mlp", keep=False),
+                        {},
+                    )
+                )
         for gate in s.gates:  # a gate is a parameter: its owner reports it
             if id(gate.logits) not in self._owned:
                 continue
-            sampled.append((gate.module.register_forward_hook,
-                            gate_hook(state, ctx, gate, thresholds), {}))
+            sampled.append(
+                (gate.module.register_forward_hook, gate_hook(state, ctx, gate, thresholds), {})
+            )
         if s.bos_id is not None:
             for value in s.values:
-                sampled.append((value.module.register_forward_hook,
-                                value_hook(state, ctx, value, s.bos_id), {}))
+                sampled.append(
+                    (
+                        value.module.register_forward_hook,
+                        value_hook(state, ctx, value, s.bos_id),
+                        {},
+                    )
+                )
         for view in s.activations:
-            register = (view.module.register_forward_pre_hook if view.pre
-                        else view.module.register_forward_hook)
+            register = (
+                view.module.register_forward_pre_hook
+                if view.pre
+                else view.module.register_forward_hook
+            )
             sampled.append((register, activation_hook(state, ctx, view), {}))
         if s.mtp_heads and s.logits is not None:
             sampled.append((s.logits.register_forward_hook, main_logits_hook(state, ctx), {}))
             for depth, _, module in s.mtp_heads:
                 sampled.append((module.register_forward_hook, mtp_hook(state, ctx, depth), {}))
         self._sampled_hooks = sampled
-        self._every_step = ((COUNTS_TIER if s.routers else None),
-                            (TOKENS_TIER if s.projector is not None else None))
+        self._every_step = (
+            (COUNTS_TIER if s.routers else None),
+            (TOKENS_TIER if s.projector is not None else None),
+        )
         if self._persistent:
             self.handles += [register(hook, **kw) for register, hook, kw in sampled]
 

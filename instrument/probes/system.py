@@ -15,13 +15,12 @@ peak counters of the current device are reset when the monitor's step context op
 from __future__ import annotations
 
 import functools
-
 import logging
 import os
 import resource
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,16 +30,48 @@ from ..collect import Late
 from ..state import StepState
 from ..wire import Point
 
-__all__ = ["DeviceTelemetry", "HostTelemetry", "ProcFile", "SystemProbe",
-           "default_flops_per_token", "peak_memory_points", "peak_rss_points", "reset_peaks",
-           "statm_rss", "transformer_flops_per_token"]
+__all__ = [
+    "DeviceTelemetry",
+    "HostTelemetry",
+    "ProcFile",
+    "SystemProbe",
+    "default_flops_per_token",
+    "peak_memory_points",
+    "peak_rss_points",
+    "reset_peaks",
+    "statm_rss",
+    "transformer_flops_per_token",
+]
 
-TIER = tier_of(System.STEP_TIME, System.FLOPS, System.POSITIONS, Memory.PEAK_RSS,
-               Memory.PEAK_ALLOCATED, Memory.PEAK_RESERVED, Memory.ALLOCATED, Memory.RESERVED,
-               Guard.SKIPPED, Guard.REPLAYED, Guard.REPLAY_MISMATCH, Grad.CLIP_THRESHOLD)
-TELEMETRY_TIER = tier_of(Host.RSS, Host.CPU_PERCENT, Host.FAULTS_MINOR, Host.FAULTS_MAJOR,
-                         Host.INTERVAL, Host.CPU_PRESSURE, Net.RX, Net.TX, Device.UTILIZATION,
-                         Device.POWER, Device.TEMPERATURE, Device.CLOCK, Device.MEMORY_USED)
+TIER = tier_of(
+    System.STEP_TIME,
+    System.FLOPS,
+    System.POSITIONS,
+    Memory.PEAK_RSS,
+    Memory.PEAK_ALLOCATED,
+    Memory.PEAK_RESERVED,
+    Memory.ALLOCATED,
+    Memory.RESERVED,
+    Guard.SKIPPED,
+    Guard.REPLAYED,
+    Guard.REPLAY_MISMATCH,
+    Grad.CLIP_THRESHOLD,
+)
+TELEMETRY_TIER = tier_of(
+    Host.RSS,
+    Host.CPU_PERCENT,
+    Host.FAULTS_MINOR,
+    Host.FAULTS_MAJOR,
+    Host.INTERVAL,
+    Host.CPU_PRESSURE,
+    Net.RX,
+    Net.TX,
+    Device.UTILIZATION,
+    Device.POWER,
+    Device.TEMPERATURE,
+    Device.CLOCK,
+    Device.MEMORY_USED,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +108,12 @@ def peak_memory_points(device: torch.device | None) -> list[Point]:
     (host-side reads of the allocator's counters, no device synchronisation)."""
     if device is None:
         return []
-    return [Point(Memory.PEAK_ALLOCATED, float(torch.cuda.max_memory_allocated(device))),
-            Point(Memory.PEAK_RESERVED, float(torch.cuda.max_memory_reserved(device))),
-            Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
-            Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device)))]
+    return [
+        Point(Memory.PEAK_ALLOCATED, float(torch.cuda.max_memory_allocated(device))),
+        Point(Memory.PEAK_RESERVED, float(torch.cuda.max_memory_reserved(device))),
+        Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
+        Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device))),
+    ]
 
 
 def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
@@ -144,7 +177,7 @@ def psi_some_avg10(text: bytes) -> float | None:
     first = text.split(b"\n", 1)[0].split()
     for item in first[1:]:
         if item.startswith(b"avg10="):
-            return float(item[len(b"avg10="):])
+            return float(item[len(b"avg10=") :])
     return None
 
 
@@ -197,8 +230,11 @@ class HostTelemetry:
 
     def _rss(self) -> int:
         text = self._statm.read()
-        return (statm_rss(text, self._page_size) if text is not None
-                else self._process.memory_info().rss)
+        return (
+            statm_rss(text, self._page_size)
+            if text is not None
+            else self._process.memory_info().rss
+        )
 
     def sample(self, usage: resource.struct_rusage | None = None) -> list[Point]:
         """The counters since the previous sample; ``usage``: this moment's ``getrusage``,
@@ -222,8 +258,10 @@ class HostTelemetry:
             points.append(Point(Host.CPU_PRESSURE, pressure))
         if self._last_net is not None:
             rx, tx = self._net()
-            points += [Point(Net.RX, float(rx - self._last_net[0])),
-                       Point(Net.TX, float(tx - self._last_net[1]))]
+            points += [
+                Point(Net.RX, float(rx - self._last_net[0])),
+                Point(Net.TX, float(tx - self._last_net[1])),
+            ]
             self._last_net = (rx, tx)
         self._last_time, self._last_usage = now, usage
         return points
@@ -274,8 +312,15 @@ class SystemProbe:
     samplers run on the emitter thread. The CUDA peak counters are reset when the step
     opens, so memory.peak_* covers exactly one step."""
 
-    def __init__(self, *, device: torch.device | None, flops_per_token: float,
-                 clip_threshold: float | None, telemetry: bool, read_network: bool) -> None:
+    def __init__(
+        self,
+        *,
+        device: torch.device | None,
+        flops_per_token: float,
+        clip_threshold: float | None,
+        telemetry: bool,
+        read_network: bool,
+    ) -> None:
         self._device = device
         self._flops_per_token = flops_per_token
         self._clip_threshold = clip_threshold
@@ -286,8 +331,9 @@ class SystemProbe:
         if state.due[TIER]:
             reset_peaks(self._device)
 
-    def _late_points(self, step: tuple[float, int, list[int]] | None,
-                     host: HostTelemetry | None) -> list[Point]:
+    def _late_points(
+        self, step: tuple[float, int, list[int]] | None, host: HostTelemetry | None
+    ) -> list[Point]:
         """On the emitter thread: the step's bookkeeping from its numbers (elapsed, positions,
         guard counters; None when the tier is not due), memory.peak_rss and host telemetry."""
         out = [] if step is None else self._step_points(*step)
@@ -297,17 +343,23 @@ class SystemProbe:
         """The step's bookkeeping as points, made on the emitter thread from its numbers."""
         out = [Point(System.STEP_TIME, elapsed_s)]
         if positions:
-            out += [Point(System.POSITIONS, float(positions)),
-                    Point(System.FLOPS, self._flops_per_token * positions)]
+            out += [
+                Point(System.POSITIONS, float(positions)),
+                Point(System.FLOPS, self._flops_per_token * positions),
+            ]
         skipped, replayed, mismatch = guard
-        out += [Point(Guard.SKIPPED, skipped), Point(Guard.REPLAYED, replayed),
-                Point(Guard.REPLAY_MISMATCH, mismatch)]
+        out += [
+            Point(Guard.SKIPPED, skipped),
+            Point(Guard.REPLAYED, replayed),
+            Point(Guard.REPLAY_MISMATCH, mismatch),
+        ]
         if self._clip_threshold is not None:
             out.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
         return out
 
-    def close(self, state: StepState, elapsed_s: float, points: list[Point],
-              late: list[Late]) -> None:
+    def close(
+        self, state: StepState, elapsed_s: float, points: list[Point], late: list[Late]
+    ) -> None:
         host = self._host if state.due[TELEMETRY_TIER] else None
         step = None
         if state.due[TIER]:

@@ -20,13 +20,13 @@ forwards that could not take a backward hook decides which.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..batchscan import (SMALL_ELEMS, GroupPlan, GroupScan, gather_groups, plan_groups,
-                         scan_many)
+from ..batchscan import SMALL_ELEMS, GroupPlan, GroupScan, gather_groups, plan_groups, scan_many
 from ..catalog import Label, Tensor, Tier, tier_of
 from ..collect import host_values
 from ..parallel import local
@@ -36,22 +36,35 @@ from ..state import Entry, StepState
 from ..wire import Labels, Point
 from .common import F64, first_tensor, recomputing
 
-__all__ = ["TensorProbe", "adamw_chain", "masked_scan", "scale_scan", "scan_points",
-           "split_parts"]
+__all__ = ["TensorProbe", "adamw_chain", "masked_scan", "scale_scan", "scan_points", "split_parts"]
 
 TIER = tier_of(*Tensor.ALL[:7])
 MOMENTS_TIER = tier_of(Tensor.SUM3, Tensor.SUM4)
-_FIELDS = {ScanFields.N: Tensor.N, ScanFields.SUM: Tensor.SUM, ScanFields.SUM_SQ: Tensor.SUM_SQ,
-           ScanFields.SUM_ABS: Tensor.ABS_SUM, ScanFields.ABS_MAX: Tensor.ABS_MAX,
-           ScanFields.ZEROS: Tensor.ZEROS, ScanFields.NONFINITE: Tensor.NONFINITE,
-           ScanFields.SUM_CUBE: Tensor.SUM3, ScanFields.SUM_QUAD: Tensor.SUM4}
+_FIELDS = {
+    ScanFields.N: Tensor.N,
+    ScanFields.SUM: Tensor.SUM,
+    ScanFields.SUM_SQ: Tensor.SUM_SQ,
+    ScanFields.SUM_ABS: Tensor.ABS_SUM,
+    ScanFields.ABS_MAX: Tensor.ABS_MAX,
+    ScanFields.ZEROS: Tensor.ZEROS,
+    ScanFields.NONFINITE: Tensor.NONFINITE,
+    ScanFields.SUM_CUBE: Tensor.SUM3,
+    ScanFields.SUM_QUAD: Tensor.SUM4,
+}
 SCAN_NAMES: tuple[str, ...] = tuple(_FIELDS[f] for f in sorted(ScanFields))
 """The tensor.* name of each scan-vector field, in the vector's order."""
 
 
 # ------------------------------------------------------------------ device arithmetic
-def masked_scan(x: torch.Tensor, mask: torch.Tensor | None, mask_count: torch.Tensor | None,
-                *, moments: bool, chunk_elems: int | None, fused: bool = False) -> torch.Tensor:
+def masked_scan(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    mask_count: torch.Tensor | None,
+    *,
+    moments: bool,
+    chunk_elems: int | None,
+    fused: bool = False,
+) -> torch.Tensor:
     """Scan vector of ``x``; of its valid positions when its leading dims are the mask's.
 
     Padded positions are replaced by exact zeros before the scan, then N becomes
@@ -65,8 +78,12 @@ def masked_scan(x: torch.Tensor, mask: torch.Tensor | None, mask_count: torch.Te
             return fused_scan(t)
         return scan(t, moments=moments, chunk_elems=chunk_elems)
 
-    if (mask is None or x.dim() < mask.dim() or tuple(x.shape[: mask.dim()]) != tuple(mask.shape)
-            or x.numel() == 0):
+    if (
+        mask is None
+        or x.dim() < mask.dim()
+        or tuple(x.shape[: mask.dim()]) != tuple(mask.shape)
+        or x.numel() == 0
+    ):
         return scanned(x)
     features = x.numel() // mask.numel()
     shaped = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
@@ -81,8 +98,11 @@ def scale_scan(vec: torch.Tensor, inv_scale: torch.Tensor | float) -> torch.Tens
     """The scan vector(s) of ``x·inv_scale`` from those of ``x`` (loss-scale removal)."""
     powers = [1.0, 1.0, 2.0, 1.0, 1.0, 0.0, 0.0, 3.0, 4.0][: vec.shape[-1]]
     exps = host_values(powers, vec.device, F64)
-    factor = (inv_scale.to(F64) if isinstance(inv_scale, torch.Tensor)
-              else torch.full((), float(inv_scale), dtype=F64, device=vec.device))
+    factor = (
+        inv_scale.to(F64)
+        if isinstance(inv_scale, torch.Tensor)
+        else torch.full((), float(inv_scale), dtype=F64, device=vec.device)
+    )
     multiplier = factor.pow(exps)
     multiplier[ScanFields.N] = 1.0
     return vec * multiplier
@@ -95,8 +115,9 @@ def split_parts(x: torch.Tensor, n_parts: int, dim: int) -> tuple[torch.Tensor, 
     return torch.chunk(x, n_parts, dim=dim)
 
 
-def adamw_chain(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def adamw_chain(
+    param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """AdamW's normalized gradient and preconditioned direction after its step (001 §6, P2).
 
     With the post-step moments m_t, v_t and bias corrections b1 = 1 − β1^t, b2 = 1 − β2^t:
@@ -125,8 +146,7 @@ def adamw_chain(param: torch.Tensor, grad: torch.Tensor, state: dict, group: dic
     return normalized, direction
 
 
-def part_names(names: tuple[str, ...], x: torch.Tensor, dim: int
-               ) -> list[tuple[str, torch.Tensor]]:
+def part_names(names: tuple[str, ...], x: torch.Tensor, dim: int) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the whole, or of each fused part along ``dim`` (``names`` = the
     whole's name, then the part names)."""
     pieces = split_parts(x, len(names) - 1, dim) if len(names) > 2 else None
@@ -141,8 +161,9 @@ def scan_points(values: Sequence[float], labels: Labels) -> list[Point]:
     return [Point(name, v, labels) for name, v in zip(SCAN_NAMES, values)]
 
 
-def _combined(blocks: list[tuple[list[tuple[str, str]], torch.Tensor]]
-              ) -> tuple[torch.Tensor, list[Labels], int]:
+def _combined(
+    blocks: list[tuple[list[tuple[str, str]], torch.Tensor]],
+) -> tuple[torch.Tensor, list[Labels], int]:
     """One row per distinct (tensor, kind): rows of the same key combine (sums add,
     ABS_MAX takes the maximum) in one segment reduction; flattened."""
     slots: dict[tuple[str, str], int] = {}
@@ -159,8 +180,8 @@ def _combined(blocks: list[tuple[list[tuple[str, str]], torch.Tensor]]
     out = torch.zeros(len(slots), width, dtype=stacked.dtype, device=stacked.device)
     out.index_add_(0, at, stacked)
     out[:, ScanFields.ABS_MAX] = torch.zeros(
-        len(slots), dtype=stacked.dtype, device=stacked.device).scatter_reduce_(
-        0, at, stacked[:, ScanFields.ABS_MAX], "amax", include_self=True)
+        len(slots), dtype=stacked.dtype, device=stacked.device
+    ).scatter_reduce_(0, at, stacked[:, ScanFields.ABS_MAX], "amax", include_self=True)
     return out.reshape(-1), labels, width
 
 
@@ -169,7 +190,7 @@ def _decode_scans(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     values = values.tolist()
     out: list[Point] = []
     for i, lab in enumerate(labels):
-        out += scan_points(values[i * width:(i + 1) * width], lab)
+        out += scan_points(values[i * width : (i + 1) * width], lab)
     return out
 
 
@@ -178,19 +199,29 @@ class TensorProbe:
     """The tensor scans of one rank: module hooks (fwd/bwd), optimizer hooks (param, update,
     and on demand the AdamW chain), and the step-end batch scan."""
 
-    def __init__(self, state: StepState, registry: Registry, *, chunk_elems: int | None,
-                 mask_activations: bool, update_ratio: bool, persistent_hooks: bool,
-                 fused: bool = False) -> None:
+    def __init__(
+        self,
+        state: StepState,
+        registry: Registry,
+        *,
+        chunk_elems: int | None,
+        mask_activations: bool,
+        update_ratio: bool,
+        persistent_hooks: bool,
+        fused: bool = False,
+    ) -> None:
         self._state = state
         self._chunk = chunk_elems
         self._fused = fused  # large activations and gradient groups: the compiled one-pass scan
         self._mask_activations = mask_activations
         self._update_ratio = update_ratio
         self._persistent = persistent_hooks
-        self._module_hooks = [(obs.module, self._forward_hook(obs))
-                              for obs in registry.modules if obs.report]
-        self._names = {id(i.param): (i.name, *(f"{i.name}.{p}" for p in i.parts))
-                       for i in registry.params}
+        self._module_hooks = [
+            (obs.module, self._forward_hook(obs)) for obs in registry.modules if obs.report
+        ]
+        self._names = {
+            id(i.param): (i.name, *(f"{i.name}.{p}" for p in i.parts)) for i in registry.params
+        }
         self.handles: list[Any] = []
         self._armed: list[Any] = []
         if persistent_hooks:
@@ -223,29 +254,54 @@ class TensorProbe:
         self.handles, self._armed = [], []
 
     # -- observations -----------------------------------------------------------------
-    def observe(self, state: StepState, names: tuple[str, ...], kind: str, x: torch.Tensor,
-                mask: torch.Tensor | None) -> None:
+    def observe(
+        self,
+        state: StepState,
+        names: tuple[str, ...],
+        kind: str,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> None:
         """An activation (fwd) or its gradient (bwd): deferred when small, else scanned now."""
         x = x.detach()
-        fits = (mask is not None and x.dim() >= mask.dim()
-                and tuple(x.shape[:mask.dim()]) == tuple(mask.shape) and x.numel() > 0)
+        fits = (
+            mask is not None
+            and x.dim() >= mask.dim()
+            and tuple(x.shape[: mask.dim()]) == tuple(mask.shape)
+            and x.numel() > 0
+        )
         if fits:
             shaped = mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
         for name, part in part_names(names, x, -1):
             if part.numel() > SMALL_ELEMS:
-                vec = masked_scan(part, mask if fits else None,
-                                  state.mask_count(mask) if fits else None,
-                                  moments=state.due[MOMENTS_TIER], chunk_elems=self._chunk,
-                                  fused=self._fused)
+                vec = masked_scan(
+                    part,
+                    mask if fits else None,
+                    state.mask_count(mask) if fits else None,
+                    moments=state.due[MOMENTS_TIER],
+                    chunk_elems=self._chunk,
+                    fused=self._fused,
+                )
                 state.scan_rows.append(([(name, kind)], vec.unsqueeze(0)))
             elif fits:
-                state.entries.append(Entry(name, kind, torch.where(shaped, part, 0),
-                                           (state.mask_count(mask), mask.numel())))
+                state.entries.append(
+                    Entry(
+                        name,
+                        kind,
+                        torch.where(shaped, part, 0),
+                        (state.mask_count(mask), mask.numel()),
+                    )
+                )
             else:
                 state.entries.append(Entry(name, kind, part.clone()))
 
-    def parameter_entries(self, kind: str, tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                          emit: bool = True, group: int | None = None) -> list[Entry]:
+    def parameter_entries(
+        self,
+        kind: str,
+        tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        emit: bool = True,
+        group: int | None = None,
+    ) -> list[Entry]:
         """Entries of parameter-side tensors ``(param, tensor)``, fused parts along dim 0."""
         out = []
         for param, tensor in tensors:
@@ -253,19 +309,22 @@ class TensorProbe:
                 out.append(Entry(name, kind, part, None, emit, group))
         return out
 
-    def scan_entries(self, state: StepState, entries: Sequence[Entry],
-                     inv_scale: Any = None) -> torch.Tensor | None:
+    def scan_entries(
+        self, state: StepState, entries: Sequence[Entry], inv_scale: Any = None
+    ) -> torch.Tensor | None:
         """Scan ``entries`` together; add the emitted rows to the step; return all rows."""
         if not entries:
             return None
-        rows = scan_many([e.tensor for e in entries], moments=state.due[MOMENTS_TIER],
-                         chunk_elems=self._chunk)
+        rows = scan_many(
+            [e.tensor for e in entries], moments=state.due[MOMENTS_TIER], chunk_elems=self._chunk
+        )
         corrected = [(i, e.correction) for i, e in enumerate(entries) if e.correction is not None]
         if corrected:
             index = host_values([i for i, _ in corrected], rows.device)
             counts = torch.stack([c for _, (c, _) in corrected]).to(device=rows.device, dtype=F64)
-            features = host_values([entries[i].tensor.numel() / m for i, (_, m) in corrected],
-                                   rows.device, F64)
+            features = host_values(
+                [entries[i].tensor.numel() / m for i, (_, m) in corrected], rows.device, F64
+            )
             padded = host_values([float(m) for _, (_, m) in corrected], rows.device, F64) - counts
             rows[index, ScanFields.N] = counts * features
             rows[index, ScanFields.ZEROS] -= padded * features
@@ -274,20 +333,32 @@ class TensorProbe:
         emitted = [i for i, e in enumerate(entries) if e.emit]
         if emitted:
             keys = [(entries[i].name, entries[i].kind) for i in emitted]
-            state.scan_rows.append((keys, rows if len(emitted) == len(entries)
-                                    else rows[host_values(emitted, rows.device)]))
+            state.scan_rows.append(
+                (
+                    keys,
+                    rows
+                    if len(emitted) == len(entries)
+                    else rows[host_values(emitted, rows.device)],
+                )
+            )
         return rows
 
     def plan_groups(self, tensors: Sequence[torch.Tensor], groups: Sequence[int]) -> GroupPlan:
         """``batchscan.plan_groups`` in this probe's chunk size."""
         return plan_groups(tensors, groups, self._chunk)
 
-    def gather_groups(self, state: StepState, tensors: Sequence[torch.Tensor],
-                      plan: GroupPlan) -> GroupScan:
+    def gather_groups(
+        self, state: StepState, tensors: Sequence[torch.Tensor], plan: GroupPlan
+    ) -> GroupScan:
         """Rows to combine per group, half done (``batchscan.gather_groups``): the large
         tensors scanned, the small ones copied; nothing emitted per tensor."""
-        return gather_groups(tensors, plan, moments=state.due[MOMENTS_TIER],
-                             chunk_elems=self._chunk, fused=self._fused)
+        return gather_groups(
+            tensors,
+            plan,
+            moments=state.due[MOMENTS_TIER],
+            chunk_elems=self._chunk,
+            fused=self._fused,
+        )
 
     # -- hooks --------------------------------------------------------------------------
     def _forward_hook(self, obs: ObservedModule) -> Callable:
@@ -301,6 +372,7 @@ class TensorProbe:
             def on_grad(grad: torch.Tensor) -> None:
                 if state.due[TIER]:
                     self.observe(state, names, "bwd", grad, mask)
+
             return on_grad
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -325,8 +397,9 @@ class TensorProbe:
 
         return hook
 
-    def optimizer_hooks(self, params: list[ParamInfo], optimizer: torch.optim.Optimizer
-                        ) -> tuple[Callable, Callable]:
+    def optimizer_hooks(
+        self, params: list[ParamInfo], optimizer: torch.optim.Optimizer
+    ) -> tuple[Callable, Callable]:
         """Pre/post step hooks: kind=param before the step, kind=update (Δw) after it, and on
         steps where forensics are due too the AdamW chain (opt_grad, opt_normalized,
         opt_direction)."""
@@ -339,8 +412,11 @@ class TensorProbe:
             if not state.due[TIER]:
                 return None
             snapshots.clear()
-            before = [(info.param, local(info.param).detach().clone()) for info in params
-                      if info.param.grad is not None]  # the copy serves kind=param and Δw
+            before = [
+                (info.param, local(info.param).detach().clone())
+                for info in params
+                if info.param.grad is not None
+            ]  # the copy serves kind=param and Δw
             state.entries += self.parameter_entries("param", before)
             if self._update_ratio:
                 snapshots.extend(before)
@@ -354,8 +430,11 @@ class TensorProbe:
             state.entries += self.parameter_entries("update", updates)
             if not state.due[Tier.DEMAND]:
                 return None
-            chain: list[tuple[str, list]] = [("opt_grad", []), ("opt_normalized", []),
-                                             ("opt_direction", [])]
+            chain: list[tuple[str, list]] = [
+                ("opt_grad", []),
+                ("opt_normalized", []),
+                ("opt_direction", []),
+            ]
             for info in params:
                 p = info.param
                 if p.grad is None:
@@ -363,8 +442,10 @@ class TensorProbe:
                 grad = local(p.grad).detach()
                 chain[0][1].append((p, grad.clone()))
                 if adam:
-                    moments = {k: local(v) if isinstance(v, torch.Tensor) else v
-                               for k, v in opt.state.get(p, {}).items()}
+                    moments = {
+                        k: local(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in opt.state.get(p, {}).items()
+                    }
                     parts = adamw_chain(p, grad, moments, group_of[id(p)])
                     if parts is not None:
                         chain[1][1].append((p, parts[0]))

@@ -22,8 +22,9 @@ class TokenField(enum.IntEnum):
     COUNT, SUM, P90, P99, MAX = range(5)
 
 
-def token_quantiles(values: torch.Tensor, valid: torch.Tensor, *,
-                    method: str = "linear") -> torch.Tensor:
+def token_quantiles(
+    values: torch.Tensor, valid: torch.Tensor, *, method: str = "linear"
+) -> torch.Tensor:
     """Token block(s) of per-token ``values`` [T] or [T, C] over tokens with ``valid`` [T].
 
     Returns float64 [5] (or [C, 5]) in ``TokenField`` order. The q-quantile interpolates
@@ -54,8 +55,9 @@ def token_quantiles(values: torch.Tensor, valid: torch.Tensor, *,
     return block[0] if values.dim() == 1 else block
 
 
-def _sorted_quantile(ordered: torch.Tensor, last: torch.Tensor, q: float,
-                     higher: bool = False) -> torch.Tensor:
+def _sorted_quantile(
+    ordered: torch.Tensor, last: torch.Tensor, q: float, higher: bool = False
+) -> torch.Tensor:
     position = last.to(torch.float64) * q
     low = position.floor()
     frac = position - low

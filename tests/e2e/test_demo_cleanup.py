@@ -21,11 +21,25 @@ pytestmark = pytest.mark.integration
 def _demo(work: Path, steps: int, sigint_ignored: bool = False) -> subprocess.Popen:
     """``sigint_ignored``: started as a shell script's background job is (SIGINT ignored)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "probewire.deploy.cli", "demo", "--steps", str(steps),
-         "--store", str(work / "store"), "--work-dir", str(work / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
-        else None)
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "demo",
+            "--steps",
+            str(steps),
+            "--store",
+            str(work / "store"),
+            "--work-dir",
+            str(work / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if sigint_ignored
+        else None,
+    )
 
 
 def _started(work: Path) -> list[dict]:
@@ -74,7 +88,7 @@ def test_success_prints_the_table_and_stops_everything(scratch_dir: Path) -> Non
     # the result: status, pages and the next commands with the run id and store filled in
     store = scratch_dir / "store"
     assert ": finished, 20 steps stored" in out and "next:" in out
-    assert f"probewire report --run demo-" in out and f"--store {store}" in out
+    assert "probewire report --run demo-" in out and f"--store {store}" in out
     _assert_clean(_started(scratch_dir))
 
 

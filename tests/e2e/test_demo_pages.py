@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 DB = "probewire"
 WINDOW = 50
-HALO, EVERY_K, EDGE = 10, 1000, 5   # retention: a short halo, so each one is visible
+HALO, EVERY_K, EDGE = 10, 1000, 5  # retention: a short halo, so each one is visible
 HEAVY = ["--batch-size", "16", "--micro-batches", "4"]
 RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
     "two-cospikes": (2, 170, ["poisoned-batch@120:repeat_after=30"], [], 0),
@@ -41,25 +41,45 @@ RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("pages")
-    with Gallery(base, window=WINDOW, database=DB, bootstrap=os.environ.get("KAFKA_BOOTSTRAP"),
-                 # idle 20 s: a run's final steps are released while the next runs train
-                 # (at the default 120 s, on a fast host the later runs end sooner)
-                 stage2={"retention_halo": HALO, "retention_every_k": EVERY_K,
-                         "warmup_steps": EDGE, "final_steps": EDGE, "run_idle_s": 20.0}) as g:
+    with Gallery(
+        base,
+        window=WINDOW,
+        database=DB,
+        bootstrap=os.environ.get("KAFKA_BOOTSTRAP"),
+        # idle 20 s: a run's final steps are released while the next runs train
+        # (at the default 120 s, on a fast host the later runs end sooner)
+        stage2={
+            "retention_halo": HALO,
+            "retention_every_k": EVERY_K,
+            "warmup_steps": EDGE,
+            "final_steps": EDGE,
+            "run_idle_s": 20.0,
+        },
+    ) as g:
         for run_id, (ranks, steps, faults, extra, burner) in RUNS.items():
-            result = g.run(run_id, ranks=ranks, steps=steps, burner=burner,
-                           train_args=demo_train_args(faults) + extra)
+            result = g.run(
+                run_id,
+                ranks=ranks,
+                steps=steps,
+                burner=burner,
+                train_args=demo_train_args(faults) + extra,
+            )
             assert result.steps_written == steps, run_id
-    return read_gallery(g.store, {
-        "alerts": f"SELECT run_id, step, signal, culprit, value, baseline, z, message FROM "
-                  f"{DB}.alerts FINAL ORDER BY run_id, step, signal",
-        "anomalies": f"SELECT run_id, step, signal, kind, culprit, value, z FROM "
-                     f"{DB}.anomalies FINAL ORDER BY run_id, step, signal",
-        "retained": f"SELECT run_id, groupUniqArray(step) AS steps FROM {DB}.rank_metrics "
-                    f"FINAL GROUP BY run_id",
-        "steps": f"SELECT run_id, step, loss, loss_worst_rank, cospike_count, straggler_rank "
-                 f"FROM {DB}.step_metrics FINAL ORDER BY run_id, step",
-    }, [], DB)
+    return read_gallery(
+        g.store,
+        {
+            "alerts": f"SELECT run_id, step, signal, culprit, value, baseline, z, message FROM "
+            f"{DB}.alerts FINAL ORDER BY run_id, step, signal",
+            "anomalies": f"SELECT run_id, step, signal, kind, culprit, value, z FROM "
+            f"{DB}.anomalies FINAL ORDER BY run_id, step, signal",
+            "retained": f"SELECT run_id, groupUniqArray(step) AS steps FROM {DB}.rank_metrics "
+            f"FINAL GROUP BY run_id",
+            "steps": f"SELECT run_id, step, loss, loss_worst_rank, cospike_count, straggler_rank "
+            f"FROM {DB}.step_metrics FINAL ORDER BY run_id, step",
+        },
+        [],
+        DB,
+    )
 
 
 def rows(pages, table: str, run_id: str) -> list[dict]:
@@ -81,8 +101,14 @@ def test_two_cospikes_in_one_episode_are_two_anomalies_both_retained_with_their_
     assert steps[149]["cospike_count"] == 1 and steps[150]["cospike_count"] == 2
     (retained,) = rows(pages, "retained", "two-cospikes")
     kept = set(retained["steps"])
-    expected = retained_steps(170, {a["step"] for a in anomalies}, k=EVERY_K, halo=HALO,
-                              warmup_steps=EDGE, final_steps=EDGE)
+    expected = retained_steps(
+        170,
+        {a["step"] for a in anomalies},
+        k=EVERY_K,
+        halo=HALO,
+        warmup_steps=EDGE,
+        final_steps=EDGE,
+    )
     assert kept == expected
     for s in (120, 150):
         assert set(range(s - HALO, s + HALO + 1)) <= kept
@@ -98,16 +124,20 @@ def test_an_easy_batch_on_one_rank_pages_nobody(pages):
     steps = {r["step"]: r for r in rows(pages, "steps", "easy-batch")}
     gap = {s: r["loss_worst_rank"] / r["loss"] for s, r in steps.items()}
     assert gap[120] > 1.15 * max(gap[s] for s in range(70, 120))
-    gaps = [(a["step"], a["kind"], a["culprit"]) for a in rows(pages, "anomalies", "easy-batch")
-            if a["signal"] == "loss_worst_rank"]
+    gaps = [
+        (a["step"], a["kind"], a["culprit"])
+        for a in rows(pages, "anomalies", "easy-batch")
+        if a["signal"] == "loss_worst_rank"
+    ]
     assert (120, "gap", "rank 1") in gaps and all(kind == "gap" for _, kind, _ in gaps)
 
 
 def test_a_ddp_rank_slowed_by_half_its_step_pages_step_time_naming_it(pages):
     alerts = rows(pages, "alerts", "ddp-straggler")
     print("ddp-straggler pages:", [(a["step"], a["message"]) for a in alerts])
-    assert alerts and {(a["signal"], a["culprit"]) for a in alerts} == {("step_time", "rank 1")}, \
+    assert alerts and {(a["signal"], a["culprit"]) for a in alerts} == {("step_time", "rank 1")}, (
         seen(alerts)
+    )
     assert all(150 < a["step"] < 270 for a in alerts), seen(alerts)
     steps = {r["step"]: r["straggler_rank"] for r in rows(pages, "steps", "ddp-straggler")}
     slow = [steps[s] for s in range(150, 270)]

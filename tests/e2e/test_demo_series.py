@@ -23,29 +23,73 @@ STEPS = 60
 
 
 def _sql(store: Path, query: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "probewire.deploy.cli", "sql", "--store",
-                          str(store), "--format", "json", query],
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "sql",
+            "--store",
+            str(store),
+            "--format",
+            "json",
+            query,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout)
 
 
 def test_the_full_demo_stores_every_formed_series_at_its_cadence(scratch_dir: Path) -> None:
     store = scratch_dir / "store"
     demo = subprocess.run(
-        [sys.executable, "-m", "probewire.deploy.cli", "demo", "--preset", "full", "--steps",
-         str(STEPS), "--store", str(store), "--work-dir", str(scratch_dir / "run")],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "demo",
+            "--preset",
+            "full",
+            "--steps",
+            str(STEPS),
+            "--store",
+            str(store),
+            "--work-dir",
+            str(scratch_dir / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert demo.returncode == 0, demo.stderr[-2000:]
-    scan_every = _parse(["--rank", "0", "--world-size", "1", "--master-port", "1", "--run-id",
-                         "r", "--steps", "1", "--bootstrap", "b"]).p1_every
+    scan_every = _parse(
+        [
+            "--rank",
+            "0",
+            "--world-size",
+            "1",
+            "--master-port",
+            "1",
+            "--run-id",
+            "r",
+            "--steps",
+            "1",
+            "--bootstrap",
+            "b",
+        ]
+    ).p1_every
     due = {Tier.STEP: set(range(STEPS)), Tier.SCAN: set(range(0, STEPS, scan_every))}
     missing = {}
     for table in sorted({s.table for s in FORMED}):
         series = [s for s in FORMED if s.table == table]
-        columns = ", ".join(f"countIf({s.column} IS NOT NULL) > 0 AS `{s.column}`"
-                            for s in series)
-        rows = _sql(store, f"SELECT step, {columns} FROM probewire.{table} FINAL "
-                           f"GROUP BY step ORDER BY step")
+        columns = ", ".join(f"countIf({s.column} IS NOT NULL) > 0 AS `{s.column}`" for s in series)
+        rows = _sql(
+            store,
+            f"SELECT step, {columns} FROM probewire.{table} FINAL GROUP BY step ORDER BY step",
+        )
         present = {s.column: {r["step"] for r in rows if r[s.column]} for s in series}
         for s in series:
             lacking = sorted(due[s.tier] - present[s.column])

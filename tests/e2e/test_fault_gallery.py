@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 FAULT_STEP = 120
 STEPS = 150
 HEALTHY_STEPS = 800
-WINDOW = 50          # detector window: short runs, the detectors are warm by FAULT_STEP
+WINDOW = 50  # detector window: short runs, the detectors are warm by FAULT_STEP
 DB = "probewire"
 HEALTHY = "healthy"
 # the straggler sleeps 1 s a slow step, not its default 3 s: its own-time ratio is ~20
@@ -40,8 +40,13 @@ def _text(name: str) -> str:
 
 
 def _traces(trace: Path) -> dict[int, dict[int, dict]]:
-    return {rank: {rec["step"]: rec for rec in map(
-        json.loads, (trace / f"rank{rank}.jsonl").read_text().splitlines())} for rank in (0, 1)}
+    return {
+        rank: {
+            rec["step"]: rec
+            for rec in map(json.loads, (trace / f"rank{rank}.jsonl").read_text().splitlines())
+        }
+        for rank in (0, 1)
+    }
 
 
 def _needed(session: pytest.Session) -> list[str]:
@@ -63,8 +68,9 @@ def gallery(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     every run the selected tests need, trained through one stack and read in one process."""
     base = tmp_path_factory.mktemp("gallery")
     names = _needed(request.session)
-    with Gallery(base, window=WINDOW, database=DB,
-                 bootstrap=os.environ.get("KAFKA_BOOTSTRAP")) as g:
+    with Gallery(
+        base, window=WINDOW, database=DB, bootstrap=os.environ.get("KAFKA_BOOTSTRAP")
+    ) as g:
         for name in names:
             if name == HEALTHY:
                 result = g.run(HEALTHY, steps=HEALTHY_STEPS, timeout_s=1800)
@@ -72,24 +78,39 @@ def gallery(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             else:
                 fault = parse_fault(_text(name))
                 steps = FAULT_STEP + fault.duration if isinstance(fault, Straggler) else STEPS
-                result = g.run(name, steps=steps, trace=base / name / "trace",
-                               train_args=demo_train_args([_text(name)]))
+                result = g.run(
+                    name,
+                    steps=steps,
+                    trace=base / name / "trace",
+                    train_args=demo_train_args([_text(name)]),
+                )
             assert result.steps_written == steps, name
     explains = [Explain(n, FAULTS[n].signal, FAULT_STEP, WINDOW) for n in names if n in FAULTS]
-    read = read_gallery(g.store, {
-        "alerts": f"SELECT run_id, step, signal, culprit, value, baseline, z, message FROM "
-                  f"{DB}.alerts FINAL ORDER BY run_id, step, signal",
-        "straggler": f"SELECT run_id, step, straggler_rank FROM {DB}.step_metrics FINAL "
-                     f"WHERE run_id = '{Straggler.name}' ORDER BY step"}, explains, DB)
+    read = read_gallery(
+        g.store,
+        {
+            "alerts": f"SELECT run_id, step, signal, culprit, value, baseline, z, message FROM "
+            f"{DB}.alerts FINAL ORDER BY run_id, step, signal",
+            "straggler": f"SELECT run_id, step, straggler_rank FROM {DB}.step_metrics FINAL "
+            f"WHERE run_id = '{Straggler.name}' ORDER BY step",
+        },
+        explains,
+        DB,
+    )
     out = {}
     for name in names:
         alerts = [a for a in read["sql"]["alerts"] if a["run_id"] == name]
-        straggler = {r["step"]: r["straggler_rank"] for r in read["sql"]["straggler"]
-                     if r["run_id"] == name}
+        straggler = {
+            r["step"]: r["straggler_rank"] for r in read["sql"]["straggler"] if r["run_id"] == name
+        }
         trace = base / name / "trace"
-        out[name] = (FAULTS.get(name) and parse_fault(_text(name)), alerts,
-                     straggler, read["explain"].get(name),
-                     _traces(trace) if trace.exists() else None)
+        out[name] = (
+            FAULTS.get(name) and parse_fault(_text(name)),
+            alerts,
+            straggler,
+            read["explain"].get(name),
+            _traces(trace) if trace.exists() else None,
+        )
     return out
 
 
@@ -100,25 +121,31 @@ def _check_pages(name: str, fault, alerts: list[dict], check_culprit: bool = Tru
     pages = [a for a in alerts if a["signal"] == fault.signal]
     assert pages, f"{name}: no {fault.signal} alert; alerts: {seen}"
     first = pages[0]["step"]
-    assert FAULT_STEP <= first <= FAULT_STEP + fault.within, \
-        f"{name}: {fault.signal} paged at step {first}, expected {FAULT_STEP}" \
+    assert FAULT_STEP <= first <= FAULT_STEP + fault.within, (
+        f"{name}: {fault.signal} paged at step {first}, expected {FAULT_STEP}"
         f"{f'..{FAULT_STEP + fault.within}' if fault.within else ''}; alerts: {seen}"
+    )
     allowed = {fault.signal, *fault.also_pages}
-    assert all(a["signal"] in allowed and FAULT_STEP <= a["step"] <= FAULT_STEP + fault.within
-               for a in alerts), f"{name}: unrelated P0 alerts: {seen}"
+    assert all(
+        a["signal"] in allowed and FAULT_STEP <= a["step"] <= FAULT_STEP + fault.within
+        for a in alerts
+    ), f"{name}: unrelated P0 alerts: {seen}"
     expected = fault.expected_culprit()
     if check_culprit:  # single-culprit signals carry it on the alert; a co-spike carries none
-        assert all(a["culprit"].startswith(expected) if expected else a["culprit"] == ""
-                   for a in pages), \
-            f"{name}: the {fault.signal} alert names {[a['culprit'] for a in pages]}, " \
+        assert all(
+            a["culprit"].startswith(expected) if expected else a["culprit"] == "" for a in pages
+        ), (
+            f"{name}: the {fault.signal} alert names {[a['culprit'] for a in pages]}, "
             f"expected {expected!r}"
+        )
     return first
 
 
 def _gap(name: str):
     reason = FAULTS[name].explain_gap
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason)) \
-        if reason else name
+    return (
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else name
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in FAULTS if n != Straggler.name])
@@ -143,14 +170,23 @@ test_straggler_pages_step_time.run = Straggler.name  # type: ignore[attr-defined
 def test_explain_names_the_culprit(name: str, gallery):
     fault, _, _, explanation, _ = gallery[name]
     expected = fault.explain_culprit()
-    named = [(f["signal"], f["culprit"], f["moved"], f["onset_step"])
-             for f in explanation["findings"] if f["stage"] == fault.explain_stage
-             and (fault.explain_signal is None or f["signal"] == fault.explain_signal)]
-    ok = [n for n in named if expected in (n[1] or "")
-          and (not fault.explain_moves or (n[2] and n[3] is not None and n[3] >= FAULT_STEP))]
-    assert ok, f"{name}: explain's {fault.explain_stage} stage does not name {expected!r}" \
-               f"{' as moved since the fault' if fault.explain_moves else ''}: {named}; " \
-               f"headline: {explanation['headline']}"
+    named = [
+        (f["signal"], f["culprit"], f["moved"], f["onset_step"])
+        for f in explanation["findings"]
+        if f["stage"] == fault.explain_stage
+        and (fault.explain_signal is None or f["signal"] == fault.explain_signal)
+    ]
+    ok = [
+        n
+        for n in named
+        if expected in (n[1] or "")
+        and (not fault.explain_moves or (n[2] and n[3] is not None and n[3] >= FAULT_STEP))
+    ]
+    assert ok, (
+        f"{name}: explain's {fault.explain_stage} stage does not name {expected!r}"
+        f"{' as moved since the fault' if fault.explain_moves else ''}: {named}; "
+        f"headline: {explanation['headline']}"
+    )
 
 
 def test_explains_headline_at_the_bad_rank_page_names_the_loss_and_the_rank(gallery):
@@ -170,8 +206,7 @@ def test_straggler_comm_wait_names_the_slow_rank(gallery):
     train.py, written to the trace) names the straggler on every slow step."""
     fault, _, _, _, traces = gallery[Straggler.name]
     for step in range(FAULT_STEP, FAULT_STEP + fault.duration):
-        own = {r: traces[r][step]["step_time_s"] - traces[r][step]["comm_wait_s"]
-               for r in (0, 1)}
+        own = {r: traces[r][step]["step_time_s"] - traces[r][step]["comm_wait_s"] for r in (0, 1)}
         assert max(own, key=own.__getitem__) == fault.rank, (step, own)
         # the fast rank waits out most of the delay in the all-reduce
         assert traces[1 - fault.rank][step]["comm_wait_s"] > 0.5 * fault.delay_s, step

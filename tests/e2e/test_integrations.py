@@ -26,21 +26,32 @@ REL = 1e-12
 
 def test_hf_trainer_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
     store, trace = scratch_dir / "store", scratch_dir / "trace.jsonl"
-    out = e2e.run_script(store, "hf1", "examples/train_hf_trainer.py", "--steps", "12",
-                         "--trace", str(trace), "--output-dir", str(scratch_dir / "out"))
+    out = e2e.run_script(
+        store,
+        "hf1",
+        "examples/train_hf_trainer.py",
+        "--steps",
+        "12",
+        "--trace",
+        str(trace),
+        "--output-dir",
+        str(scratch_dir / "out"),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "run hf1: finished, 12 steps stored" in out.stdout
     e2e.assert_nothing_left(scratch_dir / ".probewire-store")
-    stored = e2e.rows(store, "SELECT step, loss, grad_norm, lr FROM probewire.step_metrics "
-                             "FINAL WHERE run_id = 'hf1' ORDER BY step")
+    stored = e2e.rows(
+        store,
+        "SELECT step, loss, grad_norm, lr FROM probewire.step_metrics "
+        "FINAL WHERE run_id = 'hf1' ORDER BY step",
+    )
     logged = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["step"] for r in stored] == [t["step"] for t in logged] == list(range(12))
     for row, hf in zip(stored, logged):
         assert row["loss"] == pytest.approx(hf["loss"], rel=1e-6, abs=0), row["step"]
         assert row["grad_norm"] == pytest.approx(hf["grad_norm"], rel=REL, abs=0)
         assert row["lr"] == pytest.approx(hf["lr"], rel=REL, abs=0)
-    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
-                            "WHERE run_id = 'hf1'")
+    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL WHERE run_id = 'hf1'")
     assert run["status"] == "finished"
     config = json.loads(run["config"])
     assert config["learning_rate"] == 1e-3 and config["max_steps"] == 12
@@ -48,15 +59,21 @@ def test_hf_trainer_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
 
 def test_lightning_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
     store, trace = scratch_dir / "store", scratch_dir / "trace"
-    out = e2e.run_script(store, "pl1", "examples/train_lightning.py", "--steps", "12",
-                         "--trace", str(trace))
+    out = e2e.run_script(
+        store, "pl1", "examples/train_lightning.py", "--steps", "12", "--trace", str(trace)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "run pl1: finished, 12 steps stored" in out.stdout
     e2e.assert_nothing_left(scratch_dir / ".probewire-store")
-    stored = e2e.rows(store, "SELECT step, loss, lr FROM probewire.step_metrics FINAL "
-                             "WHERE run_id = 'pl1' ORDER BY step")
-    ranks = [[json.loads(line) for line in (trace / f"rank{r}.jsonl").read_text().splitlines()]
-             for r in (0, 1)]
+    stored = e2e.rows(
+        store,
+        "SELECT step, loss, lr FROM probewire.step_metrics FINAL "
+        "WHERE run_id = 'pl1' ORDER BY step",
+    )
+    ranks = [
+        [json.loads(line) for line in (trace / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
     assert [r["step"] for r in stored] == list(range(12))
     for row, r0, r1 in zip(stored, *ranks):
         assert row["step"] == r0["step"] == r1["step"]
@@ -64,16 +81,27 @@ def test_lightning_callback_on_two_ranks(scratch_dir: Path, e2e) -> None:
         own = (r0["loss_sum"] + r1["loss_sum"]) / (r0["tokens"] + r1["tokens"])
         assert row["loss"] == pytest.approx(own, rel=REL, abs=0)
         assert row["lr"] == 3e-3
-    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
-                            "WHERE run_id = 'pl1'")
+    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL WHERE run_id = 'pl1'")
     assert run["status"] == "finished" and json.loads(run["config"]) == {
-        "lr": 3e-3, "width": 32, "probewire.scan_backend": "eager"}
+        "lr": 3e-3,
+        "width": 32,
+        "probewire.scan_backend": "eager",
+    }
 
 
 def test_an_exception_in_a_trainer_step_marks_the_run_crashed(scratch_dir: Path, e2e) -> None:
     store = scratch_dir / "store"
-    out = e2e.run_script(store, "hf2", "examples/train_hf_trainer.py", "--steps", "12",
-                         "--fail-at", "4", "--output-dir", str(scratch_dir / "out"))
+    out = e2e.run_script(
+        store,
+        "hf2",
+        "examples/train_hf_trainer.py",
+        "--steps",
+        "12",
+        "--fail-at",
+        "4",
+        "--output-dir",
+        str(scratch_dir / "out"),
+    )
     assert out.returncode != 0 and "the command exited with code" in out.stderr
     assert "run hf2: crashed, 4 steps stored" in out.stdout, out.stdout
     e2e.assert_nothing_left(scratch_dir / ".probewire-store")

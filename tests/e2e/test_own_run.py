@@ -23,17 +23,39 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     store, trace = scratch_dir / "store", scratch_dir / "trace.jsonl"
     steps = 60
     # copied into the README: probewire run --store S -- torchrun --nproc-per-node 2 ...
-    cmd = e2e.probewire("run", "--store", str(store), "--run-id", "own1", "--",
-                        *e2e.torchrun(), "--nproc-per-node", "2", EXAMPLE,
-                        "--steps", str(steps), "--sleep-s", "0.25", "--trace", str(trace))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=e2e.REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = e2e.probewire(
+        "run",
+        "--store",
+        str(store),
+        "--run-id",
+        "own1",
+        "--",
+        *e2e.torchrun(),
+        "--nproc-per-node",
+        "2",
+        EXAMPLE,
+        "--steps",
+        str(steps),
+        "--sleep-s",
+        "0.25",
+        "--trace",
+        str(trace),
+    )
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=e2e.REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     counts: list[int] = []
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
-            out = e2e.sql(store, "SELECT count() AS n FROM probewire.step_metrics FINAL "
-                                 "WHERE run_id = 'own1'")
+            out = e2e.sql(
+                store, "SELECT count() AS n FROM probewire.step_metrics FINAL WHERE run_id = 'own1'"
+            )
             if out.returncode == 0:
                 counts.append(json.loads(out.stdout)[0]["n"])
             else:  # before the worker owns the store, there is nothing to read yet
@@ -50,16 +72,22 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     # the end: pages and the next commands, with run id and store filled in
     assert "run own1: finished, 60 steps stored" in stdout
     assert f"probewire report --run own1 --store {store}" in stdout
-    assert f"probewire explain --run own1 --step " in stdout
+    assert "probewire explain --run own1 --step " in stdout
     e2e.assert_nothing_left(store.parent / WORK)
 
-    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL "
-                            "WHERE run_id = 'own1'")
+    [run] = e2e.rows(store, "SELECT status, config FROM probewire.runs FINAL WHERE run_id = 'own1'")
     assert run["status"] == "finished"
-    assert json.loads(run["config"]) == {"lr": 3e-3, "steps": steps, "warmup": 10,
-                                         "probewire.scan_backend": "eager"}
-    rows = e2e.rows(store, "SELECT step, loss, lr, lr_groups FROM probewire.step_metrics "
-                           "FINAL WHERE run_id = 'own1' ORDER BY step")
+    assert json.loads(run["config"]) == {
+        "lr": 3e-3,
+        "steps": steps,
+        "warmup": 10,
+        "probewire.scan_backend": "eager",
+    }
+    rows = e2e.rows(
+        store,
+        "SELECT step, loss, lr, lr_groups FROM probewire.step_metrics "
+        "FINAL WHERE run_id = 'own1' ORDER BY step",
+    )
     own = [json.loads(line) for line in trace.read_text().splitlines()]
     assert [r["step"] for r in rows] == [o["step"] for o in own] == list(range(steps))
     for row, ref in zip(rows, own):

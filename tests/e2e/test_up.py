@@ -42,37 +42,73 @@ def _wait_line(lines: queue.Queue, seen: list[str], needle: str, timeout_s: floa
 def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path, e2e) -> None:
     store = scratch_dir / "store"
     # copied into the README: probewire up --store S
-    up = subprocess.Popen(e2e.probewire("up", "--store", str(store)), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd=scratch_dir)
+    up = subprocess.Popen(
+        e2e.probewire("up", "--store", str(store)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=scratch_dir,
+    )
     lines: queue.Queue = queue.Queue()
     seen: list[str] = []
     threading.Thread(target=_lines, args=(up.stdout, lines), daemon=True).start()
     try:
         _wait_line(lines, seen, "Ctrl-C stops everything")
-        exports = dict(line.strip().removeprefix("export ").split("  #")[0].split("=", 1)
-                       for line in seen if line.strip().startswith("export PROBEWIRE_")
-                       and "RUN_ID" not in line)
+        exports = dict(
+            line.strip().removeprefix("export ").split("  #")[0].split("=", 1)
+            for line in seen
+            if line.strip().startswith("export PROBEWIRE_") and "RUN_ID" not in line
+        )
         assert set(exports) >= {"PROBEWIRE_KAFKA__BOOTSTRAP", "PROBEWIRE_TOPICS__RUNS"}
         env = {**os.environ, **exports, "PROBEWIRE_RUN_ID": "up1", "OMP_NUM_THREADS": "1"}
         # the user's script, started by the user, with what `up` printed
-        script = subprocess.run([*e2e.torchrun(), "--nproc-per-node", "2",
-                                 str(e2e.REPO / "examples" / "train_torchrun.py"),
-                                 "--steps", "15"], env=env, capture_output=True, text=True,
-                                timeout=300)
+        script = subprocess.run(
+            [
+                *e2e.torchrun(),
+                "--nproc-per-node",
+                "2",
+                str(e2e.REPO / "examples" / "train_torchrun.py"),
+                "--steps",
+                "15",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert script.returncode == 0, script.stderr[-3000:]
         _wait_line(lines, seen, "up1 finished at step 14")
         # live: the worker owns the store and serves it
-        [row] = e2e.rows(store, "SELECT count() AS n, max(lr) AS lr FROM probewire.step_metrics "
-                                "FINAL WHERE run_id = 'up1'")
+        [row] = e2e.rows(
+            store,
+            "SELECT count() AS n, max(lr) AS lr FROM probewire.step_metrics "
+            "FINAL WHERE run_id = 'up1'",
+        )
         assert row["n"] == 15 and row["lr"] == 3e-3
-        explain = subprocess.run(e2e.probewire("explain", "--run", "up1", "--step", "10",
-                                               "--store", str(store), "--format", "json"),
-                                 capture_output=True, text=True, timeout=120)
+        explain = subprocess.run(
+            e2e.probewire(
+                "explain", "--run", "up1", "--step", "10", "--store", str(store), "--format", "json"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert explain.returncode == 0, explain.stderr
         assert json.loads(explain.stdout)["step"] == 10
-        report = subprocess.run(e2e.probewire("report", "--run", "up1", "--store", str(store),
-                                              "--out", str(scratch_dir / "report")),
-                                capture_output=True, text=True, timeout=120)
+        report = subprocess.run(
+            e2e.probewire(
+                "report",
+                "--run",
+                "up1",
+                "--store",
+                str(store),
+                "--out",
+                str(scratch_dir / "report"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert report.returncode == 0, report.stderr
         # `probewire run` on the same store joins the session instead of starting a stack
         joined = e2e.run_script(store, "up2", "examples/train_torchrun.py", "--steps", "5")
@@ -85,6 +121,9 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
     assert up.returncode == 130 and "interrupted" in err and "Traceback" not in err
     started = json.loads((scratch_dir / ".probewire-store" / "processes.json").read_text())
     assert {p["what"] for p in started} == {"broker", "worker"}
-    assert not [p for p in started if psutil.pid_exists(p["pid"])
-                and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in started
+        if psutil.pid_exists(p["pid"]) and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not (scratch_dir / ".probewire-store" / "session.json").exists()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-V, D, H, T, B, E, K = 32, 16, 32, 8, 8, 4, 2   # vocab, width, hidden, seq, batch, experts, top-k
+V, D, H, T, B, E, K = 32, 16, 32, 8, 8, 4, 2  # vocab, width, hidden, seq, batch, experts, top-k
 IGNORE = -100
 STEPS = 2
 WORLD = {"fsdp2": 2, "fsdp4": 4, "hsdp": 4, "dp_tp_sp": 4, "pp": 2, "ep": 2}
@@ -77,15 +77,15 @@ class MoE(nn.Module):
         out = torch.zeros_like(xs)
         first = self.ep_rank * len(self.experts)
         for j, expert in enumerate(self.experts):
-            chosen = ids_all == first + j                       # [N, K]
-            gate = (ws * chosen).sum(-1, keepdim=True)          # 0 where not chosen
+            chosen = ids_all == first + j  # [N, K]
+            gate = (ws * chosen).sum(-1, keepdim=True)  # 0 where not chosen
             out = out + gate * expert(xs)
         if self.ep_size > 1:
             from torch.distributed.nn.functional import all_reduce
 
             out = all_reduce(out)
             n = x.shape[0]
-            out = out[self.ep_rank * n:(self.ep_rank + 1) * n]
+            out = out[self.ep_rank * n : (self.ep_rank + 1) * n]
         return out.reshape(shape)
 
 
@@ -134,12 +134,13 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def shard_rows(step: int, index: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, targets = global_batch(step)
     rows = B // count
-    return tokens[index * rows:(index + 1) * rows], targets[index * rows:(index + 1) * rows]
+    return tokens[index * rows : (index + 1) * rows], targets[index * rows : (index + 1) * rows]
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="none").view_as(targets)
+    return F.cross_entropy(
+        logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE, reduction="none"
+    ).view_as(targets)
 
 
 # ------------------------------------------------------------------ layouts
@@ -153,16 +154,24 @@ def _fsdp(model: Model, mesh) -> Model:
 
 def _tp(model: Model, tp_mesh) -> Model:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
     for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}.norm": SequenceParallel(),
-                 f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
-                 f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1))}
+        plan |= {
+            f"blocks.{i}.norm": SequenceParallel(),
+            f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+            f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
     return parallelize_module(model, tp_mesh, plan)
 
 
@@ -180,18 +189,20 @@ def _expert_parallel(ep_rank: int) -> Model:
 
 
 # ------------------------------------------------------------------ one rank
-def train(rank: int, world: int, port: int, layout: str, run_id: str, bootstrap: str,
-          trace_dir: str) -> None:
+def train(
+    rank: int, world: int, port: int, layout: str, run_id: str, bootstrap: str, trace_dir: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from probewire.instrument import KafkaTransport, ProbeConfig, RankIdentity, attach
+    from probewire.instrument import KafkaTransport, ProbeConfig, RankIdentity
 
     identity = RankIdentity(run_id=run_id, rank=rank, world_size=world)
-    config = ProbeConfig(clip_threshold=1.0, telemetry=False, comm=False,
-                         cadence={"step": 1, "scan": 0, "demand": 0})
+    config = ProbeConfig(
+        clip_threshold=1.0, telemetry=False, comm=False, cadence={"step": 1, "scan": 0, "demand": 0}
+    )
     transport = KafkaTransport({"bootstrap.servers": bootstrap}, "otlp_metrics")
     trace = open(Path(trace_dir) / f"rank{rank}.jsonl", "w")
     if layout == "pp":
@@ -233,8 +244,7 @@ def _train_data_parallel(model, mesh, data, identity, config, transport, trace) 
     from probewire.instrument import attach
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    monitor = attach(model, opt, identity=identity, config=config, transport=transport,
-                     mesh=mesh)
+    monitor = attach(model, opt, identity=identity, config=config, transport=transport, mesh=mesh)
     index, count = data
     for step in range(STEPS):
         tokens, targets = shard_rows(step, index, count)
@@ -247,8 +257,13 @@ def _train_data_parallel(model, mesh, data, identity, config, transport, trace) 
             total = s.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
-        _write(trace, step, loss_sum=float(losses.detach().double().sum()),
-               tokens=int((targets != IGNORE).sum()), clip_norm=float(total))
+        _write(
+            trace,
+            step,
+            loss_sum=float(losses.detach().double().sum()),
+            tokens=int((targets != IGNORE).sum()),
+            clip_norm=float(total),
+        )
     _close(monitor, transport, trace)
 
 
@@ -257,8 +272,7 @@ def _train_expert_parallel(rank, mesh, identity, config, transport, trace) -> No
 
     model = _expert_parallel(rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    monitor = attach(model, opt, identity=identity, config=config, transport=transport,
-                     mesh=mesh)
+    monitor = attach(model, opt, identity=identity, config=config, transport=transport, mesh=mesh)
     dense = [p for n, p in model.named_parameters() if ".experts." not in n]
     for step in range(STEPS):
         tokens, targets = shard_rows(step, rank, 2)
@@ -270,19 +284,27 @@ def _train_expert_parallel(rank, mesh, identity, config, transport, trace) -> No
             (losses.sum() / n_global).backward()
             for p in dense:  # dense weights are data-parallel replicas: sum their gradients
                 dist.all_reduce(p.grad)
-            local_sq = sum(float(p.grad.double().square().sum()) for n, p in
-                           model.named_parameters() if ".experts." in n)
+            local_sq = sum(
+                float(p.grad.double().square().sum())
+                for n, p in model.named_parameters()
+                if ".experts." in n
+            )
             owned = torch.tensor([local_sq], dtype=torch.float64)
             dist.all_reduce(owned)
             total_sq = owned.item() + sum(float(p.grad.double().square().sum()) for p in dense)
             s.gradients()
-            total = torch.tensor(total_sq ** 0.5)
+            total = torch.tensor(total_sq**0.5)
             torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, total)
             s.clipped(total)
             opt.step()
             opt.zero_grad()
-        _write(trace, step, loss_sum=float(losses.detach().double().sum()),
-               tokens=int((targets != IGNORE).sum()), clip_norm=float(total))
+        _write(
+            trace,
+            step,
+            loss_sum=float(losses.detach().double().sum()),
+            tokens=int((targets != IGNORE).sum()),
+            clip_norm=float(total),
+        )
     _close(monitor, transport, trace)
 
 
@@ -331,8 +353,13 @@ def _train_pipeline(rank, identity, config, transport, trace) -> None:
     schedule.step(tokens) if rank == 0 else schedule.step(target=targets)
     module.zero_grad(set_to_none=True)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-    monitor = attach(module, opt, config=config, transport=transport,
-                     identity=RankIdentity_with(identity, {"pp": rank}))
+    monitor = attach(
+        module,
+        opt,
+        config=config,
+        transport=transport,
+        identity=RankIdentity_with(identity, {"pp": rank}),
+    )
     for step in range(STEPS):
         tokens, targets = global_batch(step)
         n_global = int((targets != IGNORE).sum())
@@ -345,9 +372,16 @@ def _train_pipeline(rank, identity, config, transport, trace) -> None:
             else:
                 schedule.step(target=targets)
             s.gradients()
-            local = torch.tensor([sum(float(p.grad.double().square().sum())
-                                      for p in module.parameters() if p.grad is not None)],
-                                 dtype=torch.float64)
+            local = torch.tensor(
+                [
+                    sum(
+                        float(p.grad.double().square().sum())
+                        for p in module.parameters()
+                        if p.grad is not None
+                    )
+                ],
+                dtype=torch.float64,
+            )
             dist.all_reduce(local)
             total = local.sqrt().float().reshape(())
             torch.nn.utils.clip_grads_with_norm_(list(module.parameters()), 1.0, total)
@@ -390,13 +424,19 @@ def reference(layout: str, step: int = 0) -> dict[str, object]:
     valid = targets != IGNORE
     shards = {"fsdp2": 2, "fsdp4": 4, "hsdp": 4, "dp_tp_sp": 2, "pp": 1, "ep": 2}[layout]
     rows = B // shards
-    means = [float(loss64[i * rows:(i + 1) * rows].sum() / valid[i * rows:(i + 1) * rows].sum())
-             for i in range(shards) if valid[i * rows:(i + 1) * rows].any()]
-    return {"loss": float(loss64.sum() / n_global), "worst": max(means),
-            "grad_norm": float(torch.nn.utils.get_total_norm(grads, 2.0)),
-            "elements": sum(g.numel() for g in grads),
-            "abs_max": max(float(g.abs().max()) for g in grads),
-            "expert_counts": counts.tolist()}
+    means = [
+        float(loss64[i * rows : (i + 1) * rows].sum() / valid[i * rows : (i + 1) * rows].sum())
+        for i in range(shards)
+        if valid[i * rows : (i + 1) * rows].any()
+    ]
+    return {
+        "loss": float(loss64.sum() / n_global),
+        "worst": max(means),
+        "grad_norm": float(torch.nn.utils.get_total_norm(grads, 2.0)),
+        "elements": sum(g.numel() for g in grads),
+        "abs_max": max(float(g.abs().max()) for g in grads),
+        "expert_counts": counts.tolist(),
+    }
 
 
 def refused(rank: int, world: int, port: int, case: str, out_dir: str) -> None:
@@ -416,9 +456,13 @@ def refused(rank: int, world: int, port: int, case: str, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         model = _fsdp(model, mesh)
     try:
-        attach(model, identity=RankIdentity(run_id="refuse", rank=rank, world_size=world),
-               config=ProbeConfig(dp_replicated=True, telemetry=False, comm=False),
-               transport=MemoryTransport(), mesh=mesh).close()
+        attach(
+            model,
+            identity=RankIdentity(run_id="refuse", rank=rank, world_size=world),
+            config=ProbeConfig(dp_replicated=True, telemetry=False, comm=False),
+            transport=MemoryTransport(),
+            mesh=mesh,
+        ).close()
         message = "none"
     except LayoutError as exc:
         message = str(exc)

@@ -21,11 +21,17 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 120,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "probewire.deploy.cli", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**os.environ, **(env or {})})
+def cli(
+    *args: str, env: dict | None = None, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "probewire.deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_line(out: subprocess.CompletedProcess, code: int, *needles: str) -> None:
@@ -37,8 +43,11 @@ def one_line(out: subprocess.CompletedProcess, code: int, *needles: str) -> None
 
 def no_children_left(before: set[int]) -> None:
     """No process this test started is still alive (our own children only)."""
-    alive = [p for p in psutil.Process().children(recursive=True)
-             if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+    ]
     assert not alive, alive
 
 
@@ -85,36 +94,62 @@ def silent_port():
 @pytest.mark.parametrize("service", ["worker", "evaluator"])
 def test_no_broker_is_one_line_at_once(service, scratch_dir, children):
     started = time.monotonic()
-    out = cli(service, env={"PROBEWIRE_KAFKA__BOOTSTRAP": f"127.0.0.1:{free_port()}",
-                            "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "hb")})
+    out = cli(
+        service,
+        env={
+            "PROBEWIRE_KAFKA__BOOTSTRAP": f"127.0.0.1:{free_port()}",
+            "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "hb"),
+        },
+    )
     one_line(out, 2, "no Kafka broker at 127.0.0.1:", "probewire up")
     assert time.monotonic() - started < 30
 
 
-def test_a_port_that_is_not_kafka_is_one_line_after_a_bounded_wait(silent_port, scratch_dir,
-                                                                   children):
+def test_a_port_that_is_not_kafka_is_one_line_after_a_bounded_wait(
+    silent_port, scratch_dir, children
+):
     started = time.monotonic()
-    out = cli("worker", env={"PROBEWIRE_KAFKA__BOOTSTRAP": f"127.0.0.1:{silent_port}",
-                             "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "hb")})
+    out = cli(
+        "worker",
+        env={
+            "PROBEWIRE_KAFKA__BOOTSTRAP": f"127.0.0.1:{silent_port}",
+            "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "hb"),
+        },
+    )
     one_line(out, 2, f"127.0.0.1:{silent_port} did not answer as a Kafka broker within 8s")
     assert time.monotonic() - started < 40
 
 
-def test_worker_on_a_fresh_machine_creates_what_it_needs(kafka_bootstrap, scratch_dir,
-                                                         children):
+def test_worker_on_a_fresh_machine_creates_what_it_needs(kafka_bootstrap, scratch_dir, children):
     """No heartbeat directory, no store directory, no topics of its own names: it creates
     them, becomes ready, and stops on SIGTERM."""
     tag = os.urandom(4).hex()
-    env = {"PROBEWIRE_KAFKA__BOOTSTRAP": kafka_bootstrap,
-           "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "fresh" / "hb"),
-           "PROBEWIRE_CLICKHOUSE__URL": "chdb:///" + str(scratch_dir / "fresh" / "store")[1:],
-           "PROBEWIRE_STREAM__APP_ID": f"pw-fresh-{tag}",
-           **{f"PROBEWIRE_TOPICS__{k.upper()}": f"{k}-{tag}" for k in
-              ("metrics", "steps", "control", "checkpoints", "evals", "alerts", "deadletter",
-               "runs")}}
-    proc = subprocess.Popen([sys.executable, "-m", "probewire.deploy.cli", "worker",
-                             "--sql-port", "-1"], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        "PROBEWIRE_KAFKA__BOOTSTRAP": kafka_bootstrap,
+        "PROBEWIRE_HEARTBEAT_DIR": str(scratch_dir / "fresh" / "hb"),
+        "PROBEWIRE_CLICKHOUSE__URL": "chdb:///" + str(scratch_dir / "fresh" / "store")[1:],
+        "PROBEWIRE_STREAM__APP_ID": f"pw-fresh-{tag}",
+        **{
+            f"PROBEWIRE_TOPICS__{k.upper()}": f"{k}-{tag}"
+            for k in (
+                "metrics",
+                "steps",
+                "control",
+                "checkpoints",
+                "evals",
+                "alerts",
+                "deadletter",
+                "runs",
+            )
+        },
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "probewire.deploy.cli", "worker", "--sql-port", "-1"],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         beat = scratch_dir / "fresh" / "hb" / "worker.heartbeat"
         deadline = time.monotonic() + 120
@@ -132,28 +167,46 @@ def test_worker_on_a_fresh_machine_creates_what_it_needs(kafka_bootstrap, scratc
 def test_run_without_a_command_or_with_an_unknown_one(scratch_dir, children):
     store = str(scratch_dir / "store")
     one_line(cli("run", "--store", store), 2, "no command: put it after --")
-    one_line(cli("run", "--store", store, "--", "no-such-command-x"), 2,
-             "command not found: no-such-command-x")
-    one_line(cli("run", "--store", store, "--run-id", "a:b", "--", "true"), 2,
-             "--run-id must not contain ':'")
+    one_line(
+        cli("run", "--store", store, "--", "no-such-command-x"),
+        2,
+        "command not found: no-such-command-x",
+    )
+    one_line(
+        cli("run", "--store", store, "--run-id", "a:b", "--", "true"),
+        2,
+        "--run-id must not contain ':'",
+    )
     assert not (scratch_dir / ".probewire-store" / "processes.json").exists()
 
 
 def test_a_store_held_by_another_process_or_a_busy_port(scratch_dir, children):
     store = scratch_dir / "store"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import time
         from probewire.sinks.clickhouse import connect
         client = connect("chdb:///{str(store)[1:]}")  # held while referenced
         client.command("SELECT 1")
         print("ready", flush=True)
-        time.sleep(120)""")], stdout=subprocess.PIPE, text=True)
+        time.sleep(120)"""),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         for command in ("run", "up"):
             extra = ["--", "true"] if command == "run" else []
-            one_line(cli(command, "--store", str(store), *extra), 2,
-                     f"the store {store} is held by pid {holder.pid} ", "--store DIR")
+            one_line(
+                cli(command, "--store", str(store), *extra),
+                2,
+                f"the store {store} is held by pid {holder.pid} ",
+                "--store DIR",
+            )
     finally:
         holder.kill()
         holder.wait(10)
@@ -161,8 +214,11 @@ def test_a_store_held_by_another_process_or_a_busy_port(scratch_dir, children):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        one_line(cli("up", "--store", str(scratch_dir / "s2"), "--sql-port", str(port)), 2,
-                 f"--sql-port {port} is in use")
+        one_line(
+            cli("up", "--store", str(scratch_dir / "s2"), "--sql-port", str(port)),
+            2,
+            f"--sql-port {port} is in use",
+        )
     assert not (scratch_dir / ".probewire-s2" / "processes.json").exists()
 
 
@@ -188,13 +244,25 @@ def test_a_failing_command_keeps_its_exit_code_and_the_run_is_crashed(scratch_di
     script = scratch_dir / "crash.py"
     script.write_text(CRASHING)
     store = scratch_dir / "store"
-    out = cli("run", "--store", str(store), "--run-id", "c1", "--", sys.executable, str(script),
-              timeout=300)
+    out = cli(
+        "run",
+        "--store",
+        str(store),
+        "--run-id",
+        "c1",
+        "--",
+        sys.executable,
+        str(script),
+        timeout=300,
+    )
     assert out.returncode == 1
     assert "the command exited with code 1" in out.stderr
     # steps 0-2 are stored; step 3 raised, so it emitted nothing and marked the run crashed
     assert "run c1: crashed, 3 steps stored" in out.stdout, out.stdout + out.stderr[-2000:]
     started = json.loads((scratch_dir / ".probewire-store" / "processes.json").read_text())
     assert {p["what"] for p in started} == {"broker", "worker", "command"}
-    assert not [p for p in started if psutil.pid_exists(p["pid"])
-                and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in started
+        if psutil.pid_exists(p["pid"]) and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE
+    ]

@@ -64,11 +64,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def _settings(bootstrap: str) -> Settings:
     tag = uuid.uuid4().hex[:8]
-    topics = TopicSettings(checkpoints=f"ck-{tag}", evals=f"ev-{tag}", deadletter=f"dl-{tag}",
-                           partitions=1)
+    topics = TopicSettings(
+        checkpoints=f"ck-{tag}", evals=f"ev-{tag}", deadletter=f"dl-{tag}", partitions=1
+    )
     create_topics(bootstrap, {topics.checkpoints: 1, topics.evals: 1, topics.deadletter: 1})
-    return Settings(kafka=KafkaSettings(bootstrap=bootstrap), topics=topics,
-                    stream=StreamSettings(app_id=f"pw-{tag}"))
+    return Settings(
+        kafka=KafkaSettings(bootstrap=bootstrap),
+        topics=topics,
+        stream=StreamSettings(app_id=f"pw-{tag}"),
+    )
 
 
 def _publish(bootstrap: str, topic: str, payloads: list[bytes]) -> None:
@@ -85,8 +89,14 @@ def _read_all(bootstrap: str, topic: str) -> list[tuple[bytes, bytes]]:
     offsets count record batches, so they cannot say where the partition ends)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
-                         "enable.auto.commit": False, "enable.partition.eof": True})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
     try:
         consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
         out: list[tuple[bytes, bytes]] = []
@@ -105,28 +115,44 @@ def _read_all(bootstrap: str, topic: str) -> list[tuple[bytes, bytes]]:
 
 
 def _event(step: int, tokens: int, path: Path | str, planned: int, key: bool = False) -> bytes:
-    return CheckpointEvent(run_id=RUN_ID, step=step, tokens=tokens, flops=6.0 * 1e5 * tokens,
-                           path=str(path), key=key, planned_tokens=planned).to_json()
+    return CheckpointEvent(
+        run_id=RUN_ID,
+        step=step,
+        tokens=tokens,
+        flops=6.0 * 1e5 * tokens,
+        path=str(path),
+        key=key,
+        planned_tokens=planned,
+    ).to_json()
 
 
-def test_checkpoints_are_scored_and_bits_per_byte_falls(kafka_bootstrap: str, trained: dict,
-                                                        tmp_path: Path) -> None:
+def test_checkpoints_are_scored_and_bits_per_byte_falls(
+    kafka_bootstrap: str, trained: dict, tmp_path: Path
+) -> None:
     settings = _settings(kafka_bootstrap)
     ck, planned = trained["checkpoints"], trained["planned"]
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(ck[100][1].read_bytes()[:5000])  # a checkpoint cut short
     t100, t300 = ck[100][0], ck[300][0]
-    _publish(kafka_bootstrap, settings.topics.checkpoints, [
-        _event(25, *ck[25], planned),
-        _event(100, *ck[100], planned),
-        _event(100, *ck[100], planned),                            # redelivered: skipped
-        _event(150, (t100 + t300) // 2, corrupt, planned, key=True),  # dead letter
-        _event(200, (t100 + 2 * t300) // 3, tmp_path / "gone.pt", planned, key=True),
-        b"{not json",                                               # dead letter
-        _event(300, *ck[300], planned),                             # scored after failures
-    ])
-    service = EvaluatorService(settings.evaluator_setup(), EvaluatorOptions(
-        data_dir=str(tmp_path / "data"), heartbeat_path=tmp_path / "evaluator.heartbeat"))
+    _publish(
+        kafka_bootstrap,
+        settings.topics.checkpoints,
+        [
+            _event(25, *ck[25], planned),
+            _event(100, *ck[100], planned),
+            _event(100, *ck[100], planned),  # redelivered: skipped
+            _event(150, (t100 + t300) // 2, corrupt, planned, key=True),  # dead letter
+            _event(200, (t100 + 2 * t300) // 3, tmp_path / "gone.pt", planned, key=True),
+            b"{not json",  # dead letter
+            _event(300, *ck[300], planned),  # scored after failures
+        ],
+    )
+    service = EvaluatorService(
+        settings.evaluator_setup(),
+        EvaluatorOptions(
+            data_dir=str(tmp_path / "data"), heartbeat_path=tmp_path / "evaluator.heartbeat"
+        ),
+    )
     stats = service.run(once=True)
     assert (stats.messages, stats.evaluated, stats.skipped, stats.failed) == (7, 3, 1, 3)
 
@@ -146,13 +172,13 @@ def test_checkpoints_are_scored_and_bits_per_byte_falls(kafka_bootstrap: str, tr
         assert r.tokens == ck[r.step][0] and r.flops == 6.0 * 1e5 * r.tokens
         assert r.dataset_version.startswith("sha256:") and r.tokenizer_version == "utf8-bytes/v1"
 
-    dead = [json.loads(value) for _, value in _read_all(kafka_bootstrap,
-                                                        settings.topics.deadletter)]
+    dead = [
+        json.loads(value) for _, value in _read_all(kafka_bootstrap, settings.topics.deadletter)
+    ]
     reasons = sorted(d["reason"] for d in dead)
     assert len(reasons) == 3
     assert reasons[0].startswith(f"cannot load checkpoint {corrupt} (raw weights)")
-    assert reasons[1] == f"checkpoint event: not JSON " \
-                         f"({reasons[1].split('(', 1)[1]}"
+    assert reasons[1] == f"checkpoint event: not JSON ({reasons[1].split('(', 1)[1]}"
     assert reasons[2] == f"checkpoint not found: {tmp_path / 'gone.pt'}"
     assert read_heartbeat(tmp_path / "evaluator.heartbeat")["status"] == "stopped"
 
@@ -160,17 +186,39 @@ def test_checkpoints_are_scored_and_bits_per_byte_falls(kafka_bootstrap: str, tr
 def test_service_stops_cleanly_on_sigterm(kafka_bootstrap: str, tmp_path: Path) -> None:
     settings = _settings(kafka_bootstrap)
     config = tmp_path / "settings.json"
-    config.write_text(json.dumps({"kafka": {"bootstrap": kafka_bootstrap},
-                                  "topics": {"checkpoints": settings.topics.checkpoints,
-                                             "evals": settings.topics.evals,
-                                             "deadletter": settings.topics.deadletter},
-                                  "stream": {"app_id": settings.stream.app_id}}))
+    config.write_text(
+        json.dumps(
+            {
+                "kafka": {"bootstrap": kafka_bootstrap},
+                "topics": {
+                    "checkpoints": settings.topics.checkpoints,
+                    "evals": settings.topics.evals,
+                    "deadletter": settings.topics.deadletter,
+                },
+                "stream": {"app_id": settings.stream.app_id},
+            }
+        )
+    )
     heartbeat = tmp_path / "evaluator.heartbeat"
     env = {**os.environ, "PROBEWIRE_HEARTBEAT_FILE": str(heartbeat)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "probewire.deploy.cli", "--config", str(config), "evaluator",
-         "--data-dir", str(tmp_path / "data"), "--suites", "heldout"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "--config",
+            str(config),
+            "evaluator",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--suites",
+            "heldout",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while (read_heartbeat(heartbeat) or {}).get("status") != "ready":

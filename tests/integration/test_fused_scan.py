@@ -26,10 +26,15 @@ def cases():
     with_specials[100:140] = 0.0
     past_f32 = torch.zeros((1 << 24) + 3)  # counts a float32 cannot hold exactly
     past_f32[[5, 9]] = torch.tensor([math.nan, 1.5])
-    return {"big": big, "specials": with_specials, "bf16": big[:65_537].bfloat16(),
-            "past_f32": past_f32,
-            "zeros": torch.zeros(3, 5, 7), "empty": torch.empty(0),
-            "strided": torch.randn(64, 300, generator=g).t()}
+    return {
+        "big": big,
+        "specials": with_specials,
+        "bf16": big[:65_537].bfloat16(),
+        "past_f32": past_f32,
+        "zeros": torch.zeros(3, 5, 7),
+        "empty": torch.empty(0),
+        "strided": torch.randn(64, 300, generator=g).t(),
+    }
 
 
 @pytest.mark.parametrize("name", sorted(cases()))
@@ -47,6 +52,7 @@ def test_fused_scan_in_parts_past_its_int32_counts(monkeypatch):
     and the parts combine to the eager scan's vector: non-finite elements and zeros in
     several parts, the maximum in the last."""
     from probewire.instrument import scan as scan_module
+
     monkeypatch.setattr(scan_module, "FUSED_MAX_ELEMS", 30_000)
     x = cases()["specials"].clone()  # 70,001 elements: parts of 30,000, 30,000, 10,001
     x[[40_000, 65_000]] = torch.tensor([math.nan, -math.inf])
@@ -73,6 +79,7 @@ def test_gradient_groups_through_the_fused_scan_equal_the_float64_reference(monk
     compiled pass; combined per group they give the float64 values (non-finite elements,
     zeros, bfloat16, an empty tensor, several blocks)."""
     from probewire.instrument import batchscan
+
     monkeypatch.setattr(batchscan, "STACK_ELEMS", 300)
     g = torch.Generator().manual_seed(2)
     xs = [*cases().values(), *(torch.randn(s, generator=g) for s in (100, 250, 17, 64, 3))]
@@ -89,8 +96,9 @@ def test_gradient_groups_through_the_fused_scan_equal_the_float64_reference(monk
         assert mine[:, F.ABS_MAX].max() == pytest.approx(np.abs(f).max(), rel=1e-7)
         assert mine[:, F.SUM_ABS].sum() == pytest.approx(np.abs(f).sum(), rel=2e-6)
         assert mine[:, F.SUM_SQ].sum() == pytest.approx((f * f).sum(), rel=2e-6)
-        np.testing.assert_allclose(mine, eager.numpy()[np.asarray(eager_groups) == group],
-                                   rtol=2e-6, atol=1e-3)
+        np.testing.assert_allclose(
+            mine, eager.numpy()[np.asarray(eager_groups) == group], rtol=2e-6, atol=1e-3
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,16 +114,23 @@ def test_fused_output_head_is_the_float64_reference_over_valid_positions(dtype, 
     rows = z[mask].double().numpy()
 
     def decoded(z):
-        parts = [output_head(z[half], mask[half], fused=True) for half in (slice(0, 3),
-                                                                          slice(3, 4))]
-        return {p.name: p.value for p in decode_head(
-            [(torch.cat([t.reshape(-1).double() for t in vec]).numpy(), meta)
-             for vec, meta in parts])}
+        parts = [
+            output_head(z[half], mask[half], fused=True) for half in (slice(0, 3), slice(3, 4))
+        ]
+        return {
+            p.name: p.value
+            for p in decode_head(
+                [
+                    (torch.cat([t.reshape(-1).double() for t in vec]).numpy(), meta)
+                    for vec, meta in parts
+                ]
+            )
+        }
 
     got = decoded(z)
     assert got["output.logits_n"] == rows.size
     assert got["output.logits_abs_max"] == pytest.approx(np.abs(rows).max(), rel=1e-7)
-    assert got["output.logits_sum_sq"] == pytest.approx((rows ** 2).sum(), rel=1e-5)
+    assert got["output.logits_sum_sq"] == pytest.approx((rows**2).sum(), rel=1e-5)
     i, j = map(int, mask.nonzero()[0])
     z[i, j, 3] = float("nan")
     got = decoded(z)
@@ -125,11 +140,10 @@ def test_fused_output_head_is_the_float64_reference_over_valid_positions(dtype, 
 def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(monkeypatch):
     import torch.nn.functional as F_
 
+    from probewire.deploy.demo.model import TinyConfig, TinyLM
     from probewire.instrument import batchscan
     from probewire.instrument import scan as scan_module
     from probewire.instrument.probes import head
-
-    from probewire.deploy.demo.model import TinyConfig, TinyLM
 
     compiled_rows = torch.compile(head._row_stats, dynamic=True)
     from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
@@ -139,10 +153,18 @@ def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(mon
         torch.manual_seed(0)
         model = TinyLM(TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2))
         transport = MemoryTransport()
-        monitor = attach(model, None, transport=transport,
-                         identity=RankIdentity(run_id="t", rank=0, world_size=1),
-                         config=ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0},
-                                            scan_backend=backend, telemetry=False, comm=False))
+        monitor = attach(
+            model,
+            None,
+            transport=transport,
+            identity=RankIdentity(run_id="t", rank=0, world_size=1),
+            config=ProbeConfig(
+                cadence={"step": 1, "scan": 0, "demand": 0},
+                scan_backend=backend,
+                telemetry=False,
+                comm=False,
+            ),
+        )
         tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
         with monitor.step(0) as s:
             logits = model(tokens)
@@ -150,13 +172,15 @@ def test_a_monitor_on_the_compiled_backend_reports_the_eager_gradient_groups(mon
             s.gradients()
         monitor.close()
         [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
-        return {key: v for key, v in rec.values.items()
-                if key[0].startswith(("grad.", "output.logits"))}
+        return {
+            key: v for key, v in rec.values.items() if key[0].startswith(("grad.", "output.logits"))
+        }
 
     calls, heads = [], []
     monkeypatch.setattr(batchscan, "fused_scan", lambda x: calls.append(x) or fused_scan(x))
-    monkeypatch.setitem(scan_module._compiled, head._row_stats,
-                        lambda z: heads.append(z) or compiled_rows(z))
+    monkeypatch.setitem(
+        scan_module._compiled, head._row_stats, lambda z: heads.append(z) or compiled_rows(z)
+    )
     eager = grad_points("eager")
     assert not calls and not heads
     compiled = grad_points("compiled")

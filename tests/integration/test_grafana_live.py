@@ -14,8 +14,8 @@ from pathlib import Path
 
 import clickhouse_connect
 import pytest
-
 from grafana_sql import DASHBOARDS, load, panels, queries, render, resolve
+
 from probewire.deploy.demo.faults import LayerExplosion, Straggler
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 from probewire.instrument.catalog import CATALOG
@@ -39,19 +39,27 @@ def live(store_url: str, ch_client):
     ch_client.command(f"DROP DATABASE IF EXISTS {db}")
     sink = ClickHouseSink(ch_client, db)
     sink.migrate()
-    runs = {RUN_A: simulated_run(RUN_A, steps=150, faults=(
+    runs = {
+        RUN_A: simulated_run(
+            RUN_A,
+            steps=150,
+            faults=(
                 LayerExplosion(layer=1, step=130, scale=50.0),
-                Straggler(rank=STRAGGLER, step=100, factor=3.0, duration=0))),
-            RUN_B: simulated_run(RUN_B, steps=120, seed=1)}
+                Straggler(rank=STRAGGLER, step=100, factor=3.0, duration=0),
+            ),
+        ),
+        RUN_B: simulated_run(RUN_B, steps=120, seed=1),
+    }
     for i, run in enumerate(runs.values()):  # the simulator has no optimizer: give it a schedule
         for row in run.tables["step_metrics"]:
             row["lr"] = 3e-4 * (1 + i) * min(1.0, (row["step"] + 1) / 20)
         write_simulated_run(sink, run)
-    server = ReadServer(Path(store_url[len("chdb://"):]))
+    server = ReadServer(Path(store_url[len("chdb://") :]))
     server.start()
     # what the data source's driver does: HTTP, Native format, gzip accepted
-    http = clickhouse_connect.get_client(host="127.0.0.1", port=server.port, database=db,
-                                         compress="gzip")
+    http = clickhouse_connect.get_client(
+        host="127.0.0.1", port=server.port, database=db, compress="gzip"
+    )
     try:
         yield http, db, runs
     finally:
@@ -66,8 +74,11 @@ def _run(http):
 def _all(dashboard: dict, http, choose: dict[str, str]):
     """(selected, listed, {where: result}) of one dashboard over HTTP."""
     selected, listed = resolve(dashboard, _run(http), choose={"database": DB, **choose})
-    return selected, listed, {where: http.query(render(sql, selected))
-                              for where, sql in queries(dashboard)}
+    return (
+        selected,
+        listed,
+        {where: http.query(render(sql, selected)) for where, sql in queries(dashboard)},
+    )
 
 
 def _check_panels(dashboard: dict, results: dict) -> None:
@@ -86,8 +97,11 @@ def _check_panels(dashboard: dict, results: dict) -> None:
             if panel["type"] != "trend":
                 continue
             assert panel["options"]["xField"] in cols, (panel["title"], cols)
-            split = [t["options"]["fields"][0] for t in panel["transformations"]
-                     if t["id"] == "partitionByValues"]
+            split = [
+                t["options"]["fields"][0]
+                for t in panel["transformations"]
+                if t["id"] == "partitionByValues"
+            ]
             assert all(f in cols for f in split), (panel["title"], cols)
             x, key = cols.index("tokens"), [cols.index(f) for f in split]
             series: dict = {}
@@ -95,8 +109,9 @@ def _check_panels(dashboard: dict, results: dict) -> None:
                 series.setdefault(tuple(row[i] for i in key), []).append(row[x])
             assert all(xs == sorted(xs) for xs in series.values()), panel["title"]
             values = [c for c in cols if c != "tokens" and c not in split]
-            assert values and any(row[cols.index(c)] is not None
-                                  for row in result.result_rows for c in values), panel["title"]
+            assert values and any(
+                row[cols.index(c)] is not None for row in result.result_rows for c in values
+            ), panel["title"]
 
 
 def test_first_screen_variables_list_ranks_sources_layers_and_every_panel_answers(live):
@@ -130,8 +145,9 @@ def test_one_rank_dashboard_reads_the_rank_against_the_float64_reference(live):
     loss = results["panel 3 A"]
     rows = [dict(zip(loss.column_names, r)) for r in loss.result_rows]
     tokens = {r["tokens"]: r for r in rows}
-    step_tokens = http.query(f"SELECT tokens FROM step_metrics FINAL WHERE run_id = '{RUN_A}' "
-                             f"AND step = {last}").result_rows[0][0]
+    step_tokens = http.query(
+        f"SELECT tokens FROM step_metrics FINAL WHERE run_id = '{RUN_A}' AND step = {last}"
+    ).result_rows[0][0]
     L, L_max, _ = runs[RUN_A].reference[last]
     assert tokens[step_tokens]["rank_loss"] == pytest.approx(L_max, rel=1e-12)
     assert tokens[step_tokens]["run_L"] == pytest.approx(L, rel=1e-12)
@@ -155,7 +171,6 @@ def test_run_against_run_overlays_both_runs_on_tokens(live):
             result = results[f"panel {panel['id']} A"]
             split = panel["transformations"][0]["options"]["fields"][0]
             names = {row[result.column_names.index(split)] for row in result.result_rows}
-            assert any(RUN_A in n for n in names) and any(RUN_B in n for n in names), \
-                panel["title"]
+            assert any(RUN_A in n for n in names) and any(RUN_B in n for n in names), panel["title"]
     config = results["panel 10 A"]
     assert [r[0] for r in config.result_rows] == sorted([RUN_A, RUN_B])

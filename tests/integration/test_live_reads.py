@@ -25,23 +25,28 @@ pytestmark = pytest.mark.integration
 def chdb_path(store_url: str) -> Path:
     if not store_url.startswith("chdb:///"):
         pytest.skip("the live reader serves an embedded (chdb) store")
-    return Path(store_url[len("chdb://"):])
+    return Path(store_url[len("chdb://") :])
 
 
 def test_reader_serves_read_only_sql_over_http(chdb_path, ch_client, ch_database):
     db = ch_database
     ch_client.command(f"CREATE DATABASE {db}")
-    ch_client.command(f"CREATE TABLE {db}.t (run_id String, step UInt64, loss Float64) "
-                      "ENGINE = MergeTree ORDER BY step")
-    ch_client.insert(f"{db}.t", [["r", 0, 2.5], ["r", 1, math.nan]],
-                     column_names=["run_id", "step", "loss"])
+    ch_client.command(
+        f"CREATE TABLE {db}.t (run_id String, step UInt64, loss Float64) "
+        "ENGINE = MergeTree ORDER BY step"
+    )
+    ch_client.insert(
+        f"{db}.t", [["r", 0, 2.5], ["r", 1, math.nan]], column_names=["run_id", "step", "loss"]
+    )
     server = ReadServer(chdb_path)
     try:
         url = server.start()
         assert find_reader(chdb_path) == url
         http = clickhouse_connect.get_client(host="127.0.0.1", port=server.port)
-        rows = http.query(f"SELECT step, loss FROM {db}.t WHERE run_id = {{r:String}} "
-                          "ORDER BY step", parameters={"r": "r"}).result_rows
+        rows = http.query(
+            f"SELECT step, loss FROM {db}.t WHERE run_id = {{r:String}} ORDER BY step",
+            parameters={"r": "r"},
+        ).result_rows
         assert rows[0] == (0, 2.5) and math.isnan(rows[1][1])
         ch_client.insert(f"{db}.t", [["r", 2, 1.5]], column_names=["run_id", "step", "loss"])
         assert http.query(f"SELECT count() FROM {db}.t").result_rows == [(3,)]  # live
@@ -75,22 +80,34 @@ HOLDER = textwrap.dedent("""
 
 
 def _hold(store: Path, mode: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(store), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(store), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     return proc
 
 
 def _sql(store: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "probewire.deploy.cli", "sql", "--store",
-                           str(store), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "probewire.deploy.cli", "sql", "--store", str(store), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_sql_reads_a_store_another_process_owns_through_its_reader(scratch_dir: Path):
     holder = _hold(scratch_dir / "store", "reader")
     try:
-        out = _sql(scratch_dir / "store", "--format", "csv",
-                   "SELECT run_id, world_size FROM probewire.runs FINAL")
+        out = _sql(
+            scratch_dir / "store",
+            "--format",
+            "csv",
+            "SELECT run_id, world_size FROM probewire.runs FINAL",
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines() == ["run_id,world_size", "held,2"]
     finally:

@@ -25,8 +25,7 @@ import torch
 
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM, token_loss_sum
 from probewire.evaluators.lm import ByteTokenizer, EvalModel
-from probewire.evaluators.media_task import (CAPTIONS, CaptionSuite, caption_batch,
-                                             make_caption_set)
+from probewire.evaluators.media_task import CAPTIONS, CaptionSuite, caption_batch, make_caption_set
 from probewire.evaluators.suites import MediaGain
 
 STEPS, BATCH, LR, P_NO_IMAGE = 600, 32, 3e-3, 0.25
@@ -50,8 +49,9 @@ def trained() -> TinyLM:
         for _ in range(STEPS):
             tokens, targets, images = caption_batch(rng.integers(2**31, size=BATCH))
             present = torch.from_numpy(rng.random((BATCH, 1)) >= P_NO_IMAGE)
-            loss = token_loss_sum(model(tokens, images, present), targets) / (
-                targets != IGNORE).sum()
+            loss = (
+                token_loss_sum(model(tokens, images, present), targets) / (targets != IGNORE).sum()
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -61,8 +61,9 @@ def trained() -> TinyLM:
 
 
 def _gains(model: TinyLM) -> dict[str, float]:
-    em = EvalModel(module=model, tokenizer=ByteTokenizer(), context_len=model.cfg.seq_len,
-                   batch_size=256)
+    em = EvalModel(
+        module=model, tokenizer=ByteTokenizer(), context_len=model.cfg.seq_len, batch_size=256
+    )
     suite = MediaGain(CaptionSuite(make_caption_set(HELDOUT, seed=12345)))
     return {s.metric: s.value for s in suite.run(em)}
 
@@ -75,7 +76,8 @@ def test_heldout_set_is_balanced_with_distinct_images():
 
 
 def test_media_gain_is_clearly_positive_after_training_and_near_zero_with_projector_zeroed(
-        trained: TinyLM):
+    trained: TinyLM,
+):
     on = _gains(trained)
     # Trained: the no-media path sits at the text prior (≈ −MAX_LOGPROB_GAIN nats/byte);
     # a model using the image should recover well over half of the 0.118 nats/byte the

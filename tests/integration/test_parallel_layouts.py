@@ -16,10 +16,10 @@ import time
 import uuid
 from pathlib import Path
 
+import parallel_ranks as pr
 import pytest
 import torch.multiprocessing as mp
 
-import parallel_ranks as pr
 from probewire.deploy.settings import ClickHouseSettings, Settings
 from probewire.deploy.stack import LocalStack
 
@@ -29,9 +29,15 @@ LAYOUTS = tuple(pr.WORLD)
 
 # The ranks fork from a server that imported torch, its parallel APIs and probewire once;
 # spawned, each rank imported them again (~3 s of CPU each on a 2-core host).
-multiprocessing.set_forkserver_preload([
-    "parallel_ranks", "probewire.instrument", "torch.distributed.fsdp",
-    "torch.distributed.tensor.parallel", "torch.distributed.pipelining"])
+multiprocessing.set_forkserver_preload(
+    [
+        "parallel_ranks",
+        "probewire.instrument",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor.parallel",
+        "torch.distributed.pipelining",
+    ]
+)
 
 
 def _ranks(fn, args: tuple, nprocs: int) -> None:
@@ -59,40 +65,70 @@ def runs(scratch_module: Path, read_store):
             trace_dir = scratch_module / layout
             trace_dir.mkdir()
             world = pr.WORLD[layout]
-            _ranks(pr.train, (world, _port(), layout, run_ids[layout], bootstrap,
-                              str(trace_dir)), world)
-            traces[layout] = {r: {rec["step"]: rec for rec in map(json.loads, (
-                trace_dir / f"rank{r}.jsonl").read_text().splitlines())} for r in range(world)}
-            sent[layout] = {r: json.loads((trace_dir / f"rank{r}.stats.json").read_text())
-                            for r in range(world)}
+            _ranks(
+                pr.train,
+                (world, _port(), layout, run_ids[layout], bootstrap, str(trace_dir)),
+                world,
+            )
+            traces[layout] = {
+                r: {
+                    rec["step"]: rec
+                    for rec in map(
+                        json.loads, (trace_dir / f"rank{r}.jsonl").read_text().splitlines()
+                    )
+                }
+                for r in range(world)
+            }
+            sent[layout] = {
+                r: json.loads((trace_dir / f"rank{r}.stats.json").read_text()) for r in range(world)
+            }
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(
-                stack.progress(run_ids[layout]) < pr.STEPS for layout in LAYOUTS):
+            stack.progress(run_ids[layout]) < pr.STEPS for layout in LAYOUTS
+        ):
             time.sleep(0.5)
-    warnings = [line for line in (scratch_module / "stack" / "worker.log").read_text(
-        errors="replace").splitlines() if "WARNING" in line or "ERROR" in line]
+    warnings = [
+        line
+        for line in (scratch_module / "stack" / "worker.log")
+        .read_text(errors="replace")
+        .splitlines()
+        if "WARNING" in line or "ERROR" in line
+    ]
     db = settings.clickhouse.database
     ids = ", ".join(f"'{r}'" for r in run_ids.values())
-    steps = read_store(store, f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, "
-                              f"ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
-                              f"({ids}) ORDER BY run_id, step")
-    ranks = read_store(store, f"SELECT run_id, step, rank, metric, labels, value FROM "
-                              f"{db}.rank_metrics_recent FINAL WHERE run_id IN ({ids})")
+    steps = read_store(
+        store,
+        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, "
+        f"ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
+        f"({ids}) ORDER BY run_id, step",
+    )
+    ranks = read_store(
+        store,
+        f"SELECT run_id, step, rank, metric, labels, value FROM "
+        f"{db}.rank_metrics_recent FINAL WHERE run_id IN ({ids})",
+    )
     refused = read_store(store, f"SELECT key, reason FROM {db}.dead_letters")
-    experts = read_store(store, f"SELECT run_id, step, expert, tokens FROM "
-                                f"{db}.expert_stats_recent FINAL WHERE run_id IN ({ids})")
+    experts = read_store(
+        store,
+        f"SELECT run_id, step, expert, tokens FROM "
+        f"{db}.expert_stats_recent FINAL WHERE run_id IN ({ids})",
+    )
     by_layout = {}
     for layout, run_id in run_ids.items():
         by_layout[layout] = {
             "steps": {r["step"]: r for r in steps if r["run_id"] == run_id},
             "ranks": [r for r in ranks if r["run_id"] == run_id],
-            "experts": {(r["step"], r["expert"]): r["tokens"] for r in experts
-                        if r["run_id"] == run_id},
+            "experts": {
+                (r["step"], r["expert"]): r["tokens"] for r in experts if r["run_id"] == run_id
+            },
             "traces": traces[layout],
             # why a rank is missing: what it sent, what the worker refused or logged
-            "evidence": {"sent": sent[layout], "worker": [w for w in warnings if run_id in w],
-                         "refused": [r["reason"] for r in refused
-                                     if r["key"].startswith(run_id + ":")]}}
+            "evidence": {
+                "sent": sent[layout],
+                "worker": [w for w in warnings if run_id in w],
+                "refused": [r["reason"] for r in refused if r["key"].startswith(run_id + ":")],
+            },
+        }
     return by_layout
 
 
@@ -135,7 +171,8 @@ def test_gradient_norm_is_the_unsharded_clip_norm(runs, layout):
         assert len(clipped) == 1  # every rank clipped with the same global norm
         assert row["grad_norm"] == pytest.approx(clipped.pop(), rel=1e-4)
     assert runs[layout]["steps"][0]["grad_norm"] == pytest.approx(
-        pr.reference(layout)["grad_norm"], rel=1e-5)
+        pr.reference(layout)["grad_norm"], rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -156,12 +193,11 @@ def test_expert_parallel_counts_each_expert_once(runs):
     ref = pr.reference("ep")["expert_counts"]
     got = [runs["ep"]["experts"][(0, i)] for i in range(pr.E)]
     assert got == ref and sum(got) == pr.K * sum(
-        int(n) for n in [(pr.global_batch(0)[1] != pr.IGNORE).sum()])
+        int(n) for n in [(pr.global_batch(0)[1] != pr.IGNORE).sum()]
+    )
 
 
-
-@pytest.mark.parametrize("case,name", [("plain_shard", "head.weight"),
-                                       ("fsdp", "embed.weight")])
+@pytest.mark.parametrize("case,name", [("plain_shard", "head.weight"), ("fsdp", "embed.weight")])
 def test_a_shard_declared_a_replica_is_refused_naming_the_parameter(tmp_path, case, name):
     """The old failure mode: shards taken for DDP replicas would keep only dp=0's part.
     Declared by hand against what the model is, attach refuses in one line instead."""

@@ -11,15 +11,22 @@ import pytest
 from confluent_kafka import Consumer
 
 from probewire.deploy.stack import create_topics
-from probewire.stream.publish import PublishError, Publisher
+from probewire.stream.publish import Publisher, PublishError
 
 pytestmark = pytest.mark.integration
 
 
 def _read_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"pub-{uuid.uuid4().hex}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                         "session.timeout.ms": 6000, "fetch.wait.max.ms": 50})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"pub-{uuid.uuid4().hex}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "session.timeout.ms": 6000,
+            "fetch.wait.max.ms": 50,
+        }
+    )
     consumer.subscribe([topic])
     found = []
     deadline = time.monotonic() + timeout_s
@@ -40,8 +47,9 @@ def test_concurrent_sends_all_return_once_the_broker_holds_them(kafka_bootstrap)
     sent = [(f"k{i % 7}".encode(), f"value {i}".encode()) for i in range(400)]
 
     async def main() -> list:
-        return await asyncio.wait_for(asyncio.gather(
-            *(publisher.send(topic, key, value) for key, value in sent)), 60)
+        return await asyncio.wait_for(
+            asyncio.gather(*(publisher.send(topic, key, value) for key, value in sent)), 60
+        )
 
     try:
         assert asyncio.run(main()) == [None] * len(sent)
@@ -60,8 +68,12 @@ def test_sends_from_two_event_loops_in_turn_each_return(kafka_bootstrap):
     publisher = Publisher({"bootstrap.servers": kafka_bootstrap}, 100_000)
 
     async def burst(tag: str) -> list:
-        return await asyncio.wait_for(asyncio.gather(
-            *(publisher.send(topic, tag.encode(), f"{tag}{i}".encode()) for i in range(50))), 60)
+        return await asyncio.wait_for(
+            asyncio.gather(
+                *(publisher.send(topic, tag.encode(), f"{tag}{i}".encode()) for i in range(50))
+            ),
+            60,
+        )
 
     try:
         assert asyncio.run(burst("a")) == [None] * 50
@@ -69,12 +81,14 @@ def test_sends_from_two_event_loops_in_turn_each_return(kafka_bootstrap):
     finally:
         assert publisher.close() == 0
     values = sorted(v for _, v in _read_all(kafka_bootstrap, topic, 100))
-    assert values == sorted([f"a{i}".encode() for i in range(50)] +
-                            [f"b{i}".encode() for i in range(50)])
+    assert values == sorted(
+        [f"a{i}".encode() for i in range(50)] + [f"b{i}".encode() for i in range(50)]
+    )
 
 
 def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_end(
-        kafka_bootstrap):
+    kafka_bootstrap,
+):
     """What the worker reads again when its consumer skipped offsets (``stream.gaps``)."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
@@ -92,13 +106,17 @@ def test_the_gap_reader_reads_given_offsets_of_a_partition_and_nothing_past_its_
         assert reader.starts(topic, [0]) == {0: 0}  # nothing committed: the first offset
         got = reader.read(topic, 0, 2, 5)
         assert [(m.key, m.value, m.message.offset) for m in got] == [
-            (b"run:2", b"v2", 2), (b"run:3", b"v3", 3), (b"run:4", b"v4", 4)]
+            (b"run:2", b"v2", 2),
+            (b"run:3", b"v3", 3),
+            (b"run:4", b"v4", 4),
+        ]
         assert got[0].message.topic == topic and got[0].message.partition == 0
         started = time.monotonic()
         assert reader.read(topic, 0, 6, 8) == []  # nothing there: gone, after wait_s
         assert time.monotonic() - started < 5.0
-        committer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group,
-                              "enable.auto.commit": "false"})
+        committer = Consumer(
+            {"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": "false"}
+        )
         try:  # the group's committed offset, as a worker's consumer commits it
             committer.commit(offsets=[TopicPartition(topic, 0, 4)], asynchronous=False)
         finally:

@@ -19,8 +19,8 @@ from probewire.sinks import ClickHouseSink
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None or DRIVER is None,
-    reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
-           "chromium-driver)")
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
 RUN, OTHER = "baseline", "lr-x2"
 
 
@@ -28,10 +28,15 @@ RUN, OTHER = "baseline", "lr-x2"
 def report(ch_client, ch_database, tmp_path):
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
-    write_simulated_run(sink, simulated_run(RUN, steps=160, seed=0, faults=(
-        LayerExplosion(layer=2, step=130, scale=50.0),)))
-    write_simulated_run(sink, simulated_run(OTHER, steps=120, seed=3,
-                                            sources=(("web", 0.5), ("code", 0.5))))
+    write_simulated_run(
+        sink,
+        simulated_run(
+            RUN, steps=160, seed=0, faults=(LayerExplosion(layer=2, step=130, scale=50.0),)
+        ),
+    )
+    write_simulated_run(
+        sink, simulated_run(OTHER, steps=120, seed=3, sources=(("web", 0.5), ("code", 0.5)))
+    )
     path, _ = write_report(ch_client, ch_database, [RUN, OTHER], tmp_path / "report")
     return path, {r: load_first_screen(ch_client, ch_database, r) for r in (RUN, OTHER)}
 
@@ -43,8 +48,14 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1500,1900", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1500,1900",
+        "--force-device-scale-factor=1",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     try:
@@ -72,8 +83,7 @@ def _ema(y: np.ndarray, alpha: float) -> np.ndarray:
     return out
 
 
-def test_two_run_report_hover_axis_switch_overlay_and_screenshot(report, browser,
-                                                                 tmp_path) -> None:
+def test_two_run_report_hover_axis_switch_overlay_and_screenshot(report, browser, tmp_path) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -88,17 +98,26 @@ def test_two_run_report_hover_axis_switch_overlay_and_screenshot(report, browser
     step = 60
     y = float(data[OTHER].steps["loss"][step])
     x = float(data[OTHER].steps["tokens"][step])
-    px, py, w, h = browser.execute_script("""
+    px, py, w, h = browser.execute_script(
+        """
         const d = arguments[0], xa = d._fullLayout.xaxis, ya = d._fullLayout.yaxis;
         const r = d.getBoundingClientRect();
         return [xa._offset + xa.l2p(arguments[1]), ya._offset + ya.l2p(arguments[2]),
-                r.width, r.height];""", loss, x, y)
+                r.width, r.height];""",
+        loss,
+        x,
+        y,
+    )
     ActionChains(browser).move_to_element_with_offset(
-        loss, int(round(px - w / 2)), int(round(py - h / 2))).perform()
+        loss, int(round(px - w / 2)), int(round(py - h / 2))
+    ).perform()
     text = _wait(
-        browser, "const t = document.querySelector('#chart-loss .hoverlayer .hovertext');"
-                 "return t && Array.from(t.querySelectorAll('tspan.line')).map(e => e.textContent)"
-                 ".join('\\n');", 10)
+        browser,
+        "const t = document.querySelector('#chart-loss .hoverlayer .hovertext');"
+        "return t && Array.from(t.querySelectorAll('tspan.line')).map(e => e.textContent)"
+        ".join('\\n');",
+        10,
+    )
     # the label names the nearest point's trace (L and L_max of both runs lie close):
     # its value is that trace's stored value at the nearest stored tokens
     import re
@@ -108,13 +127,16 @@ def test_two_run_report_hover_axis_switch_overlay_and_screenshot(report, browser
     run, column = match[1], {"L": "loss", "L_max": "loss_worst_rank"}[match[2]]
     nearest = int(np.argmin(np.abs(data[run].steps["tokens"] - x)))
     assert abs(nearest - step) <= 1 if run == OTHER else True
-    assert match[4] in {f"{data[run].steps[column][i]:.5g}"
-                        for i in range(max(nearest - 1, 0), nearest + 2)}, text
+    assert match[4] in {
+        f"{data[run].steps[column][i]:.5g}" for i in range(max(nearest - 1, 0), nearest + 2)
+    }, text
 
     # both runs drawn on the chart's one x axis, tokens first
     traces = browser.execute_script(
         "return arguments[0].data.filter(t => t.meta.role === 'raw')"
-        ".map(t => [t.meta.run, t.meta.label, t.xaxis || 'x', t.x.length]);", loss)
+        ".map(t => [t.meta.run, t.meta.label, t.xaxis || 'x', t.x.length]);",
+        loss,
+    )
     assert {(r, a) for r, _, a, _ in traces} == {(RUN, "x"), (OTHER, "x")}
 
     # switch to FLOPs: every run's x values are its stored cumulative FLOPs
@@ -123,26 +145,35 @@ def test_two_run_report_hover_axis_switch_overlay_and_screenshot(report, browser
     for run in (RUN, OTHER):
         xs = browser.execute_script(
             "return arguments[0].data.find(t => t.meta.role === 'raw' && t.meta.run === "
-            "arguments[1] && t.meta.label === 'L').x;", loss, run)
+            "arguments[1] && t.meta.label === 'L').x;",
+            loss,
+            run,
+        )
         np.testing.assert_array_equal(np.array(xs, dtype=float), data[run].steps["flops"])
     title, span = browser.execute_script(
-        "const xa = arguments[0]._fullLayout.xaxis; return [xa.title.text, xa.range];", loss)
+        "const xa = arguments[0]._fullLayout.xaxis; return [xa.title.text, xa.range];", loss
+    )
     assert title == "cumulative FLOPs"
     top = max(float(data[r].steps["flops"][-1]) for r in (RUN, OTHER))
     assert span[0] <= float(data[OTHER].steps["flops"][0]) and span[1] >= top  # overlay
 
     # smoothing on: smoothed lines appear, the raw ones stay visible
-    browser.execute_script("const s = document.getElementById('pw-smooth'); s.value = '0.9';"
-                           "s.dispatchEvent(new Event('input'));")
+    browser.execute_script(
+        "const s = document.getElementById('pw-smooth'); s.value = '0.9';"
+        "s.dispatchEvent(new Event('input'));"
+    )
     state = browser.execute_script(
         "return arguments[0].data.map(t => [t.meta.role, t.meta.run, t.meta.label, t.visible,"
-        " t.y]);", loss)
+        " t.y]);",
+        loss,
+    )
     raw = [s for s in state if s[0] == "raw"]
     smooth = [s for s in state if s[0] == "smooth"]
     assert raw and all(s[3] is True for s in raw) and all(s[3] is True for s in smooth)
     [(*_, smoothed)] = [s for s in smooth if s[1] == OTHER and s[2] == "L"]
-    np.testing.assert_allclose(np.array(smoothed, dtype=float),
-                               _ema(data[OTHER].steps["loss"], 0.9), rtol=1e-12)
+    np.testing.assert_allclose(
+        np.array(smoothed, dtype=float), _ema(data[OTHER].steps["loss"], 0.9), rtol=1e-12
+    )
 
     browser.execute_script("window.scrollTo(0, 0)")
     shot = tmp_path / "report-two-runs.png"

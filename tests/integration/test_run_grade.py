@@ -48,30 +48,52 @@ RANKS = 4
 
 
 def settings_for(store: Path, **stream) -> Settings:
-    stage2 = Stage2Config(detectors=DetectorConfig(window=10), retention_every_k=5,
-                          retention_halo=2, warmup_steps=2, final_steps=2,
-                          max_wait_s=stream.pop("max_wait_s", 3.0),
-                          run_idle_s=stream.pop("run_idle_s", 60.0))
+    stage2 = Stage2Config(
+        detectors=DetectorConfig(window=10),
+        retention_every_k=5,
+        retention_halo=2,
+        warmup_steps=2,
+        final_steps=2,
+        max_wait_s=stream.pop("max_wait_s", 3.0),
+        run_idle_s=stream.pop("run_idle_s", 60.0),
+    )
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/"), retry_max_s=1.0),
-        stream=StreamSettings(app_id=f"pw-grade-{uuid.uuid4().hex[:8]}",
-                              deadline_s=stream.pop("deadline_s", 2.0),
-                              stage2=stage2, health=HealthConfig(stall_s=max(6.0, stage2.max_wait_s + 1.0)),
-                              **stream))
+        stream=StreamSettings(
+            app_id=f"pw-grade-{uuid.uuid4().hex[:8]}",
+            deadline_s=stream.pop("deadline_s", 2.0),
+            stage2=stage2,
+            health=HealthConfig(stall_s=max(6.0, stage2.max_wait_s + 1.0)),
+            **stream,
+        ),
+    )
 
 
-def encode(run: SimRun, step: int, extra=(), identity=None,
-           ranks: range | None = None) -> list[tuple[bytes, bytes]]:
+def encode(
+    run: SimRun, step: int, extra=(), identity=None, ranks: range | None = None
+) -> list[tuple[bytes, bytes]]:
     """The messages of one step from ``ranks`` (default: every rank), encoded by the ranks'
     own wire encoder (the emitter's thread and queue add nothing to test here)."""
     out = []
     for rank in range(run.world_size) if ranks is None else ranks:
-        who = identity(rank) if identity else RankIdentity(
-            run_id=run.run_id, rank=rank, world_size=run.world_size, host=f"h{rank}",
-            coords={"dp": rank})
+        who = (
+            identity(rank)
+            if identity
+            else RankIdentity(
+                run_id=run.run_id,
+                rank=rank,
+                world_size=run.world_size,
+                host=f"h{rank}",
+                coords={"dp": rank},
+            )
+        )
         points = [Point(n, v) for n, v in run.components(step, rank).items()] + list(extra)
-        out.append((message_key(who.run_id, step),
-                    WireEncoder(who.resource_attributes()).encode(step, points)))
+        out.append(
+            (
+                message_key(who.run_id, step),
+                WireEncoder(who.resource_attributes()).encode(step, points),
+            )
+        )
     return out
 
 
@@ -92,9 +114,11 @@ def wait_for(stack: LocalStack, run_id: str, steps: int, timeout_s: float = 90.0
 
 def wait_stored(stack: LocalStack, table: str, rows: int, timeout_s: float = 30.0) -> None:
     """Until the worker has stored ``rows`` rows of ``table`` (its heartbeat says so)."""
+
     def stored() -> int:
         beat = json.loads(stack.heartbeat_path.read_text())
         return beat.get("stages", {}).get(table, {}).get("outputs", 0)
+
     deadline = time.monotonic() + timeout_s
     while stored() < rows and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -102,9 +126,21 @@ def wait_stored(stack: LocalStack, table: str, rows: int, timeout_s: float = 30.
 
 
 def health(stack: LocalStack) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "probewire.deploy.cli", "health",
-                           "--component", "worker", "--heartbeat", str(stack.heartbeat_path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probewire.deploy.cli",
+            "health",
+            "--component",
+            "worker",
+            "--heartbeat",
+            str(stack.heartbeat_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def reference(run: SimRun, step: int) -> dict[str, float]:
@@ -113,17 +149,24 @@ def reference(run: SimRun, step: int) -> dict[str, float]:
     column = lambda name: np.array([c[name] for c in parts], dtype=np.float64)  # noqa: E731
     loss, worst = run.expected(step)
     tau = float(np.max(column(System.STEP_TIME)))
-    return {"loss": loss, "loss_worst_rank": worst,
-            "grad_norm": float(np.sqrt(np.sum(column(Grad.NORM_SQ)))),
-            "step_time_s": tau, "tokens_per_s": float(np.sum(column(Loss.TOKENS))) / tau}
+    return {
+        "loss": loss,
+        "loss_worst_rank": worst,
+        "grad_norm": float(np.sqrt(np.sum(column(Grad.NORM_SQ)))),
+        "step_time_s": tau,
+        "tokens_per_s": float(np.sum(column(Loss.TOKENS))) / tau,
+    }
 
 
 def assert_exact(read_store, store: Path, run: SimRun, steps: list[int]) -> list[dict]:
     """Every step stored once, its P0 series equal to the float64 reference."""
-    rows = read_store(store, "SELECT step, loss, loss_worst_rank, grad_norm, step_time_s, "
-                             "tokens_per_s, complete_reason, count() OVER (PARTITION BY step) "
-                             "AS copies FROM probewire.step_metrics FINAL WHERE run_id = "
-                             f"'{run.run_id}' ORDER BY step")
+    rows = read_store(
+        store,
+        "SELECT step, loss, loss_worst_rank, grad_norm, step_time_s, "
+        "tokens_per_s, complete_reason, count() OVER (PARTITION BY step) "
+        "AS copies FROM probewire.step_metrics FINAL WHERE run_id = "
+        f"'{run.run_id}' ORDER BY step",
+    )
     assert [r["step"] for r in rows] == steps
     assert all(r["copies"] == 1 for r in rows)
     for row in rows:
@@ -142,13 +185,15 @@ def stack(kafka_bootstrap, scratch_dir, request):
         s.use_broker(kafka_bootstrap)
         s.start_worker()
         return s
+
     yield start
     for s in made:
         s.stop()
 
 
 def test_a_pause_longer_than_run_idle_s_then_resume_stores_every_step(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     s = stack(run_idle_s=2.0)
     run = SimRun(run_id=f"pause-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=1)
     produce(kafka_bootstrap, [m for step in range(10) for m in encode(run, step)])
@@ -163,14 +208,18 @@ def test_a_pause_longer_than_run_idle_s_then_resume_stores_every_step(
 
 
 def test_a_worker_stopped_while_it_holds_a_partial_step_exits_and_the_step_is_not_lost(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     """SIGTERM while rank messages wait unacknowledged for their step's last rank: the worker
     stops by itself (Faust's default waited for them until the stack killed it), and a
     restarted worker gets them again and stores the step once it is complete."""
     s = stack(deadline_s=30.0, max_wait_s=40.0)  # the partial step is not published as late
     run = SimRun(run_id=f"held-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
-    produce(kafka_bootstrap, [m for step in range(5) for m in encode(run, step)]
-            + encode(run, 5, ranks=range(RANKS - 1)))
+    produce(
+        kafka_bootstrap,
+        [m for step in range(5) for m in encode(run, step)]
+        + encode(run, 5, ranks=range(RANKS - 1)),
+    )
     wait_for(s, run.run_id, 5)
     time.sleep(1.0)  # step 5's messages reach the worker, which holds them
     os.killpg(s.worker.pid, signal.SIGTERM)
@@ -187,11 +236,13 @@ def test_a_worker_stopped_while_it_holds_a_partial_step_exits_and_the_step_is_no
 
 
 def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     s = stack()
     run = SimRun(run_id=f"gap-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=2)
-    produce(kafka_bootstrap, [m for step in [*range(10), *range(11, 30)]
-                              for m in encode(run, step)])
+    produce(
+        kafka_bootstrap, [m for step in [*range(10), *range(11, 30)] for m in encode(run, step)]
+    )
     wait_for(s, run.run_id, 29)  # step 10's gap skipped after max_wait_s
     produce(kafka_bootstrap, encode(run, 10))
     wait_for(s, run.run_id, 30)
@@ -201,7 +252,8 @@ def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
 
 
 def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     s = stack(bounds=Bounds(max_label_values=20))
     run = SimRun(run_id=f"poison-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=3)
     one = range(1)
@@ -211,32 +263,58 @@ def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
     word_rank[RANK_ATTR] = "one"
     poison = [
         encode(other, 3, bad_expert, ranks=one),
-        encode(other, 2 ** 62, ranks=one),
+        encode(other, 2**62, ranks=one),
         encode(SimRun(run_id="huge", world_size=5_000_000), 0, ranks=one),
-        encode(other, 4, ranks=range(1, 2), identity=lambda r: RankIdentity(
-            run_id=run.run_id, rank=r, world_size=RANKS + 1)),
+        encode(
+            other,
+            4,
+            ranks=range(1, 2),
+            identity=lambda r: RankIdentity(run_id=run.run_id, rank=r, world_size=RANKS + 1),
+        ),
         [(f"{run.run_id}:5".encode(), b"\x00garbage")],
-        [(f"{run.run_id}:5".encode(), None)] * 20,     # null payloads, one letter each
-        [(f"{run.run_id}:5".encode(), WireEncoder(word_rank).encode(
-            5, [Point(n, v) for n, v in other.components(5, 1).items()]))],
+        [(f"{run.run_id}:5".encode(), None)] * 20,  # null payloads, one letter each
+        [
+            (
+                f"{run.run_id}:5".encode(),
+                WireEncoder(word_rank).encode(
+                    5, [Point(n, v) for n, v in other.components(5, 1).items()]
+                ),
+            )
+        ],
     ]
     good = [m for step in range(12) for m in encode(run, step)]
     # rank 0 of step 6 names 30 loss sources: 20 are kept, the other 10 are dropped (one
     # dead letter with the reason) and the rest of its message is reduced as usual
-    sources = [Point(name, 1.0, ((Label.SOURCE, f"src{i}"),))
-               for i in range(30) for name in (Loss.SUM, Loss.TOKENS)]
+    sources = [
+        Point(name, 1.0, ((Label.SOURCE, f"src{i}"),))
+        for i in range(30)
+        for name in (Loss.SUM, Loss.TOKENS)
+    ]
     good[24:25] = encode(run, 6, sources, ranks=one)
     produce(kafka_bootstrap, good[:20] + [m for p in poison for m in p] + good[20:])
     wait_for(s, run.run_id, 12)
     # stage 2's own input, written by someone other than stage 1: garbage, and a reduced
     # step with a loss sum on a rank that has no token (derive's rules refuse it)
-    bad = [ReducedStep(run_id=run.run_id, step=step, world_size=2, ranks_reporting=[0, 1],
-                       ranks_missing=[], reduced={(Loss.SUM, ()): 5.0, (Loss.TOKENS, ()): 1.0},
-                       per_rank={0: {(Loss.SUM, ()): 3.0, (Loss.TOKENS, ()): 1.0},
-                                 1: {(Loss.SUM, ()): 2.0, (Loss.TOKENS, ()): 0.0}})
-           for step in (12, 13)]  # two letters with no input offset: both kept
-    produce(kafka_bootstrap, [(run.run_id.encode(), b"garbage")] + [
-        (run.run_id.encode(), b.to_bytes()) for b in bad], topic="probewire.steps")
+    bad = [
+        ReducedStep(
+            run_id=run.run_id,
+            step=step,
+            world_size=2,
+            ranks_reporting=[0, 1],
+            ranks_missing=[],
+            reduced={(Loss.SUM, ()): 5.0, (Loss.TOKENS, ()): 1.0},
+            per_rank={
+                0: {(Loss.SUM, ()): 3.0, (Loss.TOKENS, ()): 1.0},
+                1: {(Loss.SUM, ()): 2.0, (Loss.TOKENS, ()): 0.0},
+            },
+        )
+        for step in (12, 13)
+    ]  # two letters with no input offset: both kept
+    produce(
+        kafka_bootstrap,
+        [(run.run_id.encode(), b"garbage")] + [(run.run_id.encode(), b.to_bytes()) for b in bad],
+        topic="probewire.steps",
+    )
     wait_stored(s, "dead_letters", 4 + sum(map(len, poison)))
     s.stop()
     store = scratch_dir / "store"
@@ -247,17 +325,31 @@ def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
     assert {r["key"] for r in letters if "disagrees" in r["reason"]} == {f"{run.run_id}:4"}
     assert {r["key"] for r in letters if "not a reduced step" in r["reason"]} == {run.run_id}
     reasons = " | ".join(sorted(r["reason"] for r in letters))
-    for expected in ("label expert", "step 4611686018427387904", "world size 5000000",
-                     "disagrees", "not an OTLP", "empty payload", "must be an integer",
-                     "label source", "not a reduced step", "step 12 of run", "step 13 of run"):
+    for expected in (
+        "label expert",
+        "step 4611686018427387904",
+        "world size 5000000",
+        "disagrees",
+        "not an OTLP",
+        "empty payload",
+        "must be an integer",
+        "label source",
+        "not a reduced step",
+        "step 12 of run",
+        "step 13 of run",
+    ):
         assert expected in reasons, reasons
-    kept = read_store(store, "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
-                             f"WHERE run_id = '{run.run_id}' GROUP BY step")
+    kept = read_store(
+        store,
+        "SELECT step, count() AS n FROM probewire.source_metrics FINAL "
+        f"WHERE run_id = '{run.run_id}' GROUP BY step",
+    )
     assert [(r["step"], r["n"]) for r in kept] == [(6, 20)]
 
 
 def test_sums_past_the_float64_range_or_of_opposite_infinities_are_stored_as_numpy_sums(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     """Step 3's loss sums are +inf on rank 0 and -inf on rank 1 (Σ: NaN); step 4's are
     1e308 on every rank (Σ past float64's range: +inf). Stage 1 once crashed on both (an
     exact sum raises on them); now each step is stored with the value NumPy's float64 sum
@@ -269,24 +361,36 @@ def test_sums_past_the_float64_range_or_of_opposite_infinities_are_stored_as_num
     for step in range(8):
         for rank in range(RANKS):
             parts = run.components(step, rank) | (
-                {Loss.SUM: odd[step][rank]} if rank in odd.get(step, {}) else {})
+                {Loss.SUM: odd[step][rank]} if rank in odd.get(step, {}) else {}
+            )
             who = RankIdentity(run_id=run.run_id, rank=rank, world_size=RANKS, host=f"h{rank}")
-            messages.append((message_key(run.run_id, step), WireEncoder(
-                who.resource_attributes()).encode(step, [Point(n, v) for n, v in parts.items()])))
+            messages.append(
+                (
+                    message_key(run.run_id, step),
+                    WireEncoder(who.resource_attributes()).encode(
+                        step, [Point(n, v) for n, v in parts.items()]
+                    ),
+                )
+            )
     produce(kafka_bootstrap, messages)
     wait_for(s, run.run_id, 8)
     assert s.worker.poll() is None, "the worker exited"
     s.stop()
     # JSON has no NaN or inf: the non-finite ones are read back by name
-    rows = read_store(scratch_dir / "store", "SELECT step, loss AS value, toString(loss) AS "
-                      "text FROM probewire.step_metrics FINAL WHERE run_id = "
-                      f"'{run.run_id}' ORDER BY step")
+    rows = read_store(
+        scratch_dir / "store",
+        "SELECT step, loss AS value, toString(loss) AS "
+        "text FROM probewire.step_metrics FINAL WHERE run_id = "
+        f"'{run.run_id}' ORDER BY step",
+    )
     assert [r["step"] for r in rows] == list(range(8))
     for row in rows:
         step = row["step"]
         row["loss"] = float(row["text"]) if row["value"] is None else row["value"]
-        sums = np.array([odd.get(step, {}).get(r, run.components(step, r)[Loss.SUM])
-                         for r in range(RANKS)], dtype=np.float64)
+        sums = np.array(
+            [odd.get(step, {}).get(r, run.components(step, r)[Loss.SUM]) for r in range(RANKS)],
+            dtype=np.float64,
+        )
         tokens = np.array([run.components(step, r)[Loss.TOKENS] for r in range(RANKS)])
         with np.errstate(over="ignore", invalid="ignore"):
             expected = float(np.sum(sums) / np.sum(tokens))
@@ -295,7 +399,8 @@ def test_sums_past_the_float64_range_or_of_opposite_infinities_are_stored_as_num
 
 
 def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everything(
-        stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch):
+    stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch
+):
     flag = scratch_dir / "outage"
     monkeypatch.setenv("PROBEWIRE_FAULT_STORE_OUTAGE", str(flag))
     s = stack()
@@ -321,7 +426,8 @@ def test_a_store_outage_past_the_retry_window_fails_health_then_stores_everythin
 
 
 def test_health_fails_while_an_agent_is_crashed_and_a_restart_stores_its_input(
-        stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch):
+    stack, kafka_bootstrap, read_store, scratch_dir, monkeypatch
+):
     monkeypatch.setenv("PROBEWIRE_FAULT_CRASH_AGENT", "per_run")
     s = stack()  # (a fresh group: it may crash at once on another test's steps)
     run = SimRun(run_id=f"crash-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
@@ -344,11 +450,15 @@ def test_health_fails_while_an_agent_is_crashed_and_a_restart_stores_its_input(
 
 
 def test_a_step_over_the_message_limit_is_split_and_stored_whole(
-        stack, kafka_bootstrap, read_store, scratch_dir):
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
     s = stack(max_message_bytes=20_000)
     run = SimRun(run_id=f"big-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=6)
-    tensors = [Point(name, 1.0, ((Label.KIND, "fwd"), (Label.TENSOR, f"t{t}")))
-               for t in range(40) for name in Tensor.ALL]
+    tensors = [
+        Point(name, 1.0, ((Label.KIND, "fwd"), (Label.TENSOR, f"t{t}")))
+        for t in range(40)
+        for name in Tensor.ALL
+    ]
     messages = [m for step in range(6) for m in encode(run, step, tensors)]
     produce(kafka_bootstrap, messages)
     wait_for(s, run.run_id, 6)
@@ -356,18 +466,27 @@ def test_a_step_over_the_message_limit_is_split_and_stored_whole(
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(6)))
     # warm-up steps 0 and 1 are retained: every rank's every point, every tensor row
-    ranks = read_store(store, "SELECT step, count() AS n FROM probewire.rank_metrics FINAL "
-                              f"WHERE run_id = '{run.run_id}' GROUP BY step ORDER BY step")
+    ranks = read_store(
+        store,
+        "SELECT step, count() AS n FROM probewire.rank_metrics FINAL "
+        f"WHERE run_id = '{run.run_id}' GROUP BY step ORDER BY step",
+    )
     per_rank = len(run.components(0, 0)) + len(tensors)
-    assert [(r["step"], r["n"]) for r in ranks][:2] == [(0, RANKS * per_rank),
-                                                       (1, RANKS * per_rank)]
-    rows = read_store(store, "SELECT count() AS n FROM probewire.tensor_stats FINAL "
-                             f"WHERE run_id = '{run.run_id}' AND step = 0")
+    assert [(r["step"], r["n"]) for r in ranks][:2] == [
+        (0, RANKS * per_rank),
+        (1, RANKS * per_rank),
+    ]
+    rows = read_store(
+        store,
+        "SELECT count() AS n FROM probewire.tensor_stats FINAL "
+        f"WHERE run_id = '{run.run_id}' AND step = 0",
+    )
     assert rows == [{"n": 40}]
 
 
 def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step_once(
-        read_store, scratch_dir):
+    read_store, scratch_dir
+):
     """docs/deployment.md, "The broker restarts" (Tansu, memory storage): topics recreated
     (with the broker), the worker restarted, the ranks re-send after the last stored step
     with a generous window; nothing is lost and nothing stored twice."""
@@ -381,8 +500,11 @@ def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step
         wait_for(s, run.run_id, 10)
         s.restart_broker()  # mid-run: steps 10..14 may be anywhere between rank and store
         stop_process(s.worker, signal.SIGTERM, 30.0)  # (2) restart the worker
-        [last] = read_store(store, "SELECT max(step) AS m FROM probewire.step_metrics FINAL "
-                                   f"WHERE run_id = '{run.run_id}'")
+        [last] = read_store(
+            store,
+            "SELECT max(step) AS m FROM probewire.step_metrics FINAL "
+            f"WHERE run_id = '{run.run_id}'",
+        )
         assert 9 <= last["m"] <= 14
         s.start_worker()
         # (3) the ranks re-send after the last stored step, with a window of 5 before it
@@ -399,14 +521,16 @@ def test_a_broker_restart_mid_run_with_the_documented_recovery_stores_every_step
 
 
 def test_a_message_limit_over_the_brokers_stops_the_worker_at_start_with_one_line(
-        kafka_bootstrap, scratch_dir):
+    kafka_bootstrap, scratch_dir
+):
     """stream.max_message_bytes is compared with the topics' max.message.bytes at start."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     steps = f"steps-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(steps, 1, 1, config={"max.message.bytes": "50000"})])[
-        steps].result(30)
+        steps
+    ].result(30)
     settings = settings_for(scratch_dir / "store", max_message_bytes=100_000)
     settings.topics = dataclasses.replace(settings.topics, steps=steps)
     s = LocalStack(settings, scratch_dir / "run")
@@ -416,22 +540,29 @@ def test_a_message_limit_over_the_brokers_stops_the_worker_at_start_with_one_lin
             s.start_worker(timeout_s=60)
     finally:
         s.stop()
-    lines = [line for line in (scratch_dir / "run" / "worker.log").read_text().splitlines()
-             if line.startswith("probewire: error:")]
-    assert lines == ["probewire: error: stream.max_message_bytes: 100000 is over what topic "
-                     f"{steps} takes (max.message.bytes=50000, less 1024 bytes of record "
-                     "overhead): set it to at most 48976, or raise the topic's "
-                     "max.message.bytes"]
+    lines = [
+        line
+        for line in (scratch_dir / "run" / "worker.log").read_text().splitlines()
+        if line.startswith("probewire: error:")
+    ]
+    assert lines == [
+        "probewire: error: stream.max_message_bytes: 100000 is over what topic "
+        f"{steps} takes (max.message.bytes=50000, less 1024 bytes of record "
+        "overhead): set it to at most 48976, or raise the topic's "
+        "max.message.bytes"
+    ]
 
 
 def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_logged(
-        kafka_bootstrap, scratch_dir):
+    kafka_bootstrap, scratch_dir
+):
     """The worker keeps retrying a store it cannot reach, health fails naming the store,
     and the password written into the URL appears in no log line and no heartbeat."""
     secret = f"s3cret{uuid.uuid4().hex[:8]}"
     settings = settings_for(scratch_dir / "store")
     settings.clickhouse = ClickHouseSettings(
-        url=f"http://alice:{secret}@127.0.0.1:{free_port()}", retry_max_s=1.0)
+        url=f"http://alice:{secret}@127.0.0.1:{free_port()}", retry_max_s=1.0
+    )
     tree = settings.to_dict()
     tree["kafka"]["bootstrap"] = kafka_bootstrap
     config, heartbeat = scratch_dir / "settings.json", scratch_dir / "worker.heartbeat"
@@ -439,13 +570,25 @@ def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_lo
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROBEWIRE_")}
     env.update(PROBEWIRE_CONFIG=str(config), PROBEWIRE_HEARTBEAT_FILE=str(heartbeat))
     with open(scratch_dir / "worker.log", "wb") as log:
-        worker = spawn([sys.executable, "-m", "probewire.deploy.cli", "worker",
-                        "--loglevel", "info"], log, env)
+        worker = spawn(
+            [sys.executable, "-m", "probewire.deploy.cli", "worker", "--loglevel", "info"], log, env
+        )
         try:
             check = lambda: subprocess.run(  # noqa: E731
-                [sys.executable, "-m", "probewire.deploy.cli", "health", "--component",
-                 "worker", "--heartbeat", str(heartbeat)], capture_output=True, text=True,
-                timeout=60)
+                [
+                    sys.executable,
+                    "-m",
+                    "probewire.deploy.cli",
+                    "health",
+                    "--component",
+                    "worker",
+                    "--heartbeat",
+                    str(heartbeat),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             deadline = time.monotonic() + 60
             while (result := check()).returncode == 0 or "store" not in result.stderr:
                 assert worker.poll() is None, "the worker exited"
@@ -466,24 +609,39 @@ def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir
 
     def probewire(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+
     assert probewire("migrate", "--store", str(store)).returncode == 0
     rng = np.random.default_rng(12)
-    values = ", ".join(f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, "
-                       f"{0.1 + 0.001 * z:.6f})" for s, (x, y, z) in
-                       enumerate(rng.normal(size=(80, 3))))
-    inserted = probewire("sql", "--store", str(store), "INSERT INTO probewire.step_metrics "
-                         f"(run_id, step, loss, grad_norm, step_time_s) VALUES {values}")
+    values = ", ".join(
+        f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, {0.1 + 0.001 * z:.6f})"
+        for s, (x, y, z) in enumerate(rng.normal(size=(80, 3)))
+    )
+    inserted = probewire(
+        "sql",
+        "--store",
+        str(store),
+        "INSERT INTO probewire.step_metrics "
+        f"(run_id, step, loss, grad_norm, step_time_s) VALUES {values}",
+    )
     assert inserted.returncode == 0, inserted.stderr
-    assert probewire("calibrate", "--store", str(store), "--run", "stable",
-                     "--window", "20").returncode == 0
-    hostile = probewire("calibrate", "--store", str(store), "--run", "x' OR 1=1 --",
-                        "--window", "20")
+    assert (
+        probewire(
+            "calibrate", "--store", str(store), "--run", "stable", "--window", "20"
+        ).returncode
+        == 0
+    )
+    hostile = probewire(
+        "calibrate", "--store", str(store), "--run", "x' OR 1=1 --", "--window", "20"
+    )
     assert (hostile.returncode, hostile.stderr) == (
-        2, "probewire: error: run \"x' OR 1=1 --\" has no steps in the store\n")
+        2,
+        'probewire: error: run "x\' OR 1=1 --" has no steps in the store\n',
+    )
 
 
 def test_rank_messages_the_consumer_skipped_are_read_again_and_every_step_is_exact(
-        read_store, scratch_dir, monkeypatch):
+    read_store, scratch_dir, monkeypatch
+):
     """Tansu, when two producers write to one partition at the same moment (DDP ranks
     ending a step: a step's messages share a partition), can make the later write readable
     first; a consumer then moved past the earlier one (measured with a plain consumer: 1
@@ -493,8 +651,9 @@ def test_rank_messages_the_consumer_skipped_are_read_again_and_every_step_is_exa
     group started from), so every step is stored with every rank, exactly (without the
     reading again, steps are stored without a rank)."""
     monkeypatch.setenv("PROBEWIRE_FAULT_SKIP_RANK_MESSAGES", "1,3,6,7")  # of each partition
-    s = LocalStack(settings_for(scratch_dir / "store", deadline_s=30.0, max_wait_s=40.0),
-                   scratch_dir / "run")
+    s = LocalStack(
+        settings_for(scratch_dir / "store", deadline_s=30.0, max_wait_s=40.0), scratch_dir / "run"
+    )
     try:  # a broker of its own: only this run's messages in the partitions
         bootstrap = s.start_broker()
         s.start_worker()

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from probewire.sinks import ClickHouseSink, connect
-from probewire.sinks.retained import promote
 from probewire.deploy.demo.faults import BadRank
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.sinks import ClickHouseSink, connect
+from probewire.sinks.retained import promote
 
 pytestmark = pytest.mark.integration
 
@@ -23,17 +23,31 @@ def sink(ch_client, ch_database) -> ClickHouseSink:
 
 
 def _rank_rows(steps: range, value: float = 1.0) -> list[dict]:
-    return [{"run_id": "run-a", "step": s, "rank": r, "metric": "step.duration", "labels": "",
-             "value": value * (s + r / 10), "late": 0} for s in steps for r in range(4)]
+    return [
+        {
+            "run_id": "run-a",
+            "step": s,
+            "rank": r,
+            "metric": "step.duration",
+            "labels": "",
+            "value": value * (s + r / 10),
+            "late": 0,
+        }
+        for s in steps
+        for r in range(4)
+    ]
 
 
 def _contents(client, db: str, table: str = "rank_metrics", final: bool = True) -> list[tuple]:
-    return client.query(f"SELECT step, rank, metric, labels, value, late FROM {db}.{table} "
-                        f"{'FINAL' if final else ''} ORDER BY step, rank").result_rows
+    return client.query(
+        f"SELECT step, rank, metric, labels, value, late FROM {db}.{table} "
+        f"{'FINAL' if final else ''} ORDER BY step, rank"
+    ).result_rows
 
 
 def test_inserting_the_same_batch_twice_leaves_the_deduplicated_contents_unchanged(
-        ch_client, sink) -> None:
+    ch_client, sink
+) -> None:
     batch = _rank_rows(range(50))
     sink.write("rank_metrics", batch)
     once = _contents(ch_client, sink.database)
@@ -52,7 +66,8 @@ def test_a_corrected_redelivery_replaces_the_earlier_row(ch_client, sink) -> Non
 
 
 def test_the_sink_rides_out_a_store_outage_without_losing_or_duplicating_rows(
-        ch_client, store_url, sink) -> None:
+    ch_client, store_url, sink
+) -> None:
     """The table is detached (inserts fail: UNKNOWN_TABLE) and re-attached 1 s later."""
     operator = connect(store_url)  # another client, as an operator would use
     table = f"{sink.database}.rank_metrics"
@@ -76,11 +91,27 @@ def test_the_sink_rides_out_a_store_outage_without_losing_or_duplicating_rows(
 def test_first_screen_equals_the_values_reduced_by_the_stream(ch_client, sink) -> None:
     run = simulated_run("rec-1", steps=40, faults=(BadRank(rank=2, step=20),))
     write_simulated_run(sink, run)
-    columns = ("step", "tokens", "loss", "loss_worst_rank", "loss_worst_rank_id", "grad_norm",
-               "clip_rate", "cospike_count", "step_time_s", "tokens_per_s", "compute_rate",
-               "straggler_score", "peak_memory_bytes", "moe_maxvio", "output_absmax")
-    got = ch_client.query(f"SELECT {', '.join(columns)} FROM {sink.database}.first_screen "
-                          "WHERE run_id = 'rec-1' ORDER BY step").result_rows
+    columns = (
+        "step",
+        "tokens",
+        "loss",
+        "loss_worst_rank",
+        "loss_worst_rank_id",
+        "grad_norm",
+        "clip_rate",
+        "cospike_count",
+        "step_time_s",
+        "tokens_per_s",
+        "compute_rate",
+        "straggler_score",
+        "peak_memory_bytes",
+        "moe_maxvio",
+        "output_absmax",
+    )
+    got = ch_client.query(
+        f"SELECT {', '.join(columns)} FROM {sink.database}.first_screen "
+        "WHERE run_id = 'rec-1' ORDER BY step"
+    ).result_rows
     assert got == [tuple(row[c] for c in columns) for row in run.tables["step_metrics"]]
     # and the stream's reduction equals a float64 reference from the rank components
     for step, loss, worst, worst_rank in ((r[0], r[2], r[3], r[4]) for r in got):
@@ -121,5 +152,6 @@ def test_promotion_keeps_the_latest_version_of_each_row(ch_client, sink) -> None
     promote(sink, "run-a", [3])
     latest = [r for r in _contents(ch_client, db, "rank_metrics_recent") if r[0] in (1, 3)]
     assert [(step, rank, value) for step, rank, _, _, value, _ in latest] == [
-        (s, r, 2.0 * (s + r / 10)) for s in (1, 3) for r in range(4)]
+        (s, r, 2.0 * (s + r / 10)) for s in (1, 3) for r in range(4)
+    ]
     assert _contents(ch_client, db) == latest

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 
@@ -25,11 +24,20 @@ def recorded_run(tmp_path_factory: pytest.TempPathFactory, read_store):
     database = "pw_skeleton_" + base.name.replace("-", "_")[-12:]
     url = external or "chdb:///" + str(base / "store").lstrip("/")
     settings = Settings(clickhouse=ClickHouseSettings(url=url, database=database))
-    result = run_demo(settings, ranks=2, steps=STEPS, work_dir=base / "run", trace=base / "trace",
-                      show_progress=False, bootstrap=os.environ.get("KAFKA_BOOTSTRAP"))
-    sql = (f"SELECT step, tokens, step_tokens, loss, loss_worst_rank, loss_worst_rank_id, "
-           f"grad_norm, step_time_s, ranks_reporting FROM {database}.step_metrics FINAL "
-           f"WHERE run_id = '{result.run_id}' ORDER BY step")
+    result = run_demo(
+        settings,
+        ranks=2,
+        steps=STEPS,
+        work_dir=base / "run",
+        trace=base / "trace",
+        show_progress=False,
+        bootstrap=os.environ.get("KAFKA_BOOTSTRAP"),
+    )
+    sql = (
+        f"SELECT step, tokens, step_tokens, loss, loss_worst_rank, loss_worst_rank_id, "
+        f"grad_norm, step_time_s, ranks_reporting FROM {database}.step_metrics FINAL "
+        f"WHERE run_id = '{result.run_id}' ORDER BY step"
+    )
     if external:
         from probewire.sinks.clickhouse import connect
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import time
 import uuid
@@ -19,10 +18,10 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.stream.signals import DetectorConfig
-from probewire.stream.stage2 import Stage2Config
 from probewire.deploy.stack import LocalStack, stop_process
 from probewire.stream.retention import retained_steps
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import Stage2Config
 from probewire.stream.testing import SimRun, own_topics, send
 
 pytestmark = pytest.mark.integration
@@ -32,8 +31,15 @@ RETENTION = dict(k=10, halo=5, warmup_steps=5, final_steps=5)
 
 
 def sim(run_id: str) -> SimRun:
-    return SimRun(run_id=run_id, world_size=8, steps=STEPS, seed=7, missing=MISSING,
-                  empty={(12, 3), (40, 0)}, cospike_step=COSPIKE)
+    return SimRun(
+        run_id=run_id,
+        world_size=8,
+        steps=STEPS,
+        seed=7,
+        missing=MISSING,
+        empty={(12, 3), (40, 0)},
+        cospike_step=COSPIKE,
+    )
 
 
 def settings_for(store: Path) -> Settings:
@@ -41,41 +47,59 @@ def settings_for(store: Path) -> Settings:
     return Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")),
         topics=own_topics(tag),  # the session's broker holds other tests' poison
-        stream=StreamSettings(app_id=f"pw-test-{tag}", deadline_s=3.0,
-                              stage2=Stage2Config(
-                                  detectors=DetectorConfig(window=20),
-                                  retention_every_k=RETENTION["k"],
-                                  retention_halo=RETENTION["halo"],
-                                  warmup_steps=RETENTION["warmup_steps"],
-                                  final_steps=RETENTION["final_steps"], max_wait_s=13.0,
-                                  run_idle_s=3.0)))
+        stream=StreamSettings(
+            app_id=f"pw-test-{tag}",
+            deadline_s=3.0,
+            stage2=Stage2Config(
+                detectors=DetectorConfig(window=20),
+                retention_every_k=RETENTION["k"],
+                retention_halo=RETENTION["halo"],
+                warmup_steps=RETENTION["warmup_steps"],
+                final_steps=RETENTION["final_steps"],
+                max_wait_s=13.0,
+                run_idle_s=3.0,
+            ),
+        ),
+    )
 
 
 def wait_finished(stack: LocalStack, run_id: str, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        beat = json.loads(stack.heartbeat_path.read_text()) if stack.heartbeat_path.exists() \
-            else {}
+        beat = json.loads(stack.heartbeat_path.read_text()) if stack.heartbeat_path.exists() else {}
         if beat.get("runs", {}).get(run_id, {}).get("finished"):
             return
         time.sleep(0.3)
-    raise AssertionError(f"run {run_id} not finished; heartbeat: "
-                         f"{stack.heartbeat_path.read_text() if stack.heartbeat_path.exists() else None}")
+    raise AssertionError(
+        f"run {run_id} not finished; heartbeat: "
+        f"{stack.heartbeat_path.read_text() if stack.heartbeat_path.exists() else None}"
+    )
 
 
 def read_run(read_store, store: Path, run_id: str) -> dict[str, list[dict]]:
     q = f"WHERE run_id = '{run_id}'"
     return {
-        "steps": read_store(store, "SELECT * EXCEPT inserted_at FROM probewire.step_metrics "
-                                   f"FINAL {q} ORDER BY step"),
-        "anomalies": read_store(store, "SELECT step, signal, kind FROM probewire.anomalies "
-                                       f"FINAL {q} ORDER BY step, signal"),
-        "alerts": read_store(store, "SELECT step, signal, ranks FROM probewire.alerts "
-                                    f"FINAL {q} ORDER BY step, signal"),
-        "retained": [r["step"] for r in read_store(
-            store, f"SELECT DISTINCT step FROM probewire.rank_metrics FINAL {q} ORDER BY step")],
-        "rank_rows": read_store(store, "SELECT count() AS n FROM probewire.rank_metrics FINAL "
-                                       f"{q}"),
+        "steps": read_store(
+            store,
+            f"SELECT * EXCEPT inserted_at FROM probewire.step_metrics FINAL {q} ORDER BY step",
+        ),
+        "anomalies": read_store(
+            store,
+            f"SELECT step, signal, kind FROM probewire.anomalies FINAL {q} ORDER BY step, signal",
+        ),
+        "alerts": read_store(
+            store,
+            f"SELECT step, signal, ranks FROM probewire.alerts FINAL {q} ORDER BY step, signal",
+        ),
+        "retained": [
+            r["step"]
+            for r in read_store(
+                store, f"SELECT DISTINCT step FROM probewire.rank_metrics FINAL {q} ORDER BY step"
+            )
+        ],
+        "rank_rows": read_store(
+            store, f"SELECT count() AS n FROM probewire.rank_metrics FINAL {q}"
+        ),
     }
 
 
@@ -87,20 +111,27 @@ def uninterrupted(kafka_bootstrap, tmp_path_factory, read_store):
     try:
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
-        send(run, kafka_bootstrap, stack.settings.topics.metrics, range(STEPS), duplicates=[(20, 3)])
+        send(
+            run, kafka_bootstrap, stack.settings.topics.metrics, range(STEPS), duplicates=[(20, 3)]
+        )
         producer = Producer({"bootstrap.servers": kafka_bootstrap})
-        producer.produce(stack.settings.topics.metrics, key=f"{run.run_id}:999".encode(), value=b"not otlp")
+        producer.produce(
+            stack.settings.topics.metrics, key=f"{run.run_id}:999".encode(), value=b"not otlp"
+        )
         producer.flush(10)
         wait_finished(stack, run.run_id)
         time.sleep(1.5)  # the dead-letter agent batches for up to 1 s
     finally:
         stack.stop()
     got = read_run(read_store, base / "store", run.run_id)
-    got["dead_letters"] = read_store(base / "store", "SELECT reason, payload_b64 FROM "
-                                                     "probewire.dead_letters FINAL")
+    got["dead_letters"] = read_store(
+        base / "store", "SELECT reason, payload_b64 FROM probewire.dead_letters FINAL"
+    )
     app_id = stack.settings.stream.app_id
-    got["faust_dirs"] = {"work dir": (stack.heartbeat_path.parent / f"faust-{app_id}").is_dir(),
-                         "cwd": Path(f"{app_id}-data").exists()}
+    got["faust_dirs"] = {
+        "work dir": (stack.heartbeat_path.parent / f"faust-{app_id}").is_dir(),
+        "cwd": Path(f"{app_id}-data").exists(),
+    }
     return run, got
 
 
@@ -137,7 +168,8 @@ def test_exactly_one_cospike_at_the_injected_step(uninterrupted):
     _, got = uninterrupted
     assert [r["step"] for r in got["steps"] if r["cospike"]] == [COSPIKE]
     assert [(a["step"], a["signal"]) for a in got["alerts"] if a["signal"] == "cospike"] == [
-        (COSPIKE, "cospike")]
+        (COSPIKE, "cospike")
+    ]
     counts = [r["cospike_count"] for r in got["steps"]]
     assert counts[COSPIKE - 1] == 0 and counts[COSPIKE] == 1 and counts[-1] == 1
 
@@ -148,13 +180,15 @@ def test_retained_steps_are_exactly_what_the_policy_names(uninterrupted):
     # the missing rank (job state: an anomaly at 30, the page on its second missing step,
     # 31) and the co-spike
     assert anomaly_steps == {30, 31, COSPIKE}
-    assert [(a["step"], a["ranks"]) for a in got["alerts"] if a["signal"] == "ranks_missing"
-            ] == [(31, [7])]
+    assert [(a["step"], a["ranks"]) for a in got["alerts"] if a["signal"] == "ranks_missing"] == [
+        (31, [7])
+    ]
     assert got["retained"] == sorted(retained_steps(STEPS, anomaly_steps, **RETENTION))
 
 
 def test_restart_mid_run_stores_exactly_what_the_uninterrupted_run_stored(
-        uninterrupted, kafka_bootstrap, tmp_path_factory, read_store):
+    uninterrupted, kafka_bootstrap, tmp_path_factory, read_store
+):
     straight_run, straight = uninterrupted
     base = tmp_path_factory.mktemp("stream-restart")
     run = sim(f"restart-{uuid.uuid4().hex[:6]}")
@@ -177,8 +211,10 @@ def test_restart_mid_run_stores_exactly_what_the_uninterrupted_run_stored(
 
     def same(rows):
         # complete_reason (all_ranks / later_step / deadline) depends on arrival timing
-        return [{k: v for k, v in r.items() if k not in ("run_id", "complete_reason")}
-                for r in rows]
+        return [
+            {k: v for k, v in r.items() if k not in ("run_id", "complete_reason")} for r in rows
+        ]
+
     assert same(got["steps"]) == same(straight["steps"])
     assert got["anomalies"] == straight["anomalies"]
     assert got["alerts"] == straight["alerts"]

@@ -11,8 +11,8 @@ import torch
 from probewire.deploy.demo.data import load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import decode_rank_step
+from probewire.stream.assemble import reduce_step
 from probewire.stream.derive import expert_balance
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import p0_view
@@ -21,8 +21,13 @@ from probewire.stream.stage2 import p0_view
 def forward_only(model, steps, batch_of, before_step, config):
     """Forward passes under the monitor (no optimizer): P0/P1 probes need no backward."""
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=RankIdentity(run_id="d", rank=0, world_size=1),
-                     config=config, transport=transport)
+    monitor = attach(
+        model,
+        None,
+        identity=RankIdentity(run_id="d", rank=0, world_size=1),
+        config=config,
+        transport=transport,
+    )
     with torch.no_grad():
         for step in range(steps):
             before_step(step)
@@ -41,8 +46,9 @@ def test_forcing_the_router_moves_h_norm_before_the_imbalance_threshold():
     MaxVio > 1.0 (I > 2; the stream's default threshold is 2.0, which this slow forcing
     reaches later still)."""
     torch.manual_seed(0)
-    cfg = TinyConfig(seq_len=32, d_model=32, n_layer=1, n_head=2, n_experts=8, top_k=2,
-                     balance_rate=0.02)
+    cfg = TinyConfig(
+        seq_len=32, d_model=32, n_layer=1, n_head=2, n_experts=8, top_k=2, balance_rate=0.02
+    )
     model = TinyLM(cfg).train()
     moe = model.blocks[0].mlp
     corpus, rng = load_corpus(), np.random.default_rng(0)
@@ -52,13 +58,20 @@ def test_forcing_the_router_moves_h_norm_before_the_imbalance_threshold():
         if step >= 65:
             moe.router.expert_bias[0] += 0.003
 
-    recs = forward_only(model, 95, lambda s: corpus.batch(rng, 32, cfg.seq_len, 8), before,
-                        ProbeConfig(cadence={"scan": 0}, telemetry=False, comm=False))
+    recs = forward_only(
+        model,
+        95,
+        lambda s: corpus.batch(rng, 32, cfg.seq_len, 8),
+        before,
+        ProbeConfig(cadence={"scan": 0}, telemetry=False, comm=False),
+    )
     series = []
     for rec in recs:
         view, _, _ = p0_view(reduce_step("d", rec.step, 1, [rec], "complete"))
-        counts = [rec.values[("moe.expert_tokens", (("expert", str(e)), ("layer", "0")))]
-                  for e in range(cfg.n_experts)]
+        counts = [
+            rec.values[("moe.expert_tokens", (("expert", str(e)), ("layer", "0")))]
+            for e in range(cfg.n_experts)
+        ]
         assert expert_balance(counts).entropy_norm == pytest.approx(view["moe_h_norm"])
         series.append((rec.step, view["moe_h_norm"], view["moe_maxvio"]))
     base = np.array([h for step, h, _ in series if 45 <= step < 65])
@@ -84,10 +97,14 @@ def test_scaling_the_projector_down_drives_gamma_toward_zero_and_pages():
             model.projector.proj.weight.mul_(0.5)
             model.projector.proj.bias.mul_(0.5)
 
-    recs = forward_only(model, 10, lambda s: fixed, before,
-                        ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False))
-    gammas = [p0_view(reduce_step("d", r.step, 1, [r], "complete"))[0]["media_scale"]
-              for r in recs]
+    recs = forward_only(
+        model,
+        10,
+        lambda s: fixed,
+        before,
+        ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False),
+    )
+    gammas = [p0_view(reduce_step("d", r.step, 1, [r], "complete"))[0]["media_scale"] for r in recs]
     assert gammas[0] == pytest.approx(gammas[1]) and gammas[0] > 0.1
     for before_, after in zip(gammas[1:], gammas[2:]):
         assert after == pytest.approx(before_ / 2, rel=1e-5)  # the media RMS halves

@@ -13,22 +13,29 @@ import torch.nn.functional as F
 from probewire.deploy.demo.data import load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.stream.localize import ExplosionLocator
 from probewire.instrument.wire import decode_rank_step
+from probewire.stream.localize import ExplosionLocator
 
 
 def train_records(model, opt, corpus, rng, steps, start=0):
     transport = MemoryTransport()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="l", rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False),
-                     transport=transport)
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="l", rank=0, world_size=1),
+        config=ProbeConfig(cadence={"scan": 1}, telemetry=False, comm=False),
+        transport=transport,
+    )
     for step in range(start, start + steps):
         b = corpus.batch(rng, 4, model.cfg.seq_len, 8)
         with monitor.step(step) as s:
             s.micro_batch(tokens=b.tokens, mask=b.targets != IGNORE)
-            losses = F.cross_entropy(model(b.tokens).reshape(-1, model.cfg.vocab),
-                                     b.targets.reshape(-1), ignore_index=IGNORE,
-                                     reduction="none").view_as(b.targets)
+            losses = F.cross_entropy(
+                model(b.tokens).reshape(-1, model.cfg.vocab),
+                b.targets.reshape(-1),
+                ignore_index=IGNORE,
+                reduction="none",
+            ).view_as(b.targets)
             s.loss(losses)
             (losses.sum() / (b.targets != IGNORE).sum()).backward()
             s.gradients()
@@ -36,9 +43,14 @@ def train_records(model, opt, corpus, rng, steps, start=0):
             opt.step()
             opt.zero_grad(set_to_none=True)
     monitor.close()
-    return [{dict(lab)["tensor"]: v for (n, lab), v in decode_rank_step(k, m).values.items()
-             if n == "tensor.abs_max" and dict(lab)["kind"] == "bwd"}
-            for k, m in transport.messages]
+    return [
+        {
+            dict(lab)["tensor"]: v
+            for (n, lab), v in decode_rank_step(k, m).values.items()
+            if n == "tensor.abs_max" and dict(lab)["kind"] == "bwd"
+        }
+        for k, m in transport.messages
+    ]
 
 
 def test_scaling_one_blocks_weights_makes_localisation_name_that_block():
@@ -53,8 +65,11 @@ def test_scaling_one_blocks_weights_makes_localisation_name_that_block():
     locator = ExplosionLocator(window=10, min_history=5)
     for values in train_records(model, opt, corpus, rng, 40):  # a settled history
         locator.update(values)
-    state = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
-             rng.bit_generator.state)
+    state = (
+        copy.deepcopy(model.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        rng.bit_generator.state,
+    )
     named = {}
     for layer in range(4):
         model.load_state_dict(state[0])

@@ -35,10 +35,12 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_upward_import(package: str) -> None:
-    found = {(str(path.relative_to(REPO)), module)
-             for path in sorted((REPO / package).rglob("*.py"))
-             for _, module in imports(path)
-             if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[package])}
+    found = {
+        (str(path.relative_to(REPO)), module)
+        for path in sorted((REPO / package).rglob("*.py"))
+        for _, module in imports(path)
+        if any(module == f or module.startswith(f + ".") for f in FORBIDDEN[package])
+    }
     known = {(f, m) for f, ms in KNOWN.items() if f.startswith(package + "/") for m in ms}
     assert found - known == set(), "upward imports: " + ", ".join(sorted(map(str, found - known)))
     assert known - found == set(), f"fixed, remove from KNOWN: {sorted(known - found)}"

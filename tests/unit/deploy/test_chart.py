@@ -32,8 +32,14 @@ KUBE_VERSION = kubernetes_validate.latest_version()
 # Kinds that come from CRDs, for which kubernetes-validate has no schema.
 CRD_KINDS = {"ServiceMonitor"}
 SENTINEL = "SENTINEL-"
-CASES = ["default", "sasl-kafka", "clickhouse-tls", "evaluator-off", "service-monitor",
-         "grafana-datasource"]
+CASES = [
+    "default",
+    "sasl-kafka",
+    "clickhouse-tls",
+    "evaluator-off",
+    "service-monitor",
+    "grafana-datasource",
+]
 
 _BASE = {
     ("ConfigMap", "probewire-config"),
@@ -49,8 +55,8 @@ EXPECTED_OBJECTS = {
     "sasl-kafka": _BASE,
     "clickhouse-tls": _BASE,
     "evaluator-off": _BASE - {("Deployment", "probewire-evaluator")},
-    "service-monitor": _BASE | {("Service", "probewire-worker-metrics"),
-                                ("ServiceMonitor", "probewire-worker")},
+    "service-monitor": _BASE
+    | {("Service", "probewire-worker-metrics"), ("ServiceMonitor", "probewire-worker")},
     "grafana-datasource": _BASE | {("ConfigMap", "probewire-datasource")},
 }
 
@@ -65,14 +71,16 @@ class Rendered:
     manifests: list[dict[str, Any]]
 
     def get(self, kind: str, name: str) -> dict[str, Any]:
-        found = [m for m in self.manifests
-                 if m["kind"] == kind and m["metadata"]["name"] == name]
+        found = [m for m in self.manifests if m["kind"] == kind and m["metadata"]["name"] == name]
         assert len(found) == 1, f"{self.case}: expected one {kind}/{name}, found {len(found)}"
         return found[0]
 
     def pod_specs(self) -> list[dict[str, Any]]:
-        return [m["spec"]["template"]["spec"] for m in self.manifests
-                if m["kind"] in {"Deployment", "Job"}]
+        return [
+            m["spec"]["template"]["spec"]
+            for m in self.manifests
+            if m["kind"] in {"Deployment", "Job"}
+        ]
 
     def config(self, tmp_path: Path, name: str = "probewire-config") -> Path:
         path = tmp_path / f"{name}.yaml"
@@ -103,8 +111,13 @@ def renderings(chart: helm.Chart) -> dict[str, Rendered]:
     for case in CASES:
         values = _values(case)
         texts = _render(chart, values)
-        manifests = [doc for path, text in texts.items() if not path.endswith("NOTES.txt")
-                     for doc in yaml.safe_load_all(text) if doc]
+        manifests = [
+            doc
+            for path, text in texts.items()
+            if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text)
+            if doc
+        ]
         out[case] = Rendered(case, values, texts, manifests)
     return out
 
@@ -182,10 +195,14 @@ def test_no_secret_value_reaches_any_rendered_file(rendered: Rendered) -> None:
 
 
 def test_secret_env_vars_come_only_from_secret_key_refs(rendered: Rendered) -> None:
-    secret_envs = {rendered.values.get("settings", {}).get("kafka", {}).get(
-                       "sasl_password_env", "PROBEWIRE_KAFKA_SASL_PASSWORD"),
-                   rendered.values.get("settings", {}).get("clickhouse", {}).get(
-                       "password_env", "PROBEWIRE_CLICKHOUSE_PASSWORD")}
+    secret_envs = {
+        rendered.values.get("settings", {})
+        .get("kafka", {})
+        .get("sasl_password_env", "PROBEWIRE_KAFKA_SASL_PASSWORD"),
+        rendered.values.get("settings", {})
+        .get("clickhouse", {})
+        .get("password_env", "PROBEWIRE_CLICKHOUSE_PASSWORD"),
+    }
     for spec in rendered.pod_specs():
         for container in spec["containers"]:
             for entry in container.get("env", []):
@@ -194,12 +211,21 @@ def test_secret_env_vars_come_only_from_secret_key_refs(rendered: Rendered) -> N
                     assert set(entry["valueFrom"]) == {"secretKeyRef"}, entry
 
 
-@pytest.mark.parametrize(("case", "env", "secret", "key"), [
-    ("sasl-kafka", "PROBEWIRE_KAFKA_SASL_PASSWORD", "probewire-kafka-sasl", "sasl-password"),
-    ("clickhouse-tls", "PROBEWIRE_CLICKHOUSE_PASSWORD", "probewire-clickhouse", "writer-password"),
-])
+@pytest.mark.parametrize(
+    ("case", "env", "secret", "key"),
+    [
+        ("sasl-kafka", "PROBEWIRE_KAFKA_SASL_PASSWORD", "probewire-kafka-sasl", "sasl-password"),
+        (
+            "clickhouse-tls",
+            "PROBEWIRE_CLICKHOUSE_PASSWORD",
+            "probewire-clickhouse",
+            "writer-password",
+        ),
+    ],
+)
 def test_password_env_var_named_by_settings_references_the_existing_secret(
-        renderings: dict[str, Rendered], case: str, env: str, secret: str, key: str) -> None:
+    renderings: dict[str, Rendered], case: str, env: str, secret: str, key: str
+) -> None:
     specs = renderings[case].pod_specs()
     assert len(specs) == 3
     for spec in specs:
@@ -207,17 +233,23 @@ def test_password_env_var_named_by_settings_references_the_existing_secret(
         assert entry == {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-@pytest.mark.parametrize(("override", "named"), [
-    ({"settings": {"kafka": {"sasl_password": "SENTINEL-a1"}}}, "sasl_password"),
-    ({"settings": {"clickhouse": {"password": "SENTINEL-b2"}}}, "password"),
-    ({"secrets": {"kafkaSasl": {"existingSecret": "kafka", "password": "SENTINEL-c3"}}},
-     "password"),
-    ({"secrets": {"clickhouse": {"value": "SENTINEL-d4"}}}, "value"),
-    ({"tls": {"kafka": {"caCert": "-----BEGIN CERTIFICATE----- SENTINEL-e5"}}}, "caCert"),
-    ({"clickhousePassword": "SENTINEL-f6"}, "clickhousePassword"),
-])
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"settings": {"kafka": {"sasl_password": "SENTINEL-a1"}}}, "sasl_password"),
+        ({"settings": {"clickhouse": {"password": "SENTINEL-b2"}}}, "password"),
+        (
+            {"secrets": {"kafkaSasl": {"existingSecret": "kafka", "password": "SENTINEL-c3"}}},
+            "password",
+        ),
+        ({"secrets": {"clickhouse": {"value": "SENTINEL-d4"}}}, "value"),
+        ({"tls": {"kafka": {"caCert": "-----BEGIN CERTIFICATE----- SENTINEL-e5"}}}, "caCert"),
+        ({"clickhousePassword": "SENTINEL-f6"}, "clickhousePassword"),
+    ],
+)
 def test_a_secret_value_in_a_chart_key_is_refused_without_being_echoed(
-        chart: helm.Chart, override: dict[str, Any], named: str) -> None:
+    chart: helm.Chart, override: dict[str, Any], named: str
+) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:
         _render(chart, override)
     message = str(caught.value)
@@ -229,7 +261,8 @@ def test_a_secret_value_in_a_chart_key_is_refused_without_being_echoed(
 
 
 def test_kafka_ca_is_mounted_from_its_secret_and_named_in_settings(
-        renderings: dict[str, Rendered], tmp_path: Path) -> None:
+    renderings: dict[str, Rendered], tmp_path: Path
+) -> None:
     rendered = renderings["sasl-kafka"]
     settings = load_settings(rendered.config(tmp_path), env={})
     assert settings.kafka.ssl_ca_location == "/etc/probewire/tls/kafka/ca.crt"
@@ -238,28 +271,38 @@ def test_kafka_ca_is_mounted_from_its_secret_and_named_in_settings(
         assert volume["secret"]["secretName"] == "probewire-kafka-ca"
         assert volume["secret"]["items"] == [{"key": "ca.pem", "path": "ca.crt"}]
         (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "kafka-ca"]
-        assert mount == {"name": "kafka-ca", "mountPath": "/etc/probewire/tls/kafka",
-                         "readOnly": True}
+        assert mount == {
+            "name": "kafka-ca",
+            "mountPath": "/etc/probewire/tls/kafka",
+            "readOnly": True,
+        }
 
 
 def test_clickhouse_ca_is_mounted_from_its_secret_as_the_trust_store(
-        renderings: dict[str, Rendered]) -> None:
+    renderings: dict[str, Rendered],
+) -> None:
     rendered = renderings["clickhouse-tls"]
     for spec in rendered.pod_specs():
         (volume,) = [v for v in spec["volumes"] if v["name"] == "clickhouse-ca"]
         assert volume["secret"]["secretName"] == "probewire-clickhouse-ca"
         container = spec["containers"][0]
-        assert {"name": "SSL_CERT_FILE", "value": "/etc/probewire/tls/clickhouse/ca.crt"} \
-            in container["env"]
-        assert {"name": "clickhouse-ca", "mountPath": "/etc/probewire/tls/clickhouse",
-                "readOnly": True} in container["volumeMounts"]
+        assert {
+            "name": "SSL_CERT_FILE",
+            "value": "/etc/probewire/tls/clickhouse/ca.crt",
+        } in container["env"]
+        assert {
+            "name": "clickhouse-ca",
+            "mountPath": "/etc/probewire/tls/clickhouse",
+            "readOnly": True,
+        } in container["volumeMounts"]
 
 
 # --- settings ---------------------------------------------------------------------
 
 
 def test_config_yaml_loads_with_load_settings(
-        chart: helm.Chart, rendered: Rendered, tmp_path: Path) -> None:
+    chart: helm.Chart, rendered: Rendered, tmp_path: Path
+) -> None:
     loaded = load_settings(rendered.config(tmp_path), env={})
     merged = chart.merge_values(rendered.values)
     assert loaded.kafka.bootstrap == merged["settings"]["kafka"]["bootstrap"]
@@ -283,14 +326,20 @@ def _settings_fields(cls: type) -> dict[str, Any]:
     """A settings class as {field: JSON type or nested dict}, all the way down."""
     json_type = {str: "string", int: "integer", float: "number", bool: "boolean"}
     hints = typing.get_type_hints(cls)
-    return {f.name: _settings_fields(hints[f.name]) if dataclasses.is_dataclass(hints[f.name])
-            else json_type[hints[f.name]] for f in dataclasses.fields(cls)}
+    return {
+        f.name: _settings_fields(hints[f.name])
+        if dataclasses.is_dataclass(hints[f.name])
+        else json_type[hints[f.name]]
+        for f in dataclasses.fields(cls)
+    }
 
 
 def _schema_fields(spec: dict[str, Any]) -> dict[str, Any]:
     assert spec["additionalProperties"] is False
-    return {name: _schema_fields(sub) if sub["type"] == "object" else sub["type"]
-            for name, sub in spec["properties"].items()}
+    return {
+        name: _schema_fields(sub) if sub["type"] == "object" else sub["type"]
+        for name, sub in spec["properties"].items()
+    }
 
 
 def test_schema_mirrors_the_settings_tree() -> None:
@@ -315,6 +364,7 @@ def test_values_yaml_lists_every_settings_field(chart: helm.Chart) -> None:
 
     def names(tree: dict[str, Any]) -> dict[str, Any]:
         return {k: names(v) if isinstance(v, dict) else None for k, v in tree.items()}
+
     for section, cls in typing.get_type_hints(settings_module.Settings).items():
         fields = names(_settings_fields(cls))
         for s, n in derived:
@@ -324,10 +374,13 @@ def test_values_yaml_lists_every_settings_field(chart: helm.Chart) -> None:
 
 
 def test_a_password_in_the_clickhouse_url_is_refused_without_being_echoed(
-        chart: helm.Chart) -> None:
+    chart: helm.Chart,
+) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
-        _render(chart, {"settings": {"clickhouse": {
-            "url": "http://writer:SENTINEL-g7@clickhouse:8123"}}})
+        _render(
+            chart,
+            {"settings": {"clickhouse": {"url": "http://writer:SENTINEL-g7@clickhouse:8123"}}},
+        )
     assert "settings.clickhouse.url carries credentials" in str(caught.value)
     assert SENTINEL not in str(caught.value)
 
@@ -359,19 +412,32 @@ def test_as_many_workers_as_partitions_renders(chart: helm.Chart) -> None:
     assert "replicas: 6" in texts["probewire/templates/worker-deployment.yaml"]
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ({"evaluator": {"replicas": 5}},
-     "evaluator.replicas (5) exceeds settings.topics.partitions (4)"),
-    ({"settings": {"clickhouse": {"url": "chdb:///var/lib/probewire"}}}, "settings.clickhouse.url"),
-    ({"settings": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN"}}},
-     "secrets.kafkaSasl.existingSecret is empty"),
-    ({"tls": {"kafka": {"existingSecret": "kafka-ca"}}}, "does not use TLS"),
-    ({"tls": {"clickhouse": {"existingSecret": "ch-ca"}}}, "is not https://"),
-    ({"evaluator": {"enabled": False}, "settings": {"evaluator": {"enabled": True}}},
-     "settings.evaluator.enabled disagrees with evaluator.enabled"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"evaluator": {"replicas": 5}},
+            "evaluator.replicas (5) exceeds settings.topics.partitions (4)",
+        ),
+        (
+            {"settings": {"clickhouse": {"url": "chdb:///var/lib/probewire"}}},
+            "settings.clickhouse.url",
+        ),
+        (
+            {"settings": {"kafka": {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN"}}},
+            "secrets.kafkaSasl.existingSecret is empty",
+        ),
+        ({"tls": {"kafka": {"existingSecret": "kafka-ca"}}}, "does not use TLS"),
+        ({"tls": {"clickhouse": {"existingSecret": "ch-ca"}}}, "is not https://"),
+        (
+            {"evaluator": {"enabled": False}, "settings": {"evaluator": {"enabled": True}}},
+            "settings.evaluator.enabled disagrees with evaluator.enabled",
+        ),
+    ],
+)
 def test_unworkable_configurations_fail_naming_the_values(
-        chart: helm.Chart, override: dict[str, Any], message: str) -> None:
+    chart: helm.Chart, override: dict[str, Any], message: str
+) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
         _render(chart, override)
     assert message in str(caught.value)
@@ -389,7 +455,11 @@ def test_services_run_their_command_with_heartbeat_probes(rendered: Rendered) ->
         assert [*container["command"], *container["args"]] == ["probewire", component]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["exec"]["command"] == [
-                "probewire", "health", "--component", component]
+                "probewire",
+                "health",
+                "--component",
+                component,
+            ]
         assert set(container["resources"]) == {"requests", "limits"}
 
 
@@ -416,8 +486,9 @@ def test_migration_is_a_pre_install_and_pre_upgrade_hook(rendered: Rendered) -> 
         assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
         assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
     # The config copy must exist before the Job that mounts it.
-    assert int(config["metadata"]["annotations"]["helm.sh/hook-weight"]) \
-        < int(job["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert int(config["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
+        job["metadata"]["annotations"]["helm.sh/hook-weight"]
+    )
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert [*container["command"], *container["args"]] == ["probewire", "migrate"]
 
@@ -440,23 +511,35 @@ def test_dashboards_are_valid_json_for_the_grafana_sidecar(rendered: Rendered) -
 
 
 def test_grafana_datasource_reads_the_store_over_http_with_the_password_from_env(
-        renderings: dict[str, Rendered]) -> None:
+    renderings: dict[str, Rendered],
+) -> None:
     configmap = renderings["grafana-datasource"].get("ConfigMap", "probewire-datasource")
     assert configmap["metadata"]["labels"]["grafana_datasource"] == "1"
     [source] = yaml.safe_load(configmap["data"]["probewire-datasource.yaml"])["datasources"]
     assert source["type"] == "grafana-clickhouse-datasource"
-    assert source["jsonData"] == {"host": "clickhouse.example.svc", "port": 8443,
-                                  "protocol": "http", "secure": True,
-                                  "defaultDatabase": "probewire", "username": "grafana_reader"}
+    assert source["jsonData"] == {
+        "host": "clickhouse.example.svc",
+        "port": 8443,
+        "protocol": "http",
+        "secure": True,
+        "defaultDatabase": "probewire",
+        "username": "grafana_reader",
+    }
     assert source["secureJsonData"] == {"password": "${GRAFANA_CLICKHOUSE_PASSWORD}"}
     default = renderings["default"]
     assert ("ConfigMap", "probewire-datasource") not in {
-        (m["kind"], m["metadata"]["name"]) for m in default.manifests}
+        (m["kind"], m["metadata"]["name"]) for m in default.manifests
+    }
 
 
 def test_grafana_datasource_takes_the_port_of_the_url(chart: helm.Chart) -> None:
-    texts = _render(chart, {"settings": {"clickhouse": {"url": "http://ch.svc:18123"}},
-                            "dashboards": {"datasource": {"enabled": True, "passwordEnv": ""}}})
+    texts = _render(
+        chart,
+        {
+            "settings": {"clickhouse": {"url": "http://ch.svc:18123"}},
+            "dashboards": {"datasource": {"enabled": True, "passwordEnv": ""}},
+        },
+    )
     [text] = [t for path, t in texts.items() if path.endswith("datasource-configmap.yaml")]
     data = yaml.safe_load(yaml.safe_load(text)["data"]["probewire-datasource.yaml"])
     [source] = data["datasources"]

@@ -7,10 +7,13 @@ import pytest
 from probewire.deploy.cli import main
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["sql", "--store", "/nonexistent/store", "SELECT 1"], "no store at"),
-    (["demo", "--steps", "0"], "--steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sql", "--store", "/nonexistent/store", "SELECT 1"], "no store at"),
+        (["demo", "--steps", "0"], "--steps must be >= 1"),
+    ],
+)
 def test_user_error_exits_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

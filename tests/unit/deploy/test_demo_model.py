@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from probewire.deploy.demo.data import Batch, load_corpus
-from probewire.deploy.demo.model import (IGNORE, PRESETS, TinyConfig, TinyLM, load_checkpoint,
-                                         mtp_targets, save_checkpoint)
+from probewire.deploy.demo.model import (
+    IGNORE,
+    PRESETS,
+    TinyConfig,
+    TinyLM,
+    load_checkpoint,
+    mtp_targets,
+    save_checkpoint,
+)
 
 SMALL = dict(seq_len=16, d_model=16, n_head=2, encoder_dim=8)
 
@@ -20,7 +27,8 @@ def test_the_default_model_is_the_plain_dense_model():
     model = TinyLM(TinyConfig())
     names = [n for n, _ in model.named_parameters()]
     assert len(names) == 2 + 2 * 8 + 3 and not any(
-        k in n for n in names for k in ("router", "gate", "encoder", "projector", "mtp"))
+        k in n for n in names for k in ("router", "gate", "encoder", "projector", "mtp")
+    )
     assert sum(p.numel() for p in model.parameters()) == 135936
     assert model.flops_per_token() == 913920.0
     tokens = torch.randint(0, 257, (2, 64))
@@ -32,16 +40,18 @@ def test_every_preset_builds_trains_and_round_trips(name, tmp_path):
     torch.manual_seed(0)
     cfg = TinyConfig.preset(name, **SMALL)
     model = TinyLM(cfg)
-    batch = load_corpus().batch(np.random.default_rng(0), 3, cfg.seq_len, 4,
-                                media_tiles=cfg.media_tiles)
+    batch = load_corpus().batch(
+        np.random.default_rng(0), 3, cfg.seq_len, 4, media_tiles=cfg.media_tiles
+    )
     logits, mtp = model(batch.tokens, batch.media, batch.media_mask, return_mtp=True)
     assert logits.shape == (3, cfg.seq_len, cfg.vocab) and len(mtp) == cfg.mtp_depth
-    loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), batch.targets.reshape(-1),
-                           ignore_index=IGNORE)
+    loss = F.cross_entropy(
+        logits.reshape(-1, cfg.vocab), batch.targets.reshape(-1), ignore_index=IGNORE
+    )
     for k, z in enumerate(mtp, 1):
-        loss = loss + F.cross_entropy(z.reshape(-1, cfg.vocab),
-                                      mtp_targets(batch.targets, k).reshape(-1),
-                                      ignore_index=IGNORE)
+        loss = loss + F.cross_entropy(
+            z.reshape(-1, cfg.vocab), mtp_targets(batch.targets, k).reshape(-1), ignore_index=IGNORE
+        )
     loss.backward()
     if cfg.n_experts:  # the attached balancing loss reaches the router
         assert model.blocks[0].mlp.router.weight.grad.abs().sum() > 0
@@ -50,8 +60,10 @@ def test_every_preset_builds_trains_and_round_trips(name, tmp_path):
     assert loaded.cfg == cfg
     with torch.no_grad():
         model.eval()
-        assert torch.equal(loaded(batch.tokens, batch.media, batch.media_mask),
-                           model(batch.tokens, batch.media, batch.media_mask))
+        assert torch.equal(
+            loaded(batch.tokens, batch.media, batch.media_mask),
+            model(batch.tokens, batch.media, batch.media_mask),
+        )
     with pytest.raises(ValueError, match="unknown preset"):
         TinyConfig.preset("huge")
 
@@ -80,6 +92,6 @@ def test_media_batches_have_variable_length_and_captions_and_old_callers_still_w
     assert ((batch.media == 0).flatten(2).all(-1) == ~batch.media_mask).all()
     for row, n in enumerate(counts.tolist()):
         valid = int((batch.targets[row] != IGNORE).sum())
-        assert torch.equal(batch.tokens[row, 1:valid], batch.targets[row, :valid - 1])
+        assert torch.equal(batch.tokens[row, 1:valid], batch.targets[row, : valid - 1])
         if n:
             assert batch.targets[row, 0] == ord("<")

@@ -92,8 +92,7 @@ def test_an_exploding_layer_is_localised_at_its_cospike_page(store) -> None:
     assert "carried by layer 2 (layers.2." in result.headline()
 
 
-@pytest.mark.parametrize("run_id, rank, slower", [("straggler", 1, 2.0),
-                                                  ("straggler-1.5", 2, 1.5)])
+@pytest.mark.parametrize("run_id, rank, slower", [("straggler", 1, 2.0), ("straggler-1.5", 2, 1.5)])
 def test_a_straggler_is_named_by_its_own_time(store, run_id, rank, slower) -> None:
     """Synchronous DDP: every rank's step time carries the delay; the own time names it."""
     result = explain(*store, run_id, 132)
@@ -122,8 +121,14 @@ def test_render_prints_every_finding_and_the_headline(store) -> None:
     console = Console(record=True, width=160)
     render(explain(*store, "exploding-layer", 130), console)
     text = console.export_text()
-    for signal in ("ranks_missing", "loss_worst_rank", "grad_norm", "peak_memory_bytes",
-                   "moe_maxvio", "bwd |g|max"):
+    for signal in (
+        "ranks_missing",
+        "loss_worst_rank",
+        "grad_norm",
+        "peak_memory_bytes",
+        "moe_maxvio",
+        "bwd |g|max",
+    ):
         assert signal in text
     assert "carried by layer 2" in text
     assert "▶ cospike_count" in text and "paged: cospike" in text
@@ -150,17 +155,26 @@ def test_a_store_of_the_version_1_schema_is_explained_without_the_newer_columns(
     client, db = store
     old = f"{db}_v1"
     client.command(f"CREATE DATABASE IF NOT EXISTS {old}")
-    client.command(f"CREATE TABLE {old}.step_metrics ENGINE = ReplacingMergeTree(inserted_at) "
-                   f"ORDER BY (run_id, step) AS SELECT * EXCEPT (media_scale, "
-                   "residual_ratio_min, residual_ratio_branch, residual_stream_norm, "
-                   f"residual_branch_norm, straggler_own_ratio) FROM {db}.step_metrics")
-    for table in ("source_metrics", "rank_metrics", "tensor_stats", "expert_balance", "alerts",
-                  "anomalies"):
+    client.command(
+        f"CREATE TABLE {old}.step_metrics ENGINE = ReplacingMergeTree(inserted_at) "
+        f"ORDER BY (run_id, step) AS SELECT * EXCEPT (media_scale, "
+        "residual_ratio_min, residual_ratio_branch, residual_stream_norm, "
+        f"residual_branch_norm, straggler_own_ratio) FROM {db}.step_metrics"
+    )
+    for table in (
+        "source_metrics",
+        "rank_metrics",
+        "tensor_stats",
+        "expert_balance",
+        "alerts",
+        "anomalies",
+    ):
         client.command(f"CREATE VIEW {old}.{table} AS SELECT * FROM {db}.{table}")
     try:
         result = explain(client, old, "bad-rank", 133)
         assert result.first.stage == "loss" and result.first.culprit == "rank 3"
         assert {f.signal for f in result.findings}.isdisjoint(
-            {"media_scale", "residual_ratio_min", "straggler_own_ratio"})
+            {"media_scale", "residual_ratio_min", "straggler_own_ratio"}
+        )
     finally:
         client.command(f"DROP DATABASE IF EXISTS {old}")

@@ -17,8 +17,13 @@ from probewire.stream.detect import MIN_SPREAD, robust_z
 def loaded(columns: dict[str, list], step: int, alerts: list[dict] | None = None) -> Loaded:
     n = len(next(iter(columns.values())))
     steps = np.arange(step - n + 1, step + 1)
-    cols = {"step": list(steps), "ranks_missing": [[] for _ in steps],
-            "complete_reason": ["all_ranks"] * n, "tokens": list(range(n)), **columns}
+    cols = {
+        "step": list(steps),
+        "ranks_missing": [[] for _ in steps],
+        "complete_reason": ["all_ranks"] * n,
+        "tokens": list(range(n)),
+        **columns,
+    }
     return Loaded("r", step, step - 10, StepData(steps, cols), alerts=alerts or [])
 
 
@@ -38,22 +43,40 @@ def finding(stage, signal, z, at=10, moved=True):
 
 
 def test_the_ranking_is_the_escalation_order_then_the_size_of_the_move_at_the_step():
-    e = Explanation("r", 10, 0, 0, (
-        finding("step time", "straggler_score", 40.0, at=3),  # an earlier blip, far away
-        finding("gradient", "grad_norm", 9.0),
-        finding("loss", "loss", 7.0),
-        finding("loss", "loss_worst_rank", 25.0),
-        finding("loss", "source:code", 50.0, at=8),           # moved, not at the step
-        finding("memory", "peak_memory_bytes", 99.0, moved=False)))
-    assert [f.signal for f in e.ranked] == ["loss_worst_rank", "loss", "source:code",
-                                            "grad_norm", "straggler_score"]
+    e = Explanation(
+        "r",
+        10,
+        0,
+        0,
+        (
+            finding("step time", "straggler_score", 40.0, at=3),  # an earlier blip, far away
+            finding("gradient", "grad_norm", 9.0),
+            finding("loss", "loss", 7.0),
+            finding("loss", "loss_worst_rank", 25.0),
+            finding("loss", "source:code", 50.0, at=8),  # moved, not at the step
+            finding("memory", "peak_memory_bytes", 99.0, moved=False),
+        ),
+    )
+    assert [f.signal for f in e.ranked] == [
+        "loss_worst_rank",
+        "loss",
+        "source:code",
+        "grad_norm",
+        "straggler_score",
+    ]
     assert e.first.signal == "loss_worst_rank"
     assert e.headline().startswith("loss_worst_rank (loss) moved at step 10")
 
 
 def test_the_headline_names_what_paged_before_what_moved_most():
     paged = Page("gradient", "cospike", "", 5.0, 2.5, 9.0, "m", "grad_norm")
-    e = Explanation("r", 10, 0, 0, (finding("loss", "loss", 30.0),
-                                    finding("gradient", "grad_norm", 9.0)), (paged,))
+    e = Explanation(
+        "r",
+        10,
+        0,
+        0,
+        (finding("loss", "loss", 30.0), finding("gradient", "grad_norm", 9.0)),
+        (paged,),
+    )
     assert e.first.signal == "grad_norm"
     assert e.headline().startswith("Paged at step 10: cospike (gradient) 5 vs baseline 2.5")

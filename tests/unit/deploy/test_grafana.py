@@ -9,21 +9,29 @@ import re
 
 import pytest
 import yaml
-
 from grafana_sql import CHART_DASHBOARDS, DASHBOARD_DIR, DASHBOARDS, load, queries, render, resolve
 from grafana_sql import panels as _panels
-from probewire.instrument.catalog import CATALOG, Comm, Loss, Memory, Output, System
-from probewire.sinks import ClickHouseSink
+
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.instrument.catalog import CATALOG, Comm, Loss, Memory, Output, System
+from probewire.sinks import ClickHouseSink
 
 DASHBOARD = DASHBOARD_DIR / "probewire-first-screen.json"
 PROVISIONING = DASHBOARD_DIR / "provisioning"
 RUN = "grafana-run"
 
-P0_TITLES = ("Loss: mean L and worst rank L_max", "Loss by source", "Gradient norm G2",
-             "Co-spikes", "Step time and throughput", "Peak memory", "Expert balance: MaxVio",
-             "Output |x|max", "Held-out bits per byte")
+P0_TITLES = (
+    "Loss: mean L and worst rank L_max",
+    "Loss by source",
+    "Gradient norm G2",
+    "Co-spikes",
+    "Step time and throughput",
+    "Peak memory",
+    "Expert balance: MaxVio",
+    "Output |x|max",
+    "Held-out bits per byte",
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +70,9 @@ def test_the_drill_down_row_covers_ranks_layers_and_experts(dashboard) -> None:
 
 
 def test_annotations_come_from_the_anomalies_and_alerts_tables(dashboard) -> None:
-    sql = {a["name"]: a["target"]["rawSql"] for a in dashboard["annotations"]["list"]
-           if "target" in a}
+    sql = {
+        a["name"]: a["target"]["rawSql"] for a in dashboard["annotations"]["list"] if "target" in a
+    }
     assert "${database}.anomalies" in sql["Anomalies"]
     assert "${database}.alerts" in sql["Alerts"]
     assert all("AS time" in s and "AS title" in s for s in sql.values())
@@ -83,9 +92,11 @@ def test_multi_value_variables_are_always_formatted_and_components_never_listed(
     catalog defines."""
     board = load(path)
     multi = {v["name"] for v in board["templating"]["list"] if v.get("multi")}
-    sqls = [sql for _, sql in queries(board)] + [v["query"]["rawSql"]
-                                                   for v in board["templating"]["list"]
-                                                   if isinstance(v.get("query"), dict)]
+    sqls = [sql for _, sql in queries(board)] + [
+        v["query"]["rawSql"]
+        for v in board["templating"]["list"]
+        if isinstance(v.get("query"), dict)
+    ]
     for sql in sqls:
         for name, fmt in re.findall(r"\$\{(\w+)(?::(\w+))?\}", sql):
             assert name not in multi or fmt in ("singlequote", "csv"), (path.name, name, sql)
@@ -98,28 +109,42 @@ def test_multi_value_variables_are_always_formatted_and_components_never_listed(
 def test_the_rank_dashboard_forms_its_series_from_catalog_components() -> None:
     sql = " ".join(s for _, s in queries(load(DASHBOARD_DIR / "probewire-rank.json")))
     assert set(re.findall(r"'([a-z_]+\.[a-z_0-9]+)'", sql)) == {
-        System.STEP_TIME, Comm.WAIT, Loss.SUM, Loss.TOKENS, Memory.PEAK_ALLOCATED,
-        Memory.PEAK_RSS, Output.LOGITS_ABS_MAX}
+        System.STEP_TIME,
+        Comm.WAIT,
+        Loss.SUM,
+        Loss.TOKENS,
+        Memory.PEAK_ALLOCATED,
+        Memory.PEAK_RSS,
+        Output.LOGITS_ABS_MAX,
+    }
 
 
 def test_every_dashboard_has_its_own_uid_and_links_to_the_others() -> None:
     boards = [load(p) for p in DASHBOARDS]
-    assert {b["uid"] for b in boards} == {"probewire-first-screen", "probewire-rank",
-                                          "probewire-compare"}
+    assert {b["uid"] for b in boards} == {
+        "probewire-first-screen",
+        "probewire-rank",
+        "probewire-compare",
+    }
     for board in boards:
         assert "probewire" in board["tags"]
-        assert any(link["type"] == "dashboards" and link["tags"] == ["probewire"]
-                   for link in board["links"])
+        assert any(
+            link["type"] == "dashboards" and link["tags"] == ["probewire"]
+            for link in board["links"]
+        )
 
 
 def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
-        dashboard, ch_client, ch_database) -> None:
+    dashboard, ch_client, ch_database
+) -> None:
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
-    write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
-        LayerExplosion(layer=1, step=130, scale=50.0),)))
-    selected, listed = resolve(dashboard, lambda sql: ch_client.query(sql).result_rows,
-                               choose={"database": ch_database})
+    write_simulated_run(
+        sink, simulated_run(RUN, steps=150, faults=(LayerExplosion(layer=1, step=130, scale=50.0),))
+    )
+    selected, listed = resolve(
+        dashboard, lambda sql: ch_client.query(sql).result_rows, choose={"database": ch_database}
+    )
     results = {where: ch_client.query(render(sql, selected)) for where, sql in queries(dashboard)}
     for panel in _first_screen(dashboard):
         main = results[f"panel {panel['id']} A"]
@@ -127,8 +152,11 @@ def test_every_query_runs_on_a_migrated_store_and_p0_panels_return_rows(
         tokens = [row[main.column_names.index("tokens")] for row in main.result_rows]
         if "partitionByValues" not in json.dumps(panel["transformations"]):
             assert tokens == sorted(tokens), panel["title"]  # trend panels need ascending x
-    marked = {p["title"].split(":")[0]: results[f"panel {p['id']} B"].row_count
-              for p in _first_screen(dashboard) if len(p["targets"]) > 1}
+    marked = {
+        p["title"].split(":")[0]: results[f"panel {p['id']} B"].row_count
+        for p in _first_screen(dashboard)
+        if len(p["targets"]) > 1
+    }
     assert marked["Gradient norm G2 and clip rate"] >= 1
     assert marked["Co-spikes (cumulative count)"] == 1
     assert results["annotation Anomalies"].row_count >= 2
@@ -147,13 +175,15 @@ def test_the_chart_ships_the_same_dashboards() -> None:
 
 def test_provisioning_points_grafana_at_the_reader_over_http_and_at_these_dashboards() -> None:
     [source] = yaml.safe_load((PROVISIONING / "datasources" / "probewire.yaml").read_text())[
-        "datasources"]
+        "datasources"
+    ]
     assert source["type"] == "grafana-clickhouse-datasource"
     assert source["jsonData"]["protocol"] == "http"
     assert source["jsonData"]["port"] == "${PROBEWIRE_SQL_PORT}"
     assert source["jsonData"]["host"] == "127.0.0.1"
     [provider] = yaml.safe_load((PROVISIONING / "dashboards" / "probewire.yaml").read_text())[
-        "providers"]
+        "providers"
+    ]
     assert provider["type"] == "file" and provider["options"]["path"] == "${PROBEWIRE_DASHBOARDS}"
     for path in DASHBOARDS:  # the data source variable lists the provisioned source's type
         [var] = [v for v in load(path)["templating"]["list"] if v["type"] == "datasource"]

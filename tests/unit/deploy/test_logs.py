@@ -35,15 +35,29 @@ def test_json_records_are_one_object_per_line_with_the_traceback(capsys) -> None
     first, second = map(json.loads, lines)
     assert first["message"] == "store write of 3 step(s) failed\nsecond line"
     assert (first["level"], first["logger"], first["service"]) == (
-        "WARNING", "probewire.test", "worker")
+        "WARNING",
+        "probewire.test",
+        "worker",
+    )
     assert first["ts"].endswith("+00:00")
     assert second["level"] == "ERROR" and "RuntimeError: boom" in second["exc_info"]
 
 
-def test_the_cli_applies_the_format_to_its_command_and_refuses_others(tmp_path,
-                                                                      capsys) -> None:
-    assert main(["--log-format", "json", "health", "--component", "worker",
-                 "--heartbeat", str(tmp_path / "none")]) == 1
+def test_the_cli_applies_the_format_to_its_command_and_refuses_others(tmp_path, capsys) -> None:
+    assert (
+        main(
+            [
+                "--log-format",
+                "json",
+                "health",
+                "--component",
+                "worker",
+                "--heartbeat",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 1
+    )
     logging.getLogger("probewire.x").warning("hello")
     [line] = [l for l in capsys.readouterr().err.splitlines() if l.startswith("{")]
     assert json.loads(line)["service"] == "health"

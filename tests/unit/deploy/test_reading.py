@@ -11,15 +11,17 @@ import pytest
 from probewire.deploy.reading import json_value, render_rows
 
 COLUMNS = ["step", "loss", "groups", "at"]
-ROWS = [(1, 2.5, {"0": 1e-3}, dt.datetime(2026, 1, 2, 3, 4, 5)),
-        (2, math.nan, {}, None), (3, math.inf, {"w": -math.inf}, None)]
+ROWS = [
+    (1, 2.5, {"0": 1e-3}, dt.datetime(2026, 1, 2, 3, 4, 5)),
+    (2, math.nan, {}, None),
+    (3, math.inf, {"w": -math.inf}, None),
+]
 
 
 def test_json_is_strict_with_non_finite_values_as_null():
     text = render_rows(COLUMNS, ROWS, "json")
     parsed = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
-    assert parsed[0] == {"step": 1, "loss": 2.5, "groups": {"0": 1e-3},
-                         "at": "2026-01-02T03:04:05"}
+    assert parsed[0] == {"step": 1, "loss": 2.5, "groups": {"0": 1e-3}, "at": "2026-01-02T03:04:05"}
     assert parsed[1]["loss"] is None and parsed[2]["loss"] is None
     assert parsed[2]["groups"] == {"w": None}
 
@@ -35,5 +37,8 @@ def test_csv_and_tsv_have_a_header_and_one_line_per_row(fmt, sep):
 def test_json_value_of_numpy_scalars_and_nested_lists():
     import numpy as np
 
-    assert json_value([np.float64("nan"), np.int64(3), (1.0, float("-inf"))]) == [None, 3,
-                                                                                  [1.0, None]]
+    assert json_value([np.float64("nan"), np.int64(3), (1.0, float("-inf"))]) == [
+        None,
+        3,
+        [1.0, None],
+    ]

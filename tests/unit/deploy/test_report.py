@@ -12,8 +12,14 @@ import pytest
 from probewire.deploy.cli import main
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
-from probewire.deploy.report import (CHARTS, PANELS, RunNotFound, load_first_screen,
-                                     render_first_screen, write_report)
+from probewire.deploy.report import (
+    CHARTS,
+    PANELS,
+    RunNotFound,
+    load_first_screen,
+    render_first_screen,
+    write_report,
+)
 from probewire.sinks import ClickHouseSink
 
 RUN, OTHER = "report-run", "report-other"
@@ -23,21 +29,30 @@ RUN, OTHER = "report-run", "report-other"
 def store(ch_client, ch_database):
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
-    write_simulated_run(sink, simulated_run(RUN, steps=150, faults=(
-        LayerExplosion(layer=2, step=130, scale=50.0),)))
-    write_simulated_run(sink, simulated_run(OTHER, steps=100, seed=1,
-                                            sources=(("web", 0.5), ("code", 0.5))))
+    write_simulated_run(
+        sink, simulated_run(RUN, steps=150, faults=(LayerExplosion(layer=2, step=130, scale=50.0),))
+    )
+    write_simulated_run(
+        sink, simulated_run(OTHER, steps=100, seed=1, sources=(("web", 0.5), ("code", 0.5)))
+    )
     return ch_client, ch_database
 
 
 def _panels(fig) -> dict:
-    return {ax.get_label()[len("panel:"):]: ax for ax in fig.axes
-            if ax.get_label().startswith("panel:")}
+    return {
+        ax.get_label()[len("panel:") :]: ax
+        for ax in fig.axes
+        if ax.get_label().startswith("panel:")
+    }
 
 
 def _charts(html: str) -> dict[str, dict]:
-    found = re.findall(r"<div class='pw-chart' id='chart-([a-z]+)'[^>]*>"
-                       r"<script type='application/json'>(.*?)</script></div>", html, re.S)
+    found = re.findall(
+        r"<div class='pw-chart' id='chart-([a-z]+)'[^>]*>"
+        r"<script type='application/json'>(.*?)</script></div>",
+        html,
+        re.S,
+    )
     return {key: json.loads(spec.replace("<\\/", "</")) for key, spec in found}
 
 
@@ -64,27 +79,38 @@ def test_anomalies_are_marked_on_their_panels_at_their_tokens(store) -> None:
     tokens = dict(zip(data.steps["step"].astype(int), data.steps["tokens"]))
 
     def marks(key: str) -> list[float]:
-        return [x for line in panels[key].get_lines() if line.get_gid() == "anomaly"
-                for x in line.get_xdata()]
+        return [
+            x
+            for line in panels[key].get_lines()
+            if line.get_gid() == "anomaly"
+            for x in line.get_xdata()
+        ]
 
     assert sorted(marks("grad")) == [tokens[130]]
     assert marks("cospike") == [tokens[130]]
     assert marks("loss") == [tokens[130]]
     assert marks("memory") == []
-    assert all(any(line.get_gid() == "alert" for line in ax.get_lines())
-               for ax in panels.values())  # the page is a line across every panel
+    assert all(
+        any(line.get_gid() == "alert" for line in ax.get_lines()) for ax in panels.values()
+    )  # the page is a line across every panel
 
 
 def test_source_legend_shows_each_sources_share_of_the_runs_tokens(store) -> None:
     client, db = store
-    rows = client.query(f"SELECT source, sum(tokens) FROM {db}.source_metrics FINAL "
-                        "WHERE run_id = {r:String} GROUP BY source",
-                        parameters={"r": OTHER}).result_rows
+    rows = client.query(
+        f"SELECT source, sum(tokens) FROM {db}.source_metrics FINAL "
+        "WHERE run_id = {r:String} GROUP BY source",
+        parameters={"r": OTHER},
+    ).result_rows
     total = float(sum(n for _, n in rows))
     reference = {s: 100 * float(n) / total for s, n in rows}  # ≈ 50 / 50
     assert all(abs(v - 50) < 1 for v in reference.values())
-    labels = {line.get_label() for line in _panels(render_first_screen(
-        load_first_screen(client, db, OTHER)))["source"].get_lines()}
+    labels = {
+        line.get_label()
+        for line in _panels(render_first_screen(load_first_screen(client, db, OTHER)))[
+            "source"
+        ].get_lines()
+    }
     assert labels == {f"{s} ({v:.0f}% of tokens)" for s, v in reference.items()}
     assert labels == {"code (50% of tokens)", "web (50% of tokens)"}
 
@@ -112,8 +138,9 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
         data = load_first_screen(client, db, run)
         [L] = [t for t in _raw(charts["loss"], run) if t["meta"]["label"] == "L"]
         for axis in ("tokens", "flops", "step"):  # every axis of the switch, raw values
-            np.testing.assert_array_equal(np.array(L["meta"]["x"][axis], dtype=float),
-                                          data.steps[axis])
+            np.testing.assert_array_equal(
+                np.array(L["meta"]["x"][axis], dtype=float), data.steps[axis]
+            )
         np.testing.assert_array_equal(np.array(L["y"], dtype=float), data.steps["loss"])
         for key in ("source", "grad", "time", "throughput", "memory", "eval", "cospike"):
             assert _raw(charts[key], run), (key, run)
@@ -131,11 +158,17 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
 
 def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None:
     client, db = store
-    client.command(f"ALTER TABLE {db}.step_metrics UPDATE lr = 1e-3 * (1 + step) WHERE 1",
-                   settings={"mutations_sync": 2})
-    ClickHouseSink(client, db).write("runs", [
-        {"run_id": RUN, "world_size": 4, "config": json.dumps({"lr": 3e-3, "seed": 0})},
-        {"run_id": OTHER, "world_size": 4, "config": json.dumps({"lr": 1e-3, "seed": 0})}])
+    client.command(
+        f"ALTER TABLE {db}.step_metrics UPDATE lr = 1e-3 * (1 + step) WHERE 1",
+        settings={"mutations_sync": 2},
+    )
+    ClickHouseSink(client, db).write(
+        "runs",
+        [
+            {"run_id": RUN, "world_size": 4, "config": json.dumps({"lr": 3e-3, "seed": 0})},
+            {"run_id": OTHER, "world_size": 4, "config": json.dumps({"lr": 1e-3, "seed": 0})},
+        ],
+    )
     html = write_report(client, db, [RUN, OTHER], tmp_path)[0].read_text()
     [lr] = _raw(_charts(html)["lr"], OTHER)
     np.testing.assert_allclose(np.array(lr["y"], dtype=float), 1e-3 * (1 + np.arange(100)))
@@ -150,16 +183,45 @@ def test_a_missing_run_is_a_clear_error_naming_the_runs_that_exist(store, tmp_pa
     assert not list(tmp_path.iterdir())
 
 
-def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_path, monkeypatch,
-                                                       capsys) -> None:
+def test_the_cli_writes_the_report_and_explains_a_step(
+    store, store_url, tmp_path, monkeypatch, capsys
+) -> None:
     _, database = store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
-    assert main(["report", "--run", RUN, "--run", OTHER, "--clickhouse-url", store_url,
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--run",
+                RUN,
+                "--run",
+                OTHER,
+                "--clickhouse-url",
+                store_url,
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / f"{RUN}-vs-{OTHER}.html").is_file()
     assert (tmp_path / f"{RUN}.png").is_file() and (tmp_path / f"{OTHER}.png").is_file()
-    assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url,
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--run",
+                RUN,
+                "--step",
+                "130",
+                "--clickhouse-url",
+                store_url,
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert '"first": "cospike_count"' in out and '"signal": "cospike"' in out
     assert main(["report", "--run", "nope", "--clickhouse-url", store_url]) == 2
@@ -168,53 +230,87 @@ def test_the_cli_writes_the_report_and_explains_a_step(store, store_url, tmp_pat
     assert "named twice" in capsys.readouterr().err
 
 
-def test_explain_printed_into_a_pipe_keeps_every_cell_whole(store, store_url, monkeypatch,
-                                                            capsys) -> None:
+def test_explain_printed_into_a_pipe_keeps_every_cell_whole(
+    store, store_url, monkeypatch, capsys
+) -> None:
     _, database = store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
     monkeypatch.delenv("COLUMNS", raising=False)  # stdout is captured: not a terminal
     assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url]) == 0
     out = capsys.readouterr().out
     assert "…" not in out  # at rich's 80 columns: "peak_me…", "3.801e+…"
-    assert main(["explain", "--run", RUN, "--step", "130", "--clickhouse-url", store_url,
-                 "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--run",
+                RUN,
+                "--step",
+                "130",
+                "--clickhouse-url",
+                store_url,
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     lines = out.splitlines()
     for finding in json.loads(capsys.readouterr().out)["findings"]:
         assert any(finding["signal"] in line for line in lines), finding["signal"]
 
 
-def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(store, store_url,
-                                                                   monkeypatch, capsys) -> None:
+def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(
+    store, store_url, monkeypatch, capsys
+) -> None:
     client, database = store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
     sink = ClickHouseSink(client, database)
     for status in ("running", "finished"):  # two versions of one run's row, not merged yet
         sink.write("runs", [{"run_id": RUN, "world_size": 4, "status": status}])
-    [(versions,)] = client.query(f"SELECT count() FROM {database}.runs WHERE run_id = "
-                                 "{r:String}", parameters={"r": RUN}).result_rows
+    [(versions,)] = client.query(
+        f"SELECT count() FROM {database}.runs WHERE run_id = {{r:String}}", parameters={"r": RUN}
+    ).result_rows
     assert versions >= 2
     assert main(["runs", "--clickhouse-url", store_url]) == 0
     out = capsys.readouterr().out
     assert out.count(RUN) == 1 and out.count(OTHER) == 1 and "finished" in out
-    assert main(["sql", "--clickhouse-url", store_url, "--format", "vertical",
-                 f"SELECT * FROM {database}.first_screen WHERE run_id = '{RUN}' "
-                 "ORDER BY step LIMIT 1 OFFSET 20"]) == 0
+    assert (
+        main(
+            [
+                "sql",
+                "--clickhouse-url",
+                store_url,
+                "--format",
+                "vertical",
+                f"SELECT * FROM {database}.first_screen WHERE run_id = '{RUN}' "
+                "ORDER BY step LIMIT 1 OFFSET 20",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     loss = load_first_screen(client, database, RUN).steps["loss"][20]
     assert all(len(line) <= 80 for line in lines) and len(lines) > 20
     assert f"loss  {loss:.6g}" in [line.strip() for line in lines]  # name, value beside it
 
 
-def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(ch_client, ch_database,
-                                                                   tmp_path) -> None:
+def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(
+    ch_client, ch_database, tmp_path
+) -> None:
     """Issue 14: a `$` in a label was read as matplotlib mathtext and the report crashed."""
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
     run = "price$run$1"
-    write_simulated_run(sink, simulated_run(run, steps=30, sources=(("a$b", 0.5),
-                                                                    ("$\\frac{$", 0.5))))
+    write_simulated_run(
+        sink, simulated_run(run, steps=30, sources=(("a$b", 0.5), ("$\\frac{$", 0.5)))
+    )
     html, [png] = write_report(ch_client, ch_database, [run], tmp_path)
     assert png.stat().st_size > 0 and "a$b" in html.read_text()
-    labels = {line.get_label() for line in _panels(render_first_screen(
-        load_first_screen(ch_client, ch_database, run)))["source"].get_lines()}
+    labels = {
+        line.get_label()
+        for line in _panels(render_first_screen(load_first_screen(ch_client, ch_database, run)))[
+            "source"
+        ].get_lines()
+    }
     assert labels == {"a$b (50% of tokens)", "$\\frac{$ (50% of tokens)"}

@@ -25,9 +25,16 @@ def test_a_jump_over_several_marks_evaluates_once() -> None:
     assert not cadence.decide("run", tokens=59).evaluate
 
 
-@pytest.mark.parametrize(("tokens", "plan", "fraction", "mark"),
-                         [(7, 100, 0.07, 1), (6, 100, 0.07, 0), (10_000, 10**6, 0.01, 1),
-                          (9_999, 10**6, 0.01, 0), (10**15, 10**15, 0.005, 200)])
+@pytest.mark.parametrize(
+    ("tokens", "plan", "fraction", "mark"),
+    [
+        (7, 100, 0.07, 1),
+        (6, 100, 0.07, 0),
+        (10_000, 10**6, 0.01, 1),
+        (9_999, 10**6, 0.01, 0),
+        (10**15, 10**15, 0.005, 200),
+    ],
+)
 def test_marks_are_exact(tokens: int, plan: int, fraction: float, mark: int) -> None:
     """0.07 × 100 is 7.000000000000001 in floats; the mark at 7 tokens must still count."""
     assert progress_mark(tokens, plan, fraction) == mark

@@ -16,8 +16,11 @@ def test_demo_sets_are_written_once_and_never_overwritten(tmp_path: Path) -> Non
     mine = tmp_path / "choice.jsonl"
     mine.write_text('{"question": "q", "options": ["a", "b"], "answer": 1}\n')
     written = ensure_demo_datasets(tmp_path)
-    assert sorted(p.name for p in written) == ["generation.jsonl", "grounding.jsonl",
-                                               "heldout.jsonl"]
+    assert sorted(p.name for p in written) == [
+        "generation.jsonl",
+        "grounding.jsonl",
+        "heldout.jsonl",
+    ]
     assert load_choice_set(mine)[0].options == ("a", "b")  # the user's set survives
     assert ensure_demo_datasets(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(DATA_FILES.values())
@@ -46,8 +49,9 @@ def test_empty_dataset_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "heldout.jsonl").write_text("\n\n")
     with pytest.raises(EvaluationError) as info:
         build_suites(["heldout"], tmp_path)
-    assert str(info.value) == f"heldout data: {tmp_path / 'heldout.jsonl'}: empty data set: " \
-                              "no records"
+    assert (
+        str(info.value) == f"heldout data: {tmp_path / 'heldout.jsonl'}: empty data set: no records"
+    )
 
 
 def test_missing_dataset_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -18,8 +18,11 @@ from probewire.evaluators.runner import EvaluationCancelled
 
 @pytest.fixture()
 def service(tmp_path: Path) -> EvaluatorService:
-    options = EvaluatorOptions(suites=("heldout",), data_dir=str(tmp_path / "data"),
-                               heartbeat_path=tmp_path / "evaluator.heartbeat")
+    options = EvaluatorOptions(
+        suites=("heldout",),
+        data_dir=str(tmp_path / "data"),
+        heartbeat_path=tmp_path / "evaluator.heartbeat",
+    )
     return EvaluatorService(Settings().evaluator_setup(), options)
 
 
@@ -32,8 +35,17 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def _payload(path: Path, tokens: int, **extra: object) -> bytes:
-    return json.dumps({"run_id": "run-a", "step": tokens // 10, "tokens": tokens, "flops": 1e9,
-                       "path": str(path), "planned_tokens": 1000, **extra}).encode()
+    return json.dumps(
+        {
+            "run_id": "run-a",
+            "step": tokens // 10,
+            "tokens": tokens,
+            "flops": 1e9,
+            "path": str(path),
+            "planned_tokens": 1000,
+            **extra,
+        }
+    ).encode()
 
 
 def test_malformed_announcement_goes_to_dead_letter(service: EvaluatorService) -> None:
@@ -46,20 +58,27 @@ def test_malformed_announcement_goes_to_dead_letter(service: EvaluatorService) -
     assert base64.b64decode(body["payload_b64"]) == b'{"run_id": "run-a"}'
 
 
-def test_crossing_checkpoint_is_scored_on_both_streams(service: EvaluatorService,
-                                                       checkpoint: Path) -> None:
+def test_crossing_checkpoint_is_scored_on_both_streams(
+    service: EvaluatorService, checkpoint: Path
+) -> None:
     result = service.process(_payload(checkpoint, 10))
     assert result.evaluated and result.reason == "crossed 1% of plan" and result.deadletters == []
     assert sorted((r.weights_stream, r.metric) for r in result.records) == [
-        ("ema", "bpb"), ("ema", "nll"), ("ema", "ppl"), ("raw", "bpb"), ("raw", "nll"),
-        ("raw", "ppl")]
+        ("ema", "bpb"),
+        ("ema", "nll"),
+        ("ema", "ppl"),
+        ("raw", "bpb"),
+        ("raw", "nll"),
+        ("raw", "ppl"),
+    ]
     again = service.process(_payload(checkpoint, 10))
     assert not again.evaluated and again.reason == "already evaluated at 10 tokens"
     assert not service.process(_payload(checkpoint, 15)).evaluated  # no new 1% mark
 
 
 def test_failed_checkpoint_is_dead_lettered_and_the_next_one_scores(
-        service: EvaluatorService, checkpoint: Path, tmp_path: Path) -> None:
+    service: EvaluatorService, checkpoint: Path, tmp_path: Path
+) -> None:
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"\x00" * 64)
     failed = service.process(_payload(corrupt, 10, key=True))
@@ -73,8 +92,9 @@ def test_failed_checkpoint_is_dead_lettered_and_the_next_one_scores(
     assert beat["runs"]["run-a"] == {"evaluated": 1, "skipped": 0, "failed": 1, "last_step": 2}
 
 
-def test_stop_request_cancels_an_evaluation_in_progress(service: EvaluatorService,
-                                                        checkpoint: Path) -> None:
+def test_stop_request_cancels_an_evaluation_in_progress(
+    service: EvaluatorService, checkpoint: Path
+) -> None:
     service.stop_event.set()
     with pytest.raises(EvaluationCancelled):
         service.process(_payload(checkpoint, 10))
@@ -83,8 +103,10 @@ def test_stop_request_cancels_an_evaluation_in_progress(service: EvaluatorServic
 def test_bad_factory_fails_at_start_up(tmp_path: Path) -> None:
     settings = Settings(evaluator=EvaluatorSettings(model_factory="probewire.nowhere:load"))
     with pytest.raises(EvaluationError, match=r"module 'probewire\.nowhere' does not import"):
-        EvaluatorService(settings.evaluator_setup(), EvaluatorOptions(
-            data_dir=str(tmp_path), heartbeat_path=tmp_path / "hb"))
+        EvaluatorService(
+            settings.evaluator_setup(),
+            EvaluatorOptions(data_dir=str(tmp_path), heartbeat_path=tmp_path / "hb"),
+        )
 
 
 def test_default_group_is_derived_from_the_app_id(service: EvaluatorService) -> None:
@@ -92,18 +114,28 @@ def test_default_group_is_derived_from_the_app_id(service: EvaluatorService) -> 
 
 
 def test_suite_failures_make_one_dead_letter_and_the_rest_is_published(
-        checkpoint: Path, tmp_path: Path) -> None:
+    checkpoint: Path, tmp_path: Path
+) -> None:
     """A text-only model cannot ground boxes: both streams fail that suite, heldout scores."""
-    options = EvaluatorOptions(suites=("heldout", "grounding"), data_dir=str(tmp_path / "data"),
-                               heartbeat_path=tmp_path / "hb")
+    options = EvaluatorOptions(
+        suites=("heldout", "grounding"),
+        data_dir=str(tmp_path / "data"),
+        heartbeat_path=tmp_path / "hb",
+    )
     service = EvaluatorService(Settings().evaluator_setup(), options)
     result = service.process(_payload(checkpoint, 10))
     assert result.evaluated
-    assert {(r.suite, r.weights_stream) for r in result.records} == {("heldout", "raw"),
-                                                                     ("heldout", "ema")}
+    assert {(r.suite, r.weights_stream) for r in result.records} == {
+        ("heldout", "raw"),
+        ("heldout", "ema"),
+    }
     [body] = result.deadletters
-    assert body["reason"].startswith("2 suite run(s) failed: suite grounding on raw weights: "
-                                     "EvaluationError: suite grounding needs a model with "
-                                     "predict_box(image, prompt); suite grounding on ema")
+    assert body["reason"].startswith(
+        "2 suite run(s) failed: suite grounding on raw weights: "
+        "EvaluationError: suite grounding needs a model with "
+        "predict_box(image, prompt); suite grounding on ema"
+    )
     assert [(f["suite"], f["weights_stream"]) for f in body["failures"]] == [
-        ("grounding", "raw"), ("grounding", "ema")]
+        ("grounding", "raw"),
+        ("grounding", "ema"),
+    ]

@@ -23,8 +23,10 @@ def test_render_is_deterministic_and_draws_the_boxes() -> None:
 def test_grounding_set_boxes_match_the_rendered_target() -> None:
     items = make_grounding_set(20, seed=5)
     assert items == make_grounding_set(20, seed=5)
-    assert {item.prompt for item in items} == {"Find the bright rectangle.",
-                                               "Find the dim rectangle."}
+    assert {item.prompt for item in items} == {
+        "Find the bright rectangle.",
+        "Find the dim rectangle.",
+    }
     predictor = ThresholdBoxPredictor()
     for item in items:
         image, boxes = render_image(item.image_seed)

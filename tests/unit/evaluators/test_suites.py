@@ -51,18 +51,18 @@ def test_bpb_counts_utf8_bytes_not_tokens(context_len: int) -> None:
     alphabet = "".join(sorted({c for t in texts for c in t}))
     tok = CharTokenizer(alphabet)
     table = _random_table(len(alphabet) + 1, seed=1)
-    model = EvalModel(module=BigramLM(table), tokenizer=tok, context_len=context_len,
-                      batch_size=2)
-    scores = {s.metric: s for s in HeldoutSuite(
-        [HeldoutDoc(text=t, source="unit") for t in texts]).run(model)}
+    model = EvalModel(module=BigramLM(table), tokenizer=tok, context_len=context_len, batch_size=2)
+    scores = {
+        s.metric: s
+        for s in HeldoutSuite([HeldoutDoc(text=t, source="unit") for t in texts]).run(model)
+    }
 
     logp = _log_softmax(table)
     total, m = 0.0, 0
     for text in texts:
         ids = tok.encode(text)
         for j, token in enumerate(ids):
-            block_starts_at_bos = j % context_len == 0 and (
-                j == 0 or j + context_len <= len(ids))
+            block_starts_at_bos = j % context_len == 0 and (j == 0 or j + context_len <= len(ids))
             prev = tok.bos_id if block_starts_at_bos else ids[j - 1]
             total -= logp[prev, token]
             m += 1
@@ -77,8 +77,9 @@ def test_bpb_counts_utf8_bytes_not_tokens(context_len: int) -> None:
 
 def test_bpb_of_byte_model_on_multibyte_text() -> None:
     """With byte tokens, a uniform model has BPB exactly log2(257) whatever the script."""
-    model = EvalModel(module=BigramLM(np.zeros((V_BYTES, V_BYTES))), tokenizer=ByteTokenizer(),
-                      context_len=8)
+    model = EvalModel(
+        module=BigramLM(np.zeros((V_BYTES, V_BYTES))), tokenizer=ByteTokenizer(), context_len=8
+    )
     docs = [HeldoutDoc(text="Grüße, 世界! 🎉", source="unit")]
     bpb = {s.metric: s.value for s in HeldoutSuite(docs).run(model)}["bpb"]
     assert bpb == pytest.approx(math.log2(257), rel=1e-12)
@@ -108,15 +109,18 @@ def _unigram_model(probs: dict[str, float]) -> EvalModel:
     row = np.full(V_BYTES, -1e9)
     for char, p in probs.items():
         row[ord(char)] = math.log(p)
-    return EvalModel(module=BigramLM(np.tile(row, (V_BYTES, 1))), tokenizer=ByteTokenizer(),
-                     context_len=64)
+    return EvalModel(
+        module=BigramLM(np.tile(row, (V_BYTES, 1))), tokenizer=ByteTokenizer(), context_len=64
+    )
 
 
-@pytest.mark.parametrize(("normalization", "expected_accuracy"),
-                         [("none", 0.0), ("tokens", 1.0), ("bytes", 1.0)])
-def test_length_normalisation_changes_the_chosen_option(normalization: str,
-                                                        expected_accuracy: float) -> None:
-    """"z" costs less in total, "aaaaaaaa" less per byte: the normalisation decides."""
+@pytest.mark.parametrize(
+    ("normalization", "expected_accuracy"), [("none", 0.0), ("tokens", 1.0), ("bytes", 1.0)]
+)
+def test_length_normalisation_changes_the_chosen_option(
+    normalization: str, expected_accuracy: float
+) -> None:
+    """ "z" costs less in total, "aaaaaaaa" less per byte: the normalisation decides."""
     probs = {" ": 0.25, "a": 0.5, "z": 0.125, "q": 0.125}
     model = _unigram_model(probs)
     item = ChoiceItem(question="qq", options=("z", "aaaaaaaa"), answer=1)
@@ -142,15 +146,16 @@ def _successor_model(successor: dict[str, str]) -> EvalModel:
     table[:, ord("\n")] = 1.0
     for c, nxt in successor.items():
         table[ord(c), ord(nxt)] = 5.0
-    return EvalModel(module=BigramLM(table), tokenizer=ByteTokenizer(), context_len=4,
-                     batch_size=2)
+    return EvalModel(module=BigramLM(table), tokenizer=ByteTokenizer(), context_len=4, batch_size=2)
 
 
 def test_greedy_decode_follows_the_known_argmax() -> None:
     model = _successor_model({"=": "4", "4": "2", ":": " ", " ": "o", "o": "k"})
-    items = [GenerationItem(prompt="2+2=", answer="42"),
-             GenerationItem(prompt="a long prompt past the context: ", answer="ok"),
-             GenerationItem(prompt="3+3=", answer="6")]
+    items = [
+        GenerationItem(prompt="2+2=", answer="42"),
+        GenerationItem(prompt="a long prompt past the context: ", answer="ok"),
+        GenerationItem(prompt="3+3=", answer="6"),
+    ]
     suite = GenerationSuite(items, max_new_tokens=5)
     [score] = suite.run(model)
     # "=" -> "4" -> "2" -> "\n" (stop); " " -> "o" -> "k" -> "\n"; post-processing strips
@@ -163,10 +168,14 @@ def test_greedy_decode_follows_the_known_argmax() -> None:
 
 def test_a_checker_function_replaces_exact_match() -> None:
     model = _successor_model({"=": "4"})
-    numeric = Judge("numeric_close", "numeric-close/v1",
-                    lambda answer, item: abs(float(answer) - float(item.answer)) <= 1)
-    [score] = GenerationSuite([GenerationItem(prompt="1+4=", answer="5")], judge=numeric,
-                              max_new_tokens=3).run(model)
+    numeric = Judge(
+        "numeric_close",
+        "numeric-close/v1",
+        lambda answer, item: abs(float(answer) - float(item.answer)) <= 1,
+    )
+    [score] = GenerationSuite(
+        [GenerationItem(prompt="1+4=", answer="5")], judge=numeric, max_new_tokens=3
+    ).run(model)
     assert (score.metric, score.value) == ("numeric_close", 1.0)
 
 
@@ -180,15 +189,17 @@ def _two_answer_model(p_four: float) -> EvalModel:
     table[ord("=")] = -np.inf
     table[ord("="), ord("4")] = math.log(p_four)
     table[ord("="), ord("5")] = math.log(1 - p_four)
-    return EvalModel(module=BigramLM(table), tokenizer=ByteTokenizer(), context_len=16,
-                     batch_size=7)
+    return EvalModel(
+        module=BigramLM(table), tokenizer=ByteTokenizer(), context_len=16, batch_size=7
+    )
 
 
 def test_pass_at_k_matches_the_combinatorial_formula() -> None:
     n = 10
     items = [GenerationItem(prompt="2+2=", answer="4"), GenerationItem(prompt="2+3=", answer="5")]
-    suite = PassAtKSuite(items, n=n, ks=(1, 4), temperature=1.0, max_new_tokens=3,
-                         sampler=QuantileSampler(n))
+    suite = PassAtKSuite(
+        items, n=n, ks=(1, 4), temperature=1.0, max_new_tokens=3, sampler=QuantileSampler(n)
+    )
     scores = {s.metric: s.value for s in suite.run(_two_answer_model(0.3))}
     # quantiles 0.05..0.95: three fall below P("4") = 0.3
     assert suite.last_passes == [3, 7]
@@ -203,8 +214,9 @@ def test_pass_at_k_matches_the_combinatorial_formula() -> None:
 
 def test_seeded_sampling_is_reproducible_across_runs() -> None:
     items = [GenerationItem(prompt="2+2=", answer="4")]
-    suite = PassAtKSuite(items, n=16, ks=(1,), temperature=1.0, max_new_tokens=2,
-                         sampler=SeededSampler(7))
+    suite = PassAtKSuite(
+        items, n=16, ks=(1,), temperature=1.0, max_new_tokens=2, sampler=SeededSampler(7)
+    )
     model = _two_answer_model(0.5)
     first = suite.run(model)
     passes = list(suite.last_passes)
@@ -239,9 +251,11 @@ def _raster_iou(a: tuple[float, ...], b: tuple[float, ...], size: int = 64) -> f
 
 
 def test_grounding_iou_against_pixel_counts() -> None:
-    items = [GroundingItem(image_seed=1, prompt="p", box=(0.0, 0.0, 10.0, 10.0)),
-             GroundingItem(image_seed=2, prompt="p", box=(20.0, 20.0, 30.0, 24.0)),
-             GroundingItem(image_seed=3, prompt="p", box=(5.0, 5.0, 15.0, 15.0))]
+    items = [
+        GroundingItem(image_seed=1, prompt="p", box=(0.0, 0.0, 10.0, 10.0)),
+        GroundingItem(image_seed=2, prompt="p", box=(20.0, 20.0, 30.0, 24.0)),
+        GroundingItem(image_seed=3, prompt="p", box=(5.0, 5.0, 15.0, 15.0)),
+    ]
     predicted = (5.0, 5.0, 15.0, 15.0)
     [score] = GroundingSuite(items).run(EvalModel(module=_FixedBox(predicted)))
     expected = np.mean([_raster_iou(predicted, item.box) for item in items])

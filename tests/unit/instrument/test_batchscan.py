@@ -14,11 +14,13 @@ from probewire.instrument.scan import scan
 
 def tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    out = [torch.randn(s, generator=g) for s in [(3, 4), (100,), (0,), (16, 16), (12,), (100,),
-                                                  (SMALL_ELEMS + 1,)]]
+    out = [
+        torch.randn(s, generator=g)
+        for s in [(3, 4), (100,), (0,), (16, 16), (12,), (100,), (SMALL_ELEMS + 1,)]
+    ]
     out[1][3], out[1][5], out[1][7] = float("inf"), float("nan"), float("-inf")
     out[3][0, :3] = 0.0
-    out[5].zero_()                                   # a zero tensor beside a same-sized one
+    out[5].zero_()  # a zero tensor beside a same-sized one
     out += [torch.randn(256, generator=g).to(torch.bfloat16) for _ in range(2)]
     out += [torch.randn(7, generator=g, dtype=torch.float64) for _ in range(2)]
     return out
@@ -74,8 +76,9 @@ def test_group_rows_combine_to_the_per_tensor_rows_of_each_group(monkeypatch, mo
     for g in set(groups):
         mine = combined(got[np.asarray(row_groups) == g])
         theirs = combined(want[np.asarray(groups) == g])
-        a = np.concatenate([x.to(torch.float64).numpy().ravel()
-                            for x, k in zip(xs, groups) if k == g])
+        a = np.concatenate(
+            [x.to(torch.float64).numpy().ravel() for x, k in zip(xs, groups) if k == g]
+        )
         f = a[np.isfinite(a)]
         assert mine[F.N] == a.size and mine[F.ZEROS] == np.count_nonzero(a == 0)
         assert mine[F.NONFINITE] == np.count_nonzero(~np.isfinite(a))
@@ -125,11 +128,14 @@ def test_no_tensor_or_only_empty_ones_give_no_group_row():
         assert rows.shape == (0, 7) and row_groups == []
 
 
-@pytest.mark.parametrize("block", [
-    [torch.tensor([3e38, 3e38, -1.0, 0.0])],               # finite, but Σx overflows
-    [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([float("nan"), 0.0, -3.0])],
-    [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4.0, 0.0, -3.0])],
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        [torch.tensor([3e38, 3e38, -1.0, 0.0])],  # finite, but Σx overflows
+        [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([float("nan"), 0.0, -3.0])],
+        [torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4.0, 0.0, -3.0])],
+    ],
+)
 def test_a_block_with_and_without_non_finite_elements_gives_the_single_tensor_scan(block):
     """On CPU an all-finite block skips the non-finite clean-up (``row_fields``); a block whose
     finite elements overflow Σx, or that holds a NaN, takes the full path."""

@@ -45,11 +45,36 @@ CONTRACT = {
     "tensor.sum4": ("P2", "sum", ("tensor", "kind"), set()),
     "export.dropped_total": ("P1", "per_rank", (), set()),
 }
-RANK_SIDE = ("loss.", "grad.", "guard.", "step.duration", "flops.", "tokens.", "memory.", "comm.",
-             "host.", "device.", "net.", "output.logits", "output.top2", "output.positions",
-             "tensor.", "export.")  # the §2-§6 and output-layer entries of this issue
-UNBOUNDED = {"param", "parameter", "sample", "sample_id", "token", "request", "path", "host",
-             "rank", "step"}  # per-element or per-process identities are never labels
+RANK_SIDE = (
+    "loss.",
+    "grad.",
+    "guard.",
+    "step.duration",
+    "flops.",
+    "tokens.",
+    "memory.",
+    "comm.",
+    "host.",
+    "device.",
+    "net.",
+    "output.logits",
+    "output.top2",
+    "output.positions",
+    "tensor.",
+    "export.",
+)  # the §2-§6 and output-layer entries of this issue
+UNBOUNDED = {
+    "param",
+    "parameter",
+    "sample",
+    "sample_id",
+    "token",
+    "request",
+    "path",
+    "host",
+    "rank",
+    "step",
+}  # per-element or per-process identities are never labels
 
 
 @pytest.mark.parametrize("name", sorted(CONTRACT))
@@ -89,9 +114,11 @@ def test_unknown_metric_is_a_clear_error():
 
 
 def test_the_catalog_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; "
-            "from probewire.instrument.catalog import CATALOG; "
-            "from probewire.instrument.wire import decode_rank_step; print(len(CATALOG))")
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "from probewire.instrument.catalog import CATALOG; "
+        "from probewire.instrument.wire import decode_rank_step; print(len(CATALOG))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == len(CATALOG)

@@ -21,9 +21,13 @@ from probewire.instrument.wire import decode_rank_step
 def train(transport, steps: int = 3) -> None:
     torch.manual_seed(0)
     model = TinyLM(TinyConfig(seq_len=8, d_model=16, n_layer=1, n_head=2))
-    monitor = attach(model, None, transport=transport,
-                     identity=RankIdentity(run_id="otel", rank=0, world_size=1, host="h"),
-                     config=ProbeConfig(telemetry=False, comm=False, clip_threshold=1.0))
+    monitor = attach(
+        model,
+        None,
+        transport=transport,
+        identity=RankIdentity(run_id="otel", rank=0, world_size=1, host="h"),
+        config=ProbeConfig(telemetry=False, comm=False, clip_threshold=1.0),
+    )
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         tokens = torch.randint(0, 256, (2, 8), generator=g)
@@ -38,10 +42,16 @@ def train(transport, steps: int = 3) -> None:
 
 
 def comparable(record):
-    return (record.run_id, record.step, record.rank,
-            {k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
-             for k, v in record.values.items() if not k[0].startswith(("step.duration", "memory.",
-                                                                        "export."))})
+    return (
+        record.run_id,
+        record.step,
+        record.rank,
+        {
+            k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in record.values.items()
+            if not k[0].startswith(("step.duration", "memory.", "export."))
+        },
+    )
 
 
 @pytest.fixture()

@@ -3,7 +3,6 @@ sampled step, nothing on an unsampled one, the originals restored on close."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,16 +15,20 @@ def test_collectives_issued_by_the_loop_are_counted_and_timed(gloo_world):
     original = dist.all_reduce
     model = torch.nn.Linear(2, 2)
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=RankIdentity(run_id="c", rank=0, world_size=1),
-                     transport=transport,
-                     config=ProbeConfig(cadence={"step": 2}, telemetry=False))
+    monitor = attach(
+        model,
+        None,
+        identity=RankIdentity(run_id="c", rank=0, world_size=1),
+        transport=transport,
+        config=ProbeConfig(cadence={"step": 2}, telemetry=False),
+    )
     assert dist.all_reduce is not original
     for step in (0, 1, 2):
         with monitor.step(step):
-            dist.all_reduce(torch.ones(10))                       # 40 bytes
+            dist.all_reduce(torch.ones(10))  # 40 bytes
             work = dist.all_reduce(torch.ones(4, dtype=torch.float64), async_op=True)
-            work.wait()                                           # 32 bytes, timed at wait()
-            dist.broadcast(torch.zeros(3), src=0)                 # 12 bytes
+            work.wait()  # 32 bytes, timed at wait()
+            dist.broadcast(torch.zeros(3), src=0)  # 12 bytes
     monitor.close()
     assert dist.all_reduce is original
     records = {r.step: r.values for r in (decode_rank_step(k, v) for k, v in transport.messages)}
@@ -48,9 +51,13 @@ def test_a_wait_the_loop_reports_is_sent_every_step_and_adds_to_the_timed_op(glo
     step; calls for one op add up; it adds to the wrappers' wait of the same op, and an op
     the wrappers did not see gets no calls or bytes."""
     transport = MemoryTransport()
-    monitor = attach(torch.nn.Linear(2, 2), None, transport=transport,
-                     identity=RankIdentity(run_id="c", rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"step": 1, "scan": 2}, telemetry=False))
+    monitor = attach(
+        torch.nn.Linear(2, 2),
+        None,
+        transport=transport,
+        identity=RankIdentity(run_id="c", rank=0, world_size=1),
+        config=ProbeConfig(cadence={"step": 1, "scan": 2}, telemetry=False),
+    )
     for step in range(3):
         with monitor.step(step) as s:
             dist.all_reduce(torch.ones(4))
@@ -71,19 +78,29 @@ def test_a_reported_wait_is_checked_and_never_leaks_into_another_step():
     from probewire.instrument import NullStepContext
 
     transport = MemoryTransport()
-    monitor = attach(torch.nn.Linear(2, 2), None, transport=transport,
-                     identity=RankIdentity(run_id="c", rank=0, world_size=1),
-                     config=ProbeConfig(cadence={"step": 2, "scan": 0}, telemetry=False,
-                                        comm=False))
+    monitor = attach(
+        torch.nn.Linear(2, 2),
+        None,
+        transport=transport,
+        identity=RankIdentity(run_id="c", rank=0, world_size=1),
+        config=ProbeConfig(cadence={"step": 2, "scan": 0}, telemetry=False, comm=False),
+    )
     for step in range(3):
         with monitor.step(step) as s:  # step 1 is not sampled: no record at all
             s.comm_wait("ddp_allreduce", 1.0 + step)
     with monitor.step(3) as s:
         for ctx in (s, NullStepContext()):
-            for op, seconds in (("ddp_allreduce", -0.1), ("ddp_allreduce", float("nan")),
-                                ("ddp_allreduce", float("inf")), ("ddp_allreduce", True),
-                                ("ddp_allreduce", torch.tensor(1.0)), ("", 1.0),
-                                ("op=x", 1.0), ("a|b", 1.0), (3, 1.0)):
+            for op, seconds in (
+                ("ddp_allreduce", -0.1),
+                ("ddp_allreduce", float("nan")),
+                ("ddp_allreduce", float("inf")),
+                ("ddp_allreduce", True),
+                ("ddp_allreduce", torch.tensor(1.0)),
+                ("", 1.0),
+                ("op=x", 1.0),
+                ("a|b", 1.0),
+                (3, 1.0),
+            ):
                 with pytest.raises(ValueError, match="comm_wait"):
                     ctx.comm_wait(op, seconds)
         NullStepContext().comm_wait("ddp_allreduce", 0.5)

@@ -18,20 +18,23 @@ def test_cadence_accepts_string_keys_and_keeps_the_other_defaults():
     assert (config.every("step"), config.every(Tier.SCAN), config.every("demand")) == (1, 10, 0)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(cadence={"P1": 1}), "cadence"),
-    (dict(cadence={"scan": -1}), r"cadence\[scan\]"),
-    (dict(cadence={"scan": 1.5}), r"cadence\[scan\]"),
-    (dict(clip_threshold=0.0), "clip_threshold"),
-    (dict(ring_steps=-1), "ring_steps"),
-    (dict(queue_size=0), "queue_size"),
-    (dict(scan_chunk_elems=0), "scan_chunk_elems"),
-    (dict(module_names=r".*attn"), "module_names"),
-    (dict(expert_params=("(",)), "expert_params"),
-    (dict(logits_module="["), "logits_module"),
-    (dict(fused_splits={r".*\.qkv": ("q",)}), "fused_splits"),
-    (dict(sources=("web",), modalities=("web",)), "sources/modalities"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(cadence={"P1": 1}), "cadence"),
+        (dict(cadence={"scan": -1}), r"cadence\[scan\]"),
+        (dict(cadence={"scan": 1.5}), r"cadence\[scan\]"),
+        (dict(clip_threshold=0.0), "clip_threshold"),
+        (dict(ring_steps=-1), "ring_steps"),
+        (dict(queue_size=0), "queue_size"),
+        (dict(scan_chunk_elems=0), "scan_chunk_elems"),
+        (dict(module_names=r".*attn"), "module_names"),
+        (dict(expert_params=("(",)), "expert_params"),
+        (dict(logits_module="["), "logits_module"),
+        (dict(fused_splits={r".*\.qkv": ("q",)}), "fused_splits"),
+        (dict(sources=("web",), modalities=("web",)), "sources/modalities"),
+    ],
+)
 def test_a_bad_value_is_rejected_with_its_field_name(kwargs, field):
     with pytest.raises(ValueError, match=f"ProbeConfig.{field}"):
         ProbeConfig(**kwargs)

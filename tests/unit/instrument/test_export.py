@@ -21,16 +21,18 @@ from probewire.instrument import MemoryTransport, Point, ProbeConfig, RankIdenti
 from probewire.instrument.catalog import Tensor
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.testing import ProtoEncoder, SdkEncoder
-from probewire.instrument.wire import WireEncoder
+from probewire.instrument.wire import WireEncoder, decode_rank_step
 from probewire.stream.assemble import reduce_step
-from probewire.instrument.wire import decode_rank_step
 
-IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1",
-                        coords={"dp": 1, "tp": 0})
-POINTS = [Point("loss.sum", 12.5), Point("loss.tokens", 5),
-          Point("loss.sum", 2.5, (("source", "web"),)), Point("grad.norm_sq", float("inf")),
-          Point("tensor.abs_max", 3.0, (("tensor", "blocks.0.attn"), ("kind", "bwd"))),
-          Point("step.duration", 0.25)]
+IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1", coords={"dp": 1, "tp": 0})
+POINTS = [
+    Point("loss.sum", 12.5),
+    Point("loss.tokens", 5),
+    Point("loss.sum", 2.5, (("source", "web"),)),
+    Point("grad.norm_sq", float("inf")),
+    Point("tensor.abs_max", 3.0, (("tensor", "blocks.0.attn"), ("kind", "bwd"))),
+    Point("step.duration", 0.25),
+]
 
 
 class Counting:
@@ -66,8 +68,10 @@ def test_a_message_decodes_with_the_stock_opentelemetry_proto_classes(encoder):
     assert resource["probewire.dp"] == 1 and resource["probewire.tp"] == 0
     metrics = {m.name: m for sm in rm.scope_metrics for m in sm.metrics}
     assert metrics["step.duration"].unit == "s" and metrics["loss.sum"].unit == "{nat}"
-    loss_points = {tuple(sorted(attrs(p.attributes).items())): p.as_double
-                   for p in metrics["loss.sum"].gauge.data_points}
+    loss_points = {
+        tuple(sorted(attrs(p.attributes).items())): p.as_double
+        for p in metrics["loss.sum"].gauge.data_points
+    }
     assert loss_points == {(("step", 42),): 12.5, (("source", "web"), ("step", 42)): 2.5}
     [inf] = metrics["grad.norm_sq"].gauge.data_points  # a generic consumer sees +inf
     assert inf.as_double == math.inf and attrs(inf.attributes)["probewire.nonfinite"] == "inf"
@@ -106,16 +110,20 @@ def test_nan_loss_and_inf_gradient_arrive_as_non_finite_measurements_not_gaps():
     transports = [MemoryTransport(), MemoryTransport()]
     for rank, transport in enumerate(transports):
         model = TinyLM(TinyConfig(seq_len=4, d_model=8, n_layer=1, n_head=2))
-        monitor = attach(model, None, transport=transport,
-                         identity=RankIdentity(run_id="nf", rank=rank, world_size=2),
-                         config=ProbeConfig(telemetry=False, comm=False,
-                                            dp_replicated=False))  # each rank its own gradient
+        monitor = attach(
+            model,
+            None,
+            transport=transport,
+            identity=RankIdentity(run_id="nf", rank=rank, world_size=2),
+            config=ProbeConfig(telemetry=False, comm=False, dp_replicated=False),
+        )  # each rank its own gradient
         tokens = torch.randint(0, 256, (2, 4))
         with monitor.step(7) as s:
             s.micro_batch(tokens=tokens)
             logits = model(tokens)
-            losses = F.cross_entropy(logits.reshape(-1, 257), tokens.reshape(-1),
-                                     reduction="none").view(2, 4)
+            losses = F.cross_entropy(
+                logits.reshape(-1, 257), tokens.reshape(-1), reduction="none"
+            ).view(2, 4)
             s.loss(losses * float("nan") if rank == 0 else losses)
             losses.sum().backward()
             if rank == 1:
@@ -134,8 +142,9 @@ def test_nan_loss_and_inf_gradient_arrive_as_non_finite_measurements_not_gaps():
 SMALL = [Point("loss.sum", 1.0), Point("tensor.n", 4.0, (("tensor", "x"), ("kind", "fwd")))]
 
 
-def growth(emitter: StepEmitter, transport: Counting, warm: int, traced: int, total: int
-           ) -> tuple[int, int]:
+def growth(
+    emitter: StepEmitter, transport: Counting, warm: int, traced: int, total: int
+) -> tuple[int, int]:
     """(allocated-block growth from ``warm`` to ``total`` emits, tracemalloc byte growth
     over the ``traced`` emits right after ``warm``). tracemalloc slows every allocation
     ~7x, so it watches a sub-window; the block count watches the whole range for free."""
@@ -235,8 +244,10 @@ def test_dump_sends_the_held_steps_once_marked_as_replay():
     assert [r.step for r in steps] == [0, 1, 2, 3, 4, 2, 3, 4]
     assert [set(n for n, _ in r.values) for r in steps[5:]] == [{Tensor.ABS_MAX}] * 3
     assert Tensor.ABS_MAX not in {n for n, _ in steps[0].values}
-    resources = [ExportMetricsServiceRequest.FromString(v).resource_metrics[0].resource
-                 for _, v in transport.messages]
+    resources = [
+        ExportMetricsServiceRequest.FromString(v).resource_metrics[0].resource
+        for _, v in transport.messages
+    ]
     replay = [attrs(r.attributes).get("probewire.replay", False) for r in resources]
     assert replay == [False] * 5 + [True] * 3
 
@@ -248,8 +259,9 @@ def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silent
     from probewire.instrument import KafkaTransport
 
     port = free_port()  # a loopback port nothing listens on
-    transport = KafkaTransport({"bootstrap.servers": f"127.0.0.1:{port}",
-                                "message.timeout.ms": "60000"}, "otlp_metrics")
+    transport = KafkaTransport(
+        {"bootstrap.servers": f"127.0.0.1:{port}", "message.timeout.ms": "60000"}, "otlp_metrics"
+    )
     assert all(transport.send(b"run:%d" % i, b"x") for i in range(3))
     assert transport.flush(0.2) == 3
     with caplog.at_level("WARNING", logger="probewire.instrument.export"):
@@ -257,4 +269,5 @@ def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silent
     assert transport.failed == 3
     assert [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()] == [
         "probewire: 3 message(s) to otlp_metrics not delivered at close (no broker reached); "
-        "they are lost"]
+        "they are lost"
+    ]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import decode_rank_step
+from probewire.stream.assemble import reduce_step
 
 D, H, V, T = 8, 12, 10, 6
 
@@ -43,8 +43,8 @@ class Shard(nn.Module):
         self.up = nn.Linear(D, half, bias=False)
         self.down = nn.Linear(half, V, bias=False)
         with torch.no_grad():
-            self.up.weight.copy_(full.up.weight[tp * half:(tp + 1) * half])
-            self.down.weight.copy_(full.down.weight[:, tp * half:(tp + 1) * half])
+            self.up.weight.copy_(full.up.weight[tp * half : (tp + 1) * half])
+            self.down.weight.copy_(full.down.weight[:, tp * half : (tp + 1) * half])
 
     def partial(self, x):
         return self.down(F.gelu(self.up(self.ln(x))))
@@ -55,13 +55,14 @@ def data(dp: int):
     x = torch.randn(3, T, D, generator=g)
     targets = torch.randint(0, V, (3, T), generator=g)
     if dp == 0:
-        targets[:, 4:] = -100   # uneven valid-token counts across data-parallel ranks
+        targets[:, 4:] = -100  # uneven valid-token counts across data-parallel ranks
     return x, targets
 
 
 def losses_of(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100,
-                           reduction="none").view_as(targets)
+    return F.cross_entropy(
+        logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="none"
+    ).view_as(targets)
 
 
 def reference():
@@ -84,8 +85,13 @@ def test_reduced_loss_and_gradient_norm_equal_the_single_process_values():
     expected_loss, expected_g2, _ = reference()
     torch.manual_seed(0)
     full = Full()
-    config = ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"scan": 1}, telemetry=False,
-                         comm=False, clip_threshold=1.0)
+    config = ProbeConfig(
+        tp_replicated=(r"ln(\..*)?",),
+        cadence={"scan": 1},
+        telemetry=False,
+        comm=False,
+        clip_threshold=1.0,
+    )
     shards, monitors, transports = {}, {}, {}
     for dp in (0, 1):
         ln = nn.LayerNorm(D)
@@ -95,9 +101,14 @@ def test_reduced_loss_and_gradient_norm_equal_the_single_process_values():
             shards[dp, tp] = Shard(full, ln, tp)
             transports[rank] = MemoryTransport()
             monitors[dp, tp] = attach(
-                shards[dp, tp], None, config=config, transport=transports[rank],
-                identity=RankIdentity(run_id="L", rank=rank, world_size=4,
-                                      coords={"dp": dp, "tp": tp}))
+                shards[dp, tp],
+                None,
+                config=config,
+                transport=transports[rank],
+                identity=RankIdentity(
+                    run_id="L", rank=rank, world_size=4, coords={"dp": dp, "tp": tp}
+                ),
+            )
     contexts = {k: m.step(0) for k, m in monitors.items()}
     for ctx in contexts.values():
         ctx.__enter__()
@@ -138,9 +149,15 @@ def test_reduced_loss_and_gradient_norm_equal_the_single_process_values():
     ln_n = reduced[("tensor.n", (("kind", "grad"), ("tensor", "ln.weight")))]
     up_n = reduced[("tensor.n", (("kind", "grad"), ("tensor", "up.weight")))]
     assert (ln_n, up_n) == (D, D * H)
-    assert math.isclose(reduced[("tensor.sum_sq", (("kind", "grad"), ("tensor", "up.weight")))],
-                        float((torch.cat([shards[0, 0].up.weight.grad, shards[0, 1].up.weight.grad]
-                                         ).double() ** 2).sum()), rel_tol=1e-6)
+    assert math.isclose(
+        reduced[("tensor.sum_sq", (("kind", "grad"), ("tensor", "up.weight")))],
+        float(
+            (
+                torch.cat([shards[0, 0].up.weight.grad, shards[0, 1].up.weight.grad]).double() ** 2
+            ).sum()
+        ),
+        rel_tol=1e-6,
+    )
 
 
 def test_a_replicated_parameter_is_reported_by_tensor_parallel_rank_0_only():
@@ -151,12 +168,19 @@ def test_a_replicated_parameter_is_reported_by_tensor_parallel_rank_0_only():
     for tp in (0, 1):
         transport = MemoryTransport()
         shard = Shard(full, ln, tp)
-        monitor = attach(shard, None, transport=transport,
-                         identity=RankIdentity(run_id="L", rank=tp, world_size=2,
-                                               coords={"dp": 0, "tp": tp}),
-                         config=ProbeConfig(tp_replicated=(r"ln(\..*)?",), cadence={"scan": 1},
-                                            module_names=("ln", "up"), telemetry=False,
-                                            comm=False))
+        monitor = attach(
+            shard,
+            None,
+            transport=transport,
+            identity=RankIdentity(run_id="L", rank=tp, world_size=2, coords={"dp": 0, "tp": tp}),
+            config=ProbeConfig(
+                tp_replicated=(r"ln(\..*)?",),
+                cadence={"scan": 1},
+                module_names=("ln", "up"),
+                telemetry=False,
+                comm=False,
+            ),
+        )
         x, targets = data(0)
         with monitor.step(0) as s:
             s.micro_batch(mask=targets != -100)

@@ -20,14 +20,21 @@ CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
 QUIET = dict(telemetry=False, comm=False)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "PROBEWIRE_RUN_ID": "r9"},
-     ("r9", 3, 4, 1)),
-    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77"},
-     ("slurm-77", 5, 8, 1)),
-    ({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}, ("abc", 1, 2, 0)),
-    ({"PROBEWIRE_RUN_ID": "solo"}, ("solo", 0, 1, 0)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "PROBEWIRE_RUN_ID": "r9"},
+            ("r9", 3, 4, 1),
+        ),
+        (
+            {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "77"},
+            ("slurm-77", 5, 8, 1),
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}, ("abc", 1, 2, 0)),
+        ({"PROBEWIRE_RUN_ID": "solo"}, ("solo", 0, 1, 0)),
+    ],
+)
 def test_identity_from_torchrun_slurm_or_a_single_process(env, expected):
     ident = RankIdentity.from_env(env=env)
     assert (ident.run_id, ident.rank, ident.world_size, ident.local_rank) == expected
@@ -53,10 +60,16 @@ def test_run_config_must_be_a_bounded_mapping():
 def _model_and_opt():
     torch.manual_seed(0)
     model = TinyLM(CFG)
-    opt = torch.optim.AdamW([
-        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 1e-3},
-        {"params": [p for n, p in model.named_parameters() if not n.endswith("bias")],
-         "lr": 2e-3, "name": "weights"}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 1e-3},
+            {
+                "params": [p for n, p in model.named_parameters() if not n.endswith("bias")],
+                "lr": 2e-3,
+                "name": "weights",
+            },
+        ]
+    )
     return model, opt
 
 
@@ -66,8 +79,9 @@ def _step(monitor, model, opt, step, sched=None, source="web", fail=False):
     targets[:, -2:] = IGNORE
     with monitor.step(step) as s:
         s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
-        losses = F.cross_entropy(model(tokens).transpose(1, 2), targets, ignore_index=IGNORE,
-                                 reduction="none")
+        losses = F.cross_entropy(
+            model(tokens).transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
+        )
         s.loss(losses)
         (losses.sum() / (targets != IGNORE).sum()).backward()
         if fail:
@@ -87,9 +101,15 @@ def test_started_with_config_then_finished_with_lr_per_group_and_source_names():
     model, opt = _model_and_opt()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** (step + 1))
     metrics, runs = MemoryTransport(), MemoryTransport()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="r", rank=0, world_size=1),
-                     config=ProbeConfig(sources=("web", "code"), **QUIET), transport=metrics,
-                     runs=runs, run_config={"lr": 2e-3, "batch": 2})
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="r", rank=0, world_size=1),
+        config=ProbeConfig(sources=("web", "code"), **QUIET),
+        transport=metrics,
+        runs=runs,
+        run_config={"lr": 2e-3, "batch": 2},
+    )
     expected_lrs = []
     losses = []
     for step in range(3):
@@ -102,20 +122,30 @@ def test_started_with_config_then_finished_with_lr_per_group_and_source_names():
     assert events[0]["config"] == {"batch": 2, "lr": 2e-3, "probewire.scan_backend": "eager"}
     for step, (key, value) in enumerate(metrics.messages):
         values = decode_rank_step(key, value).values
-        lrs = {dict(labels)[Label.PARAM_GROUP]: v for (name, labels), v in values.items()
-               if name == Optim.LR}
+        lrs = {
+            dict(labels)[Label.PARAM_GROUP]: v
+            for (name, labels), v in values.items()
+            if name == Optim.LR
+        }
         assert lrs == expected_lrs[step]
         token_losses, mask = losses[step]
         code = ((Label.SOURCE, "code"),)
         assert values[(Loss.SUM, code)] == pytest.approx(
-            float(token_losses[1][mask[1]].sum()), rel=1e-12)
+            float(token_losses[1][mask[1]].sum()), rel=1e-12
+        )
 
 
 def test_an_exception_in_a_step_marks_the_run_crashed_once():
     model, opt = _model_and_opt()
     runs = MemoryTransport()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="r", rank=1, world_size=2),
-                     config=ProbeConfig(**QUIET), transport=MemoryTransport(), runs=runs)
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="r", rank=1, world_size=2),
+        config=ProbeConfig(**QUIET),
+        transport=MemoryTransport(),
+        runs=runs,
+    )
     with pytest.raises(RuntimeError, match="boom"):
         _step(monitor, model, opt, 0, source=None, fail=True)
     monitor.close()
@@ -126,8 +156,13 @@ def test_an_exception_in_a_step_marks_the_run_crashed_once():
 
 def test_unknown_source_name_is_refused_with_the_registered_names():
     model, opt = _model_and_opt()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="r", rank=0, world_size=1),
-                     config=ProbeConfig(sources=("web",), **QUIET), transport=MemoryTransport())
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="r", rank=0, world_size=1),
+        config=ProbeConfig(sources=("web",), **QUIET),
+        transport=MemoryTransport(),
+    )
     with pytest.raises(ValueError, match=r"source 'news' is not registered.*\('web',\)"):
         _step(monitor, model, opt, 0, source="news")
     monitor.close()
@@ -143,8 +178,12 @@ def test_attach_without_transport_or_broker_says_what_to_do(monkeypatch):
 def test_attach_says_once_which_modules_it_looked_at_when_a_probe_finds_nothing(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     with caplog.at_level(logging.WARNING, logger="probewire.instrument.monitor"):
-        monitor = attach(model, identity=RankIdentity(run_id="r", rank=0, world_size=1),
-                         config=ProbeConfig(**QUIET), transport=MemoryTransport())
+        monitor = attach(
+            model,
+            identity=RankIdentity(run_id="r", rank=0, world_size=1),
+            config=ProbeConfig(**QUIET),
+            transport=MemoryTransport(),
+        )
     monitor.close()
     head = [r.message for r in caplog.records if "no output head" in r.message]
     assert len(head) == 1 and "[0, 1, 2]" in head[0] and "logits_module" in head[0]

@@ -13,8 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
-from probewire.instrument import (MemoryTransport, NullMonitor, ProbeConfig, RankIdentity,
-                                  attach)
+from probewire.instrument import MemoryTransport, NullMonitor, ProbeConfig, RankIdentity, attach
 from probewire.instrument.wire import decode_rank_step
 
 SOURCES = ("web", "code")
@@ -39,8 +38,12 @@ def make_batches(seed: int, rows=(3, 2)):
 
 
 def token_losses(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="none").view_as(targets)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="none",
+    ).view_as(targets)
 
 
 def train_step(monitor, model, opt, step, batches, clip=1.0, scaler=None):
@@ -97,8 +100,7 @@ def test_p0_step_values_match_a_float64_reference():
         ref["n"] += z.size
     g2 = sum(float((p.grad.double() ** 2).sum()) for p in ref_model.parameters())
 
-    [rec], model = run(ProbeConfig(clip_threshold=1.0, sources=SOURCES, **QUIET),
-                       batches=batches)
+    [rec], model = run(ProbeConfig(clip_threshold=1.0, sources=SOURCES, **QUIET), batches=batches)
     assert value(rec, "loss.sum") == pytest.approx(ref["sum"], rel=1e-9)
     assert value(rec, "loss.tokens") == n_valid
     for i, name in enumerate(SOURCES):
@@ -127,14 +129,17 @@ def test_p1_gradient_detail_and_update_ratio_components():
         w, delta = before[name].double(), after[name].detach().double() - before[name].double()
         assert value(rec, "tensor.n", tensor=name, kind="param") == w.numel()
         assert value(rec, "tensor.sum_sq", tensor=name, kind="param") == pytest.approx(
-            float((w * w).sum()), rel=1e-6)
+            float((w * w).sum()), rel=1e-6
+        )
         assert value(rec, "tensor.sum_sq", tensor=name, kind="update") == pytest.approx(
-            float((delta * delta).sum()), rel=1e-4)
+            float((delta * delta).sum()), rel=1e-4
+        )
     # group detail: the embedding rows of absent bytes get exactly zero gradient
     assert value(rec, "grad.zeros", group="embedding") > 0
     assert value(rec, "grad.elements") == sum(p.numel() for p in model.parameters())
     assert value(rec, "grad.norm_sq", group="embedding") + value(
-        rec, "grad.norm_sq", group="other") == pytest.approx(value(rec, "grad.norm_sq"), rel=1e-5)
+        rec, "grad.norm_sq", group="other"
+    ) == pytest.approx(value(rec, "grad.norm_sq"), rel=1e-5)
     kinds = {dict(labels)["kind"] for (name, labels) in rec.values if name == "tensor.n"}
     assert kinds == {"fwd", "bwd", "grad", "param", "update"}  # P2 chain is off
 
@@ -169,8 +174,13 @@ def count_step_ops(monitor, step):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_an_unsampled_step_runs_no_probe_tensor_op(persistent):
-    config = ProbeConfig(cadence={"step": 2, "scan": 4}, clip_threshold=1.0, sources=SOURCES,
-                         persistent_hooks=persistent, **QUIET)
+    config = ProbeConfig(
+        cadence={"step": 2, "scan": 4},
+        clip_threshold=1.0,
+        sources=SOURCES,
+        persistent_hooks=persistent,
+        **QUIET,
+    )
 
     def attached(model, opt):
         return attach(model, opt, identity=identity(), config=config, transport=MemoryTransport())
@@ -189,14 +199,20 @@ class Checkpointed(TinyLM):
     def forward(self, tokens):
         x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.reentrant is not None \
+            x = (
+                checkpoint(block, x, use_reentrant=self.reentrant)
+                if self.reentrant is not None
                 else block(x)
+            )
         return self.head(self.ln_f(x))
 
 
 def tensor_stats(recs):
-    return {(dict(l)["tensor"], dict(l)["kind"], n): v for (n, l), v in recs[0].values.items()
-            if n.startswith("tensor.") and dict(l)["kind"] in ("fwd", "bwd")}
+    return {
+        (dict(l)["tensor"], dict(l)["kind"], n): v
+        for (n, l), v in recs[0].values.items()
+        if n.startswith("tensor.") and dict(l)["kind"] in ("fwd", "bwd")
+    }
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -229,8 +245,13 @@ def test_guard_counters_and_densify():
     model = TinyLM(CFG)
     opt = torch.optim.AdamW(model.parameters())
     transport = MemoryTransport()
-    monitor = attach(model, opt, identity=identity(), transport=transport,
-                     config=ProbeConfig(cadence={"scan": 0}, **QUIET))
+    monitor = attach(
+        model,
+        opt,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(cadence={"scan": 0}, **QUIET),
+    )
     with monitor.step(0) as s:
         s.skipped()
         s.replayed(reproduced=True)
@@ -240,8 +261,11 @@ def test_guard_counters_and_densify():
         train_step(monitor, model, opt, step, make_batches(step))
     monitor.close()
     recs = {r.step: r for r in (decode_rank_step(k, v) for k, v in transport.messages)}
-    assert (value(recs[0], "guard.skipped"), value(recs[0], "guard.replayed"),
-            value(recs[0], "guard.replay_mismatch")) == (1, 2, 1)
+    assert (
+        value(recs[0], "guard.skipped"),
+        value(recs[0], "guard.replayed"),
+        value(recs[0], "guard.replay_mismatch"),
+    ) == (1, 2, 1)
     assert value(recs[1], "guard.skipped") == 0
     has_tensors = {s: any(n == "tensor.n" for n, _ in r.values) for s, r in recs.items()}
     assert has_tensors == {0: False, 1: True, 2: True, 3: False}
@@ -254,8 +278,9 @@ def test_disabled_monitor_is_a_null_object_with_the_same_api():
     model = TinyLM(CFG)
     opt = torch.optim.AdamW(model.parameters())
     transport = MemoryTransport()
-    monitor = attach(model, opt, identity=identity(), transport=transport,
-                     config=ProbeConfig(enabled=False))
+    monitor = attach(
+        model, opt, identity=identity(), transport=transport, config=ProbeConfig(enabled=False)
+    )
     assert isinstance(monitor, NullMonitor)
     train_step(monitor, model, opt, 0, make_batches(0))
     assert monitor.checkpoint("/x", 0, 1, 1.0) is False
@@ -268,8 +293,13 @@ def test_close_removes_every_hook():
     torch.manual_seed(0)
     model = TinyLM(CFG)
     opt = torch.optim.AdamW(model.parameters())
-    monitor = attach(model, opt, identity=identity(), transport=MemoryTransport(),
-                     config=ProbeConfig(persistent_hooks=True, **QUIET))
+    monitor = attach(
+        model,
+        opt,
+        identity=identity(),
+        transport=MemoryTransport(),
+        config=ProbeConfig(persistent_hooks=True, **QUIET),
+    )
     assert any(m._forward_hooks for m in model.modules())
     monitor.close()
     assert not any(m._forward_hooks for m in model.modules())
@@ -282,17 +312,35 @@ def test_checkpoint_event_is_published_by_rank_0_only():
     model = TinyLM(CFG)
     events = [MemoryTransport(), MemoryTransport()]
     for rank, transport in enumerate(events):
-        mon = attach(model, None, identity=identity(rank, 2), transport=MemoryTransport(),
-                     events=transport, config=ProbeConfig(**QUIET))
+        mon = attach(
+            model,
+            None,
+            identity=identity(rank, 2),
+            transport=MemoryTransport(),
+            events=transport,
+            config=ProbeConfig(**QUIET),
+        )
         mon.checkpoint("/ckpt/step10.pt", 10, 5000, 1.5e12, weights_stream="ema", key=True)
         mon.close()
     [(key, body)] = events[0].messages
     assert key == b"t" and events[1].messages == []
-    assert json.loads(body) == {"run_id": "t", "step": 10, "tokens": 5000, "flops": 1.5e12,
-                                "path": "/ckpt/step10.pt", "weights_stream": "ema", "key": True}
+    assert json.loads(body) == {
+        "run_id": "t",
+        "step": 10,
+        "tokens": 5000,
+        "flops": 1.5e12,
+        "path": "/ckpt/step10.pt",
+        "weights_stream": "ema",
+        "key": True,
+    }
     with pytest.raises(ValueError, match="weights_stream"):
-        attach(model, None, identity=identity(), transport=MemoryTransport(),
-               config=ProbeConfig(**QUIET)).checkpoint("/x", 1, 1, 1.0, weights_stream="avg")
+        attach(
+            model,
+            None,
+            identity=identity(),
+            transport=MemoryTransport(),
+            config=ProbeConfig(**QUIET),
+        ).checkpoint("/x", 1, 1, 1.0, weights_stream="avg")
 
 
 def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
@@ -309,8 +357,13 @@ def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
     torch.manual_seed(0)
     model = TinyLM(CFG)
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=identity(), transport=transport,
-                     config=ProbeConfig(cadence={"scan": 1}, clip_threshold=0.5, **QUIET))
+    monitor = attach(
+        model,
+        None,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(cadence={"scan": 1}, clip_threshold=0.5, **QUIET),
+    )
     with monitor.step(0) as s:
         for tokens, targets, source in batches:
             s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
@@ -325,7 +378,8 @@ def test_clip_grad_norm_helper_measures_before_clipping_and_clips_like_torch():
         assert torch.equal(p.grad, g)  # clipped as torch clips
     embed_grad = pre_clip[0].double()
     assert value(rec, "tensor.sum_sq", tensor="embed.weight", kind="grad") == pytest.approx(
-        float((embed_grad ** 2).sum()), rel=1e-6)  # the scans saw the unclipped gradient
+        float((embed_grad**2).sum()), rel=1e-6
+    )  # the scans saw the unclipped gradient
 
 
 def test_every_step_gradient_groups_are_the_unclipped_gradient_reduced_after_the_clip():
@@ -335,8 +389,13 @@ def test_every_step_gradient_groups_are_the_unclipped_gradient_reduced_after_the
     torch.manual_seed(0)
     model = TinyLM(CFG)
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
-        cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET))
+    monitor = attach(
+        model,
+        None,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET),
+    )
     n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
     with monitor.step(0) as s:
         for tokens, targets, _ in batches:
@@ -376,19 +435,30 @@ def test_gradients_that_come_and_go_are_measured_each_step_as_present(order):
     torch.manual_seed(0)
     model = Branches()
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
-        cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=0.05, **QUIET))
+    monitor = attach(
+        model,
+        None,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(
+            cadence={"step": 1, "scan": 0, "demand": 0}, clip_threshold=0.05, **QUIET
+        ),
+    )
     heads = [("left",), ("left", "right"), ("right",), ("left",), ("left", "right")]
     params = dict(model.named_parameters())
-    given = {"model": list(params), "reversed": list(params)[::-1],
-             "subset": [n for n in params if not n.startswith("right")]}[order]
+    given = {
+        "model": list(params),
+        "reversed": list(params)[::-1],
+        "subset": [n for n in params if not n.startswith("right")],
+    }[order]
     seen = []
     for step, used in enumerate(heads):
         tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
         with monitor.step(step) as s:
             model(tokens, used).backward()
-            seen.append({n: p.grad.double().numpy().copy() for n, p in params.items()
-                         if p.grad is not None})
+            seen.append(
+                {n: p.grad.double().numpy().copy() for n, p in params.items() if p.grad is not None}
+            )
             copies = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
             for n, copy in copies.items():
                 copy.grad = None if params[n].grad is None else params[n].grad.clone()
@@ -413,8 +483,13 @@ def test_fused_loss_totals_and_a_stage_without_the_loss():
     torch.manual_seed(0)
     model = TinyLM(CFG)
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=identity(), transport=transport,
-                     config=ProbeConfig(sources=SOURCES, **QUIET))
+    monitor = attach(
+        model,
+        None,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(sources=SOURCES, **QUIET),
+    )
     tokens, targets, _ = make_batches(2)[0]
     with monitor.step(0) as s:  # a fused loss that only returns its sum and count
         loss_sum = token_losses(model(tokens), targets).sum()
@@ -448,8 +523,13 @@ def test_an_extension_shares_the_step_and_is_told_its_boundaries():
     torch.manual_seed(0)
     model = TinyLM(CFG)
     opt = torch.optim.AdamW(model.parameters())
-    monitor = attach(model, opt, identity=identity(), transport=MemoryTransport(),
-                     config=ProbeConfig(cadence={"step": 2}, **QUIET))
+    monitor = attach(
+        model,
+        opt,
+        identity=identity(),
+        transport=MemoryTransport(),
+        config=ProbeConfig(cadence={"step": 2}, **QUIET),
+    )
     monitor.add_extension(Extension())
     for step in (0, 1):
         train_step(monitor, model, opt, step, make_batches(step))
@@ -461,9 +541,14 @@ def group_reference(grads: dict[str, np.ndarray], names) -> dict[str, float]:
     """float64 per-group gradient statistics: finite sums and maximum, counts."""
     a = np.concatenate([grads[n].ravel() for n in names])
     f = a[np.isfinite(a)]
-    return {"grad.abs_sum": np.abs(f).sum(), "grad.abs_max": np.abs(f).max(initial=0.0),
-            "grad.zeros": np.count_nonzero(a == 0), "grad.elements": a.size,
-            "grad.nonfinite": np.count_nonzero(~np.isfinite(a)), "grad.norm_sq": (f * f).sum()}
+    return {
+        "grad.abs_sum": np.abs(f).sum(),
+        "grad.abs_max": np.abs(f).max(initial=0.0),
+        "grad.zeros": np.count_nonzero(a == 0),
+        "grad.elements": a.size,
+        "grad.nonfinite": np.count_nonzero(~np.isfinite(a)),
+        "grad.norm_sq": (f * f).sum(),
+    }
 
 
 @pytest.mark.parametrize("small, stack", [(None, None), (500, 40)])
@@ -472,18 +557,27 @@ def test_every_step_gradient_groups_match_a_float64_reference(monkeypatch, small
     (split into several blocks, and larger tensors scanned alone, in the second case); with
     non-finite elements and a loss scale the per-group values equal the float64 reference."""
     from probewire.instrument import batchscan
+
     if small is not None:
         monkeypatch.setattr(batchscan, "SMALL_ELEMS", small)
         monkeypatch.setattr(batchscan, "STACK_ELEMS", stack)
     torch.manual_seed(0)
     model = TinyLM(CFG)
     transport = MemoryTransport()
-    monitor = attach(model, None, identity=identity(), transport=transport, config=ProbeConfig(
-        cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET))
+    monitor = attach(
+        model,
+        None,
+        identity=identity(),
+        transport=transport,
+        config=ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **QUIET),
+    )
     scale = 1024.0
     poisoned = dict(model.named_parameters())["blocks.1.mlp.up.weight"]
-    poisoned.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan"))
-                           .index_fill(0, torch.tensor([3]), float("-inf")))
+    poisoned.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([1]), float("nan")).index_fill(
+            0, torch.tensor([3]), float("-inf")
+        )
+    )
     tokens, targets, _ = make_batches(3, rows=(2,))[0]
     with monitor.step(0) as s:
         s.micro_batch(tokens=tokens, mask=targets != IGNORE)
@@ -497,8 +591,11 @@ def test_every_step_gradient_groups_match_a_float64_reference(monkeypatch, small
     embedding = [n for n in grads if n.startswith(("embed", "pos"))]
     other = [n for n in grads if n not in embedding]
     assert embedding and other
-    for labels, names in (({}, list(grads)), ({"group": "embedding"}, embedding),
-                          ({"group": "other"}, other)):
+    for labels, names in (
+        ({}, list(grads)),
+        ({"group": "embedding"}, embedding),
+        ({"group": "other"}, other),
+    ):
         for name, want in group_reference(grads, names).items():
             if name == "grad.norm_sq" and not labels:
                 assert math.isnan(value(rec, name))  # the clipping norm: NaN propagates

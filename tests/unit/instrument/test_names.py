@@ -45,14 +45,23 @@ def test_every_catalog_constant_a_module_uses_exists():
     missing = []
     for path in sources():
         tree = ast.parse(path.read_text(), str(path))
-        imported = {alias.asname or alias.name for node in ast.walk(tree)
-                    if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("catalog")
-                    for alias in node.names if alias.name in spaces}
+        imported = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("catalog")
+            for alias in node.names
+            if alias.name in spaces
+        }
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in imported and not hasattr(spaces[node.value.id], node.attr)):
-                missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
-                               f"{node.value.id}.{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in imported
+                and not hasattr(spaces[node.value.id], node.attr)
+            ):
+                missing.append(
+                    f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}"
+                )
     assert not missing, "\n".join(missing)
 
 
@@ -70,10 +79,17 @@ def test_a_misspelt_constant_is_caught(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ what probes emit
 # Metrics this machine cannot produce: CUDA allocator and NVML readings, and the pressure
 # file of kernels without PSI. Everything else in the catalog must be emitted below.
-NEEDS_CUDA = {"memory.peak_allocated", "memory.peak_reserved",
-              "memory.allocated", "memory.reserved", "device.utilization",
-              "device.memory_used", "device.power", "device.temperature",
-              "device.clock_mhz"}
+NEEDS_CUDA = {
+    "memory.peak_allocated",
+    "memory.peak_reserved",
+    "memory.allocated",
+    "memory.reserved",
+    "device.utilization",
+    "device.memory_used",
+    "device.power",
+    "device.temperature",
+    "device.clock_mhz",
+}
 OPTIONAL = {"host.cpu_pressure"} if not Path("/proc/pressure/cpu").exists() else set()
 
 
@@ -83,30 +99,41 @@ def test_every_name_every_probe_emits_is_in_the_catalog_and_every_entry_is_emitt
     model = TinyLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     transport = MemoryTransport()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="names", rank=0, world_size=1,
-                                                       coords={"dp": 0, "ep": 0}),
-                     transport=transport,
-                     config=ProbeConfig(cadence={"step": 1, "scan": 1, "demand": 1},
-                                        clip_threshold=1.0, sources=("web", "code"),
-                                        modalities=("image",),
-                                        structure=StructureConfig(bos_id=BOS)))
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="names", rank=0, world_size=1, coords={"dp": 0, "ep": 0}),
+        transport=transport,
+        config=ProbeConfig(
+            cadence={"step": 1, "scan": 1, "demand": 1},
+            clip_threshold=1.0,
+            sources=("web", "code"),
+            modalities=("image",),
+            structure=StructureConfig(bos_id=BOS),
+        ),
+    )
     g = torch.Generator().manual_seed(1)
     rows, t = 3, cfg.seq_len
     for step in range(2):
         with monitor.step(step) as s:
             targets = torch.randint(0, 256, (rows, t), generator=g)
-            targets[0, t // 2:] = IGNORE
+            targets[0, t // 2 :] = IGNORE
             tokens = torch.full((rows, t), BOS)
             tokens[:, 1:] = targets[:, :-1].clamp(min=0)
             media = torch.rand(rows, cfg.media_tiles, cfg.image_size, cfg.image_size, generator=g)
             present = torch.tensor([[True, True], [True, False], [False, False]])
             s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=torch.tensor([0, 1, 0]))
             logits, mtp = model(tokens, media, present, return_mtp=True)
-            losses = F.cross_entropy(logits.float().transpose(1, 2), targets,
-                                     ignore_index=IGNORE, reduction="none")
+            losses = F.cross_entropy(
+                logits.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none"
+            )
             s.loss(losses, modality=torch.full((rows,), 0))
-            mtp_loss = sum(F.cross_entropy(z.float().transpose(1, 2), mtp_targets(targets, k),
-                                           ignore_index=IGNORE) for k, z in enumerate(mtp, 1))
+            mtp_loss = sum(
+                F.cross_entropy(
+                    z.float().transpose(1, 2), mtp_targets(targets, k), ignore_index=IGNORE
+                )
+                for k, z in enumerate(mtp, 1)
+            )
             (losses.sum() + mtp_loss).backward()
             dist.all_reduce(torch.ones(3))
             s.comm_wait("ddp_allreduce", 0.01)

@@ -53,18 +53,21 @@ def test_a_mesh_without_known_dim_names_is_refused_in_one_line(names, match):
         coords_from_mesh(Mesh(names, (2, 2), (0, 0)))
 
 
-@pytest.mark.parametrize("placements,ranks,owned,sharded", [
-    ("RS", (0, 1), True, True),     # HSDP: replicate over dp_replicate, shard over dp_shard
-    ("RS", (1, 0), False, True),    # the replica at coordinate 1 owns nothing
-    ("SS", (1, 1), True, True),     # FSDP x TP shards: every rank its shard
-    ("RR", (0, 0), True, False),
-])
+@pytest.mark.parametrize(
+    "placements,ranks,owned,sharded",
+    [
+        ("RS", (0, 1), True, True),  # HSDP: replicate over dp_replicate, shard over dp_shard
+        ("RS", (1, 0), False, True),  # the replica at coordinate 1 owns nothing
+        ("SS", (1, 1), True, True),  # FSDP x TP shards: every rank its shard
+        ("RR", (0, 0), True, False),
+    ],
+)
 def test_a_dtensor_is_owned_by_its_shards_and_by_coordinate_0_of_its_replicas(
-        placements, ranks, owned, sharded):
+    placements, ranks, owned, sharded
+):
     mesh = Mesh(("dp_replicate", "dp_shard"), (2, 2), ranks)
     identity = RankIdentity(run_id="r", rank=0, world_size=4)
-    got = param_layout("w", Param.make(mesh, placements), identity, {"dp", "cp"},
-                       dp_explicit=False)
+    got = param_layout("w", Param.make(mesh, placements), identity, {"dp", "cp"}, dp_explicit=False)
     assert got == (owned, sharded)
 
 

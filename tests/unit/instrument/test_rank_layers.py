@@ -13,11 +13,23 @@ INSTRUMENT = Path(__file__).resolve().parents[3] / "instrument"
 # layer of each module: a module may import only modules of a strictly lower layer
 # (probe homes may import the shared helpers in probes/ and each other, without a cycle)
 LAYERS = {
-    "catalog": 0, "scan": 0, "control": 0, "structure_config": 0,
-    "wire": 1, "config": 1, "batchscan": 1, "series": 1,
+    "catalog": 0,
+    "scan": 0,
+    "control": 0,
+    "structure_config": 0,
+    "wire": 1,
+    "config": 1,
+    "batchscan": 1,
+    "series": 1,
     "seed_map": 2,
-    "collect": 2, "parallel": 2, "export": 2, "testing": 2,
-    "state": 3, "registry": 3, "lifecycle": 3, "replay": 3,
+    "collect": 2,
+    "parallel": 2,
+    "export": 2,
+    "testing": 2,
+    "state": 3,
+    "registry": 3,
+    "lifecycle": 3,
+    "replay": 3,
     "discover": 4,
     "probes": 5,
     "step": 6,
@@ -40,13 +52,17 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
     """(imported instrument module, line, under TYPE_CHECKING) of one file."""
     tree = ast.parse(path.read_text())
     package = module_name(path).split(".")[:-1]
-    guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
+    guarded = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+        for n in ast.walk(node)
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1] if node.level > 1 else package
+                base = package[: len(package) - node.level + 1] if node.level > 1 else package
                 target = ".".join([*base, *(node.module or "").split(".")]).strip(".")
             elif (node.module or "").startswith("probewire.instrument."):
                 target = node.module.removeprefix("probewire.instrument.")

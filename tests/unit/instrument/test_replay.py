@@ -33,17 +33,23 @@ def _monitor(scan_every: int = 100, **config):
     model = TinyLM(TinyConfig())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     transport = MemoryTransport()
-    cfg = ProbeConfig(cadence={"step": 1, "scan": scan_every}, clip_threshold=1.0,
-                      sources=SOURCES, **config)
-    return model, opt, attach(model, opt, identity=IDENTITY, config=cfg, transport=transport), \
-        transport
+    cfg = ProbeConfig(
+        cadence={"step": 1, "scan": scan_every}, clip_threshold=1.0, sources=SOURCES, **config
+    )
+    return (
+        model,
+        opt,
+        attach(model, opt, identity=IDENTITY, config=cfg, transport=transport),
+        transport,
+    )
 
 
 def _forward_backward(s, model, batch) -> torch.Tensor:
     s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE, source=batch.source)
     logits = model(batch.tokens)
-    losses = F.cross_entropy(logits.transpose(1, 2), batch.targets, ignore_index=IGNORE,
-                             reduction="none")
+    losses = F.cross_entropy(
+        logits.transpose(1, 2), batch.targets, ignore_index=IGNORE, reduction="none"
+    )
     s.loss(losses)
     (losses.sum() / (batch.targets != IGNORE).sum()).backward()
     s.gradients()
@@ -201,15 +207,18 @@ def test_replay_off_and_disabled_monitor():
         ProbeConfig(replay_steps=-1)
 
 
-@pytest.mark.parametrize("original, replayed, rtol, verdict", [
-    ((10.0, 5.0, 2.0), (10.0, 5.0, 2.0), 0.0, DATA),
-    ((10.0, 5.0, 2.0), (10.0 + 1e-12, 5.0, 2.0), 0.0, HARDWARE),   # bit-exact by default
-    ((10.0, 5.0, 2.0), (10.0 + 1e-12, 5.0, 2.0), 1e-9, DATA),
-    ((10.0, 5.0, 2.0), (10.0, 5.0, 2.5), 1e-9, HARDWARE),           # the gradient norm moved
-    ((10.0, 5.0, None), (10.0, 5.0, 2.5), 0.0, DATA),               # no G kept: loss only
-    ((math.nan, 5.0, 2.0), (math.nan, 5.0, 2.0), 0.0, DATA),        # the batch makes NaN again
-    ((math.nan, 5.0, 2.0), (10.0, 5.0, 2.0), 0.0, HARDWARE),
-    ((10.0, 5.0, math.inf), (10.0, 5.0, math.inf), 0.0, DATA),
-])
+@pytest.mark.parametrize(
+    "original, replayed, rtol, verdict",
+    [
+        ((10.0, 5.0, 2.0), (10.0, 5.0, 2.0), 0.0, DATA),
+        ((10.0, 5.0, 2.0), (10.0 + 1e-12, 5.0, 2.0), 0.0, HARDWARE),  # bit-exact by default
+        ((10.0, 5.0, 2.0), (10.0 + 1e-12, 5.0, 2.0), 1e-9, DATA),
+        ((10.0, 5.0, 2.0), (10.0, 5.0, 2.5), 1e-9, HARDWARE),  # the gradient norm moved
+        ((10.0, 5.0, None), (10.0, 5.0, 2.5), 0.0, DATA),  # no G kept: loss only
+        ((math.nan, 5.0, 2.0), (math.nan, 5.0, 2.0), 0.0, DATA),  # the batch makes NaN again
+        ((math.nan, 5.0, 2.0), (10.0, 5.0, 2.0), 0.0, HARDWARE),
+        ((10.0, 5.0, math.inf), (10.0, 5.0, math.inf), 0.0, DATA),
+    ],
+)
 def test_judge(original, replayed, rtol, verdict):
     assert judge(7, Totals(*original), Totals(*replayed), rtol).verdict == verdict

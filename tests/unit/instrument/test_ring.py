@@ -37,8 +37,12 @@ def _train(config: ProbeConfig, batches) -> tuple:
     for step, batch in enumerate(batches):
         with monitor.step(step) as s:
             s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE, source=batch.source)
-            losses = F.cross_entropy(model(batch.tokens).transpose(1, 2), batch.targets,
-                                     ignore_index=IGNORE, reduction="none")
+            losses = F.cross_entropy(
+                model(batch.tokens).transpose(1, 2),
+                batch.targets,
+                ignore_index=IGNORE,
+                reduction="none",
+            )
             s.loss(losses)
             (losses.sum() / (batch.targets != IGNORE).sum()).backward()
             s.clip_grad_norm_(model.parameters(), 1.0)
@@ -60,10 +64,13 @@ def _tensor_values(record) -> dict:
 def runs():
     batches = _batches(STEPS)
     common = dict(clip_threshold=1.0, sources=SOURCES)
-    ring, ring_transport = _train(ProbeConfig(cadence={"step": 1, "scan": SCAN_EVERY},
-                                              ring_every=1, ring_steps=RING, **common), batches)
-    dense, dense_transport = _train(ProbeConfig(cadence={"step": 1, "scan": 1}, **common),
-                                    batches)
+    ring, ring_transport = _train(
+        ProbeConfig(
+            cadence={"step": 1, "scan": SCAN_EVERY}, ring_every=1, ring_steps=RING, **common
+        ),
+        batches,
+    )
+    dense, dense_transport = _train(ProbeConfig(cadence={"step": 1, "scan": 1}, **common), batches)
     yield ring, ring_transport, dense_transport
     ring.close()
     dense.close()
@@ -78,7 +85,7 @@ def test_held_steps_send_their_step_tier_points_only(runs):
         if record.step % SCAN_EVERY == 0:
             assert Tensor.ABS_MAX in scan_points  # a scan step sends its detail
         else:
-            assert not scan_points, record.step     # held: nothing of the scan tier sent
+            assert not scan_points, record.step  # held: nothing of the scan tier sent
             assert (Loss.SUM, ()) in record.values  # ... and the rest of the step is
 
 
@@ -118,8 +125,9 @@ class Counting(MemoryTransport):
 def test_the_ring_is_bounded_by_ring_steps_and_keeps_no_sent_step():
     transport = Counting()
     emitter = StepEmitter(IDENTITY, transport, ring_steps=8, idle_s=0.001)
-    points = [Point(Tensor.SUM, float(i), (("tensor", f"t{i}"), ("kind", "grad")))
-              for i in range(50)] + [Point(Loss.SUM, 1.0), Point(Loss.TOKENS, 2.0)]
+    points = [
+        Point(Tensor.SUM, float(i), (("tensor", f"t{i}"), ("kind", "grad"))) for i in range(50)
+    ] + [Point(Loss.SUM, 1.0), Point(Loss.TOKENS, 2.0)]
 
     def emit(steps):
         for step in steps:
@@ -143,7 +151,7 @@ def test_the_ring_is_bounded_by_ring_steps_and_keeps_no_sent_step():
     assert transport.count == 2400
     kept = [step for step, _ in emitter.ring]
     assert kept == [s for s in range(2390, 2400) if s % 5][-8:]  # the last 8 held steps
-    assert all(len(held) == 50 for _, held in emitter.ring)   # scan points only
+    assert all(len(held) == 50 for _, held in emitter.ring)  # scan points only
     # ten times the steps, the same ring: memory does not grow with the steps emitted
     # (one held step of 50 points is ~10 KiB: a growing ring would add ~16 MiB here)
     assert second - first < 64 * 1024, (first, second)

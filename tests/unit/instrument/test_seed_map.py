@@ -15,8 +15,9 @@ def test_the_readme_metric_table_is_the_generated_one():
     text = README.read_text()
     begin, end = "<!-- metric-table:begin -->\n", "\n<!-- metric-table:end -->"
     assert begin in text and end in text, "README lacks the metric-table markers"
-    assert text.split(begin)[1].split(end)[0] == metric_table(), \
+    assert text.split(begin)[1].split(end)[0] == metric_table(), (
         "regenerate the README table from instrument/seed_map.metric_table()"
+    )
 
 
 def test_every_formed_series_is_listed_and_the_count_adds_up():

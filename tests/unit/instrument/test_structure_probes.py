@@ -14,16 +14,26 @@ import torch.nn.functional as F
 
 from probewire.deploy.demo.model import BOS, IGNORE, TinyConfig, TinyLM, mtp_targets
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.instrument.structure_config import StructureConfig
 from probewire.instrument.catalog import Residual
 from probewire.instrument.probes.tokens import quantile_bound
-from probewire.stream.assemble import reduce_step
+from probewire.instrument.structure_config import StructureConfig
 from probewire.instrument.wire import decode_rank_step
+from probewire.stream.assemble import reduce_step
 from probewire.stream.stage2 import p0_view
 
-CFG = TinyConfig(seq_len=12, d_model=16, n_layer=2, n_head=2, n_experts=4, top_k=2,
-                 gated_branches=True, attn_gate=True, media_tiles=2, encoder_dim=8,
-                 mtp_depth=1)
+CFG = TinyConfig(
+    seq_len=12,
+    d_model=16,
+    n_layer=2,
+    n_head=2,
+    n_experts=4,
+    top_k=2,
+    gated_branches=True,
+    attn_gate=True,
+    media_tiles=2,
+    encoder_dim=8,
+    mtp_depth=1,
+)
 QUIET = dict(telemetry=False, comm=False)
 ALL_ON = ProbeConfig(cadence={"step": 1, "scan": 1, "demand": 1}, **QUIET)
 P = CFG.media_tokens_per_image
@@ -66,19 +76,25 @@ class Capture:
                 block.attn.register_forward_hook(self._out(layer, "attn")),
                 block.mlp.register_forward_hook(self._out(layer, "mlp")),
                 block.mlp.router.register_forward_hook(
-                    lambda m, a, o: self.router.append(o[2].clone())),
+                    lambda m, a, o: self.router.append(o[2].clone())
+                ),
                 block.attn.proj.register_forward_pre_hook(
-                    lambda m, a: self.core.append(np64(a[0]))),
+                    lambda m, a: self.core.append(np64(a[0]))
+                ),
                 block.attn.gate_score.register_forward_hook(
-                    lambda m, a, o: self.score.append(np64(o))),
-                block.attn.qkv.register_forward_hook(self._qkv(layer))]
+                    lambda m, a, o: self.score.append(np64(o))
+                ),
+                block.attn.qkv.register_forward_hook(self._qkv(layer)),
+            ]
         self.handles += [
             model.embed.register_forward_hook(lambda m, a, o: self.embed.append(np64(o))),
-            model.projector.register_forward_hook(lambda m, a, o: self.proj.append(np64(o)))]
+            model.projector.register_forward_hook(lambda m, a, o: self.proj.append(np64(o))),
+        ]
 
     def _pre(self, layer):
         def hook(module, args):
             self.s.setdefault((layer, "attn"), []).append(args[0].detach())
+
         return hook
 
     def _out(self, layer, branch):
@@ -87,12 +103,13 @@ class Capture:
             if branch == "attn":  # the feed-forward branch's stream is s + b_attn (float32 add)
                 s32 = self.s[(layer, "attn")][-1]
                 self.s.setdefault((layer, "mlp"), []).append(s32 + out.detach())
+
         return hook
 
     def _qkv(self, layer):
         def hook(module, args, out):
-            out.register_hook(lambda g: self.vgrad.append(
-                (layer, np64(g)[..., 2 * CFG.d_model:])))
+            out.register_hook(lambda g: self.vgrad.append((layer, np64(g)[..., 2 * CFG.d_model :])))
+
         return hook
 
     def close(self) -> None:
@@ -104,9 +121,13 @@ def run(model, batches, *, config=ALL_ON, rank=0, world=1, steps=1, grads=None):
     """Train ``steps`` steps on ``batches`` (micro-batches); returns the decoded records."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     transport = MemoryTransport()
-    monitor = attach(model, opt, identity=RankIdentity(run_id="s", rank=rank, world_size=world,
-                                                       coords={"dp": rank}),
-                     config=config, transport=transport)
+    monitor = attach(
+        model,
+        opt,
+        identity=RankIdentity(run_id="s", rank=rank, world_size=world, coords={"dp": rank}),
+        config=config,
+        transport=transport,
+    )
     for step in range(steps):
         with monitor.step(step) as s:
             n_valid = max(1, sum(int((t != IGNORE).sum()) for _, t, _, _ in batches))
@@ -114,19 +135,35 @@ def run(model, batches, *, config=ALL_ON, rank=0, world=1, steps=1, grads=None):
                 mask = targets != IGNORE
                 s.micro_batch(tokens=tokens, mask=mask)
                 logits, mtp = model(tokens, media, present, return_mtp=True)
-                losses = F.cross_entropy(logits.reshape(-1, CFG.vocab), targets.reshape(-1),
-                                         ignore_index=IGNORE, reduction="none").view_as(targets)
+                losses = F.cross_entropy(
+                    logits.reshape(-1, CFG.vocab),
+                    targets.reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction="none",
+                ).view_as(targets)
                 s.loss(losses)
                 loss = losses.sum() / n_valid
                 for k, z in enumerate(mtp, 1):
-                    loss = loss + F.cross_entropy(z.reshape(-1, CFG.vocab),
-                                                  mtp_targets(targets, k).reshape(-1),
-                                                  ignore_index=IGNORE, reduction="sum") / n_valid
+                    loss = (
+                        loss
+                        + F.cross_entropy(
+                            z.reshape(-1, CFG.vocab),
+                            mtp_targets(targets, k).reshape(-1),
+                            ignore_index=IGNORE,
+                            reduction="sum",
+                        )
+                        / n_valid
+                    )
                 loss.backward()
             s.gradients()
             if grads is not None:
-                grads.append({n: p.grad.detach().double().clone()
-                              for n, p in model.named_parameters() if p.grad is not None})
+                grads.append(
+                    {
+                        n: p.grad.detach().double().clone()
+                        for n, p in model.named_parameters()
+                        if p.grad is not None
+                    }
+                )
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -159,8 +196,17 @@ def measured():
     media = [present.repeat_interleave(P, dim=1).numpy() for *_, present in batches]
     valid = [np.concatenate([m, t], axis=1) for m, t in zip(media, text)]
     ids = [tok.numpy() for tok, *_ in batches]
-    return dict(rec=rec, cap=capture, text=text, media=media, valid=valid, ids=ids,
-                grads=grads[0], model=model, batches=batches)
+    return dict(
+        rec=rec,
+        cap=capture,
+        text=text,
+        media=media,
+        valid=valid,
+        ids=ids,
+        grads=grads[0],
+        model=model,
+        batches=batches,
+    )
 
 
 # ------------------------------------------------------------------------ residual paths
@@ -171,23 +217,32 @@ def ref_residual(s32: torch.Tensor, b32: torch.Tensor) -> np.ndarray:
     n_s, n_b, n_a = (np.linalg.norm(x, axis=-1) for x in (s, b, a))
     cos = (s * a).sum(-1) / (n_s * n_a + 1e-12)
     noop = ((ref_bf16(a) == ref_bf16(s)) & (b != 0)).mean(-1)
-    return np.stack([n_s, n_b, n_b / (n_s + 1e-12), 1 - cos,
-                     np.arccos(np.clip(cos, -1, 1)) / np.pi, noop], axis=-1)
+    return np.stack(
+        [n_s, n_b, n_b / (n_s + 1e-12), 1 - cos, np.arccos(np.clip(cos, -1, 1)) / np.pi, noop],
+        axis=-1,
+    )
 
 
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("branch", ["attn", "mlp"])
 def test_residual_statistics_per_valid_token_match_numpy(measured, layer, branch):
     cap, rec = measured["cap"], measured["rec"]
-    per_token = np.concatenate([
-        ref_residual(s, b)[ok] for s, b, ok in zip(cap.s[(layer, branch)], cap.b[(layer, branch)],
-                                                  measured["valid"])])
+    per_token = np.concatenate(
+        [
+            ref_residual(s, b)[ok]
+            for s, b, ok in zip(cap.s[(layer, branch)], cap.b[(layer, branch)], measured["valid"])
+        ]
+    )
     assert value(rec, "residual.tokens", layer=layer, branch=branch) == per_token.shape[0]
     tol = dict(stream_norm=1e-5, branch_norm=1e-5, ratio=1e-5, importance=1e-3, angle=1e-4)
     for i, stem in enumerate(Residual.STATS):
         col = per_token[:, i]
-        want = {"sum": col.sum(), "p90": np.quantile(col, 0.9, method="higher"),
-                "p99": np.quantile(col, 0.99, method="higher"), "max": col.max()}
+        want = {
+            "sum": col.sum(),
+            "p90": np.quantile(col, 0.9, method="higher"),
+            "p99": np.quantile(col, 0.99, method="higher"),
+            "max": col.max(),
+        }
         for field, expected in want.items():
             got = value(rec, f"residual.{stem}_{field}", layer=layer, branch=branch)
             if stem == "noop":  # float32 add then one bf16 rounding vs float64: rare ties
@@ -205,8 +260,9 @@ def test_gate_saturation_counts_channels_below_each_threshold(measured):
             beta = 1 / (1 + np.exp(-np.full(CFG.d_model, CFG.gate_init) / gate.temperature))
             assert value(rec, "residual.gate_channels", layer=layer, branch=branch) == CFG.d_model
             for theta in (0.05, 0.1, 0.25):
-                assert value(rec, "residual.gate_closed", layer=layer, branch=branch,
-                             theta=f"{theta:g}") == float((beta < theta).sum())
+                assert value(
+                    rec, "residual.gate_closed", layer=layer, branch=branch, theta=f"{theta:g}"
+                ) == float((beta < theta).sum())
 
 
 def test_gate_saturation_sees_closed_gates():
@@ -214,11 +270,13 @@ def test_gate_saturation_sees_closed_gates():
     model = TinyLM(CFG)
     with torch.no_grad():
         logits = model.blocks[0].mlp.branch_gate.logit
-        logits[:4] = -10.0   # β ≈ 4.5e-5
-        logits[4:6] = -2.5   # β ≈ 0.076: below 0.1 and 0.25, not below 0.05
+        logits[:4] = -10.0  # β ≈ 4.5e-5
+        logits[4:6] = -2.5  # β ≈ 0.076: below 0.1 and 0.25, not below 0.05
     [rec] = run(model, [make_batch(3)])
-    closed = {t: value(rec, "residual.gate_closed", layer=0, branch="mlp", theta=t)
-              for t in ("0.05", "0.1", "0.25")}
+    closed = {
+        t: value(rec, "residual.gate_closed", layer=0, branch="mlp", theta=t)
+        for t in ("0.05", "0.1", "0.25")
+    }
     assert closed == {"0.05": 4.0, "0.1": 6.0, "0.25": 6.0}
 
 
@@ -246,8 +304,9 @@ def test_an_expert_layer_with_no_valid_token_records_nothing():
     # one empty and one real micro-batch: only the real one's tokens count
     torch.manual_seed(0)
     [rec2] = run(TinyLM(CFG), [empty, make_batch(5)])
-    assert sum(v for (n, _), v in rec2.values.items() if n == "moe.expert_tokens") == \
-        CFG.n_layer * CFG.top_k * value(rec2, "residual.tokens", layer=0, branch="attn")
+    assert sum(
+        v for (n, _), v in rec2.values.items() if n == "moe.expert_tokens"
+    ) == CFG.n_layer * CFG.top_k * value(rec2, "residual.tokens", layer=0, branch="attn")
 
 
 def test_topk_margin_and_router_bias(measured):
@@ -256,13 +315,16 @@ def test_topk_margin_and_router_bias(measured):
     for layer in range(CFG.n_layer):
         n = value(rec, "moe.topk_margin_tokens", layer=layer)
         assert n == value(rec, "residual.tokens", layer=layer, branch="mlp")
-        lo, p10, p90, p99, hi = (value(rec, f"moe.topk_margin_{q}", layer=layer)
-                                 for q in ("min", "p10", "p90", "p99", "max"))
+        lo, p10, p90, p99, hi = (
+            value(rec, f"moe.topk_margin_{q}", layer=layer)
+            for q in ("min", "p10", "p90", "p99", "max")
+        )
         assert 0 <= lo <= p10 <= p90 <= p99 <= hi
         assert lo <= value(rec, "moe.topk_margin_sum", layer=layer) / n <= hi
         bias = model.blocks[layer].mlp.router.expert_bias
-        assert [value(rec, "moe.router_bias", layer=layer, expert=e)
-                for e in range(CFG.n_experts)] == bias.tolist()
+        assert [
+            value(rec, "moe.router_bias", layer=layer, expert=e) for e in range(CFG.n_experts)
+        ] == bias.tolist()
         assert value(rec, "moe.expert_bias_abs_sum", layer=layer) == float(bias.abs().sum())
 
 
@@ -273,8 +335,13 @@ def test_the_expert_bias_sum_is_p1_on_scan_steps_without_the_p2_bias_values():
     model = TinyLM(CFG)
     with torch.no_grad():
         model.blocks[0].mlp.router.expert_bias.copy_(torch.tensor([0.0, 0.5, -0.25, 1.0]))
-    [rec] = run(model, [make_batch(6)], config=ProbeConfig(
-        cadence={"step": 1, "scan": 1, "demand": 0}, telemetry=False, comm=False))
+    [rec] = run(
+        model,
+        [make_batch(6)],
+        config=ProbeConfig(
+            cadence={"step": 1, "scan": 1, "demand": 0}, telemetry=False, comm=False
+        ),
+    )
     assert value(rec, "moe.expert_bias_abs_sum", layer=0) == 1.75
     assert not names(rec, "moe.router_bias") and not names(rec, "moe.topk_margin")
 
@@ -285,23 +352,27 @@ def test_topk_margin_matches_numpy_on_forced_scores():
     router = model.blocks[0].mlp.router
     seen = []
     handle = router.register_forward_hook(
-        lambda m, a, o: seen.append((o[0].detach().double() + m.expert_bias.double()).numpy()))
+        lambda m, a, o: seen.append((o[0].detach().double() + m.expert_bias.double()).numpy())
+    )
     with torch.no_grad():
         router.expert_bias.copy_(torch.tensor([0.0, 0.5, -0.25, 1.0]))
     batch = make_batch(6)
     [rec] = run(model, [batch])
     handle.remove()
     scores = seen[0]
-    valid = np.concatenate([batch[3].repeat_interleave(P, 1).numpy(),
-                            (batch[1] != IGNORE).numpy()], axis=1).reshape(-1)
+    valid = np.concatenate(
+        [batch[3].repeat_interleave(P, 1).numpy(), (batch[1] != IGNORE).numpy()], axis=1
+    ).reshape(-1)
     top = -np.sort(-scores, axis=-1)
     margin = (top[:, 1] - top[:, 2])[valid]
     assert value(rec, "moe.topk_margin_tokens", layer=0) == margin.size
     assert value(rec, "moe.topk_margin_sum", layer=0) == pytest.approx(margin.sum(), rel=1e-5)
     assert value(rec, "moe.topk_margin_p90", layer=0) == pytest.approx(
-        np.quantile(margin, 0.9, method="higher"), rel=1e-5)
+        np.quantile(margin, 0.9, method="higher"), rel=1e-5
+    )
     assert value(rec, "moe.topk_margin_p10", layer=0) == pytest.approx(
-        np.quantile(margin, 0.1, method="lower"), rel=1e-5)
+        np.quantile(margin, 0.1, method="lower"), rel=1e-5
+    )
     assert value(rec, "moe.topk_margin_min", layer=0) == pytest.approx(margin.min(), rel=1e-5)
     assert value(rec, "moe.expert_bias_abs_sum", layer=0) == pytest.approx(1.75)
 
@@ -335,10 +406,17 @@ def test_a_rank_without_media_sends_no_media_measurement_and_gamma_reduces_exact
         recs.append(rec)
         media = batch[3].repeat_interleave(P, 1).numpy()
         text = (batch[1] != IGNORE).numpy()
-        refs.append(((cap.proj[0][media] ** 2).sum(), media.sum() * CFG.d_model,
-                     (cap.embed[0][text] ** 2).sum(), text.sum() * CFG.d_model))
-    assert not names(recs[1], "modality.media") and not has(recs[1], "modality.tokens",
-                                                             modality="media")
+        refs.append(
+            (
+                (cap.proj[0][media] ** 2).sum(),
+                media.sum() * CFG.d_model,
+                (cap.embed[0][text] ** 2).sum(),
+                text.sum() * CFG.d_model,
+            )
+        )
+    assert not names(recs[1], "modality.media") and not has(
+        recs[1], "modality.tokens", modality="media"
+    )
     assert has(recs[1], "modality.text_n")
     reduced = reduce_step("s", 0, 2, recs, "complete")
     view, _, _ = p0_view(reduced)
@@ -350,8 +428,8 @@ def test_a_rank_without_media_sends_no_media_measurement_and_gamma_reduces_exact
 
 def test_encoder_gradient_share_components(measured):
     rec, grads = measured["rec"], measured["grads"]
-    enc = sum(float((g ** 2).sum()) for n, g in grads.items() if n.startswith("encoder."))
-    total = sum(float((g ** 2).sum()) for g in grads.values())
+    enc = sum(float((g**2).sum()) for n, g in grads.items() if n.startswith("encoder."))
+    total = sum(float((g**2).sum()) for g in grads.values())
     assert value(rec, "modality.encoder_grad_sq") == pytest.approx(enc, rel=1e-5)
     assert value(rec, "modality.all_grad_sq") == pytest.approx(total, rel=1e-5)
     model = measured["model"]
@@ -378,8 +456,10 @@ def test_bos_value_gradient_against_numpy(measured):
             other_n += other.sum() * g.shape[-1]
         assert bos_n == 6 * CFG.d_model  # one valid BOS per row (padding BOS excluded)
         assert value(rec, "attn.bos_value_grad_n", layer=layer) == bos_n
-        got = {n: value(rec, f"attn.{n}", layer=layer) for n in (
-            "bos_value_grad_sum_sq", "bos_value_grad_abs_max", "value_grad_sum_sq")}
+        got = {
+            n: value(rec, f"attn.{n}", layer=layer)
+            for n in ("bos_value_grad_sum_sq", "bos_value_grad_abs_max", "value_grad_sum_sq")
+        }
         assert got["bos_value_grad_sum_sq"] == pytest.approx(bos_sq, rel=1e-5)
         assert got["bos_value_grad_abs_max"] == pytest.approx(bos_max, rel=1e-6)
         assert value(rec, "attn.value_grad_n", layer=layer) == other_n
@@ -408,7 +488,7 @@ def test_per_module_gradient_views(measured):
     d = CFG.d_model
 
     def check(labels, tensors):
-        sq = sum(float((t ** 2).sum()) for t in tensors)
+        sq = sum(float((t**2).sum()) for t in tensors)
         assert value(rec, "module.grad_sum_sq", **labels) == pytest.approx(sq, rel=1e-5)
         assert value(rec, "module.grad_n", **labels) == sum(t.numel() for t in tensors)
         peak = max(float(t.abs().max()) for t in tensors)
@@ -418,13 +498,17 @@ def test_per_module_gradient_views(measured):
         p = f"blocks.{layer}."
         qkv = grads[p + "attn.qkv.weight"]
         for i, role in enumerate("qkv"):
-            check(dict(layer=layer, module=role), [qkv[i * d:(i + 1) * d]])
+            check(dict(layer=layer, module=role), [qkv[i * d : (i + 1) * d]])
         check(dict(layer=layer, module="o"), [grads[p + "attn.proj.weight"]])
         check(dict(layer=layer, module="router"), [grads[p + "mlp.router.weight"]])
-        check(dict(layer=layer, module="expert_up"),
-              [g for n, g in grads.items() if n.startswith(p + "mlp.experts.") and ".up." in n])
-        check(dict(layer=layer, module="expert_down"),
-              [g for n, g in grads.items() if n.startswith(p + "mlp.experts.") and ".down." in n])
+        check(
+            dict(layer=layer, module="expert_up"),
+            [g for n, g in grads.items() if n.startswith(p + "mlp.experts.") and ".up." in n],
+        )
+        check(
+            dict(layer=layer, module="expert_down"),
+            [g for n, g in grads.items() if n.startswith(p + "mlp.experts.") and ".down." in n],
+        )
         check(dict(layer=layer, module="norm_attn"), [grads[p + "ln_attn.weight"]])
         check(dict(layer=layer, module="norm_mlp"), [grads[p + "ln_mlp.weight"]])
     check(dict(module="embedding"), [grads["embed.weight"]])
@@ -456,13 +540,14 @@ def test_a_token_outlier_that_flattening_hides_shows_in_the_per_token_quantiles(
     s[::50] *= 0.01  # 2% of tokens: a collapsed stream, their branch overwrites it
     valid = torch.ones(t, dtype=torch.bool)
     flattened = float(b.norm() / s.norm())  # tokens × features flattened together
-    block = token_quantiles(residual_token_values(s, b, eps=1e-12),
-                            valid.reshape(-1))[ResidualStat.BRANCH_RATIO]
+    block = token_quantiles(residual_token_values(s, b, eps=1e-12), valid.reshape(-1))[
+        ResidualStat.BRANCH_RATIO
+    ]
     per_token = (b.norm(dim=-1) / s.norm(dim=-1)).numpy()
-    assert flattened < 0.11                                     # looks healthy
+    assert flattened < 0.11  # looks healthy
     assert block[TokenField.P99] == pytest.approx(np.quantile(per_token, 0.99), rel=1e-5)
     assert block[TokenField.P99] > 5 and block[TokenField.MAX] > 5  # the outliers show
-    assert block[TokenField.P90] < 0.2                          # and they are a few tokens
+    assert block[TokenField.P90] < 0.2  # and they are a few tokens
 
 
 # ------------------------------------------------------------- quantiles across ranks
@@ -475,15 +560,22 @@ def test_the_stream_bound_of_per_rank_quantiles_is_an_upper_bound():
         parts = [rng.lognormal(size=n) for n in sizes]
         every = np.concatenate(parts)
         for q, field in ((0.9, 2), (0.99, 3)):
-            local = [float(token_quantiles(torch.from_numpy(p), torch.ones(p.size, dtype=bool),
-                                           method="higher")[field]) for p in parts]
+            local = [
+                float(
+                    token_quantiles(
+                        torch.from_numpy(p), torch.ones(p.size, dtype=bool), method="higher"
+                    )[field]
+                )
+                for p in parts
+            ]
             bound = quantile_bound(local)
             assert bound >= np.quantile(every, q, method="higher")
             assert bound >= np.quantile(every, q)  # interpolated is never above "higher"
             assert min(local) <= np.quantile(every, q, method="higher")
     # interpolated rank-local quantiles would not bound it: {0, 10} twice at q = 0.9
-    assert max(np.quantile([0.0, 10.0], 0.9), np.quantile([0.0, 10.0], 0.9)) < \
-        np.quantile([0.0, 0.0, 10.0, 10.0], 0.9)
+    assert max(np.quantile([0.0, 10.0], 0.9), np.quantile([0.0, 10.0], 0.9)) < np.quantile(
+        [0.0, 0.0, 10.0, 10.0], 0.9
+    )
 
 
 def test_the_reduced_residual_quantile_is_the_maximum_over_ranks():
@@ -495,8 +587,9 @@ def test_the_reduced_residual_quantile_is_the_maximum_over_ranks():
         batch = make_batch(20 + rank)
         [rec] = run(model, [batch], rank=rank, world=2)
         cap.close()
-        ok = np.concatenate([batch[3].repeat_interleave(P, 1).numpy(),
-                             (batch[1] != IGNORE).numpy()], axis=1)
+        ok = np.concatenate(
+            [batch[3].repeat_interleave(P, 1).numpy(), (batch[1] != IGNORE).numpy()], axis=1
+        )
         values.append(ref_residual(cap.s[(0, "attn")][0], cap.b[(0, "attn")][0])[ok][:, 2])
         recs.append(rec)
     reduced = reduce_step("s", 0, 2, recs, "complete").reduced
@@ -524,9 +617,16 @@ def test_an_unsampled_step_runs_no_structure_tensor_op():
     def ops(structure: StructureConfig) -> list[str]:
         torch.manual_seed(0)
         model = TinyLM(CFG)
-        config = ProbeConfig(cadence={"step": 2, "scan": 4, "demand": 8}, structure=structure, **QUIET)
-        monitor = attach(model, None, identity=RankIdentity(run_id="s", rank=0, world_size=1),
-                         config=config, transport=MemoryTransport())
+        config = ProbeConfig(
+            cadence={"step": 2, "scan": 4, "demand": 8}, structure=structure, **QUIET
+        )
+        monitor = attach(
+            model,
+            None,
+            identity=RankIdentity(run_id="s", rank=0, world_size=1),
+            config=config,
+            transport=MemoryTransport(),
+        )
         tokens, targets, media, present = make_batch(9)
         with CountOps() as counter:
             with monitor.step(1) as s:  # step 1: nothing sampled

@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
-from probewire.instrument.probes.system import (DeviceTelemetry, HostTelemetry, ProcFile,
-                                                default_flops_per_token, net_dev_totals,
-                                                peak_memory_points, peak_rss_points,
-                                                psi_some_avg10, statm_rss,
-                                                transformer_flops_per_token)
+from probewire.instrument.probes.system import (
+    DeviceTelemetry,
+    HostTelemetry,
+    ProcFile,
+    default_flops_per_token,
+    net_dev_totals,
+    peak_memory_points,
+    peak_rss_points,
+    psi_some_avg10,
+    statm_rss,
+    transformer_flops_per_token,
+)
 
 
 def test_flop_estimator_is_6n_plus_the_attention_term():
@@ -119,8 +126,10 @@ def test_network_totals_leave_out_loopback_and_match_psutil_on_this_host():
 
     def psutil_totals() -> tuple[int, int]:
         nics = psutil.net_io_counters(pernic=True)
-        return (sum(c.bytes_recv for n, c in nics.items() if n != "lo"),
-                sum(c.bytes_sent for n, c in nics.items() if n != "lo"))
+        return (
+            sum(c.bytes_recv for n, c in nics.items() if n != "lo"),
+            sum(c.bytes_sent for n, c in nics.items() if n != "lo"),
+        )
 
     before = psutil_totals()
     with open("/proc/net/dev", "rb") as handle:
@@ -148,7 +157,8 @@ def test_device_telemetry_is_off_without_cuda_with_one_info_line(device, caplog)
 
 
 def test_peak_rss_and_host_telemetry_share_one_getrusage_and_a_failing_host_keeps_the_peak(
-        monkeypatch, caplog):
+    monkeypatch, caplog
+):
     from probewire.instrument.probes import system
 
     calls = []

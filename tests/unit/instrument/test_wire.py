@@ -11,20 +11,28 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
+from probewire.instrument import wire
 from probewire.instrument.catalog import CATALOG
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.testing import MemoryTransport, ProtoEncoder
-from probewire.instrument import wire
-from probewire.instrument.wire import (DecodeError, Point, RankIdentity, WireEncoder,
-                                       decode_rank_step, message_key, series_key)
+from probewire.instrument.wire import (
+    DecodeError,
+    Point,
+    RankIdentity,
+    WireEncoder,
+    decode_rank_step,
+    message_key,
+    series_key,
+)
 
 IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=2, host="n1", coords={"dp": 1})
 
 
 def emitted(points, step: int = 7) -> tuple[bytes, bytes]:
     transport = MemoryTransport()
-    emitter = StepEmitter(RankIdentity(run_id="run1", rank=1, world_size=2, host="n1",
-                                       coords={"dp": 1}), transport)
+    emitter = StepEmitter(
+        RankIdentity(run_id="run1", rank=1, world_size=2, host="n1", coords={"dp": 1}), transport
+    )
     emitter.emit(step, points)
     emitter.close()
     (message,) = transport.messages
@@ -32,11 +40,23 @@ def emitted(points, step: int = 7) -> tuple[bytes, bytes]:
 
 
 def test_round_trip_including_nonfinite_values():
-    key, value = emitted([Point("loss.sum", math.nan), Point("loss.tokens", 12),
-                          Point("grad.norm_sq", math.inf), Point("step.duration", 0.25)])
+    key, value = emitted(
+        [
+            Point("loss.sum", math.nan),
+            Point("loss.tokens", 12),
+            Point("grad.norm_sq", math.inf),
+            Point("step.duration", 0.25),
+        ]
+    )
     assert key == b"run1:7"
     step = decode_rank_step(key, value)
-    assert (step.run_id, step.step, step.rank, step.world_size, step.host) == ("run1", 7, 1, 2, "n1")
+    assert (step.run_id, step.step, step.rank, step.world_size, step.host) == (
+        "run1",
+        7,
+        1,
+        2,
+        "n1",
+    )
     assert step.coords == {"dp": 1}
     assert math.isnan(step.values[series_key("loss.sum")])
     assert math.isinf(step.values[series_key("grad.norm_sq")])
@@ -84,13 +104,19 @@ def stock_decode(payload: bytes) -> dict:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 for point in metric.gauge.data_points:
-                    attrs = {a.key: getattr(a.value, a.value.WhichOneof("value"))
-                             for a in point.attributes}
+                    attrs = {
+                        a.key: getattr(a.value, a.value.WhichOneof("value"))
+                        for a in point.attributes
+                    }
                     marker = attrs.pop("probewire.nonfinite", None)
                     attrs.pop("step")
-                    value = (float(marker) if marker is not None else
-                             point.as_double if point.WhichOneof("value") == "as_double"
-                             else float(point.as_int))
+                    value = (
+                        float(marker)
+                        if marker is not None
+                        else point.as_double
+                        if point.WhichOneof("value") == "as_double"
+                        else float(point.as_int)
+                    )
                     out[(metric.name, tuple(sorted(attrs.items())))] = value
     return out
 
@@ -102,13 +128,29 @@ def random_points(rng: random.Random) -> list[Point]:
     points, seen = [], set()
     for _ in range(rng.randint(1, 60)):
         name = rng.choice(names)
-        labels = tuple(sorted((key, rng.choice(["0", "1", "blocks.3.attn", "é", "x" * 200]))
-                              for key in CATALOG[name].labels if rng.random() < 0.7))
+        labels = tuple(
+            sorted(
+                (key, rng.choice(["0", "1", "blocks.3.attn", "é", "x" * 200]))
+                for key in CATALOG[name].labels
+                if rng.random() < 0.7
+            )
+        )
         if (name, labels) in seen:
             continue
         seen.add((name, labels))
-        value = rng.choice([rng.gauss(0, 1e3), 0.0, -0.0, 1e308, 5e-324, math.nan, math.inf,
-                            -math.inf, float(rng.randint(-2**53, 2**53))])
+        value = rng.choice(
+            [
+                rng.gauss(0, 1e3),
+                0.0,
+                -0.0,
+                1e308,
+                5e-324,
+                math.nan,
+                math.inf,
+                -math.inf,
+                float(rng.randint(-(2**53), 2**53)),
+            ]
+        )
         points.append(Point(name, value, labels))
     return points
 
@@ -121,8 +163,13 @@ def same(a: float, b: float) -> bool:
 @pytest.mark.parametrize("encoder", [WireEncoder, ProtoEncoder])
 def test_the_wire_decoder_reads_what_the_stock_classes_read(seed, encoder):
     rng = random.Random(seed)
-    identity = RankIdentity(run_id=f"run-{seed}", rank=seed % 7, world_size=8, host=f"h{seed}",
-                            coords={"dp": seed % 7, "tp": seed % 2})
+    identity = RankIdentity(
+        run_id=f"run-{seed}",
+        rank=seed % 7,
+        world_size=8,
+        host=f"h{seed}",
+        coords={"dp": seed % 7, "tp": seed % 2},
+    )
     points = random_points(rng)
     step = rng.choice([0, 1, 2**40, seed])
     payload = encoder(identity.resource_attributes()).encode(step, points)
@@ -130,17 +177,25 @@ def test_the_wire_decoder_reads_what_the_stock_classes_read(seed, encoder):
     stock = stock_decode(payload)
     assert record.values.keys() == stock.keys()
     assert all(same(record.values[k], stock[k]) for k in stock)
-    assert (record.run_id, record.step, record.rank, record.world_size, record.host,
-            record.coords) == (identity.run_id, step, identity.rank, 8, f"h{seed}",
-                               {"dp": seed % 7, "tp": seed % 2})
+    assert (
+        record.run_id,
+        record.step,
+        record.rank,
+        record.world_size,
+        record.host,
+        record.coords,
+    ) == (identity.run_id, step, identity.rank, 8, f"h{seed}", {"dp": seed % 7, "tp": seed % 2})
 
 
 def one_gauge_request(name: str):
     """A stock-built request from rank 0 of run "r" with one (empty) gauge metric ``name``."""
     request = ExportMetricsServiceRequest()
     rm = request.resource_metrics.add()
-    for key, value in (("probewire.run_id", "r"), ("probewire.rank", 0),
-                       ("probewire.world_size", 1)):
+    for key, value in (
+        ("probewire.run_id", "r"),
+        ("probewire.rank", 0),
+        ("probewire.world_size", 1),
+    ):
         kv = rm.resource.attributes.add(key=key)
         if isinstance(value, str):
             kv.value.string_value = value
@@ -158,7 +213,7 @@ def test_attributes_after_the_value_and_an_integer_value_decode_too():
     payload = request.SerializeToString()
     # move the attributes behind the value: same message, fields in another order
     body = point.SerializeToString()
-    value_field = body[body.index(b"\x31"):body.index(b"\x31") + 9]
+    value_field = body[body.index(b"\x31") : body.index(b"\x31") + 9]
     reordered = value_field + body.replace(value_field, b"")
     payload = payload.replace(body, reordered)
     record = decode_rank_step(b"r:3", payload)
@@ -170,14 +225,13 @@ def test_a_point_ending_in_time_and_value_after_other_fields_decodes_as_any_poin
     attributes; where something else precedes them (a start time here) it reads the point
     field by field, as the stock classes do."""
     request, metric = one_gauge_request("loss.tokens")
-    point = metric.gauge.data_points.add(start_time_unix_nano=1, time_unix_nano=2,
-                                         as_double=7.5)
+    point = metric.gauge.data_points.add(start_time_unix_nano=1, time_unix_nano=2, as_double=7.5)
     point.attributes.add(key="step").value.int_value = 3
     point.attributes.add(key="source").value.string_value = "web"
     payload = request.SerializeToString()
     body = point.SerializeToString()  # start time, time, value, attributes (field order)
-    attrs = body[body.index(b"\x3a"):]
-    reordered = body[:9] + attrs + body[9:body.index(b"\x3a")]  # start, attrs, time, value
+    attrs = body[body.index(b"\x3a") :]
+    reordered = body[:9] + attrs + body[9 : body.index(b"\x3a")]  # start, attrs, time, value
     assert reordered[-18] == 0x19 and reordered[-9] == 0x21 and len(reordered) == len(body)
     payload = payload.replace(body, reordered)
     record = decode_rank_step(b"r:3", payload)
@@ -193,7 +247,7 @@ def test_damaged_bytes_are_a_decode_error_and_nothing_else(seed):
         damaged = bytearray(payload)
         kind = rng.randrange(3)
         if kind == 0:
-            damaged = damaged[:rng.randrange(len(damaged))]
+            damaged = damaged[: rng.randrange(len(damaged))]
         elif kind == 1:
             for _ in range(rng.randint(1, 4)):
                 damaged[rng.randrange(len(damaged))] = rng.randrange(256)
@@ -224,22 +278,29 @@ def test_a_rank_message_follows_the_opentelemetry_conventions():
     messages = {}
     for rank in (0, 1):
         identity = RankIdentity(run_id="conv", rank=rank, world_size=2, host="h")
-        points = [Point("loss.sum", math.nan), Point("loss.tokens", 8.0),
-                  Point("step.duration", 0.5), Point("flops.step", 1e9)]
+        points = [
+            Point("loss.sum", math.nan),
+            Point("loss.tokens", 8.0),
+            Point("step.duration", 0.5),
+            Point("flops.step", 1e9),
+        ]
         messages[rank] = ExportMetricsServiceRequest.FromString(
-            WireEncoder(identity.resource_attributes()).encode(3, points))
+            WireEncoder(identity.resource_attributes()).encode(3, points)
+        )
     instances = set()
     for request in messages.values():
         [rm] = request.resource_metrics
-        resource = {a.key: getattr(a.value, a.value.WhichOneof("value"))
-                    for a in rm.resource.attributes}
+        resource = {
+            a.key: getattr(a.value, a.value.WhichOneof("value")) for a in rm.resource.attributes
+        }
         instances.add(resource["service.instance.id"])
         assert resource["service.name"] == "probewire-rank"
         [sm] = rm.scope_metrics
         assert (sm.scope.name, sm.scope.version) == ("probewire.instrument", version("probewire"))
         for metric in sm.metrics:
-            assert metric.unit in UCUM_BASE or (metric.unit.startswith("{")
-                                                and metric.unit.endswith("}")), metric.unit
+            assert metric.unit in UCUM_BASE or (
+                metric.unit.startswith("{") and metric.unit.endswith("}")
+            ), metric.unit
         loss = next(m for m in sm.metrics if m.name == "loss.sum").gauge.data_points[0]
         assert math.isnan(loss.as_double)  # not 0.0: a generic consumer must not see loss 0
     assert len(instances) == 2
@@ -276,8 +337,11 @@ def same_outcome(a, b) -> bool:
     if isinstance(a, str) or isinstance(b, str):
         return a == b
     fields = ("run_id", "step", "rank", "world_size", "host", "coords", "replay")
-    return all(getattr(a, f) == getattr(b, f) for f in fields) and \
-        a.values.keys() == b.values.keys() and all(same(a.values[k], b.values[k]) for k in a.values)
+    return (
+        all(getattr(a, f) == getattr(b, f) for f in fields)
+        and a.values.keys() == b.values.keys()
+        and all(same(a.values[k], b.values[k]) for k in a.values)
+    )
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -287,16 +351,22 @@ def test_a_message_of_a_learned_layout_reads_as_field_by_field(seed, monkeypatch
     gives: at steps whose varint grows, with new values (non-finite ones change the layout),
     and as a replay; the field-by-field reading runs only where no layout serves."""
     rng = random.Random(seed)
-    identity = RankIdentity(run_id=f"layout-{seed}", rank=seed % 5, world_size=5, host="h",
-                            coords={"dp": seed % 5})
+    identity = RankIdentity(
+        run_id=f"layout-{seed}", rank=seed % 5, world_size=5, host="h", coords={"dp": seed % 5}
+    )
     names = [n for n in sorted(CATALOG) if not CATALOG[n].labels]
-    series = list({series_key(p.name, p.labels): p._replace(value=0.0) for p in (
-        [Point(n, 0.0) for n in rng.sample(names, rng.randint(1, 40))] + random_points(rng))
-    }.values())  # each series once
+    series = list(
+        {
+            series_key(p.name, p.labels): p._replace(value=0.0)
+            for p in (
+                [Point(n, 0.0) for n in rng.sample(names, rng.randint(1, 40))] + random_points(rng)
+            )
+        }.values()
+    )  # each series once
     encoder = WireEncoder(identity.resource_attributes())
     fields, read_fields = [], wire._decode_fields
     monkeypatch.setattr(wire, "_decode_fields", lambda *a: fields.append(1) or read_fields(*a))
-    finite = [rng.gauss(0, 1e3), 0.0, -0.0, 1e308, 5e-324, float(rng.randint(-2**53, 2**53))]
+    finite = [rng.gauss(0, 1e3), 0.0, -0.0, 1e308, 5e-324, float(rng.randint(-(2**53), 2**53))]
     for step in (5, 6, 127, 128, 129, 2**14 - 1, 2**14, 2**40):
         for replay in (False, True):
             points = [p._replace(value=rng.choice(finite)) for p in series]
@@ -312,8 +382,9 @@ def test_a_message_of_a_learned_layout_reads_as_field_by_field(seed, monkeypatch
     points = [p._replace(value=math.nan) if i == 0 else p for i, p in enumerate(points)]
     payload = encoder.encode(2**40, points, replay=True)  # a marker: another layout
     assert same_outcome(*decode_both(message_key(identity.run_id, 2**40), payload))
-    assert math.isnan(decode_rank_step(None, payload).values[series_key(points[0].name,
-                                                                        points[0].labels)])
+    assert math.isnan(
+        decode_rank_step(None, payload).values[series_key(points[0].name, points[0].labels)]
+    )
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -322,17 +393,20 @@ def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
     is looked up): whatever the field-by-field reading makes of it, a record or the reason
     for a dead letter, the decoder makes of it too; a wrong key is refused as before."""
     rng = random.Random(seed)
-    identity = RankIdentity(run_id=f"damaged-{seed}", rank=1, world_size=2, host="h",
-                            coords={"dp": 1})
+    identity = RankIdentity(
+        run_id=f"damaged-{seed}", rank=1, world_size=2, host="h", coords={"dp": 1}
+    )
     encoder = WireEncoder(identity.resource_attributes())
     series = [p._replace(value=1.0) for p in random_points(rng)]
     for step in (299, 300):  # learned here
         decode_rank_step(None, encoder.encode(step, series))
     payload = encoder.encode(301, [p._replace(value=rng.gauss(0, 1)) for p in series])
     assert same_outcome(*decode_both(message_key(identity.run_id, 301), payload))
-    assert decode_both(message_key(identity.run_id, 302), payload)[0] == \
-        f"key {message_key(identity.run_id, 302)!r} does not match content " \
+    assert (
+        decode_both(message_key(identity.run_id, 302), payload)[0]
+        == f"key {message_key(identity.run_id, 302)!r} does not match content "
         f"{message_key(identity.run_id, 301)!r}"
+    )
     for tail in (b"\xff", b"\x78\x01"):  # junk after the message; an unknown field 15
         assert same_outcome(*decode_both(None, payload + tail))
         for _ in range(2):
@@ -370,15 +444,21 @@ def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
     senders' are learned; more senders than ``max_senders``: all let go. Every message
     reads as field by field throughout."""
     series = [Point(n, 1.0) for n in sorted(CATALOG) if not CATALOG[n].labels][:20]
-    encoders = [WireEncoder(RankIdentity(run_id="bounds", rank=r, world_size=10, host="h",
-                                         coords={"dp": r}).resource_attributes())
-                for r in range(10)]
+    encoders = [
+        WireEncoder(
+            RankIdentity(
+                run_id="bounds", rank=r, world_size=10, host="h", coords={"dp": r}
+            ).resource_attributes()
+        )
+        for r in range(10)
+    ]
     size = len(encoders[0].encode(10, series))  # every sender's, at every step here
     senders = wire._Senders(max_senders=8, max_bytes=int(3.5 * size))
     monkeypatch.setattr(wire, "_SENDERS", senders)
     learned, learn = [], wire._Layout.learn
-    monkeypatch.setattr(wire._Layout, "learn",
-                        classmethod(lambda cls, *a: learned.append(1) or learn(*a)))
+    monkeypatch.setattr(
+        wire._Layout, "learn", classmethod(lambda cls, *a: learned.append(1) or learn(*a))
+    )
 
     def hear(ranks, steps):
         for step in steps:

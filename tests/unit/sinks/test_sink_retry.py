@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
 
-from probewire.sinks import ClickHouseSink, RejectedRows, StoreUnavailable, TABLE_COLUMNS
+from probewire.sinks import TABLE_COLUMNS, ClickHouseSink, RejectedRows, StoreUnavailable
 
 
 class FakeClient:
@@ -64,17 +64,25 @@ def test_a_tables_column_types_are_described_once_and_again_after_a_failed_inser
 def test_rows_with_different_column_sets_go_into_separate_inserts() -> None:
     client = FakeClient()
     sink, _ = _sink(client)
-    sink.write("step_metrics", [{"run_id": "r", "step": 0, "tokens": 1},
-                                {"run_id": "r", "step": 1, "tokens": 2, "flops": 5.0}])
+    sink.write(
+        "step_metrics",
+        [
+            {"run_id": "r", "step": 0, "tokens": 1},
+            {"run_id": "r", "step": 1, "tokens": 2, "flops": 5.0},
+        ],
+    )
     assert sorted(c for _, c, _ in client.inserts) == [
-        ["run_id", "step", "tokens"], ["run_id", "step", "tokens", "flops"]]
+        ["run_id", "step", "tokens"],
+        ["run_id", "step", "tokens", "flops"],
+    ]
 
 
 def test_batches_are_split_at_batch_rows() -> None:
     client = FakeClient()
     sink, _ = _sink(client, batch_rows=4)
-    rows = [{"run_id": "r", "step": s, "rank": 0, "metric": "m", "value": float(s)}
-            for s in range(10)]
+    rows = [
+        {"run_id": "r", "step": s, "rank": 0, "metric": "m", "value": float(s)} for s in range(10)
+    ]
     sink.write("rank_metrics", rows)
     assert [len(data[0]) for _, _, data in client.inserts] == [4, 4, 2]
     assert [v for _, _, data in client.inserts for v in data[1]] == list(range(10))
@@ -82,17 +90,22 @@ def test_batches_are_split_at_batch_rows() -> None:
 
 def test_write_columns_matches_write_rows() -> None:
     a, b = FakeClient(), FakeClient()
-    rows = [{"run_id": "r", "step": s, "source": "web", "loss": 2.0, "token_share": 1.0,
-             "tokens": 7} for s in range(5)]
+    rows = [
+        {"run_id": "r", "step": s, "source": "web", "loss": 2.0, "token_share": 1.0, "tokens": 7}
+        for s in range(5)
+    ]
     _sink(a)[0].write("source_metrics", rows)
     _sink(b)[0].write_columns("source_metrics", {k: [r[k] for r in rows] for k in rows[0]})
     assert a.inserts == b.inserts
 
 
-@pytest.mark.parametrize("table,row", [
-    ("step_metrics", {"run_id": "r", "step": 0, "no_such_column": 1}),
-    ("no_such_table", {"run_id": "r"}),
-])
+@pytest.mark.parametrize(
+    "table,row",
+    [
+        ("step_metrics", {"run_id": "r", "step": 0, "no_such_column": 1}),
+        ("no_such_table", {"run_id": "r"}),
+    ],
+)
 def test_unknown_tables_and_columns_are_rejected_before_any_insert(table, row) -> None:
     client = FakeClient()
     sink, slept = _sink(client)
@@ -111,19 +124,23 @@ def test_an_unavailable_store_is_retried_with_growing_backoff_until_it_answers()
 
 
 def test_a_store_down_for_longer_than_the_budget_raises_store_unavailable() -> None:
-    client = FakeClient(failures=10**6, error=DatabaseError("Table pw.runs does not exist",
-                                                            code=60))
+    client = FakeClient(
+        failures=10**6, error=DatabaseError("Table pw.runs does not exist", code=60)
+    )
     sink, slept = _sink(client, retry_max_s=1.0)
     with pytest.raises(StoreUnavailable):
         sink.write("runs", [{"run_id": "r", "world_size": 8}])
     assert sum(slept) >= 1.0 and client.inserts == []
 
 
-@pytest.mark.parametrize("error", [
-    DataError("Invalid None value in non-Nullable column"),
-    ValueError("invalid literal for int()"),
-    DatabaseError("Type mismatch", code=53),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("Invalid None value in non-Nullable column"),
+        ValueError("invalid literal for int()"),
+        DatabaseError("Type mismatch", code=53),
+    ],
+)
 def test_rows_that_can_never_be_stored_are_not_retried(error) -> None:
     client = FakeClient(failures=1, error=error)
     sink, slept = _sink(client)
@@ -147,5 +164,7 @@ def test_credentials_in_a_server_url_win_over_the_settings(monkeypatch) -> None:
     monkeypatch.setenv("PW_TEST_SECRET", "s3cret")
     connect("http://test:pw@db:8123", username="default", password_env="PW_TEST_SECRET")
     connect("https://db:8443", username="probewire", password_env="PW_TEST_SECRET")
-    assert calls == [{"dsn": "http://test:pw@db:8123"},
-                     {"dsn": "https://db:8443", "username": "probewire", "password": "s3cret"}]
+    assert calls == [
+        {"dsn": "http://test:pw@db:8123"},
+        {"dsn": "https://db:8443", "username": "probewire", "password": "s3cret"},
+    ]

@@ -11,9 +11,19 @@ import pytest
 
 from probewire.stream.alerting import AlertmanagerWebhook
 
-ALERT = {"run_id": "r1", "step": 50, "signal": "cospike", "severity": "page", "value": 9.1,
-         "baseline": 3.0, "z": 12.0, "tokens": 1234, "ranks": [2, 5],
-         "message": "cospike at step 50", "next_steps": ["gradient norm and spikes", "step time"]}
+ALERT = {
+    "run_id": "r1",
+    "step": 50,
+    "signal": "cospike",
+    "severity": "page",
+    "value": 9.1,
+    "baseline": 3.0,
+    "z": 12.0,
+    "tokens": 1234,
+    "ranks": [2, 5],
+    "message": "cospike at step 50",
+    "next_steps": ["gradient norm and spikes", "step time"],
+}
 
 
 def test_posts_alertmanager_json_to_a_loopback_server():
@@ -36,10 +46,16 @@ def test_posts_alertmanager_json_to_a_loopback_server():
     thread.join(5)
     server.server_close()
     (body,) = received
-    assert body[0]["labels"] == {"alertname": "probewire_cospike", "run_id": "r1",
-                                 "signal": "cospike", "severity": "page"}
-    assert body[0]["annotations"]["ranks"] == "2,5" and "step time" in body[0]["annotations"][
-        "description"]
+    assert body[0]["labels"] == {
+        "alertname": "probewire_cospike",
+        "run_id": "r1",
+        "signal": "cospike",
+        "severity": "page",
+    }
+    assert (
+        body[0]["annotations"]["ranks"] == "2,5"
+        and "step time" in body[0]["annotations"]["description"]
+    )
     assert hook.sent == 1 and hook.failed == 0
 
 
@@ -52,12 +68,15 @@ def test_no_url_means_no_webhook():
     assert AlertmanagerWebhook("").post([ALERT]) is True
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1:9/hooks/T000/B000/s3cret-token?key=s3cret-key",  # unreachable
-    "http://alice:s3cret-pw@127.0.0.1:9/api/v2/alerts",                  # user info
-    "http://alice:s3cret-pw@127.0.0.1/api/v2/alerts",                    # refused
-    "http://127.0.0.1:s3cret/api",                                       # not a valid URL
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/hooks/T000/B000/s3cret-token?key=s3cret-key",  # unreachable
+        "http://alice:s3cret-pw@127.0.0.1:9/api/v2/alerts",  # user info
+        "http://alice:s3cret-pw@127.0.0.1/api/v2/alerts",  # refused
+        "http://127.0.0.1:s3cret/api",  # not a valid URL
+    ],
+)
 def test_a_failing_webhook_never_logs_its_secret(url, caplog):
     with caplog.at_level(logging.WARNING):
         assert AlertmanagerWebhook(url, timeout_s=1.0).post([ALERT]) is False

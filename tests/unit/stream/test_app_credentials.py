@@ -14,27 +14,41 @@ from probewire.stream.kafka import broker_credentials
 ENV = "PROBEWIRE_TEST_SASL_PASSWORD"
 
 
-@pytest.mark.parametrize("protocol, mechanism", [
-    ("SASL_PLAINTEXT", "PLAIN"), ("SASL_SSL", "SCRAM-SHA-256"), ("SASL_SSL", "SCRAM-SHA-512")])
+@pytest.mark.parametrize(
+    "protocol, mechanism",
+    [("SASL_PLAINTEXT", "PLAIN"), ("SASL_SSL", "SCRAM-SHA-256"), ("SASL_SSL", "SCRAM-SHA-512")],
+)
 def test_sasl_matches_the_librdkafka_config(monkeypatch, protocol, mechanism):
     monkeypatch.setenv(ENV, "s3cret")
-    kafka = KafkaSettings(security_protocol=protocol, sasl_mechanism=mechanism,
-                          sasl_username="probe", sasl_password_env=ENV,
-                          ssl_ca_location=certifi.where())
+    kafka = KafkaSettings(
+        security_protocol=protocol,
+        sasl_mechanism=mechanism,
+        sasl_username="probe",
+        sasl_password_env=ENV,
+        ssl_ca_location=certifi.where(),
+    )
     auth = credentials_to_aiokafka_auth(broker_credentials(kafka))
     rdkafka = kafka.client_config()
-    assert (auth["security_protocol"], auth["sasl_mechanism"], auth["sasl_plain_username"],
-            auth["sasl_plain_password"]) == (rdkafka["security.protocol"],
-                                             rdkafka["sasl.mechanism"],
-                                             rdkafka["sasl.username"], "s3cret")
+    assert (
+        auth["security_protocol"],
+        auth["sasl_mechanism"],
+        auth["sasl_plain_username"],
+        auth["sasl_plain_password"],
+    ) == (
+        rdkafka["security.protocol"],
+        rdkafka["sasl.mechanism"],
+        rdkafka["sasl.username"],
+        "s3cret",
+    )
     assert (auth["ssl_context"] is not None) == (protocol == "SASL_SSL")
     if protocol == "SASL_SSL":  # the CA bundle of ssl_ca_location is loaded
         assert auth["ssl_context"].cert_store_stats()["x509_ca"] > 0
 
 
 def test_tls_only_and_plaintext():
-    auth = credentials_to_aiokafka_auth(broker_credentials(KafkaSettings(
-        security_protocol="SSL", ssl_ca_location=certifi.where())))
+    auth = credentials_to_aiokafka_auth(
+        broker_credentials(KafkaSettings(security_protocol="SSL", ssl_ca_location=certifi.where()))
+    )
     assert auth["security_protocol"] == "SSL"
     assert auth["ssl_context"].cert_store_stats()["x509_ca"] > 0
     assert broker_credentials(KafkaSettings()) is None
@@ -42,8 +56,12 @@ def test_tls_only_and_plaintext():
 
 def test_a_missing_sasl_password_is_a_settings_error_naming_the_variable(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    kafka = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
-                          sasl_username="probe", sasl_password_env=ENV)
+    kafka = KafkaSettings(
+        security_protocol="SASL_SSL",
+        sasl_mechanism="PLAIN",
+        sasl_username="probe",
+        sasl_password_env=ENV,
+    )
     for build in (lambda: broker_credentials(kafka), kafka.client_config):
         with pytest.raises(SettingsError, match=ENV):
             build()
@@ -51,11 +69,20 @@ def test_a_missing_sasl_password_is_a_settings_error_naming_the_variable(monkeyp
 
 def test_the_worker_app_carries_the_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV, "s3cret")
-    settings = Settings(kafka=KafkaSettings(security_protocol="SASL_PLAINTEXT",
-                                            sasl_mechanism="PLAIN", sasl_username="probe",
-                                            sasl_password_env=ENV))
-    app = create_app(settings.stream, settings.kafka, settings.topics, lambda: None,
-                     tmp_path / "worker.heartbeat")
+    settings = Settings(
+        kafka=KafkaSettings(
+            security_protocol="SASL_PLAINTEXT",
+            sasl_mechanism="PLAIN",
+            sasl_username="probe",
+            sasl_password_env=ENV,
+        )
+    )
+    app = create_app(
+        settings.stream,
+        settings.kafka,
+        settings.topics,
+        lambda: None,
+        tmp_path / "worker.heartbeat",
+    )
     auth = credentials_to_aiokafka_auth(app.conf.broker_credentials)
-    assert (auth["security_protocol"], auth["sasl_plain_username"]) == ("SASL_PLAINTEXT",
-                                                                        "probe")
+    assert (auth["security_protocol"], auth["sasl_plain_username"]) == ("SASL_PLAINTEXT", "probe")

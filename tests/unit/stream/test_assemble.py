@@ -7,19 +7,26 @@ import math
 import numpy as np
 import pytest
 
-from probewire.stream.assemble import StepAssembler, reduce_step
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.assemble import StepAssembler, reduce_step
 from probewire.stream.records import ReducedStep
 
-LOSS, TOK, G2, TAU = (series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq",
-                                                "step.duration"))
+LOSS, TOK, G2, TAU = (
+    series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq", "step.duration")
+)
 
 
 def rec(rank: int, step: int = 0, world: int = 4, coords: dict | None = None, **values) -> RankStep:
     keys = {"loss": LOSS, "tok": TOK, "g2": G2, "tau": TAU}
-    return RankStep(run_id="r", step=step, rank=rank, world_size=world, host="h",
-                    coords=coords or {"dp": rank},
-                    values={keys[k]: v for k, v in values.items() if v is not None})
+    return RankStep(
+        run_id="r",
+        step=step,
+        rank=rank,
+        world_size=world,
+        host="h",
+        coords=coords or {"dp": rank},
+        values={keys[k]: v for k, v in values.items() if v is not None},
+    )
 
 
 def test_sums_are_summed_maxima_maxed_and_dp_replicas_counted_once():
@@ -27,8 +34,16 @@ def test_sums_are_summed_maxima_maxed_and_dp_replicas_counted_once():
     sums, toks, taus = rng.random(4) * 100, rng.integers(1, 50, 4), rng.random(4)
     g2 = 2.5  # all-reduced gradient: identical on every data-parallel rank, so only its
     # owner (dp=0) reports it (``instrument.parallel``); the stream sums what ranks send
-    records = [rec(r, loss=float(sums[r]), tok=float(toks[r]), g2=g2 if r == 0 else None,
-                   tau=float(taus[r])) for r in range(4)]
+    records = [
+        rec(
+            r,
+            loss=float(sums[r]),
+            tok=float(toks[r]),
+            g2=g2 if r == 0 else None,
+            tau=float(taus[r]),
+        )
+        for r in range(4)
+    ]
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert out.reduced[LOSS] == pytest.approx(float(np.sum(sums, dtype=np.float64)), rel=1e-12)
     assert out.reduced[TOK] == float(np.sum(toks))
@@ -40,11 +55,20 @@ def test_tensor_parallel_layout_counts_loss_once_and_sums_sharded_gradient():
     """2 dp x 2 tp: the loss is replicated over tp, the gradient sharded over tp, replicated
     over dp (each tp shard reported by its dp=0 owner). Reduced values equal the
     single-process ones."""
-    shard_sq = {0: 1.25, 1: 0.75}        # squared norm of each tp shard
+    shard_sq = {0: 1.25, 1: 0.75}  # squared norm of each tp shard
     loss = {0: (10.0, 4.0), 1: (30.0, 6.0)}  # (sum, count) per dp replica
-    records = [rec(rank=2 * dp + tp, coords={"dp": dp, "tp": tp}, loss=loss[dp][0],
-                   tok=loss[dp][1], g2=shard_sq[tp] if dp == 0 else None, tau=0.1)
-               for dp in (0, 1) for tp in (0, 1)]
+    records = [
+        rec(
+            rank=2 * dp + tp,
+            coords={"dp": dp, "tp": tp},
+            loss=loss[dp][0],
+            tok=loss[dp][1],
+            g2=shard_sq[tp] if dp == 0 else None,
+            tau=0.1,
+        )
+        for dp in (0, 1)
+        for tp in (0, 1)
+    ]
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert out.reduced[LOSS] / out.reduced[TOK] == pytest.approx(40.0 / 10.0)
     assert math.sqrt(out.reduced[G2]) == pytest.approx(math.sqrt(2.0))
@@ -56,16 +80,30 @@ def test_replicas_count_once_when_every_rank_sends_the_same_series():
     step time is maxed over every rank."""
     loss = {0: (10.0, 4.0), 1: (30.0, 6.0)}
     taus = {0: 0.1, 1: 0.4, 2: 0.2, 3: 0.3}
-    records = [rec(rank=2 * dp + tp, coords={"dp": dp, "tp": tp}, loss=loss[dp][0],
-                   tok=loss[dp][1], tau=taus[2 * dp + tp]) for dp in (0, 1) for tp in (0, 1)]
+    records = [
+        rec(
+            rank=2 * dp + tp,
+            coords={"dp": dp, "tp": tp},
+            loss=loss[dp][0],
+            tok=loss[dp][1],
+            tau=taus[2 * dp + tp],
+        )
+        for dp in (0, 1)
+        for tp in (0, 1)
+    ]
     assert len({tuple(r.values) for r in records}) == 1
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert (out.reduced[LOSS], out.reduced[TOK], out.reduced[TAU]) == (40.0, 10.0, 0.4)
 
 
 def test_nan_component_stays_visible():
-    out = reduce_step("r", 0, 2, [rec(0, world=2, loss=math.nan, tok=3.0),
-                                  rec(1, world=2, loss=1.0, tok=3.0)], "all_ranks")
+    out = reduce_step(
+        "r",
+        0,
+        2,
+        [rec(0, world=2, loss=math.nan, tok=3.0), rec(1, world=2, loss=1.0, tok=3.0)],
+        "all_ranks",
+    )
     assert math.isnan(out.reduced[LOSS])
 
 
@@ -108,10 +146,16 @@ def test_reduced_step_wire_round_trip_keeps_nonfinite():
 
 def scan_rec(rank: int, step: int, world: int, abs_max: float, n: float) -> RankStep:
     labels = {"tensor": "blocks.0", "kind": "fwd"}
-    return RankStep(run_id="r", step=step, rank=rank, world_size=world, host="h",
-                    coords={"tp": rank}, replay=True,
-                    values={series_key("tensor.abs_max", labels): abs_max,
-                            series_key("tensor.n", labels): n})
+    return RankStep(
+        run_id="r",
+        step=step,
+        rank=rank,
+        world_size=world,
+        host="h",
+        coords={"tp": rank},
+        replay=True,
+        values={series_key("tensor.abs_max", labels): abs_max, series_key("tensor.n", labels): n},
+    )
 
 
 def test_a_replay_of_a_completed_step_is_reduced_apart_once():
@@ -125,8 +169,10 @@ def test_a_replay_of_a_completed_step_is_reduced_apart_once():
     (done,) = asm.add(scan_rec(1, 7, 2, abs_max=5.0, n=6.0), now=1).completed
     assert (done.step, done.complete_reason, done.ranks_missing) == (7, "replay", [])
     labels = {"tensor": "blocks.0", "kind": "fwd"}
-    assert done.reduced == {series_key("tensor.abs_max", labels): 5.0,
-                            series_key("tensor.n", labels): 16.0}
+    assert done.reduced == {
+        series_key("tensor.abs_max", labels): 5.0,
+        series_key("tensor.n", labels): 16.0,
+    }
     # a second dump's copy of the same rank's replay is counted once, and step 8 still waits
     again = asm.add(scan_rec(1, 7, 2, abs_max=5.0, n=6.0), now=2)
     assert again.duplicate and again.completed == [] and asm.pending == 1
@@ -139,13 +185,16 @@ def test_a_replay_with_a_missing_rank_is_reduced_at_the_deadline():
     assert done.complete_reason == "replay" and done.ranks_missing == [1]
 
 
-@pytest.mark.parametrize("parts", [
-    [math.inf, -math.inf, 1.0],   # a blown-up tensor: no sum (fsum raises on these)
-    [1e308, 1e308, -1.0],         # finite parts past float64 (fsum overflows)
-    [-1e308, -1e308, 5.0],
-    [math.inf, 2.0, 3.0],
-    [math.nan, math.inf, -math.inf],
-])
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [math.inf, -math.inf, 1.0],  # a blown-up tensor: no sum (fsum raises on these)
+        [1e308, 1e308, -1.0],  # finite parts past float64 (fsum overflows)
+        [-1e308, -1e308, 5.0],
+        [math.inf, 2.0, 3.0],
+        [math.nan, math.inf, -math.inf],
+    ],
+)
 def test_non_finite_and_overflowing_sums_reduce_as_numpy_sums(parts):
     """A sum (grad.norm_sq: replicated over no group, so every rank is its own class) whose parts
     are ±inf or overflow reduces like NumPy's float64 sum instead of raising."""

@@ -80,10 +80,14 @@ def test_full_backlog_stops_input():
     assert batch.full
 
 
-@pytest.mark.parametrize(("kw", "field"), [({"steps": 0}, "steps"),
-                                           ({"within_s": 0}, "within_s"),
-                                           ({"steps": 10, "max_backlog_steps": 5},
-                                            "max_backlog_steps")])
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"steps": 0}, "steps"),
+        ({"within_s": 0}, "within_s"),
+        ({"steps": 10, "max_backlog_steps": 5}, "max_backlog_steps"),
+    ],
+)
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         BatchConfig(**kw)

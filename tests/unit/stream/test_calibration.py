@@ -12,7 +12,7 @@ def reference_threshold(values, window, quantile, margin):
     u = np.log(np.asarray(values, dtype=np.float64) + 1e-8)
     z = []
     for t in range(window, len(u)):
-        past = u[t - window:t]
+        past = u[t - window : t]
         q = np.median(past)
         d = np.median(np.abs(past - q))
         z.append(0.6745 * abs(u[t] - q) / max(d, 1e-3))  # the spread floor, relative
@@ -21,57 +21,82 @@ def reference_threshold(values, window, quantile, margin):
 
 def test_thresholds_match_a_numpy_replay_and_skip_missing_values():
     rng = np.random.default_rng(0)
-    series = {"loss": list(3 * np.exp(rng.normal(0, 0.02, 300))),
-              "grad_norm": list(0.5 * np.exp(rng.normal(0, 0.1, 300))),
-              "step_time_s": [None] * 5 + list(0.1 * np.exp(rng.normal(0, 0.05, 295)))}
+    series = {
+        "loss": list(3 * np.exp(rng.normal(0, 0.02, 300))),
+        "grad_norm": list(0.5 * np.exp(rng.normal(0, 0.1, 300))),
+        "step_time_s": [None] * 5 + list(0.1 * np.exp(rng.normal(0, 0.05, 295))),
+    }
     got = {c.setting: c for c in calibrate_run(series, window=50, quantile=0.99, margin=1.5)}
     assert got["loss_z_threshold"].threshold == pytest.approx(
-        reference_threshold(series["loss"], 50, 0.99, 1.5), rel=1e-9)
+        reference_threshold(series["loss"], 50, 0.99, 1.5), rel=1e-9
+    )
     assert got["signal_z_threshold"].n_steps == 295
     assert got["signal_z_threshold"].threshold == pytest.approx(
-        reference_threshold(series["step_time_s"][5:], 50, 0.99, 1.5), rel=1e-9)
+        reference_threshold(series["step_time_s"][5:], 50, 0.99, 1.5), rel=1e-9
+    )
 
 
 def test_too_short_a_run_is_refused():
     with pytest.raises(ValueError, match="more than window"):
-        calibrate_run({"loss": [1.0] * 10, "grad_norm": [1.0] * 10, "step_time_s": [1.0] * 10},
-                      window=20)
+        calibrate_run(
+            {"loss": [1.0] * 10, "grad_norm": [1.0] * 10, "step_time_s": [1.0] * 10}, window=20
+        )
 
 
 def reference_held(values, k, skip, quantile, margin):
     """Rolling minimum over k consecutive measured values (None breaks), after ``skip``."""
     v = values[skip:]
-    held = [min(v[i - k + 1:i + 1]) for i in range(k - 1, len(v))
-            if all(x is not None for x in v[i - k + 1:i + 1])]
+    held = [
+        min(v[i - k + 1 : i + 1])
+        for i in range(k - 1, len(v))
+        if all(x is not None for x in v[i - k + 1 : i + 1])
+    ]
     return margin * float(np.quantile(np.asarray(held, dtype=np.float64), quantile))
 
 
 def test_held_levels_are_the_quantile_of_the_k_step_rolling_minimum():
     rng = np.random.default_rng(1)
-    base = {"loss": list(3 * np.exp(rng.normal(0, 0.02, 300))),
-            "grad_norm": list(0.5 * np.exp(rng.normal(0, 0.1, 300))),
-            "step_time_s": list(0.1 * np.exp(rng.normal(0, 0.05, 300)))}
+    base = {
+        "loss": list(3 * np.exp(rng.normal(0, 0.02, 300))),
+        "grad_norm": list(0.5 * np.exp(rng.normal(0, 0.1, 300))),
+        "step_time_s": list(0.1 * np.exp(rng.normal(0, 0.05, 300))),
+    }
     maxvio = [float(x) for x in rng.gamma(4.0, 0.2, 300)]
     maxvio[120] = maxvio[121] = None  # steps without a measurement break a run
     own = [1.0 + float(x) for x in rng.exponential(0.3, 300)]
-    got = {c.setting: c for c in calibrate_run(
-        {**base, "moe_maxvio": maxvio, "straggler_own_ratio": own}, window=50, quantile=0.99,
-        margin=1.25, held_steps={"maxvio_steps": 3, "straggler_steps": 4})}
+    got = {
+        c.setting: c
+        for c in calibrate_run(
+            {**base, "moe_maxvio": maxvio, "straggler_own_ratio": own},
+            window=50,
+            quantile=0.99,
+            margin=1.25,
+            held_steps={"maxvio_steps": 3, "straggler_steps": 4},
+        )
+    }
     assert got["maxvio_threshold"].threshold == pytest.approx(
-        reference_held(maxvio, 3, 50, 0.99, 1.25), rel=1e-12)
+        reference_held(maxvio, 3, 50, 0.99, 1.25), rel=1e-12
+    )
     assert got["straggler_ratio"].threshold == pytest.approx(
-        reference_held(own, 4, 50, 0.99, 1.25), rel=1e-12)
+        reference_held(own, 4, 50, 0.99, 1.25), rel=1e-12
+    )
     # held for k steps is never above the single-step quantile
     assert got["maxvio_threshold"].threshold <= 1.25 * np.quantile(
-        [x for x in maxvio[50:] if x is not None], 0.99)
+        [x for x in maxvio[50:] if x is not None], 0.99
+    )
     assert got["maxvio_threshold"].n_steps == 248
 
 
 def test_a_run_without_experts_or_ranks_gets_no_held_threshold():
     rng = np.random.default_rng(2)
-    series = {"loss": list(3 * np.exp(rng.normal(0, 0.02, 200))),
-              "grad_norm": list(np.exp(rng.normal(0, 0.1, 200))),
-              "step_time_s": list(0.1 * np.exp(rng.normal(0, 0.05, 200))),
-              "moe_maxvio": [None] * 200}
+    series = {
+        "loss": list(3 * np.exp(rng.normal(0, 0.02, 200))),
+        "grad_norm": list(np.exp(rng.normal(0, 0.1, 200))),
+        "step_time_s": list(0.1 * np.exp(rng.normal(0, 0.05, 200))),
+        "moe_maxvio": [None] * 200,
+    }
     assert {c.setting for c in calibrate_run(series, window=50)} == {
-        "loss_z_threshold", "grad_z_threshold", "signal_z_threshold"}
+        "loss_z_threshold",
+        "grad_z_threshold",
+        "signal_z_threshold",
+    }

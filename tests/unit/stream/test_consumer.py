@@ -18,10 +18,15 @@ from probewire.stream.consumer import Consumer
 @pytest.fixture
 def new_consumer(tmp_path):
     def make() -> Consumer:
-        app = _App("probewire-test-consumer", broker="kafka://127.0.0.1:9",
-                   web_enabled=False, datadir=str(tmp_path / "faust"))
+        app = _App(
+            "probewire-test-consumer",
+            broker="kafka://127.0.0.1:9",
+            web_enabled=False,
+            datadir=str(tmp_path / "faust"),
+        )
         assert isinstance(app.consumer, Consumer)
         return app.consumer
+
     return make
 
 

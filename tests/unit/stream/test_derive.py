@@ -77,8 +77,12 @@ def test_all_ranks_empty_is_not_measured():
 
 @pytest.mark.parametrize(
     ("sums", "counts", "match"),
-    [([1.0], [1.0, 2.0], "ranks"), ([1.0], [-1.0], "token_counts"),
-     ([1.0], [0.0], "loss_sums"), ([1.0], [math.nan], "token_counts")],
+    [
+        ([1.0], [1.0, 2.0], "ranks"),
+        ([1.0], [-1.0], "token_counts"),
+        ([1.0], [0.0], "loss_sums"),
+        ([1.0], [math.nan], "token_counts"),
+    ],
 )
 def test_malformed_loss_components_raise(sums, counts, match):
     with pytest.raises(ValueError, match=match):
@@ -119,10 +123,11 @@ def test_loss_by_group_without_total_tokens_has_no_share_and_rejects_mismatched_
 def test_throughput_and_compute_rate():
     rng = np.random.default_rng(8)
     tokens = rng.integers(0, 4096, 64).astype(np.float64)  # per rank
-    times = rng.uniform(0.9, 1.3, 64)                        # per rank, seconds
-    tau = np.max(times)                                      # stage 1's reduction
+    times = rng.uniform(0.9, 1.3, 64)  # per rank, seconds
+    tau = np.max(times)  # stage 1's reduction
     assert tokens_per_s(float(tokens.sum()), float(tau)) == pytest.approx(
-        tokens.sum() / tau, rel=1e-15)
+        tokens.sum() / tau, rel=1e-15
+    )
     flops = np.float64(6.0e15)
     assert compute_rate(6.0e15, 64, float(tau)) == pytest.approx(flops / (64 * tau), rel=1e-15)
     # no time (no rank reported one, or 0 s) or no FLOP estimate: not measured
@@ -138,9 +143,8 @@ def test_throughput_and_compute_rate():
 def test_grad_norm_from_the_owners_squared_norms():
     rng = np.random.default_rng(9)
     shards = [rng.normal(0.0, 1e-3, n) for n in (1000, 0, 4321)]  # each owner's gradients
-    norm_sq = sum(float(np.sum(g * g)) for g in shards)              # what stage 1 sums
-    assert grad_norm(norm_sq) == pytest.approx(np.linalg.norm(np.concatenate(shards)),
-                                               rel=1e-12)
+    norm_sq = sum(float(np.sum(g * g)) for g in shards)  # what stage 1 sums
+    assert grad_norm(norm_sq) == pytest.approx(np.linalg.norm(np.concatenate(shards)), rel=1e-12)
     assert grad_norm(None) is None
     assert math.isnan(grad_norm(math.nan)) and math.isnan(grad_norm(-1.0))
     assert grad_norm(math.inf) == math.inf
@@ -150,11 +154,12 @@ def test_media_scale_against_embedding_rms():
     rng = np.random.default_rng(10)
     media = [rng.normal(0.0, 3.0, (n, 16)) for n in (40, 0, 25)]  # per rank, embeddings
     text = [rng.normal(0.0, 0.5, (n, 16)) for n in (300, 210, 0)]
-    parts = [(float(sum(np.sum(e * e) for e in group)), float(sum(e.size for e in group)))
-             for group in (media, text)]
+    parts = [
+        (float(sum(np.sum(e * e) for e in group)), float(sum(e.size for e in group)))
+        for group in (media, text)
+    ]
     rms = [np.sqrt(np.mean(np.concatenate(g) ** 2)) for g in (media, text)]
-    assert media_scale(*parts[0], *parts[1]) == pytest.approx(rms[0] / (rms[1] + 1e-12),
-                                                              rel=1e-12)
+    assert media_scale(*parts[0], *parts[1]) == pytest.approx(rms[0] / (rms[1] + 1e-12), rel=1e-12)
     assert media_scale(None, 1.0, 1.0, 1.0) is None and media_scale(1.0, 0.0, 1.0, 1.0) is None
     assert math.isnan(media_scale(-1.0, 2.0, 1.0, 1.0))
     assert math.isnan(media_scale(math.nan, 2.0, 1.0, 1.0))

@@ -191,8 +191,9 @@ def test_co_spikes_count_and_magnitude_match_reference():
     ref_l, ref_g = reference_scores(loss, 50, 50), reference_scores(grad, 50, 50)
     flags = np.array([a[3] and b[3] for a, b in zip(ref_l, ref_g)])
     finite = np.array([not (a[4] or b[4]) for a, b in zip(ref_l, ref_g)])
-    mags = np.array([min(a[2], b[2]) if f and n else 0.0
-                     for a, b, f, n in zip(ref_l, ref_g, flags, finite)])
+    mags = np.array(
+        [min(a[2], b[2]) if f and n else 0.0 for a, b, f, n in zip(ref_l, ref_g, flags, finite)]
+    )
     assert [i for i, r in enumerate(results) if r.co_spike] == list(np.flatnonzero(flags))
     assert np.flatnonzero(flags).tolist() == [100, 150, 220]
     last = results[-1]
@@ -221,7 +222,7 @@ def test_clip_rate_matches_reference_with_warmup_and_restart():
     results += [clip.update(g) for g in g2[25:]]
     over = np.isnan(g2) | (g2 > c)  # NaN norms count as clipped
     for t, r in enumerate(results):
-        expected = np.mean(over[max(0, t - window + 1): t + 1])
+        expected = np.mean(over[max(0, t - window + 1) : t + 1])
         assert r.rate == pytest.approx(expected, abs=1e-15)
         assert r.warmup == (t < window - 1)
         assert r.n_steps == min(t + 1, window)

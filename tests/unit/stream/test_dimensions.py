@@ -11,17 +11,20 @@ from probewire.stream.dimensions import tensor_dimensions
 from probewire.stream.localize import layer_of_tensor
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("blocks.3.moe.experts.5.w1.weight", (3, "moe.experts.w1.weight", 5)),
-    ("blocks.0", (0, "block", None)),
-    ("model.layers.12.self_attn.q_proj.weight", (12, "self_attn.q_proj.weight", None)),
-    ("blocks.1.attn.qkv.q", (1, "attn.qkv.q", None)),
-    ("blocks.1.mlp.experts.gate_up_proj", (1, "mlp.experts.gate_up_proj", None)),
-    ("layers.2.expert.7", (2, "expert", 7)),
-    ("embed.weight", (None, "embed.weight", None)),
-    ("head", (None, "head", None)),
-    ("experts.4.w2", (None, "experts.w2", 4)),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("blocks.3.moe.experts.5.w1.weight", (3, "moe.experts.w1.weight", 5)),
+        ("blocks.0", (0, "block", None)),
+        ("model.layers.12.self_attn.q_proj.weight", (12, "self_attn.q_proj.weight", None)),
+        ("blocks.1.attn.qkv.q", (1, "attn.qkv.q", None)),
+        ("blocks.1.mlp.experts.gate_up_proj", (1, "mlp.experts.gate_up_proj", None)),
+        ("layers.2.expert.7", (2, "expert", 7)),
+        ("embed.weight", (None, "embed.weight", None)),
+        ("head", (None, "head", None)),
+        ("experts.4.w2", (None, "experts.w2", 4)),
+    ],
+)
 def test_tensor_dimensions(name, expected):
     assert tensor_dimensions(name) == expected
 
@@ -45,5 +48,9 @@ def test_a_real_models_roles_are_one_blocks_worth():
     assert experts == set(range(cfg.n_experts))
     roles = {role for _, role, _ in dims}
     assert len(roles) < len(names) / 2
-    assert not any(str(e) in role.split(".") for role in roles for e in range(cfg.n_experts)
-                   if "experts" in role)
+    assert not any(
+        str(e) in role.split(".")
+        for role in roles
+        for e in range(cfg.n_experts)
+        if "experts" in role
+    )

@@ -11,11 +11,21 @@ import math
 import numpy as np
 import pytest
 
-from probewire.instrument.catalog import (GRAD_GROUPS, Attn, Comm, Grad, Label, Modality, Moe,
-                                          Output, System, Tensor)
+from probewire.instrument.catalog import (
+    GRAD_GROUPS,
+    Attn,
+    Comm,
+    Grad,
+    Label,
+    Modality,
+    Moe,
+    Output,
+    System,
+    Tensor,
+)
+from probewire.instrument.series import FORMED
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
-from probewire.instrument.series import FORMED
 from probewire.stream.formed import by_name, formed_series, grad_group_rows
 from probewire.stream.view import p0_view
 
@@ -31,11 +41,13 @@ def formed(step) -> dict:
 
 def _grad_components(g: np.ndarray, labels: tuple) -> dict:
     finite = g[np.isfinite(g)]
-    return {(Grad.ABS_SUM, labels): float(np.abs(finite).sum()),
-            (Grad.ABS_MAX, labels): float(np.abs(finite).max(initial=0.0)),
-            (Grad.ZEROS, labels): float((g == 0).sum()),
-            (Grad.ELEMENTS, labels): float(g.size),
-            (Grad.NONFINITE, labels): float((~np.isfinite(g)).sum())}
+    return {
+        (Grad.ABS_SUM, labels): float(np.abs(finite).sum()),
+        (Grad.ABS_MAX, labels): float(np.abs(finite).max(initial=0.0)),
+        (Grad.ZEROS, labels): float((g == 0).sum()),
+        (Grad.ELEMENTS, labels): float(g.size),
+        (Grad.NONFINITE, labels): float((~np.isfinite(g)).sum()),
+    }
 
 
 def make_ranks(seed: int = 3) -> list[dict]:
@@ -55,20 +67,30 @@ def make_ranks(seed: int = 3) -> list[dict]:
         logits[0, :2] = 5.0  # a top-2 tie
         valid = rng.random(positions) > 0.3
         valid[0] = True
-        ranks.append({
-            "grads": grads, "logits": logits, "valid": valid,
-            "waits": {"all_reduce": float(rng.uniform(0, 0.2)),
-                      "ddp_allreduce": float(rng.uniform(0, 0.3))},
-            "tau": float(rng.uniform(0.8, 1.2)),
-            # two parameter tensors sharded over ranks, and one scanned only as a parameter
-            "param": {t: rng.normal(0, 0.05, 40) for t in ("w0", "w1", "lone")},
-            "update": {t: rng.normal(0, 1e-4, 40) for t in ("w0", "w1")},
-            "experts": {"0": rng.integers(0, 5, 6).astype(float) * (r != 3),
-                        "1": np.zeros(6)},  # layer 1: no valid token on any rank
-            "enc": rng.normal(0, 1e-2, 30), "rest": rng.normal(0, 1e-2, 70),
-            "mtp": (int(rng.integers(0, 30)), 30),  # (agree, positions)
-            "bos": rng.normal(0, 1e-1, (2, 8)), "value": rng.normal(0, 1e-2, (9, 8)),
-        })
+        ranks.append(
+            {
+                "grads": grads,
+                "logits": logits,
+                "valid": valid,
+                "waits": {
+                    "all_reduce": float(rng.uniform(0, 0.2)),
+                    "ddp_allreduce": float(rng.uniform(0, 0.3)),
+                },
+                "tau": float(rng.uniform(0.8, 1.2)),
+                # two parameter tensors sharded over ranks, and one scanned only as a parameter
+                "param": {t: rng.normal(0, 0.05, 40) for t in ("w0", "w1", "lone")},
+                "update": {t: rng.normal(0, 1e-4, 40) for t in ("w0", "w1")},
+                "experts": {
+                    "0": rng.integers(0, 5, 6).astype(float) * (r != 3),
+                    "1": np.zeros(6),
+                },  # layer 1: no valid token on any rank
+                "enc": rng.normal(0, 1e-2, 30),
+                "rest": rng.normal(0, 1e-2, 70),
+                "mtp": (int(rng.integers(0, 30)), 30),  # (agree, positions)
+                "bos": rng.normal(0, 1e-1, (2, 8)),
+                "value": rng.normal(0, 1e-2, (9, 8)),
+            }
+        )
     return ranks
 
 
@@ -84,13 +106,18 @@ def record(r: int, c: dict) -> RankStep:
         v[(Comm.WAIT, ((Label.OP, op),))] = w
     z = c["logits"][c["valid"]]
     top = -np.sort(-z, axis=-1)
-    v.update({(Output.LOGITS_SUM_SQ, ()): float((z ** 2).sum()), (Output.LOGITS_N, ()): float(z.size),
-              (Output.POSITIONS, ()): float(len(z)),
-              (Output.TOP2_GAP_SUM, ()): float((top[:, 0] - top[:, 1]).sum()),
-              (Output.TOP2_EQUAL, ()): float((top[:, 0] == top[:, 1]).sum())})
+    v.update(
+        {
+            (Output.LOGITS_SUM_SQ, ()): float((z**2).sum()),
+            (Output.LOGITS_N, ()): float(z.size),
+            (Output.POSITIONS, ()): float(len(z)),
+            (Output.TOP2_GAP_SUM, ()): float((top[:, 0] - top[:, 1]).sum()),
+            (Output.TOP2_EQUAL, ()): float((top[:, 0] == top[:, 1]).sum()),
+        }
+    )
     for kind in ("param", "update"):
         for t, x in c[kind].items():
-            v[(Tensor.SUM_SQ, ((Label.KIND, kind), (Label.TENSOR, t)))] = float((x ** 2).sum())
+            v[(Tensor.SUM_SQ, ((Label.KIND, kind), (Label.TENSOR, t)))] = float((x**2).sum())
     for layer, counts in c["experts"].items():
         if counts.sum() > 0:  # as the probe: a layer without a valid token sends nothing
             for e, n in enumerate(counts):
@@ -107,15 +134,17 @@ def record(r: int, c: dict) -> RankStep:
         v[(Attn.BOS_N, lab)] = float(c["bos"].size)
         v[(Attn.VALUE_SUM_SQ, lab)] = float((c["value"] ** 2).sum())
         v[(Attn.VALUE_N, lab)] = float(c["value"].size)
-    return RankStep(run_id="f", step=0, rank=r, world_size=RANKS, host=f"h{r}",
-                    coords={"dp": r}, values=v)
+    return RankStep(
+        run_id="f", step=0, rank=r, world_size=RANKS, host=f"h{r}", coords={"dp": r}, values=v
+    )
 
 
 @pytest.fixture(scope="module")
 def ranks_and_step():
     ranks = make_ranks()
-    return ranks, reduce_step("f", 0, RANKS, [record(r, c) for r, c in enumerate(ranks)],
-                              "all_ranks")
+    return ranks, reduce_step(
+        "f", 0, RANKS, [record(r, c) for r, c in enumerate(ranks)], "all_ranks"
+    )
 
 
 def _g_ref(g: np.ndarray) -> tuple[float, float, float]:
@@ -154,7 +183,7 @@ def test_update_ratio_over_tensors_scanned_as_both_param_and_update(ranks_and_st
     ranks, step = ranks_and_step
     w = np.concatenate([c["param"][t] for c in ranks for t in ("w0", "w1")])
     dw = np.concatenate([c["update"][t] for c in ranks for t in ("w0", "w1")])
-    rho = np.sqrt(np.mean(dw ** 2)) / np.sqrt(np.mean(w ** 2))  # RMS(Δw)/RMS(w), seeds §6
+    rho = np.sqrt(np.mean(dw**2)) / np.sqrt(np.mean(w**2))  # RMS(Δw)/RMS(w), seeds §6
     assert formed(step)["update_ratio"] == pytest.approx(rho, rel=1e-9)
 
 
@@ -163,7 +192,7 @@ def test_output_logit_series_over_valid_positions(ranks_and_step):
     z = np.concatenate([c["logits"][c["valid"]] for c in ranks])
     top = -np.sort(-z, axis=-1)
     out = formed(step)
-    assert out["logits_rms"] == pytest.approx(np.sqrt(np.mean(z ** 2)), rel=REL)
+    assert out["logits_rms"] == pytest.approx(np.sqrt(np.mean(z**2)), rel=REL)
     assert out["top2_gap_mean"] == pytest.approx(np.mean(top[:, 0] - top[:, 1]), rel=REL)
     assert out["top2_tie_frac"] == pytest.approx(np.mean(top[:, 0] == top[:, 1]), rel=REL)
     assert out["top2_tie_frac"] > 0
@@ -181,23 +210,39 @@ def test_encoder_share_mtp_agreement_bos_gradient_and_bias_sum(ranks_and_step):
     enc = np.concatenate([c["enc"] for c in ranks])
     rest = np.concatenate([c["rest"] for c in ranks])
     assert out["encoder_grad_share"] == pytest.approx(
-        np.sum(enc ** 2) / (np.sum(enc ** 2) + np.sum(rest ** 2)), rel=REL)
+        np.sum(enc**2) / (np.sum(enc**2) + np.sum(rest**2)), rel=REL
+    )
     agree, positions = np.sum([c["mtp"] for c in ranks], axis=0)
     assert out["mtp_agreement"] == pytest.approx(agree / positions, rel=REL)
     bos = np.concatenate([c["bos"].ravel() for c in ranks for _ in range(2)])  # two layers
     value = np.concatenate([c["value"].ravel() for c in ranks for _ in range(2)])
-    assert out["bos_value_grad_rms"] == pytest.approx(np.sqrt(np.mean(bos ** 2)), rel=REL)
+    assert out["bos_value_grad_rms"] == pytest.approx(np.sqrt(np.mean(bos**2)), rel=REL)
     assert out["bos_value_grad_ratio"] == pytest.approx(
-        np.sqrt(np.mean(bos ** 2)) / np.sqrt(np.mean(value ** 2)), rel=REL)
+        np.sqrt(np.mean(bos**2)) / np.sqrt(np.mean(value**2)), rel=REL
+    )
     assert out["ep_bias_abs_sum"] == 0.5 + 1.5  # one replica per layer, summed over layers
 
 
 def test_a_step_without_the_components_measures_nothing():
     """An every-step record (no scan components, no collectives, no owner of a gradient):
     every formed series is None, not zero; the view carries them all."""
-    step = reduce_step("f", 1, 1, [RankStep(run_id="f", step=1, rank=0, world_size=1, host="h",
-                                            coords={}, values={(System.STEP_TIME, ()): 1.0})],
-                       "all_ranks")
+    step = reduce_step(
+        "f",
+        1,
+        1,
+        [
+            RankStep(
+                run_id="f",
+                step=1,
+                rank=0,
+                world_size=1,
+                host="h",
+                coords={},
+                values={(System.STEP_TIME, ()): 1.0},
+            )
+        ],
+        "all_ranks",
+    )
     out = formed(step)
     assert all(v is None for v in out.values()), out
     assert grad_group_rows(step) == []
@@ -214,5 +259,6 @@ def test_the_registry_of_formed_series_is_the_schema_and_the_view():
     assert step_columns == set(formed_series(empty, by_name(empty.reduced), {}))
     assert step_columns <= set(p0_view(empty).view)
     assert {s.column for s in FORMED if s.table == GRAD_GROUP_STATS.name} == {
-        c.name for c in GRAD_GROUP_STATS.columns if c.type == "Nullable(Float64)"}
+        c.name for c in GRAD_GROUP_STATS.columns if c.type == "Nullable(Float64)"
+    }
     assert {s.table for s in FORMED} == {"step_metrics", GRAD_GROUP_STATS.name}

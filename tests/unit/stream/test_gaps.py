@@ -43,8 +43,9 @@ def test_starts_without_a_broker_leave_every_partition_out_within_the_wait():
     from probewire.stream.gaps import GapReader
 
     port = free_port()  # a loopback port nothing listens on
-    reader = GapReader({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": "0"},
-                       "probewire-test", wait_s=0.5)
+    reader = GapReader(
+        {"bootstrap.servers": f"127.0.0.1:{port}", "log_level": "0"}, "probewire-test", wait_s=0.5
+    )
     try:
         started = time.monotonic()
         assert reader.starts("otlp_metrics", range(16)) == {}

@@ -37,8 +37,9 @@ def test_input_waiting_past_stall_s_without_output_is_unhealthy_with_the_last_er
     clock.now += 9.0
     assert progress.reasons() == []
     clock.now += 1.0
-    assert progress.reasons() == ["stage2: 3 input(s) waiting, no output for 10s "
-                                  "(last error: store down)"]
+    assert progress.reasons() == [
+        "stage2: 3 input(s) waiting, no output for 10s (last error: store down)"
+    ]
     progress.output("stage2", 3)
     progress.waiting("stage2", 0, None)
     assert progress.reasons() == []

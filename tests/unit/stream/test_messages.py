@@ -16,7 +16,8 @@ def test_a_kind_equal_to_its_signal_is_said_once() -> None:
 def test_losses_carry_nats_and_the_worst_rank_gap_is_a_ratio_to_the_mean() -> None:
     assert alert_message("loss_worst_rank", "spike", 130, 5.5453, 2.30127, 41.04, "rank 2") == (
         "loss_worst_rank spike at step 130: 5.545 nats/token against baseline "
-        "2.301 nats/token, z=41.0; carried by rank 2")
+        "2.301 nats/token, z=41.0; carried by rank 2"
+    )
     assert describe_value("loss_worst_rank", "gap", 1.35) == "1.35× L (L_max / L)"
     assert describe_value("loss_by_source", "gap", 1.1) == "1.1× L (L_source / L)"
     assert describe_value("grad_norm", "spike", 12.5) == "12.5"

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import base64
 
+from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.assemble import reduce_step
 from probewire.stream.order import StepOrderer
 from probewire.stream.records import ReducedStep
-from probewire.instrument.wire import RankStep, series_key
 
 
 def item(step: int):
-    rec = RankStep(run_id="r", step=step, rank=0, world_size=1, host="h", coords={"dp": 0},
-                   values={series_key("loss.tokens"): 1.0})
+    rec = RankStep(
+        run_id="r",
+        step=step,
+        rank=0,
+        world_size=1,
+        host="h",
+        coords={"dp": 0},
+        values={series_key("loss.tokens"): 1.0},
+    )
     return reduce_step("r", step, 1, [rec], "all_ranks")
 
 
@@ -54,8 +61,9 @@ def test_the_saved_state_encodes_each_held_step_once(monkeypatch):
     the held order, after releases and gap skips."""
     encoded = []
     to_bytes = ReducedStep.to_bytes
-    monkeypatch.setattr(ReducedStep, "to_bytes", lambda self: encoded.append(self.step)
-                        or to_bytes(self))
+    monkeypatch.setattr(
+        ReducedStep, "to_bytes", lambda self: encoded.append(self.step) or to_bytes(self)
+    )
     orderer = StepOrderer(max_wait_s=5)
     for step, now in ((3, 0), (5, 0), (4, 0), (9, 3)):
         orderer.offer(item(step), now=now)

@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.retention import retained_steps
+from probewire.stream.assemble import reduce_step
 from probewire.stream.pages import PageGate
+from probewire.stream.retention import retained_steps
 from probewire.stream.signals import Category, DetectorConfig, Finding
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 
@@ -21,20 +21,39 @@ def records(step, per_rank, *, g2=1.0, sources=None):
     """One reduced step: per rank (loss sum, valid tokens), and by source on some ranks."""
     out = []
     for r, (loss_sum, n) in enumerate(per_rank):
-        values = {series_key("loss.sum"): loss_sum, series_key("loss.tokens"): n,
-                  series_key("grad.norm_sq"): g2, series_key("step.duration"): 0.1}
+        values = {
+            series_key("loss.sum"): loss_sum,
+            series_key("loss.tokens"): n,
+            series_key("grad.norm_sq"): g2,
+            series_key("step.duration"): 0.1,
+        }
         for src, (s, c) in (sources or {}).get(r, {}).items():
             values[series_key("loss.sum", {"source": src})] = s
             values[series_key("loss.tokens", {"source": src})] = c
-        out.append(RankStep(run_id="run", step=step, rank=r, world_size=len(per_rank), host="h",
-                            coords={"dp": r}, values=values))
+        out.append(
+            RankStep(
+                run_id="run",
+                step=step,
+                rank=r,
+                world_size=len(per_rank),
+                host="h",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("run", step, len(per_rank), out, "all_ranks")
 
 
 def config(**kw) -> Stage2Config:
-    return Stage2Config(detectors=DetectorConfig(window=20, rearm_steps=30, **kw),
-                        retention_every_k=10, retention_halo=5, warmup_steps=3, final_steps=4,
-                        max_wait_s=5, run_idle_s=30)
+    return Stage2Config(
+        detectors=DetectorConfig(window=20, rearm_steps=30, **kw),
+        retention_every_k=10,
+        retention_halo=5,
+        warmup_steps=3,
+        final_steps=4,
+        max_wait_s=5,
+        run_idle_s=30,
+    )
 
 
 def collect(run: RunPipeline, items) -> dict[str, list]:
@@ -50,8 +69,16 @@ def collect(run: RunPipeline, items) -> dict[str, list]:
 
 # -- the gate ---------------------------------------------------------------------------------
 def finding(signal="cospike", culprit=""):
-    return Finding(signal=signal, kind="spike", value=1.0, baseline=1.0, z=9.0,
-                   category=Category.GRAD, page=True, culprit=culprit)
+    return Finding(
+        signal=signal,
+        kind="spike",
+        value=1.0,
+        baseline=1.0,
+        z=9.0,
+        category=Category.GRAD,
+        page=True,
+        culprit=culprit,
+    )
 
 
 def test_the_gate_opens_an_episode_counts_new_events_and_rearms():
@@ -60,13 +87,15 @@ def test_the_gate_opens_an_episode_counts_new_events_and_rearms():
     for step in (5, 6, 7, 12, 12, 30, 31):
         e = gate.admit(step, finding())
         seen.append((step, e.first_step, e.count, e.new_event))
-    assert seen == [(5, 5, 1, True),    # a page
-                    (6, 5, 1, False),   # the same event continues (consecutive steps)
-                    (7, 5, 1, False),
-                    (12, 5, 2, True),   # a new event inside the episode: update the record
-                    (12, 5, 2, False),  # a second rule at the same step
-                    (30, 30, 1, True),  # 18 quiet steps > rearm 10: a new page
-                    (31, 30, 1, False)]
+    assert seen == [
+        (5, 5, 1, True),  # a page
+        (6, 5, 1, False),  # the same event continues (consecutive steps)
+        (7, 5, 1, False),
+        (12, 5, 2, True),  # a new event inside the episode: update the record
+        (12, 5, 2, False),  # a second rule at the same step
+        (30, 30, 1, True),  # 18 quiet steps > rearm 10: a new page
+        (31, 30, 1, False),
+    ]
 
 
 def test_worst_rank_and_source_episodes_are_per_culprit():
@@ -99,8 +128,7 @@ def test_two_cospikes_in_one_episode_are_two_anomalies_both_retained_one_updated
         losses[s] *= 3.0
         grads[s] *= 20.0
     run = RunPipeline("run", config())
-    rows = collect(run, [records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2)
-                         for i in range(n)])
+    rows = collect(run, [records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2) for i in range(n)])
     cospikes = [a["step"] for a in rows["anomalies"] if a["signal"] == "cospike"]
     assert cospikes == [40, 55]
     assert [r["cospike_count"] for r in rows["step_metrics"]][54:56] == [1, 2]
@@ -114,8 +142,9 @@ def test_two_cospikes_in_one_episode_are_two_anomalies_both_retained_one_updated
     # both halos are retained
     anomaly_steps = {a["step"] for a in rows["anomalies"]}
     promoted = sorted(rows["promote"])
-    assert promoted == sorted(retained_steps(n, anomaly_steps, k=10, halo=5, warmup_steps=3,
-                                             final_steps=4))
+    assert promoted == sorted(
+        retained_steps(n, anomaly_steps, k=10, halo=5, warmup_steps=3, final_steps=4)
+    )
     for s in (40, 55):
         assert set(range(s - 5, s + 6)) <= set(promoted)
 
@@ -128,10 +157,11 @@ def test_a_cospike_after_the_episode_rearms_is_a_new_page():
     for s in (40, 100):  # 60 steps apart: past the 30-step rearm
         losses[s] *= 3.0
         grads[s] *= 20.0
-    rows = collect(RunPipeline("run", config()),
-                   [records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2) for i in range(n)])
-    assert [(a["step"], a["signal"]) for a in rows["alerts"]] == [(40, "cospike"),
-                                                                  (100, "cospike")]
+    rows = collect(
+        RunPipeline("run", config()),
+        [records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2) for i in range(n)],
+    )
+    assert [(a["step"], a["signal"]) for a in rows["alerts"]] == [(40, "cospike"), (100, "cospike")]
     assert all("episode" not in a["message"] for a in rows["alerts"])
 
 
@@ -143,8 +173,9 @@ def rank_run(n: int, scale: dict[tuple[int, int], float], ranks: int = 3, seed: 
     items = []
     for step in range(n):
         noise = rng.normal(0, 0.01, ranks)
-        per_rank = [(3.0 * (1 + noise[r]) * scale.get((step, r), 1.0) * 10, 10.0)
-                    for r in range(ranks)]
+        per_rank = [
+            (3.0 * (1 + noise[r]) * scale.get((step, r), 1.0) * 10, 10.0) for r in range(ranks)
+        ]
         items.append(records(step, per_rank, g2=0.25 * float(np.exp(rng.normal(0, 0.05)))))
     return collect(RunPipeline("run", config()), items)
 
@@ -166,8 +197,8 @@ def test_a_bad_rank_pages_naming_it_with_its_own_baseline():
     rows = rank_run(60, {(40, 2): 2.0})
     (alert,) = [a for a in rows["alerts"] if a["signal"] == "loss_worst_rank"]
     assert (alert["step"], alert["culprit"], alert["ranks"]) == (40, "rank 2", [2])
-    assert alert["value"] == pytest.approx(6.0, rel=0.05)      # L_2 itself
-    assert alert["baseline"] == pytest.approx(3.0, rel=0.05)   # rank 2's own history
+    assert alert["value"] == pytest.approx(6.0, rel=0.05)  # L_2 itself
+    assert alert["baseline"] == pytest.approx(3.0, rel=0.05)  # rank 2's own history
     assert alert["z"] > 8
 
 
@@ -191,8 +222,11 @@ def source_run(n: int, docs_scale: dict[int, float], rare_scale: dict[int, float
 def test_a_source_whose_loss_did_not_move_is_not_paged_when_the_rest_falls():
     rows = source_run(60, {40: 0.3}, {})  # the big source gets an easy batch: L falls
     assert not [a for a in rows["alerts"] if a["signal"] == "loss_by_source"]
-    assert [(a["step"], a["kind"], a["culprit"]) for a in rows["anomalies"]
-            if a["signal"] == "loss_by_source"] == [(40, "gap", "source rare")]
+    assert [
+        (a["step"], a["kind"], a["culprit"])
+        for a in rows["anomalies"]
+        if a["signal"] == "loss_by_source"
+    ] == [(40, "gap", "source rare")]
 
 
 def test_a_source_whose_own_loss_rose_is_paged():

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from probewire.instrument.catalog import Label, Loss, Moe, System
 from probewire.instrument.export import Point, RankIdentity, StepEmitter
 from probewire.instrument.testing import MemoryTransport
-from probewire.stream.assemble import StepAssembler
 from probewire.instrument.wire import DecodeError, decode_rank_step
+from probewire.stream.assemble import StepAssembler
 from probewire.stream.records import ReducedStep
 from probewire.stream.split import split_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config
@@ -20,8 +20,12 @@ from probewire.stream.validate import Bounds, StepValidator
 
 def message(run_id: str, step: int, rank: int, world_size: int, points) -> tuple[bytes, bytes]:
     transport = MemoryTransport()
-    emitter = StepEmitter(RankIdentity(run_id=run_id, rank=rank, world_size=world_size,
-                                       host="h", coords={"dp": rank}), transport)
+    emitter = StepEmitter(
+        RankIdentity(
+            run_id=run_id, rank=rank, world_size=world_size, host="h", coords={"dp": rank}
+        ),
+        transport,
+    )
     emitter.emit(step, points)
     emitter.close()
     return transport.messages[0]
@@ -33,13 +37,20 @@ point = st.one_of(
     st.builds(lambda v: Point(Loss.TOKENS, v), finite),
     st.builds(lambda v: Point(System.STEP_TIME, v), finite),
     st.builds(lambda s, v: Point(Loss.SUM, v, ((Label.SOURCE, s),)), st.text(max_size=8), finite),
-    st.builds(lambda e, v: Point(Moe.EXPERT_TOKENS, v, ((Label.EXPERT, e), (Label.LAYER, "0"))),
-              st.sampled_from(["0", "1", "-1", "x", "4294967296"]), finite),
+    st.builds(
+        lambda e, v: Point(Moe.EXPERT_TOKENS, v, ((Label.EXPERT, e), (Label.LAYER, "0"))),
+        st.sampled_from(["0", "1", "-1", "x", "4294967296"]),
+        finite,
+    ),
 )
 good_or_bad = st.one_of(
-    st.builds(lambda step, rank, ws, pts: ("otlp", step, rank, ws, pts),
-              st.integers(0, 2 ** 62), st.integers(0, 7), st.integers(1, 8),
-              st.lists(point, min_size=1, max_size=6)),
+    st.builds(
+        lambda step, rank, ws, pts: ("otlp", step, rank, ws, pts),
+        st.integers(0, 2**62),
+        st.integers(0, 7),
+        st.integers(1, 8),
+        st.lists(point, min_size=1, max_size=6),
+    ),
     st.builds(lambda b: ("raw", b), st.binary(max_size=64)),
 )
 

@@ -28,39 +28,65 @@ def reference_bytes(step: ReducedStep) -> bytes:
     reduced_mask = [int(k in step.reduced) for k in keys]
     values = [[step.per_rank[r].get(k, math.nan) for k in keys] for r in ranks]
     mask = [[int(k in step.per_rank[r]) for k in keys] for r in ranks]
-    header = json.dumps({
-        "run_id": step.run_id, "step": step.step, "world_size": step.world_size,
-        "ranks_reporting": step.ranks_reporting, "ranks_missing": step.ranks_missing,
-        "hosts": {str(r): h for r, h in step.hosts.items()},
-        "coords": {str(r): c for r, c in step.coords.items()},
-        "complete_reason": step.complete_reason, "ranks": ranks,
-        "keys": [k[0] + "".join(f"|{a}={b}" for a, b in k[1]) for k in keys]},
-        separators=(",", ":")).encode()
-    return b"".join((struct.pack("<I", len(header)), header,
-                     np.array(reduced, np.float64).tobytes(),
-                     np.array(reduced_mask, np.uint8).tobytes(),
-                     np.array(values, np.float64).reshape(len(ranks), len(keys)).tobytes(),
-                     np.array(mask, np.uint8).reshape(len(ranks), len(keys)).tobytes()))
+    header = json.dumps(
+        {
+            "run_id": step.run_id,
+            "step": step.step,
+            "world_size": step.world_size,
+            "ranks_reporting": step.ranks_reporting,
+            "ranks_missing": step.ranks_missing,
+            "hosts": {str(r): h for r, h in step.hosts.items()},
+            "coords": {str(r): c for r, c in step.coords.items()},
+            "complete_reason": step.complete_reason,
+            "ranks": ranks,
+            "keys": [k[0] + "".join(f"|{a}={b}" for a, b in k[1]) for k in keys],
+        },
+        separators=(",", ":"),
+    ).encode()
+    return b"".join(
+        (
+            struct.pack("<I", len(header)),
+            header,
+            np.array(reduced, np.float64).tobytes(),
+            np.array(reduced_mask, np.uint8).tobytes(),
+            np.array(values, np.float64).reshape(len(ranks), len(keys)).tobytes(),
+            np.array(mask, np.uint8).reshape(len(ranks), len(keys)).tobytes(),
+        )
+    )
 
 
 def make(per_rank: dict[int, dict], reduced: dict) -> ReducedStep:
-    return ReducedStep(run_id="r", step=4, world_size=3, ranks_reporting=sorted(per_rank),
-                       ranks_missing=[r for r in range(3) if r not in per_rank],
-                       reduced=reduced, per_rank=per_rank,
-                       hosts={r: f"h{r}" for r in per_rank},
-                       coords={r: {"dp": r} for r in per_rank})
+    return ReducedStep(
+        run_id="r",
+        step=4,
+        world_size=3,
+        ranks_reporting=sorted(per_rank),
+        ranks_missing=[r for r in range(3) if r not in per_rank],
+        reduced=reduced,
+        per_rank=per_rank,
+        hosts={r: f"h{r}" for r in per_rank},
+        coords={r: {"dp": r} for r in per_rank},
+    )
 
 
 CASES = {
-    "same series, same order": ({0: {LOSS: 1.0, TOK: 2.0}, 1: {LOSS: 3.0, TOK: 4.0}},
-                                {LOSS: 4.0, TOK: 6.0}),
+    "same series, same order": (
+        {0: {LOSS: 1.0, TOK: 2.0}, 1: {LOSS: 3.0, TOK: 4.0}},
+        {LOSS: 4.0, TOK: 6.0},
+    ),
     # same series in another order: one column order for both would swap rank 1's values
-    "same series, other order": ({0: {LOSS: 1.0, TOK: 2.0}, 1: {TOK: 4.0, LOSS: 3.0}},
-                                 {LOSS: 4.0, TOK: 6.0}),
-    "a rank without a series": ({0: {LOSS: 1.0, TOK: 2.0, ABS: 5.0}, 2: {ABS: math.inf}},
-                                {ABS: math.inf}),
-    "non-finite values": ({0: {LOSS: math.nan, TOK: -math.inf}, 1: {LOSS: 1.0, TOK: 1.0}},
-                          {LOSS: math.nan, TOK: -math.inf}),
+    "same series, other order": (
+        {0: {LOSS: 1.0, TOK: 2.0}, 1: {TOK: 4.0, LOSS: 3.0}},
+        {LOSS: 4.0, TOK: 6.0},
+    ),
+    "a rank without a series": (
+        {0: {LOSS: 1.0, TOK: 2.0, ABS: 5.0}, 2: {ABS: math.inf}},
+        {ABS: math.inf},
+    ),
+    "non-finite values": (
+        {0: {LOSS: math.nan, TOK: -math.inf}, 1: {LOSS: 1.0, TOK: 1.0}},
+        {LOSS: math.nan, TOK: -math.inf},
+    ),
     "no rank": ({}, {}),
 }
 
@@ -76,7 +102,8 @@ def test_bytes_match_the_reference_layout_and_read_back(name):
         assert back.per_rank[rank].keys() == values.keys()
         for key, value in values.items():
             assert back.per_rank[rank][key] == value or (
-                math.isnan(value) and math.isnan(back.per_rank[rank][key]))
+                math.isnan(value) and math.isnan(back.per_rank[rank][key])
+            )
     assert back.reduced.keys() == reduced.keys()
     assert back.to_bytes() == data
 
@@ -97,7 +124,11 @@ def test_a_header_text_that_looks_like_the_keys_field_reads_back():
     assert data == reference_bytes(step)
     back = ReducedStep.from_bytes(data)
     assert (back.run_id, back.hosts, back.reduced, back.per_rank) == (
-        step.run_id, step.hosts, step.reduced, step.per_rank)
+        step.run_id,
+        step.hosts,
+        step.reduced,
+        step.per_rank,
+    )
 
 
 def test_a_label_without_a_value_is_a_record_error():

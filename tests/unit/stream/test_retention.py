@@ -154,8 +154,12 @@ def test_finish_is_idempotent_and_a_later_step_reopens_the_run():
 
 @pytest.mark.parametrize(
     ("config", "field"),
-    [({"k": 0}, "k"), ({"k": 5, "halo": -1}, "halo"),
-     ({"k": 5, "warmup_steps": -1}, "warmup_steps"), ({"k": 5, "final_steps": -2}, "final_steps")],
+    [
+        ({"k": 0}, "k"),
+        ({"k": 5, "halo": -1}, "halo"),
+        ({"k": 5, "warmup_steps": -1}, "warmup_steps"),
+        ({"k": 5, "final_steps": -2}, "final_steps"),
+    ],
 )
 def test_config_errors_name_the_field(config, field):
     with pytest.raises(ValueError, match=field):

@@ -22,12 +22,24 @@ def event(kind: str, at: int, rank: int = 0, **kw):
 def step(n: int, lrs: dict[str, float] | None = None):
     ranks = []
     for r in range(2):
-        values = {series_key("loss.sum"): 6.0, series_key("loss.tokens"): 3.0,
-                  series_key("step.duration"): 0.1}
+        values = {
+            series_key("loss.sum"): 6.0,
+            series_key("loss.tokens"): 3.0,
+            series_key("step.duration"): 0.1,
+        }
         for group, lr in (lrs or {}).items():
             values[series_key(Optim.LR, {Label.PARAM_GROUP: group})] = lr
-        ranks.append(RankStep(run_id="run", step=n, rank=r, world_size=2, host="h",
-                              coords={"dp": r}, values=values))
+        ranks.append(
+            RankStep(
+                run_id="run",
+                step=n,
+                rank=r,
+                world_size=2,
+                host="h",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("run", n, 2, ranks, "all_ranks")
 
 
@@ -51,7 +63,7 @@ def test_a_crash_wins_over_a_finish_and_a_newer_start_resumes():
     life.apply(event("crashed", 30, rank=1, error="RuntimeError: x"))
     assert not life.apply(event("finished", 40))
     assert life.status(idle_finished=False) == "crashed" and life.error == "RuntimeError: x"
-    assert not life.apply(event("started", 5))   # older than the current attempt
+    assert not life.apply(event("started", 5))  # older than the current attempt
     life.apply(event("started", 50, config={"resumed": True}))
     assert life.status(idle_finished=False) == "running" and life.config == {"resumed": True}
     assert life.status(idle_finished=True) == "finished"
@@ -59,11 +71,16 @@ def test_a_crash_wins_over_a_finish_and_a_newer_start_resumes():
     assert again.to_state() == life.to_state()
 
 
-@pytest.mark.parametrize("payload, reason", [
-    (b"", "bytes"), (b"[1]", "object"), (b'{"run_id": "a:b"}', "run_id"),
-    (b'{"run_id": "r", "event": "paused"}', "event must be"),
-    (b'{"run_id": "r", "event": "started", "rank": -1, "time_unix_nano": 1}', "rank"),
-])
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"", "bytes"),
+        (b"[1]", "object"),
+        (b'{"run_id": "a:b"}', "run_id"),
+        (b'{"run_id": "r", "event": "paused"}', "event must be"),
+        (b'{"run_id": "r", "event": "started", "rank": -1, "time_unix_nano": 1}', "rank"),
+    ],
+)
 def test_a_malformed_event_is_refused_with_its_reason(payload, reason):
     with pytest.raises(EventError, match=reason):
         parse_event(payload)

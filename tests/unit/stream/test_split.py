@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from probewire.instrument.catalog import Label, Loss, System, Tensor
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.assemble import reduce_step
 from probewire.stream.records import ReducedStep
 from probewire.stream.split import DETAIL, OversizeStep, split_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
@@ -16,13 +16,25 @@ from probewire.stream.view import p0_view
 def big_step(ranks=16, tensors=60) -> ReducedStep:
     records = []
     for r in range(ranks):
-        values = {series_key(Loss.SUM): 3.0 * (r + 1), series_key(Loss.TOKENS): float(r + 1),
-                  series_key(System.STEP_TIME): 0.1 + r / 100}
+        values = {
+            series_key(Loss.SUM): 3.0 * (r + 1),
+            series_key(Loss.TOKENS): float(r + 1),
+            series_key(System.STEP_TIME): 0.1 + r / 100,
+        }
         for t in range(tensors):
             for name in Tensor.ALL:
                 values[series_key(name, {Label.TENSOR: f"t{t}", Label.KIND: "fwd"})] = t + r
-        records.append(RankStep(run_id="r", step=0, rank=r, world_size=ranks, host=f"h{r}",
-                                coords={"dp": r}, values=values))
+        records.append(
+            RankStep(
+                run_id="r",
+                step=0,
+                rank=r,
+                world_size=ranks,
+                host=f"h{r}",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("r", 0, ranks, records, "all_ranks")
 
 
@@ -57,6 +69,7 @@ def test_an_oversize_step_becomes_parts_under_the_limit_with_the_same_rows():
 
     def key(row):
         return sorted((k, str(v)) for k, v in row.items())
+
     for table in ("rank_metrics_recent", "tensor_stats_recent", "step_metrics"):
         assert sorted(map(key, split[table])) == sorted(map(key, whole[table])), table
 

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.assemble import reduce_step
 from probewire.stream.retention import retained_steps
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view
@@ -25,9 +25,12 @@ def with_experts(item, counts: dict[tuple[str, int], float]):
 def records(step, per_rank, *, g2=1.0, tau=None, sources=None, memory=None):
     out = []
     for r, (loss_sum, n) in enumerate(per_rank):
-        values = {series_key("loss.sum"): loss_sum, series_key("loss.tokens"): n,
-                  series_key("step.duration"): (tau or [0.1] * len(per_rank))[r],
-                  series_key("flops.step"): 1e9}
+        values = {
+            series_key("loss.sum"): loss_sum,
+            series_key("loss.tokens"): n,
+            series_key("step.duration"): (tau or [0.1] * len(per_rank))[r],
+            series_key("flops.step"): 1e9,
+        }
         if r == 0:  # the all-reduced gradient: reported by its owner, dp=0
             values[series_key("grad.norm_sq")] = g2
         for src, (s, c) in (sources or {}).get(r, {}).items():
@@ -35,21 +38,42 @@ def records(step, per_rank, *, g2=1.0, tau=None, sources=None, memory=None):
             values[series_key("loss.tokens", {"source": src})] = c
         if memory:
             values[series_key("memory.peak_rss")] = memory[r]
-        out.append(RankStep(run_id="run", step=step, rank=r, world_size=len(per_rank), host="h",
-                            coords={"dp": r}, values=values))
+        out.append(
+            RankStep(
+                run_id="run",
+                step=step,
+                rank=r,
+                world_size=len(per_rank),
+                host="h",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("run", step, len(per_rank), out, "all_ranks")
 
 
 def small_config(**kw) -> Stage2Config:
     det = DetectorConfig(window=20, rearm_steps=10, **kw)
-    return Stage2Config(detectors=det, retention_every_k=10, retention_halo=5, warmup_steps=3,
-                        final_steps=4, max_wait_s=5, run_idle_s=30)
+    return Stage2Config(
+        detectors=det,
+        retention_every_k=10,
+        retention_halo=5,
+        warmup_steps=3,
+        final_steps=4,
+        max_wait_s=5,
+        run_idle_s=30,
+    )
 
 
 def test_p0_view_matches_numpy_reference():
-    item = records(0, [(30.0, 10.0), (8.0, 2.0), (0.0, 0.0)], g2=9.0, tau=[0.1, 0.4, 0.2],
-                   sources={0: {"docs": (20.0, 8.0), "code": (10.0, 2.0)}, 1: {"docs": (8.0, 2.0)}},
-                   memory=[100.0, 300.0, 200.0])
+    item = records(
+        0,
+        [(30.0, 10.0), (8.0, 2.0), (0.0, 0.0)],
+        g2=9.0,
+        tau=[0.1, 0.4, 0.2],
+        sources={0: {"docs": (20.0, 8.0), "code": (10.0, 2.0)}, 1: {"docs": (8.0, 2.0)}},
+        memory=[100.0, 300.0, 200.0],
+    )
     with_experts(item, {("0", 0): 7.0, ("0", 1): 5.0})
     view, sources, _ = p0_view(item)
     assert view["loss"] == pytest.approx(38.0 / 12.0)
@@ -128,8 +152,9 @@ def test_retained_steps_equal_the_closed_form_policy():
     promoted = [s for o in outs for s in o.promote] + run.finish().promote
     anomaly_steps = {a["step"] for o in outs for a in o.rows["anomalies"]}
     assert anomaly_steps == {25, 61}
-    assert sorted(promoted) == sorted(retained_steps(n, anomaly_steps, k=10, halo=5,
-                                                     warmup_steps=3, final_steps=4))
+    assert sorted(promoted) == sorted(
+        retained_steps(n, anomaly_steps, k=10, halo=5, warmup_steps=3, final_steps=4)
+    )
     assert len(promoted) == len(set(promoted))
 
 
@@ -142,18 +167,26 @@ def test_restart_from_state_gives_the_same_rows_as_an_uninterrupted_run():
     _, straight = run_series(losses, grads)
     config = small_config()
     first = RunPipeline("run", config)
-    outs = [first.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=i)
-            for i in range(35)]
+    outs = [
+        first.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=i)
+        for i in range(35)
+    ]
     state = json.loads(json.dumps(first.to_state()))  # what ClickHouse holds
     second = RunPipeline.from_state("run", config, state, now=35)
     # re-delivery of already-processed steps after the restart changes nothing
-    replay = [second.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=35)
-              for i in range(30, 35)]
+    replay = [
+        second.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=35)
+        for i in range(30, 35)
+    ]
     assert all(not o.rows["step_metrics"] and not o.promote for o in replay)
-    outs += [second.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=i)
-             for i in range(35, 70)]
+    outs += [
+        second.accept(records(i, [(losses[i] * 10, 10.0)], g2=grads[i] ** 2), now=i)
+        for i in range(35, 70)
+    ]
+
     def strip(rows):
         return [{k: v for k, v in r.items()} for r in rows]
+
     for table in ("step_metrics", "anomalies", "alerts"):
         a = strip([r for o in straight for r in o.rows[table]])
         b = strip([r for o in outs for r in o.rows[table]])
@@ -169,8 +202,9 @@ def test_worst_rank_and_source_regression_name_their_culprits():
     for step in range(40):
         bad = step >= 30
         noise = rng.normal(0, 0.01, 3)
-        per_rank = [(3.0 * (1 + noise[r]) * 10 * (4.0 if bad and r == 2 else 1.0), 10.0)
-                    for r in range(3)]
+        per_rank = [
+            (3.0 * (1 + noise[r]) * 10 * (4.0 if bad and r == 2 else 1.0), 10.0) for r in range(3)
+        ]
         src = {0: {"docs": (2.0 * 5, 5.0), "rare": ((9.0 if bad else 4.0) * (1 + noise[0]), 1.0)}}
         out = run.accept(records(step, per_rank, sources=src), now=step)
         found += out.rows["alerts"]
@@ -214,20 +248,24 @@ def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_kept():
 def test_a_huge_step_jump_allocates_nothing_proportional_to_it():
     run = RunPipeline("run", small_config())
     run.accept(records(0, [(30.0, 10.0)]), now=0.0)
-    run.accept(records(2 ** 62, [(30.0, 10.0)]), now=0.0)
+    run.accept(records(2**62, [(30.0, 10.0)]), now=0.0)
     run.expire(now=10.0)
-    assert run.last_step == 2 ** 62 and len(run.skipped) == 1
-    assert 2 ** 61 in run.skipped
+    assert run.last_step == 2**62 and len(run.skipped) == 1
+    assert 2**61 in run.skipped
     state = json.loads(json.dumps(run.to_state()))
-    assert RunPipeline.from_state("run", small_config(), state, now=0.0).skipped.to_state() \
-        == [[1, 2 ** 62 - 1]]
+    assert RunPipeline.from_state("run", small_config(), state, now=0.0).skipped.to_state() == [
+        [1, 2**62 - 1]
+    ]
 
 
 def test_guard_counters_are_cumulative_across_a_restart_with_the_step_flags_kept():
     """Seeds 001 §4: skip and replay counters stored cumulative (the catalog and the schema
     say so), each step's own events kept beside them; the counts survive a restart."""
-    events = {3: ("guard.skipped",), 5: ("guard.replayed", "guard.replay_mismatch"),
-              8: ("guard.skipped", "guard.replayed")}
+    events = {
+        3: ("guard.skipped",),
+        5: ("guard.replayed", "guard.replay_mismatch"),
+        8: ("guard.skipped", "guard.replayed"),
+    }
 
     def step_item(step):
         item = records(step, [(10.0, 5.0), (11.0, 5.0)])
@@ -239,16 +277,20 @@ def test_guard_counters_are_cumulative_across_a_restart_with_the_step_flags_kept
     rows, anomalies = [], []
     for step in range(10):
         if step == 6:
-            run = RunPipeline.from_state("run", small_config(),
-                                         json.loads(json.dumps(run.to_state())), now=6.0)
+            run = RunPipeline.from_state(
+                "run", small_config(), json.loads(json.dumps(run.to_state())), now=6.0
+            )
         out = run.accept(step_item(step), now=float(step))
         rows += out.rows["step_metrics"]
         anomalies += out.rows["anomalies"]
     # the mismatch pages at its own step only, not on every step after it
     assert [a["step"] for a in anomalies if a["signal"] == "replay_mismatch"] == [5]
     by_step = {row["step"]: row for row in rows}
-    flags = {"skipped": "guard.skipped", "replayed": "guard.replayed",
-             "replay_mismatch": "guard.replay_mismatch"}
+    flags = {
+        "skipped": "guard.skipped",
+        "replayed": "guard.replayed",
+        "replay_mismatch": "guard.replay_mismatch",
+    }
     for column, name in flags.items():
         per_step = [int(name in events.get(s, ())) for s in range(10)]
         assert [by_step[s][f"{column}_step"] for s in range(10)] == per_step
@@ -259,9 +301,12 @@ def test_a_step_whose_components_break_the_rules_is_refused_before_any_state_mov
     """A loss sum on a rank with no token (stage 1's bounds refuse it; another writer of
     the steps topic might not) is refused with the reason; the run goes on unchanged but
     for the orderer, which has handed the step over (and now waits for the next)."""
+
     def state(run: RunPipeline) -> str:
-        return json.dumps({k: v for k, v in run.to_state().items() if k != "orderer"},
-                          sort_keys=True, default=str)
+        return json.dumps(
+            {k: v for k, v in run.to_state().items() if k != "orderer"}, sort_keys=True, default=str
+        )
+
     run = RunPipeline("run", small_config())
     run.accept(records(0, [(3.0, 1.0), (2.0, 1.0)]), 0.0)
     before = state(run)
@@ -279,12 +324,28 @@ def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
     outs = [run.accept(records(s, [(2.0, 1.0), (2.0, 1.0)]), now=float(s)) for s in range(6)]
     stored = [r for o in outs for r in o.rows["step_metrics"]]
     labels = {"tensor": "blocks.0", "kind": "fwd"}
-    values = {"n": 16.0, "sum": 4.0, "sum_sq": 8.0, "abs_sum": 6.0, "abs_max": 5.0,
-              "zeros": 1.0, "nonfinite": 0.0}
-    replay = [RankStep(run_id="run", step=4, rank=r, world_size=2, host="h", coords={"dp": r},
-                       replay=True, values={series_key(f"tensor.{k}", labels): v / 2
-                                            for k, v in values.items()})
-              for r in range(2)]
+    values = {
+        "n": 16.0,
+        "sum": 4.0,
+        "sum_sq": 8.0,
+        "abs_sum": 6.0,
+        "abs_max": 5.0,
+        "zeros": 1.0,
+        "nonfinite": 0.0,
+    }
+    replay = [
+        RankStep(
+            run_id="run",
+            step=4,
+            rank=r,
+            world_size=2,
+            host="h",
+            coords={"dp": r},
+            replay=True,
+            values={series_key(f"tensor.{k}", labels): v / 2 for k, v in values.items()},
+        )
+        for r in range(2)
+    ]
     out = run.accept(reduce_step("run", 4, 2, replay, "replay"), now=7.0)
     assert out.promote == [4] and not out.rows["step_metrics"] and not out.rows["anomalies"]
     (row,) = out.rows["tensor_stats_recent"]
@@ -300,8 +361,15 @@ def with_tensors(item, names: list[str]):
     """Reduced one-pass scans of ``names`` (kind fwd) added to a reduced step."""
     for name in names:
         labels = {"tensor": name, "kind": "fwd"}
-        for field, v in {"n": 4.0, "sum": 1.0, "sum_sq": 2.0, "abs_sum": 2.0, "abs_max": 1.0,
-                         "zeros": 0.0, "nonfinite": 0.0}.items():
+        for field, v in {
+            "n": 4.0,
+            "sum": 1.0,
+            "sum_sq": 2.0,
+            "abs_sum": 2.0,
+            "abs_max": 1.0,
+            "zeros": 0.0,
+            "nonfinite": 0.0,
+        }.items():
             item.reduced[series_key(f"tensor.{field}", labels)] = v
     return item
 
@@ -311,16 +379,37 @@ def test_each_tensor_label_gets_one_tensor_names_row_per_run_across_a_restart():
     run = RunPipeline("run", small_config())
     first = run.accept(with_tensors(records(0, [(2.0, 1.0)]), names[:3]), now=0.0)
     assert first.rows["tensor_names"] == [
-        {"run_id": "run", "tensor": "embed", "layer": None, "role": "embed", "expert": None,
-         "first_step": 0},
-        {"run_id": "run", "tensor": "blocks.0", "layer": 0, "role": "block", "expert": None,
-         "first_step": 0},
-        {"run_id": "run", "tensor": "blocks.0.moe.experts.1.w1.weight", "layer": 0,
-         "role": "moe.experts.w1.weight", "expert": 1, "first_step": 0}]
+        {
+            "run_id": "run",
+            "tensor": "embed",
+            "layer": None,
+            "role": "embed",
+            "expert": None,
+            "first_step": 0,
+        },
+        {
+            "run_id": "run",
+            "tensor": "blocks.0",
+            "layer": 0,
+            "role": "block",
+            "expert": None,
+            "first_step": 0,
+        },
+        {
+            "run_id": "run",
+            "tensor": "blocks.0.moe.experts.1.w1.weight",
+            "layer": 0,
+            "role": "moe.experts.w1.weight",
+            "expert": 1,
+            "first_step": 0,
+        },
+    ]
     again = run.accept(with_tensors(records(1, [(2.0, 1.0)]), names[:3]), now=1.0)
     assert not again.rows.get("tensor_names") and again.rows["tensor_stats_recent"]
-    restored = RunPipeline.from_state("run", small_config(),
-                                      json.loads(json.dumps(run.to_state())), now=2.0)
+    restored = RunPipeline.from_state(
+        "run", small_config(), json.loads(json.dumps(run.to_state())), now=2.0
+    )
     out = restored.accept(with_tensors(records(2, [(2.0, 1.0)]), names), now=2.0)
-    assert [(r["tensor"], r["layer"], r["role"], r["first_step"])
-            for r in out.rows["tensor_names"]] == [("blocks.1.attn.qkv.q", 1, "attn.qkv.q", 2)]
+    assert [
+        (r["tensor"], r["layer"], r["role"], r["first_step"]) for r in out.rows["tensor_names"]
+    ] == [("blocks.1.attn.qkv.q", 1, "attn.qkv.q", 2)]

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.assemble import reduce_step
 from probewire.stream.derive import OWN_FLOOR, own_time_ratios, own_times
 from probewire.stream.detect import RankLevels
 from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
@@ -23,11 +23,24 @@ def item(step: int, taus: list[float], waits: list[dict[str, float]]):
     """One reduced step: rank r's step time taus[r] and its comm.wait_s by op waits[r]."""
     out = []
     for r, (tau, by_op) in enumerate(zip(taus, waits)):
-        values = {series_key("loss.sum"): 10.0, series_key("loss.tokens"): 5.0,
-                  series_key("grad.norm_sq"): 1.0, series_key("step.duration"): tau}
+        values = {
+            series_key("loss.sum"): 10.0,
+            series_key("loss.tokens"): 5.0,
+            series_key("grad.norm_sq"): 1.0,
+            series_key("step.duration"): tau,
+        }
         values.update({series_key("comm.wait", {"op": op}): w for op, w in by_op.items()})
-        out.append(RankStep(run_id="run", step=step, rank=r, world_size=len(taus), host="h",
-                            coords={"dp": r}, values=values))
+        out.append(
+            RankStep(
+                run_id="run",
+                step=step,
+                rank=r,
+                world_size=len(taus),
+                host="h",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("run", step, len(taus), out, "all_ranks")
 
 
@@ -49,8 +62,12 @@ def test_the_straggler_is_the_largest_own_time_not_the_largest_step_time():
     # step time carries its delay (rank 0's is the largest); rank 3 reports no wait (its
     # own time is its step time), rank 1 waits on two ops
     taus = [3.31, 3.29, 3.30, 0.45]
-    waits = [{"ddp_allreduce": 2.95}, {"ddp_allreduce": 2.70, "all_reduce": 0.21},
-             {"ddp_allreduce": 0.02}, {}]
+    waits = [
+        {"ddp_allreduce": 2.95},
+        {"ddp_allreduce": 2.70, "all_reduce": 0.21},
+        {"ddp_allreduce": 0.02},
+        {},
+    ]
     view, _, _ = p0_view(item(7, taus, waits))
     rank, score = reference(taus, waits)
     assert int(np.argmax(taus)) == 0 and rank == 2
@@ -61,13 +78,16 @@ def test_the_straggler_is_the_largest_own_time_not_the_largest_step_time():
     assert view["straggler_score"] == pytest.approx(3.31 / np.median(taus), rel=1e-7)
 
 
-@pytest.mark.parametrize("taus, waits", [
-    ([0.30, 3.30], [{"ddp_allreduce": 0.01}, {"ddp_allreduce": 0.02}]),   # R=2: max / min
-    ([3.30, 3.31], [{"ddp_allreduce": 0.01}, {"ddp_allreduce": 3.00}]),
-    ([0.2, 0.5, 0.3], [{}, {}, {}]),                                       # no wait at all
-    ([0.25, 0.21, 0.22, 0.24, 0.9], [{"ddp_allreduce": 0.01}] * 4 + [{}]),
-    ([0.2, 0.2, 0.2], [{"ddp_allreduce": 0.25}, {"ddp_allreduce": 0.05}, {}]),  # w > tau
-])
+@pytest.mark.parametrize(
+    "taus, waits",
+    [
+        ([0.30, 3.30], [{"ddp_allreduce": 0.01}, {"ddp_allreduce": 0.02}]),  # R=2: max / min
+        ([3.30, 3.31], [{"ddp_allreduce": 0.01}, {"ddp_allreduce": 3.00}]),
+        ([0.2, 0.5, 0.3], [{}, {}, {}]),  # no wait at all
+        ([0.25, 0.21, 0.22, 0.24, 0.9], [{"ddp_allreduce": 0.01}] * 4 + [{}]),
+        ([0.2, 0.2, 0.2], [{"ddp_allreduce": 0.25}, {"ddp_allreduce": 0.05}, {}]),  # w > tau
+    ],
+)
 def test_straggler_rank_and_score_match_a_float64_reference(taus, waits):
     view, _, _ = p0_view(item(3, taus, waits))
     rank, score = reference(taus, waits)
@@ -106,8 +126,16 @@ def test_a_single_rank_is_its_own_straggler_with_no_score():
 
 
 # -- each rank against its own history ---------------------------------------------------------
-def reference_held(series: dict[int, list[tuple[int, float]]], rank: int, step: int,
-                   window: int, recent: int, min_history: int, steps: int, q: float):
+def reference_held(
+    series: dict[int, list[tuple[int, float]]],
+    rank: int,
+    step: int,
+    window: int,
+    recent: int,
+    min_history: int,
+    steps: int,
+    q: float,
+):
     """From the explicit list of a rank's (step, rho): history = the up to ``window`` values
     before its last ``recent`` ones, b = max(0, their median) (parity at least); held =
     exp(quantile(log rho of the last ``steps``) - b)."""
@@ -127,8 +155,11 @@ def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
     levels = RankLevels(window=12, recent=6, min_history=5)
     series: dict[int, list[tuple[int, float]]] = {0: [], 1: [], 2: []}
     for step in range(60):
-        ratios = {r: float(np.exp(rng.normal(0.3 * (r == 1 and step > 40) - 0.1 * r, 0.2)))
-                  for r in range(3) if not (r == 2 and step % 9 == 0)}  # rank 2: gaps
+        ratios = {
+            r: float(np.exp(rng.normal(0.3 * (r == 1 and step > 40) - 0.1 * r, 0.2)))
+            for r in range(3)
+            if not (r == 2 and step % 9 == 0)
+        }  # rank 2: gaps
         levels.update(step, ratios)
         for r, v in ratios.items():
             series[r].append((step, v))
@@ -144,21 +175,36 @@ def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
 
 
 # -- the rule ---------------------------------------------------------------------------------
-CFG = DetectorConfig(window=10, straggler_ratio=3.0, straggler_steps=3, straggler_held_ratio=1.4,
-                     straggler_held_steps=8, straggler_held_quantile=0.25, rearm_steps=0)
+CFG = DetectorConfig(
+    window=10,
+    straggler_ratio=3.0,
+    straggler_steps=3,
+    straggler_held_ratio=1.4,
+    straggler_held_steps=8,
+    straggler_held_quantile=0.25,
+    rearm_steps=0,
+)
 
 
 def quiet_view() -> dict:
-    return {"loss": None, "grad_norm": None, "ranks_missing": [], "loss_worst_rank": None,
-            "step_time_s": None}
+    return {
+        "loss": None,
+        "grad_norm": None,
+        "ranks_missing": [],
+        "loss_worst_rank": None,
+        "step_time_s": None,
+    }
 
 
 def pages(det: SignalDetectors, ratios_by_step: list[dict[int, float]], start: int = 0):
     out = []
     for step, ratios in enumerate(ratios_by_step, start=start):
         _, findings = det.observe(step, quiet_view(), {}, RankSeries(own_ratio=ratios))
-        out += [(step, f.culprit, round(f.value, 6)) for f in findings
-                if f.signal == "step_time" and f.kind == "straggler" and f.page]
+        out += [
+            (step, f.culprit, round(f.value, 6))
+            for f in findings
+            if f.signal == "step_time" and f.kind == "straggler" and f.page
+        ]
     return out
 
 
@@ -186,8 +232,14 @@ def test_a_quiet_step_or_a_missing_value_resets_the_brief_rule():
 def test_a_moderate_straggler_pages_once_it_holds_the_level_three_steps_in_four():
     rng = np.random.default_rng(3)
     warm = steady(20, rng)
-    slow = [{0: float(np.exp(rng.normal(0, 0.05))), 1: 1.6 * float(np.exp(rng.normal(0, 0.05))),
-             2: float(np.exp(rng.normal(0, 0.05)))} for _ in range(12)]
+    slow = [
+        {
+            0: float(np.exp(rng.normal(0, 0.05))),
+            1: 1.6 * float(np.exp(rng.normal(0, 0.05))),
+            2: float(np.exp(rng.normal(0, 0.05))),
+        }
+        for _ in range(12)
+    ]
     got = pages(SignalDetectors(CFG), warm + slow)
     assert got and {c for _, c, _ in got} == {"rank 1"}
     # q = 0.25 over 8 steps: at least 6 of the last 8 are slow, the 6th slow step at the
@@ -214,8 +266,14 @@ def test_a_rank_that_is_always_a_bit_slower_is_its_own_baseline():
     """Rank 0 does more work every step (logging, checkpoint announcements): 1.6x the others
     from the start is its normal, not a straggler."""
     rng = np.random.default_rng(5)
-    series = [{0: 1.6 * float(np.exp(rng.normal(0, 0.05))), 1: float(np.exp(rng.normal(0, 0.05))),
-               2: float(np.exp(rng.normal(0, 0.05)))} for _ in range(80)]
+    series = [
+        {
+            0: 1.6 * float(np.exp(rng.normal(0, 0.05))),
+            1: float(np.exp(rng.normal(0, 0.05))),
+            2: float(np.exp(rng.normal(0, 0.05))),
+        }
+        for _ in range(80)
+    ]
     assert pages(SignalDetectors(CFG), series) == []
 
 
@@ -231,8 +289,14 @@ def test_the_rule_survives_a_state_round_trip():
 
 
 # -- stage 2 on a synchronous DDP job -----------------------------------------------------------
-def run_steps(config: Stage2Config, n: int, slow_from: int, slow_for: int, ranks: int = 3,
-              slow_by: float = 1.5):
+def run_steps(
+    config: Stage2Config,
+    n: int,
+    slow_from: int,
+    slow_for: int,
+    ranks: int = 3,
+    slow_by: float = 1.5,
+):
     """Synchronous DDP: rank 1 is ``slow_by`` x slower from ``slow_from`` on (its compute
     grows by half the step); the other ranks wait for it in the all-reduce, so every step
     time carries the delay and only the own time tells who set the pace."""
@@ -253,9 +317,15 @@ def run_steps(config: Stage2Config, n: int, slow_from: int, slow_for: int, ranks
 
 
 def small(**kw) -> Stage2Config:
-    return Stage2Config(detectors=DetectorConfig(window=20, **kw), retention_every_k=10,
-                        retention_halo=5, warmup_steps=3, final_steps=4, max_wait_s=5,
-                        run_idle_s=30)
+    return Stage2Config(
+        detectors=DetectorConfig(window=20, **kw),
+        retention_every_k=10,
+        retention_halo=5,
+        warmup_steps=3,
+        final_steps=4,
+        max_wait_s=5,
+        run_idle_s=30,
+    )
 
 
 def test_a_ddp_rank_slowed_by_half_its_step_pages_step_time_naming_it():
@@ -265,8 +335,11 @@ def test_a_ddp_rank_slowed_by_half_its_step_pages_step_time_naming_it():
     slow = rows["step_metrics"][100:130]
     assert all(r["straggler_rank"] == 1 for r in slow)
     assert all(r["straggler_score"] < 1.1 for r in slow)  # the seeds' S: ~1 under DDP
-    assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]][0] == \
-        (102, "step_time", "rank 1")
+    assert [(a["step"], a["signal"], a["culprit"]) for a in rows["alerts"]][0] == (
+        102,
+        "step_time",
+        "rank 1",
+    )
     # the held rule fires later in the same episode: the page record is updated, not resent
     assert {(a["step"], a["culprit"]) for a in rows["alerts"]} == {(102, "rank 1")}
     assert "episode: 2 events" in rows["alerts"][-1]["message"]
@@ -290,11 +363,16 @@ def test_the_thresholds_come_from_the_settings_tree():
     from probewire.deploy.settings import load_settings
 
     defaults = load_settings(env={}).stream.stage2.detectors
-    assert (defaults.straggler_ratio, defaults.straggler_steps) == \
-        (DetectorConfig().straggler_ratio, DetectorConfig().straggler_steps)
-    tuned = load_settings(env={"PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_RATIO": "2.5",
-                               "PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "5"}
-                          ).stream.stage2.detectors
+    assert (defaults.straggler_ratio, defaults.straggler_steps) == (
+        DetectorConfig().straggler_ratio,
+        DetectorConfig().straggler_steps,
+    )
+    tuned = load_settings(
+        env={
+            "PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_RATIO": "2.5",
+            "PROBEWIRE_STREAM__STAGE2__DETECTORS__STRAGGLER_STEPS": "5",
+        }
+    ).stream.stage2.detectors
     assert (tuned.straggler_ratio, tuned.straggler_steps) == (2.5, 5)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from probewire.stream.assemble import reduce_step
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.assemble import reduce_step
 from probewire.stream.signals import DetectorConfig, SignalDetectors
 from probewire.stream.stage2 import p0_view
 
@@ -28,8 +28,17 @@ def residual_step(per_rank: list[dict[tuple[str, str], tuple[float, float, float
             values[series_key("residual.ratio_sum", lab)] = ratio
             values[series_key("residual.stream_norm_sum", lab)] = ns
             values[series_key("residual.branch_norm_sum", lab)] = nb
-        recs.append(RankStep(run_id="r", step=0, rank=r, world_size=len(per_rank), host="h",
-                             coords={"dp": r}, values=values))
+        recs.append(
+            RankStep(
+                run_id="r",
+                step=0,
+                rank=r,
+                world_size=len(per_rank),
+                host="h",
+                coords={"dp": r},
+                values=values,
+            )
+        )
     return reduce_step("r", 0, len(per_rank), recs, "all_ranks")
 
 
@@ -65,8 +74,14 @@ def test_no_residual_measurement_is_none_not_zero():
 
 
 def base_view(**kw) -> dict:
-    view = {"loss": None, "grad_norm": None, "ranks_missing": [], "loss_worst_rank": None,
-            "step_time_s": None, "complete_reason": "all_ranks"}
+    view = {
+        "loss": None,
+        "grad_norm": None,
+        "ranks_missing": [],
+        "loss_worst_rank": None,
+        "step_time_s": None,
+        "complete_reason": "all_ranks",
+    }
     return {**view, **kw}
 
 
@@ -83,11 +98,15 @@ CFG = DetectorConfig(window=5, rearm_steps=0)  # rearm 0: the gate passes every 
 
 def test_residual_scale_pages_below_bf16_precision_and_names_the_branch():
     threshold = CFG.residual_ratio_min
-    assert threshold == 2.0 ** -8
-    views = [base_view(residual_ratio_min=v, residual_ratio_branch="layer 1 mlp")
-             for v in (0.2, threshold, None, threshold * 0.999, 6e-4)]
+    assert threshold == 2.0**-8
+    views = [
+        base_view(residual_ratio_min=v, residual_ratio_branch="layer 1 mlp")
+        for v in (0.2, threshold, None, threshold * 0.999, 6e-4)
+    ]
     assert pages(SignalDetectors(CFG), views, "residual_scale") == [
-        (3, "layer 1 mlp"), (4, "layer 1 mlp")]
+        (3, "layer 1 mlp"),
+        (4, "layer 1 mlp"),
+    ]
 
 
 def test_media_scale_pages_below_its_minimum():
@@ -97,17 +116,16 @@ def test_media_scale_pages_below_its_minimum():
 
 def warm_views(n: int) -> list[dict]:
     """Steps whose loss and G2 warm the detectors up (warm-up = the detector window)."""
-    return [base_view(loss=2.0 + 0.01 * (i % 3), grad_norm=1.0 + 0.01 * (i % 2))
-            for i in range(n)]
+    return [base_view(loss=2.0 + 0.01 * (i % 3), grad_norm=1.0 + 0.01 * (i % 2)) for i in range(n)]
 
 
 def test_maxvio_pages_on_the_kth_consecutive_step_after_warm_up():
     vio = [None] * 5 + [3.0, 3.0, 0.5, 3.0, 3.0, 3.0, 3.0]
-    views = [dict(v, moe_maxvio=m, moe_maxvio_layer="layer 1")
-             for v, m in zip(warm_views(len(vio)), vio)]
+    views = [
+        dict(v, moe_maxvio=m, moe_maxvio_layer="layer 1") for v, m in zip(warm_views(len(vio)), vio)
+    ]
     # steps 5-6 are above but the run breaks at 7; 8, 9, 10 make three: the page is at 10
-    assert pages(SignalDetectors(CFG), views, "moe_maxvio") == [(10, "layer 1"),
-                                                                 (11, "layer 1")]
+    assert pages(SignalDetectors(CFG), views, "moe_maxvio") == [(10, "layer 1"), (11, "layer 1")]
 
 
 def test_maxvio_does_not_page_while_the_detectors_warm_up():
@@ -116,8 +134,10 @@ def test_maxvio_does_not_page_while_the_detectors_warm_up():
 
 
 def test_maxvio_run_survives_a_restart():
-    views = [dict(v, moe_maxvio=m, moe_maxvio_layer="layer 1")
-             for v, m in zip(warm_views(9), [None] * 6 + [3.0, 3.0, 3.0])]
+    views = [
+        dict(v, moe_maxvio=m, moe_maxvio_layer="layer 1")
+        for v, m in zip(warm_views(9), [None] * 6 + [3.0, 3.0, 3.0])
+    ]
     det = SignalDetectors(CFG)
     for step, view in enumerate(views[:8]):
         det.observe(step, view, {})
@@ -128,9 +148,12 @@ def test_maxvio_run_survives_a_restart():
 
 def test_one_step_closed_early_without_a_rank_is_an_anomaly_a_second_one_pages():
     det = SignalDetectors(CFG)
-    views = [base_view(ranks_missing=[1], complete_reason="later_step"), base_view(),
-             base_view(ranks_missing=[1], complete_reason="later_step"),
-             base_view(ranks_missing=[1], complete_reason="later_step")]
+    views = [
+        base_view(ranks_missing=[1], complete_reason="later_step"),
+        base_view(),
+        base_view(ranks_missing=[1], complete_reason="later_step"),
+        base_view(ranks_missing=[1], complete_reason="later_step"),
+    ]
     found = [det.observe(s, v, {})[1] for s, v in enumerate(views)]
     missing = [[(f.page, f.culprit) for f in fs if f.signal == "ranks_missing"] for fs in found]
     assert missing == [[(False, "ranks 1")], [], [(False, "ranks 1")], [(True, "ranks 1")]]
@@ -139,7 +162,11 @@ def test_one_step_closed_early_without_a_rank_is_an_anomaly_a_second_one_pages()
 def test_the_page_does_not_depend_on_how_the_step_closed():
     for reason in ("deadline", "later_step"):
         det = SignalDetectors(CFG)
-        found = [det.observe(s, base_view(ranks_missing=[0, 3], complete_reason=reason), {})[1]
-                 for s in range(2)]
+        found = [
+            det.observe(s, base_view(ranks_missing=[0, 3], complete_reason=reason), {})[1]
+            for s in range(2)
+        ]
         assert [[(f.page, f.culprit) for f in fs] for fs in found] == [
-            [(False, "ranks 0,3")], [(True, "ranks 0,3")]], reason
+            [(False, "ranks 0,3")],
+            [(True, "ranks 0,3")],
+        ], reason

@@ -12,24 +12,37 @@ from probewire.stream.validate import Bounds, StepValidator
 
 
 def rank_step(step=0, rank=0, world_size=4, run_id="r", values=None, coords=None) -> RankStep:
-    return RankStep(run_id=run_id, step=step, rank=rank, world_size=world_size, host="h",
-                    coords=coords or {"dp": rank},
-                    values=values or {series_key(Loss.SUM): 3.0, series_key(Loss.TOKENS): 1.0})
+    return RankStep(
+        run_id=run_id,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        host="h",
+        coords=coords or {"dp": rank},
+        values=values or {series_key(Loss.SUM): 3.0, series_key(Loss.TOKENS): 1.0},
+    )
 
 
-@pytest.mark.parametrize(("record", "reason"), [
-    (rank_step(step=-1), "step -1 outside"),
-    (rank_step(step=2 ** 62), "outside 0.."),
-    (rank_step(world_size=5_000_000), "world size 5000000 outside"),
-    (rank_step(rank=4), "rank 4 outside world size 4"),
-    (rank_step(coords={"dp": 9}), "coordinate dp=9"),
-    (rank_step(values={series_key(Loss.TOKENS): -2.0}), "count loss.tokens"),
-    (rank_step(values={series_key(Loss.TOKENS): math.nan}), "count loss.tokens"),
-    (rank_step(values={series_key(System.FLOPS): -1.0}), "count flops.step"),
-    (rank_step(values={series_key(Moe.EXPERT_TOKENS, {Label.LAYER: "0", Label.EXPERT: "-1"}):
-                       1.0}), "label expert"),
-    (rank_step(values={series_key(Loss.SUM, {Label.SOURCE: "a|b"}): 1.0}), "'|'"),
-])
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        (rank_step(step=-1), "step -1 outside"),
+        (rank_step(step=2**62), "outside 0.."),
+        (rank_step(world_size=5_000_000), "world size 5000000 outside"),
+        (rank_step(rank=4), "rank 4 outside world size 4"),
+        (rank_step(coords={"dp": 9}), "coordinate dp=9"),
+        (rank_step(values={series_key(Loss.TOKENS): -2.0}), "count loss.tokens"),
+        (rank_step(values={series_key(Loss.TOKENS): math.nan}), "count loss.tokens"),
+        (rank_step(values={series_key(System.FLOPS): -1.0}), "count flops.step"),
+        (
+            rank_step(
+                values={series_key(Moe.EXPERT_TOKENS, {Label.LAYER: "0", Label.EXPERT: "-1"}): 1.0}
+            ),
+            "label expert",
+        ),
+        (rank_step(values={series_key(Loss.SUM, {Label.SOURCE: "a|b"}): 1.0}), "'|'"),
+    ],
+)
 def test_out_of_bounds_messages_are_refused_with_a_reason(record, reason):
     checked = StepValidator(Bounds()).check(record)
     assert checked.record is None and reason in checked.reason
@@ -43,8 +56,11 @@ def test_a_non_finite_loss_sum_is_kept_it_is_what_a_diverging_rank_measures(valu
     values = {series_key(Loss.SUM): value, series_key(Loss.TOKENS): 4.0}
     checked = StepValidator(Bounds()).check(rank_step(values=dict(values)))
     assert checked.reason is None and checked.record.values.keys() == values.keys()
-    assert math.isnan(checked.record.values[series_key(Loss.SUM)]) if math.isnan(value) \
+    assert (
+        math.isnan(checked.record.values[series_key(Loss.SUM)])
+        if math.isnan(value)
         else checked.record.values[series_key(Loss.SUM)] == value
+    )
 
 
 def test_ranks_that_disagree_on_world_size_are_refused():
@@ -70,8 +86,10 @@ def test_label_values_past_the_cap_are_dropped_and_the_rest_kept():
     assert checked.record is not None and "1 point(s) dropped" in checked.reason
     assert series_key(Loss.TOKENS, {Label.SOURCE: "c"}) not in checked.record.values
     assert series_key(System.STEP_TIME) in checked.record.values
-    assert v.check(rank_step(values={series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0})
-                   ).reason is None  # a known value stays welcome
+    assert (
+        v.check(rank_step(values={series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0})).reason
+        is None
+    )  # a known value stays welcome
 
 
 def test_runs_are_forgotten_oldest_first():
@@ -88,15 +106,21 @@ def test_label_sets_checked_once_still_meet_every_rule():
     bad = {series_key(Loss.TOKENS, {Label.SOURCE: "a|b"}): 1.0}
     assert "'|'" in v.check(rank_step(values=bad)).reason
     assert "'|'" in v.check(rank_step(values=bad)).reason  # not remembered as passing
-    src_a = {series_key(Loss.SUM, {Label.SOURCE: "a"}): 2.0,
-             series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0}
+    src_a = {
+        series_key(Loss.SUM, {Label.SOURCE: "a"}): 2.0,
+        series_key(Loss.TOKENS, {Label.SOURCE: "a"}): 1.0,
+    }
     assert v.check(rank_step(run_id="x", values=src_a)).reason is None
     # the label set passed before; the loss rule still applies to its sum
     lone_sum = {series_key(Loss.SUM, {Label.SOURCE: "a"}): 2.0}
     assert "needs its loss.tokens" in v.check(rank_step(run_id="x", values=lone_sum)).reason
     # run y counts its own values: source b fills its cap, so source a (counted in run x) is
     # over it there
-    assert v.check(rank_step(run_id="y", values={
-        series_key(Loss.TOKENS, {Label.SOURCE: "b"}): 1.0})).reason is None
+    assert (
+        v.check(
+            rank_step(run_id="y", values={series_key(Loss.TOKENS, {Label.SOURCE: "b"}): 1.0})
+        ).reason
+        is None
+    )
     checked = v.check(rank_step(run_id="y", values=dict(src_a)))
     assert checked.record is not None and "2 point(s) dropped" in checked.reason

@@ -24,12 +24,20 @@ def gen(seed: int) -> torch.Generator:
 
 def padding_mask(t: int, n_pad: int) -> torch.Tensor:
     valid = torch.ones(t, dtype=torch.bool)
-    valid[t - n_pad:] = False
+    valid[t - n_pad :] = False
     return valid
 
 
 def ref_block(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[C, 5] token blocks: count, sum, p90, p99, max over the valid rows."""
     v = values.reshape(values.shape[0], -1)[valid]
-    return np.stack([np.full(v.shape[1], v.shape[0]), v.sum(0), np.quantile(v, 0.90, axis=0),
-                     np.quantile(v, 0.99, axis=0), v.max(0)], axis=-1)
+    return np.stack(
+        [
+            np.full(v.shape[1], v.shape[0]),
+            v.sum(0),
+            np.quantile(v, 0.90, axis=0),
+            np.quantile(v, 0.99, axis=0),
+            v.max(0),
+        ],
+        axis=-1,
+    )

@@ -6,12 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from probe_helpers import f64, gen, padding_mask, ref_block
 
-from probewire.instrument.probes.experts import (expert_bias_abs_sum, expert_token_counts,
-                                                 topk_margin)
+from probewire.instrument.probes.experts import (
+    expert_bias_abs_sum,
+    expert_token_counts,
+    topk_margin,
+)
 from probewire.instrument.probes.tokens import token_quantiles
 from probewire.stream.derive import expert_balance
-from probe_helpers import f64, gen, padding_mask, ref_block
 
 
 def test_expert_counts_exclude_padding_and_match_numpy() -> None:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
+from probe_helpers import host
 
 from probewire.instrument.probes.grads import decode_norms, grad_norms
-
-from probe_helpers import host
 
 
 def test_grad_norm_reproduces_clip_grad_norm_and_float64_reference():

@@ -7,11 +7,15 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from probewire.instrument.probes.head import (HOST_REDUCE_POSITIONS, decode_head, decode_top2,
-                                             output_head, output_top2)
-
 from probe_helpers import host
+
+from probewire.instrument.probes.head import (
+    HOST_REDUCE_POSITIONS,
+    decode_head,
+    decode_top2,
+    output_head,
+    output_top2,
+)
 
 
 def head_reference(z: np.ndarray, mask: np.ndarray | None):
@@ -68,7 +72,7 @@ def test_logits_rms_gap_and_ties_over_valid_positions_match_numpy(dtype):
     z[0, ::4, 7] = z[0, ::4, 9] = z[0, ::4].amax(1) + 1.0  # exact top-1 == top-2 ties
     z = z.to(dtype)
     valid = torch.ones(1, t, dtype=torch.bool)
-    valid[0, t - 6:] = False
+    valid[0, t - 6 :] = False
     z[~valid] = float("nan")  # padding holds garbage
     vec, meta = output_head(z, valid)
     head = {p.name: p.value for p in decode_head([(host(vec), meta)])}
@@ -76,11 +80,17 @@ def test_logits_rms_gap_and_ties_over_valid_positions_match_numpy(dtype):
     rows = z[valid].to(torch.float64).numpy()
     top = -np.sort(-rows, axis=1)[:, :2]
     assert head["output.logits_n"] == rows.size
-    np.testing.assert_allclose(math.sqrt(head["output.logits_sum_sq"] / head["output.logits_n"]),
-                               math.sqrt((rows ** 2).mean()), rtol=1e-6)
+    np.testing.assert_allclose(
+        math.sqrt(head["output.logits_sum_sq"] / head["output.logits_n"]),
+        math.sqrt((rows**2).mean()),
+        rtol=1e-6,
+    )
     assert head["output.logits_abs_max"] == np.abs(rows).max()
     assert top2["output.positions"] == rows.shape[0]
-    np.testing.assert_allclose(top2["output.top2_gap_sum"] / top2["output.positions"],
-                               (top[:, 0] - top[:, 1]).mean(), rtol=1e-6)
+    np.testing.assert_allclose(
+        top2["output.top2_gap_sum"] / top2["output.positions"],
+        (top[:, 0] - top[:, 1]).mean(),
+        rtol=1e-6,
+    )
     ties = top2["output.top2_equal"] / top2["output.positions"]
     assert ties == (top[:, 0] == top[:, 1]).mean() and ties > 0.2

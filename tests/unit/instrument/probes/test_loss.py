@@ -7,10 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from probe_helpers import host
 
 from probewire.instrument.probes.loss import loss_components, loss_decoder
-
-from probe_helpers import host
 
 LABELS = ((("source", "web"),), (("source", "code"),), (("source", "image"),))
 
@@ -36,8 +35,12 @@ def test_loss_sums_and_counts_exclude_padding_per_row_source(seed):
         losses, mask = padded_batch(rng, rows, 16)
         losses[~mask] = np.nan  # a NaN at a padded position must not leak in
         src = rng.integers(0, 2, size=rows)
-        vec, meta = loss_components(torch.from_numpy(losses), torch.from_numpy(mask),
-                                    [(torch.from_numpy(src), 0), (None, 2)], 3)
+        vec, meta = loss_components(
+            torch.from_numpy(losses),
+            torch.from_numpy(mask),
+            [(torch.from_numpy(src), 0), (None, 2)],
+            3,
+        )
         calls.append((vec, meta))
         l64 = np.where(mask, losses.astype(np.float64), 0.0)
         ref_sum += l64.sum()
@@ -58,8 +61,12 @@ def test_loss_token_level_modality_ids_offset_after_sources():
     rng = np.random.default_rng(3)
     losses, mask = padded_batch(rng, 4, 8, min_len=2)
     modality = rng.integers(0, 2, size=(4, 8))  # per token: 0 -> "code", 1 -> "image"
-    vec, meta = loss_components(torch.from_numpy(losses), torch.from_numpy(mask),
-                                [(None, 0), (torch.from_numpy(modality), 1)], 3)
+    vec, meta = loss_components(
+        torch.from_numpy(losses),
+        torch.from_numpy(mask),
+        [(None, 0), (torch.from_numpy(modality), 1)],
+        3,
+    )
     got = decode_loss((vec, meta))
     l64 = np.where(mask, losses.astype(np.float64), 0.0)
     for m, labels in ((0, LABELS[1]), (1, LABELS[2])):

@@ -6,12 +6,15 @@ import math
 
 import numpy as np
 import torch
+from probe_helpers import f64, gen, padding_mask
 
 from probewire.instrument.catalog import Modality
-from probewire.instrument.probes.modality import (decode_media_scale, decode_tokens,
-                                                  encoder_grad_share_components,
-                                                  media_scale_components)
-from probe_helpers import f64, gen, padding_mask
+from probewire.instrument.probes.modality import (
+    decode_media_scale,
+    decode_tokens,
+    encoder_grad_share_components,
+    media_scale_components,
+)
 
 EPS = 1e-12
 
@@ -34,8 +37,9 @@ def test_media_scale_across_a_rank_without_media() -> None:
     assert Modality.MEDIA_N not in alone and alone[Modality.TEXT_N] > 0  # no media: not a 0
     a, b = (decoded((r[:2], "media"), (r[2:], "text")) for r in (rank_a, rank_b))
     summed = {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
-    gamma = (math.sqrt(summed[Modality.MEDIA_SUM_SQ] / summed[Modality.MEDIA_N])
-             / (math.sqrt(summed[Modality.TEXT_SUM_SQ] / summed[Modality.TEXT_N]) + EPS))
+    gamma = math.sqrt(summed[Modality.MEDIA_SUM_SQ] / summed[Modality.MEDIA_N]) / (
+        math.sqrt(summed[Modality.TEXT_SUM_SQ] / summed[Modality.TEXT_N]) + EPS
+    )
     text = np.concatenate([f64(text_a)[:26], f64(text_b)[:15]])
     want_gamma = np.sqrt(np.mean(f64(media) ** 2)) / (np.sqrt(np.mean(text**2)) + EPS)
     np.testing.assert_allclose(gamma, want_gamma, rtol=1e-6)
@@ -43,10 +47,12 @@ def test_media_scale_across_a_rank_without_media() -> None:
 
 
 def test_modality_token_counts_add_up_per_modality_and_skip_a_zero() -> None:
-    points = decode_tokens([(np.array([5.0]), "text"), (np.array([3.0]), "text"),
-                            (np.array([0.0]), "media")])
+    points = decode_tokens(
+        [(np.array([5.0]), "text"), (np.array([3.0]), "text"), (np.array([0.0]), "media")]
+    )
     assert [(p.name, p.labels, p.value) for p in points] == [
-        (Modality.TOKENS, (("modality", "text"),), 8.0)]
+        (Modality.TOKENS, (("modality", "text"),), 8.0)
+    ]
 
 
 def test_encoder_grad_share() -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from probe_helpers import f64, gen
 
 from probewire.instrument.catalog import Output
 from probewire.instrument.probes.mtp import decode_mtp, mtp_top1_agreement
-from probe_helpers import f64, gen
 
 
 def test_mtp_top1_agreement_on_aligned_targets() -> None:
@@ -23,6 +23,7 @@ def test_mtp_top1_agreement_on_aligned_targets() -> None:
     same = f64(aligned_main).argmax(-1) == f64(aligned_mtp).argmax(-1)
     assert vec.tolist() == [m.sum(), (same & m).sum()]
     got = {p.name: p.value for p in decode_mtp([(vec.numpy(), depth)])}
-    np.testing.assert_allclose(got[Output.MTP_AGREE] / got[Output.MTP_POSITIONS],
-                               (same & m).sum() / m.sum())
+    np.testing.assert_allclose(
+        got[Output.MTP_AGREE] / got[Output.MTP_POSITIONS], (same & m).sum() / m.sum()
+    )
     assert decode_mtp([(np.zeros(2), depth)]) == []  # no aligned position: no measurement

@@ -9,8 +9,10 @@ from probewire.instrument.probes.experts import expert_token_counts, topk_margin
 from probewire.instrument.probes.grads import grad_norms
 from probewire.instrument.probes.head import output_head, output_top2
 from probewire.instrument.probes.loss import loss_components
-from probewire.instrument.probes.modality import (encoder_grad_share_components,
-                                                  media_scale_components)
+from probewire.instrument.probes.modality import (
+    encoder_grad_share_components,
+    media_scale_components,
+)
 from probewire.instrument.probes.mtp import mtp_top1_agreement
 from probewire.instrument.probes.residual import gate_saturation, residual_token_values
 from probewire.instrument.probes.tokens import token_quantiles

@@ -5,12 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from probe_helpers import f64, gen, padding_mask, ref_block
 
 from probewire.instrument.catalog import Residual
-from probewire.instrument.probes.residual import (ResidualStat, decode_residual, gate_saturation,
-                                                  residual_token_values)
+from probewire.instrument.probes.residual import (
+    ResidualStat,
+    decode_residual,
+    gate_saturation,
+    residual_token_values,
+)
 from probewire.instrument.probes.tokens import TokenField, token_quantiles
-from probe_helpers import f64, gen, padding_mask, ref_block
 
 EPS = 1e-12
 THRESHOLDS = (0.05, 0.1, 0.25)
@@ -40,17 +44,20 @@ def test_residual_stats_match_numpy_with_padding_excluded(dtype: torch.dtype) ->
     t, d, pad = 300, 64, 37
     s = (torch.randn(t, d, generator=gen(2)) * 4).to(dtype)
     b = (torch.randn(t, d, generator=gen(3)) * torch.rand(t, 1, generator=gen(4))).to(dtype)
-    s[t - pad:], b[t - pad:] = 1e4, float("nan")  # padding rows hold garbage
+    s[t - pad :], b[t - pad :] = 1e4, float("nan")  # padding rows hold garbage
     valid = padding_mask(t, pad)
     got = residual_blocks(s, b, valid, chunk_elems=1000).numpy()
     want = ref_block(ref_residual(f64(s), f64(b)), f64(valid).astype(bool))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
-    decoded = {p.name: p.value for p in decode_residual(
-        [(residual_blocks(s, b, valid).numpy().reshape(-1), (0, "attn"))])}
+    decoded = {
+        p.name: p.value
+        for p in decode_residual([(residual_blocks(s, b, valid).numpy().reshape(-1), (0, "attn"))])
+    }
     assert decoded[Residual.TOKENS] == t - pad
     want_mean = want[ResidualStat.BRANCH_RATIO, TokenField.SUM] / (t - pad)
-    np.testing.assert_allclose(decoded[Residual.name("ratio", "sum")] / (t - pad), want_mean,
-                               rtol=2e-5)
+    np.testing.assert_allclose(
+        decoded[Residual.name("ratio", "sum")] / (t - pad), want_mean, rtol=2e-5
+    )
 
 
 def test_block_importance_keeps_relative_accuracy_for_tiny_branches() -> None:

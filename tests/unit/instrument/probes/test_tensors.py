@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,9 +12,17 @@ from probewire.instrument.scan import ScanFields as F
 
 def scan_reference(a: np.ndarray) -> np.ndarray:
     f = a[np.isfinite(a)]
-    return np.array([a.size, f.sum(), (f * f).sum(), np.abs(f).sum(),
-                     np.abs(f).max() if f.size else 0.0, np.count_nonzero(a == 0),
-                     np.count_nonzero(~np.isfinite(a))])
+    return np.array(
+        [
+            a.size,
+            f.sum(),
+            (f * f).sum(),
+            np.abs(f).sum(),
+            np.abs(f).max() if f.size else 0.0,
+            np.count_nonzero(a == 0),
+            np.count_nonzero(~np.isfinite(a)),
+        ]
+    )
 
 
 @pytest.mark.parametrize("chunk", [None, 1000])  # 1000: the tensor spans many chunks
@@ -28,8 +34,9 @@ def test_masked_scan_covers_valid_positions_only(chunk):
     mask = rng.random((3, 40)) > 0.3
     mask[1, 2] = True
     x[~mask] = np.nan  # padded garbage is neither counted nor non-finite
-    vec = masked_scan(torch.from_numpy(x), torch.from_numpy(mask), None, moments=False,
-                      chunk_elems=chunk).numpy()
+    vec = masked_scan(
+        torch.from_numpy(x), torch.from_numpy(mask), None, moments=False, chunk_elems=chunk
+    ).numpy()
     ref = scan_reference(x[mask].astype(np.float64))
     for field in (F.N, F.ZEROS, F.NONFINITE, F.ABS_MAX):
         assert vec[field] == ref[field], field.name
@@ -39,11 +46,17 @@ def test_masked_scan_covers_valid_positions_only(chunk):
 
 def test_masked_scan_of_a_zero_tensor_and_an_unmatched_shape():
     zeros = torch.zeros(2, 4, 3)
-    vec = masked_scan(zeros, torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool), None,
-                      moments=False, chunk_elems=None)
+    vec = masked_scan(
+        zeros,
+        torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool),
+        None,
+        moments=False,
+        chunk_elems=None,
+    )
     assert vec[F.N] == 9 and vec[F.ZEROS] == 9 and vec[F.SUM_SQ] == 0
-    whole = masked_scan(torch.ones(5), torch.ones(2, 4, dtype=torch.bool), None,
-                        moments=False, chunk_elems=None)
+    whole = masked_scan(
+        torch.ones(5), torch.ones(2, 4, dtype=torch.bool), None, moments=False, chunk_elems=None
+    )
     assert whole[F.N] == 5  # not [B, T]-shaped: scanned whole
 
 
@@ -64,7 +77,7 @@ def test_adamw_chain_matches_a_manual_float64_adamw():
         opt.step()
         g = w.grad.double()
         m, v = 0.8 * m + 0.2 * g, 0.9 * v + 0.1 * g * g
-    denom = (v / (1 - 0.9 ** 3)).sqrt() + 1e-6
+    denom = (v / (1 - 0.9**3)).sqrt() + 1e-6
     normalized, direction = adamw_chain(w, w.grad, opt.state[w], opt.param_groups[0])
     assert torch.allclose(normalized.double(), g / denom, rtol=1e-5)
-    assert torch.allclose(direction.double(), (m / (1 - 0.8 ** 3)) / denom, rtol=1e-5)
+    assert torch.allclose(direction.double(), (m / (1 - 0.8**3)) / denom, rtol=1e-5)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from probe_helpers import f64, gen, ref_block
 
 from probewire.instrument.probes.tokens import TokenField, token_quantiles
-from probe_helpers import f64, gen, ref_block
 
 
 @pytest.mark.parametrize("columns", [None, 3])
