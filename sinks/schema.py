@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probewire.instrument.catalog import TENSOR_FIELDS
+from probewire.stream.series import STEP_SERIES, GradGroupStats, Series
 
 __all__ = [
     "Column",
@@ -128,110 +129,43 @@ RUNS = Table(
     version="updated_at",
 )
 
-# step_metrics columns added by migration 2 (structure P0 signals at their probe cadence,
-# and the straggler's own-time ratio)
-_STEP_METRICS_V2 = (
-    _f("media_scale", "gamma = RMS of the media tokens / RMS of the text embeddings"),
-    _f("residual_ratio_min", "R_b of the weakest residual branch (token mean)"),
-    Column(
-        "residual_ratio_branch", "Nullable(String)", "NULL", "the weakest branch: layer L attn|mlp"
-    ),
-    _f("residual_stream_norm", "N_s at the weakest branch (token mean)"),
-    _f("residual_branch_norm", "N_b of the weakest branch (token mean)"),
-    _f(
-        "straggler_own_ratio",
-        "own time of straggler_rank / median own time of the other "
-        "ranks (own time = local step time - its collective wait)",
-    ),
-)
 
-# step_metrics columns added by migration 3: the learning rates of the step's update
-_STEP_METRICS_V3 = (
-    _f("lr", "learning rate: the largest over the optimizer's parameter groups"),
-    Column(
-        "lr_groups",
-        "Map(LowCardinality(String), Float64)",
-        "map()",
-        "learning rate per parameter group (its name, else its index)",
-    ),
-)
+def _series_column(s: Series) -> Column:
+    return Column(s.name, s.sql, s.default, s.doc)
 
-# step_metrics columns added by migration 4 (issue 18): the seeds' series formed in the
-# stream (``stream.formed``) at their components' cadence (NULL on a step that does not
-# measure them), and the spike guard's per-step events beside their cumulative counts
-_STEP_METRICS_V4 = (
-    _f("grad_abs_mean", "G_mean = sum |g| / (P - non-finite), all parameters, before clipping"),
-    _f("grad_abs_max", "G_max = max |g| over finite gradient elements"),
-    _f("grad_zero_frac", "Z_g = exact zero gradient elements / P"),
-    _f("comm_wait_frac", "W_comm = the largest rank exposed collective wait / tau"),
-    _f("update_ratio", "rho = ||update|| / ||param|| over the scanned parameters"),
-    _f("logits_rms", "RMS of the output logits over valid positions"),
-    _f("top2_gap_mean", "mean top-1 minus top-2 logit over valid positions"),
-    _f("top2_tie_frac", "fraction of valid positions whose top-2 logits are equal"),
-    _f("dead_expert_ratio", "experts with no valid token / experts, MoE layers with tokens"),
-    _f("encoder_grad_share", "S_enc = ||g_encoder||^2 / ||g||^2"),
-    _f("mtp_agreement", "top-1 agreement of LM head and MTP heads, aligned positions"),
-    _f("bos_value_grad_rms", "RMS of the attention value gradient at BOS positions"),
-    _f("bos_value_grad_ratio", "BOS value-gradient RMS / the other positions RMS"),
-    _f("ep_bias_abs_sum", "sum over MoE layers of sum |expert selection bias|"),
-    Column("skipped_step", "UInt8", "0", "updates the spike guard skipped in this step"),
-    Column("replayed_step", "UInt8", "0", "replays of this step"),
-    Column("replay_mismatch_step", "UInt8", "0", "replays of this step that did not reproduce"),
-)
 
+# step_metrics is the registry's (``stream.series``): one column per row, in its order
 STEP_METRICS = Table(
     "step_metrics",
     "every step, unsmoothed: the reduced P0 series",
-    (
-        _RUN,
-        _STEP,
-        Column("tokens", "UInt64", comment="cumulative valid tokens through this step"),
-        Column("flops", "Float64", "0", "cumulative estimated FLOPs through this step"),
-        Column("step_tokens", "UInt64", "0", "valid tokens of this step (N_tok)"),
-        _f("loss", "L = sum of loss sums / sum of valid tokens over ranks"),
-        _f("loss_worst_rank", "L_max: the largest per-rank mean loss"),
-        Column("loss_worst_rank_id", "Nullable(UInt32)", "NULL", "the rank holding L_max"),
-        _f("grad_norm", "G2 before clipping"),
-        _f("clip_rate", "fraction of the recent window of steps with G2 above the clip threshold"),
-        Column("clipped", "UInt8", "0", "1 when G2 exceeded the clip threshold at this step"),
-        _f("loss_z", "robust spike score of the loss"),
-        _f("grad_z", "robust spike score of G2"),
-        Column("loss_spike", "UInt8", "0"),
-        Column("grad_spike", "UInt8", "0"),
-        Column("cospike", "UInt8", "0", "loss and G2 spiked at this step"),
-        Column("cospike_count", "UInt64", "0", "cumulative co-spikes"),
-        Column("cospike_magnitude", "Float64", "0", "cumulative co-spike magnitude"),
-        _f("step_time_s", "tau = max over ranks of the local step time"),
-        _f("tokens_per_s", "N_tok / tau"),
-        _f("compute_rate", "Phi: estimated FLOP/s per device"),
-        _f("straggler_score", "S = tau / median local step time"),
-        Column(
-            "straggler_rank", "Nullable(UInt32)", "NULL", "the slowest rank: the largest own time"
-        ),
-        _f("peak_memory_bytes", "peak device memory, max over ranks"),
-        Column("peak_memory_rank", "Nullable(UInt32)", "NULL", "the rank with the peak"),
-        _f("moe_maxvio", "expert MaxVio = I - 1, worst layer"),
-        _f("moe_shard_imbalance", "expert-parallel shard imbalance, worst layer"),
-        _f("moe_h_norm", "normalized routing entropy, lowest layer"),
-        _f("output_absmax", "absolute maximum of the model output"),
-        *_STEP_METRICS_V2,
-        *_STEP_METRICS_V3,
-        *_STEP_METRICS_V4,
-        Column("skipped", "UInt32", "0", "updates skipped by the spike guard, cumulative"),
-        Column("replayed", "UInt32", "0", "replayed steps, cumulative"),
-        Column(
-            "replay_mismatch", "UInt32", "0", "replays that did not reproduce the loss, cumulative"
-        ),
-        Column("ranks_reporting", "UInt32", "0"),
-        Column("ranks_missing", "Array(UInt32)", "[]"),
-        Column(
-            "complete_reason", "LowCardinality(String)", "''", "all_ranks, deadline or later_step"
-        ),
-        Column("warmup", "UInt8", "0", "1 while the spike detectors warm up"),
-        _inserted_at(),
-    ),
+    (*(_series_column(s) for s in STEP_SERIES), _inserted_at()),
     key=("run_id", "step"),
 )
+
+
+def _added_in(version: int) -> tuple[Column, ...]:
+    """The step_metrics columns migration ``version`` added (the registry's ``since``)."""
+    return tuple(_series_column(s) for s in STEP_SERIES if s.since == version)
+
+
+_STEP_METRICS_V2, _STEP_METRICS_V3, _STEP_METRICS_V4 = (_added_in(v) for v in (2, 3, 4))
+
+
+def _add_columns(version: int) -> tuple[str, ...]:
+    """``ADD COLUMN`` for each registry row of ``version``, each after the column before it
+    in the registry among those of that version or earlier (so a migrated store has the
+    declared column order)."""
+    out = []
+    for i, s in enumerate(STEP_SERIES):
+        if s.since != version:
+            continue
+        after = next(p for p in reversed(STEP_SERIES[:i]) if p.since <= version)
+        out.append(
+            f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS "
+            f"{_series_column(s).ddl()} AFTER {after.name}"
+        )
+    return tuple(out)
+
 
 SOURCE_METRICS = Table(
     "source_metrics",
@@ -318,9 +252,14 @@ GRAD_GROUP_STATS = Table(
         _STEP,
         _name("group", "embedding, expert or other"),
         Column("elements", "UInt64", comment="P: gradient elements of the group"),
-        _f("grad_abs_mean", "sum |g| / (P - non-finite)"),
-        _f("grad_abs_max", "max |g| over finite elements"),
-        _f("grad_zero_frac", "exact zeros / P"),
+        *(
+            _series_column(c)
+            for c in (
+                GradGroupStats.grad_abs_mean,
+                GradGroupStats.grad_abs_max,
+                GradGroupStats.grad_zero_frac,
+            )
+        ),
         _inserted_at(),
     ),
     key=("run_id", "group", "step"),
@@ -520,7 +459,7 @@ class Migration:
     statements: tuple[str, ...]  # ``{db}`` stands for the database name
 
 
-MIGRATIONS: tuple[Migration, ...] = (
+_WRITTEN: tuple[Migration, ...] = (
     Migration(
         1,
         "runs, step/source/rank metrics, tensor and expert statistics (and their "
@@ -531,21 +470,13 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         2,
         "step_metrics: media scale, the weakest residual branch, the straggler's own-time ratio",
-        tuple(
-            f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-            "AFTER output_absmax"
-            for c in reversed(_STEP_METRICS_V2)
-        ),
+        _add_columns(2),
     ),
     Migration(
         3,
         "step_metrics: learning rates; runs: status crashed",
         (
-            *(
-                f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-                "AFTER straggler_own_ratio"
-                for c in reversed(_STEP_METRICS_V3)
-            ),
+            *_add_columns(3),
             f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'",
         ),
     ),
@@ -553,11 +484,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         4,
         "step_metrics: the seeds' formed series and the guard's per-step events; grad_group_stats",
         (
-            *(
-                f"ALTER TABLE {{db}}.step_metrics ADD COLUMN IF NOT EXISTS {c.ddl()} "
-                "AFTER lr_groups"
-                for c in reversed(_STEP_METRICS_V4)
-            ),
+            *_add_columns(4),
             GRAD_GROUP_STATS.ddl("{db}"),
         ),
     ),
@@ -577,6 +504,22 @@ MIGRATIONS: tuple[Migration, ...] = (
 )
 
 
+def _registry_migrations(after: int) -> tuple[Migration, ...]:
+    """One migration per registry version above the written ones: its rows' columns."""
+    versions = sorted({s.since for s in STEP_SERIES if s.since > after})
+    return tuple(
+        Migration(
+            v,
+            "step_metrics: " + ", ".join(s.name for s in STEP_SERIES if s.since == v),
+            _add_columns(v),
+        )
+        for v in versions
+    )
+
+
+MIGRATIONS: tuple[Migration, ...] = (*_WRITTEN, *_registry_migrations(_WRITTEN[-1].version))
+
+
 @dataclass(frozen=True, slots=True)
 class View:
     name: str
@@ -586,30 +529,24 @@ class View:
         return f"CREATE OR REPLACE VIEW {db}.{self.name} AS\n" + self.select.replace("{db}", db)
 
 
-# One row per (run_id, step): the nine P0 signals, held-out bits per byte alongside (the
-# latest reference-stream ``bpb`` evaluation at or before the step; with several suites
-# at one step, the one with the most items).
+# One row per (run_id, step): the registry's first-screen series (the nine P0 signals and
+# what a reader needs beside them), held-out bits per byte alongside (the latest
+# reference-stream ``bpb`` evaluation at or before the step; with several suites at one
+# step, the one with the most items).
+_FIRST_SCREEN_COLUMNS = ",\n    ".join(
+    f"s.{c.name} AS {c.name}" for c in STEP_SERIES if c.first_screen
+)
 _FIRST_SCREEN = View(
     "first_screen",
-    """
+    f"""
 SELECT
-    s.run_id AS run_id, s.step AS step, s.tokens AS tokens, s.flops AS flops,
-    s.loss AS loss, s.loss_worst_rank AS loss_worst_rank,
-    s.loss_worst_rank_id AS loss_worst_rank_id,
-    s.grad_norm AS grad_norm, s.clip_rate AS clip_rate,
-    s.cospike AS cospike, s.cospike_count AS cospike_count,
-    s.step_time_s AS step_time_s, s.tokens_per_s AS tokens_per_s,
-    s.compute_rate AS compute_rate, s.straggler_score AS straggler_score,
-    s.straggler_rank AS straggler_rank,
-    s.peak_memory_bytes AS peak_memory_bytes, s.peak_memory_rank AS peak_memory_rank,
-    s.moe_maxvio AS moe_maxvio, s.moe_shard_imbalance AS moe_shard_imbalance,
-    s.output_absmax AS output_absmax,
+    {_FIRST_SCREEN_COLUMNS},
     e.bpb AS heldout_bpb, e.bpb_step AS heldout_bpb_step
-FROM (SELECT * FROM {db}.step_metrics FINAL) AS s
+FROM (SELECT * FROM {{db}}.step_metrics FINAL) AS s
 ASOF LEFT JOIN (
     SELECT run_id, step, toNullable(argMax(value, (n_items, suite))) AS bpb,
            toNullable(step) AS bpb_step
-    FROM {db}.evaluations FINAL
+    FROM {{db}}.evaluations FINAL
     WHERE metric = 'bpb' AND reference = 1
     GROUP BY run_id, step
 ) AS e ON s.run_id = e.run_id AND s.step >= e.step

@@ -4,7 +4,7 @@ A reduced step carries every rank's components; 64 ranks x 500 tensors is about 
 over Kafka's usual 1 MB. Such a step leaves stage 1 as several messages of the same key
 (so the same partition, in order): first *detail* parts (``complete_reason="detail"``:
 per-rank values and tensor statistics, each part a subset), then the *main* part: every
-reduced value stage 2's view reads and the per-rank values it reads (``view.PER_RANK``).
+reduced value stage 2's view reads and the per-rank values it reads (``inputs.PER_RANK``).
 Stage 2 stores a detail part's rows in the look-back tables at once and processes the
 main part as the step; the main part's retention decision promotes the detail parts,
 which are written before it. Rows are never split: a tensor's fields stay together.
@@ -19,7 +19,7 @@ from probewire.instrument.catalog import CATALOG, Priority, Tensor
 from probewire.instrument.wire import SeriesKey
 
 from .records import ReducedStep
-from .view import PER_RANK
+from .inputs import PER_RANK
 
 __all__ = ["DETAIL", "OversizeStep", "split_step"]
 

@@ -45,11 +45,11 @@ from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
-from .view import GUARD_STEP, P0View, detail_rows, p0_view, rank_columns
+from .series import GUARD_TOTAL, StepMetrics
+from .view import P0View, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
-_GUARD_TOTAL = {flag: flag.removesuffix("_step") for flag in GUARD_STEP.values()}
 """Per-step guard flag -> its cumulative column (seeds 001 §4: skip and replay counters)."""
 
 
@@ -184,7 +184,9 @@ class RunPipeline:
         )
         self.tokens = 0
         self.flops = 0.0
-        self.guard = dict.fromkeys(_GUARD_TOTAL.values(), 0)  # cumulative guard counters
+        self.guard = dict.fromkeys(
+            (t.name for t in GUARD_TOTAL.values()), 0
+        )  # cumulative guard counters
         self.last_step = -1
         self.skipped = SkippedSteps()  # steps a gap skip passed over; may still arrive
         self.world_size = 0
@@ -295,32 +297,33 @@ class RunPipeline:
         view, sources = p0.view, p0.sources
         self.world_size = max(self.world_size, item.world_size)
         self.first_step = item.step if self.first_step is None else self.first_step
-        self.tokens += view["step_tokens"]
+        sm = StepMetrics
+        self.tokens += view[sm.step_tokens]
         self.flops += view.pop("flops_step") or 0.0
-        for flag, total in _GUARD_TOTAL.items():
+        for flag, total in GUARD_TOTAL.items():
             self.guard[total] += view[flag]
         self.last_step = max(self.last_step, item.step)
         if after_gap:  # the detectors' windows hold the run's steps in order
             derived, findings = {}, []
-            clipped = view["clipped"]
-            view["clipped"] = int(clipped is not None and clipped > 0)  # NaN: not clipped
+            clipped = view[sm.clipped]
+            view[sm.clipped] = int(clipped is not None and clipped > 0)  # NaN: not clipped
         else:
             derived, findings = self.detectors.observe(
                 item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks
             )
-            view["clipped"] = derived.pop("clipped")
+            view[sm.clipped] = derived.pop(sm.clipped)
         view.pop("moe_maxvio_layer")
         row = {
-            "run_id": self.run_id,
-            "step": item.step,
-            "tokens": self.tokens,
-            "flops": self.flops,
+            sm.run_id.name: self.run_id,
+            sm.step.name: item.step,
+            sm.tokens.name: self.tokens,
+            sm.flops.name: self.flops,
             **view,
             **self.guard,
             **derived,
         }
         if after_gap:
-            row["complete_reason"] = "after_gap"
+            row[sm.complete_reason] = "after_gap"
         out.rows["step_metrics"].append(row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["source_metrics"] += [

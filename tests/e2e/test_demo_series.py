@@ -15,7 +15,7 @@ import pytest
 
 from probewire.deploy.demo.train import _parse
 from probewire.instrument.catalog import Tier
-from probewire.instrument.series import FORMED
+from probewire.stream.series import FORMED
 
 pytestmark = pytest.mark.integration
 

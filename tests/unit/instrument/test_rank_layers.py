@@ -20,8 +20,6 @@ LAYERS = {
     "wire": 1,
     "config": 1,
     "batchscan": 1,
-    "series": 1,
-    "seed_map": 2,
     "collect": 2,
     "parallel": 2,
     "export": 2,

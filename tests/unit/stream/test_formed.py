@@ -23,7 +23,7 @@ from probewire.instrument.catalog import (
     System,
     Tensor,
 )
-from probewire.instrument.series import FORMED
+from probewire.stream.series import FORMED
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
 from probewire.stream.formed import by_name, formed_series, grad_group_rows
@@ -256,7 +256,7 @@ def test_the_registry_of_formed_series_is_the_schema_and_the_view():
     step_columns = {s.column for s in FORMED if s.table == "step_metrics"}
     assert step_columns == {c.name for c in _STEP_METRICS_V4 if c.type == "Nullable(Float64)"}
     empty = reduce_step("f", 0, 1, [], "all_ranks")
-    assert step_columns == set(formed_series(empty, by_name(empty.reduced), {}))
+    assert step_columns == set(formed_series(empty))
     assert step_columns <= set(p0_view(empty).view)
     assert {s.column for s in FORMED if s.table == GRAD_GROUP_STATS.name} == {
         c.name for c in GRAD_GROUP_STATS.columns if c.type == "Nullable(Float64)"

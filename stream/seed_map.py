@@ -1,6 +1,6 @@
 """Every item of seeds 001 and 002 with where it is stored: the README's metric table is
 generated from this list (``metric_table``; a unit test holds the README equal to it), and
-``python -m probewire.instrument.seed_map`` prints the coverage count.
+``python -m probewire.stream.seed_map`` prints the coverage count.
 
 An item is *formed* when a stored column or view holds the number the seed defines; it is
 *components* when only its reducible components are stored (per rank, in

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from probewire.instrument.seed_map import SEED_ITEMS, coverage, metric_table
-from probewire.instrument.series import FORMED
+from probewire.stream.seed_map import SEED_ITEMS, coverage, metric_table
+from probewire.stream.series import FORMED
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
