@@ -92,7 +92,8 @@ class Chart:
     ``signals`` are the anomaly signals marked on it. ``panel`` is the key of the PNG
     first-screen panel the chart belongs to (itself for the nine panels, another chart's key
     to be drawn on that panel's right axis, None for the interactive page only);
-    ``panel_title`` is a panel's title in the PNG.
+    ``panel_title`` is a panel's title in the PNG; ``right`` draws a chart that belongs to
+    another's panel on that panel's right axis (else only its anomalies are marked there).
     """
 
     key: str
@@ -103,6 +104,7 @@ class Chart:
     scale: float = 1.0
     panel: str | None = None
     panel_title: str = ""
+    right: bool = False  # PNG: drawn on the right axis of its panel (else marks only)
 
     @property
     def log(self) -> bool:
@@ -149,6 +151,7 @@ CHARTS: tuple[Chart, ...] = (
         "fraction of steps",
         signals=frozenset({"clip_rate"}),
         panel="grad",
+        right=True,
     ),
     Chart(
         "cospike",
@@ -181,6 +184,7 @@ CHARTS: tuple[Chart, ...] = (
         "tokens/s",
         signals=frozenset({"tokens_per_s"}),
         panel="time",
+        right=True,
     ),
     Chart(
         "compute", "System: compute rate per device", "FLOP/s", signals=frozenset({"compute_rate"})

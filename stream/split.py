@@ -18,8 +18,8 @@ from collections import defaultdict
 from probewire.instrument.catalog import CATALOG, Priority, Tensor
 from probewire.instrument.wire import SeriesKey
 
-from .records import ReducedStep
 from .inputs import PER_RANK
+from .records import ReducedStep
 
 __all__ = ["DETAIL", "OversizeStep", "split_step"]
 

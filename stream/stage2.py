@@ -44,8 +44,8 @@ from .order import SkippedSteps, StepOrderer
 from .pages import Episode
 from .records import ReducedStep
 from .retention import RetentionPolicy
-from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .series import GUARD_TOTAL, StepMetrics
+from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .view import P0View, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]

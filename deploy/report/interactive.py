@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,111 +25,16 @@ from plotly.offline import get_plotlyjs
 
 from probewire.deploy.report.load import FirstScreenData, source_shares
 from probewire.stream.messages import describe_value, what_moved
+from probewire.stream.series import CHARTS, Axis, Chart, chart_columns
 
 __all__ = ["AXES", "CHARTS", "Chart", "build_figures", "render_html"]
 
 AXES = {"tokens": "cumulative tokens", "flops": "cumulative FLOPs", "step": "step"}
-_GIB = float(1 << 30)
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _DASHES = ("solid", "dot", "dash", "longdash", "dashdot")
 
 
-@dataclass(frozen=True, slots=True)
-class Chart:
-    """One chart: first_screen columns (column, label, unit) and the signals it marks."""
-
-    key: str
-    title: str
-    unit: str
-    columns: tuple[tuple[str, str], ...] = ()
-    signals: frozenset[str] = frozenset()
-    log: bool = False
-    scale: float = 1.0
-
-
-CHARTS: tuple[Chart, ...] = (
-    Chart(
-        "loss",
-        "Loss: mean L and worst rank L_max",
-        "nats/token",
-        (("loss", "L"), ("loss_worst_rank", "L_max")),
-        frozenset({"loss", "loss_worst_rank"}),
-    ),
-    Chart(
-        "source",
-        "Loss by source (share of the run's tokens)",
-        "nats/token",
-        signals=frozenset({"loss_by_source"}),
-    ),
-    Chart("lr", "Learning rate", "1/step"),
-    Chart(
-        "grad",
-        "Gradient norm G2 (pre-clip)",
-        "1",
-        (("grad_norm", "G2"),),
-        frozenset({"grad_norm"}),
-        log=True,
-    ),
-    Chart(
-        "clip",
-        "Clip rate",
-        "fraction of steps",
-        (("clip_rate", "clip rate"),),
-        frozenset({"clip_rate"}),
-    ),
-    Chart(
-        "cospike",
-        "Co-spikes (cumulative)",
-        "count",
-        (("cospike_count", "co-spikes"),),
-        frozenset({"cospike"}),
-    ),
-    Chart("eval", "Evaluations", "value (bpb: bits/byte)", signals=frozenset({"bpb"})),
-    Chart(
-        "time",
-        "System: step time",
-        "s",
-        (("step_time_s", "step time"),),
-        frozenset({"step_time", "step_time_s", "straggler_score"}),
-    ),
-    Chart(
-        "throughput",
-        "System: throughput",
-        "tokens/s",
-        (("tokens_per_s", "tokens/s"),),
-        frozenset({"tokens_per_s"}),
-    ),
-    Chart(
-        "compute",
-        "System: compute rate per device",
-        "FLOP/s",
-        (("compute_rate", "Phi"),),
-        frozenset({"compute_rate"}),
-    ),
-    Chart(
-        "memory",
-        "System: peak memory, max over ranks",
-        "GiB",
-        (("peak_memory_bytes", "peak"),),
-        frozenset({"peak_memory", "peak_memory_bytes"}),
-        scale=_GIB,
-    ),
-    Chart(
-        "experts",
-        "Expert balance: MaxVio (worst layer)",
-        "1",
-        (("moe_maxvio", "MaxVio"),),
-        frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"}),
-    ),
-    Chart(
-        "output",
-        "Output |x|max",
-        "1",
-        (("output_absmax", "|x|max"),),
-        frozenset({"output_absmax"}),
-        log=True,
-    ),
-)
+_COLUMNS = {c.key: chart_columns(c) for c in CHARTS}
 
 
 def _list(values: np.ndarray) -> list[float | None]:
@@ -163,9 +67,11 @@ def _series(
     y: np.ndarray,
     dash: int = 0,
     markers: bool = False,
+    smooth: bool = True,
 ) -> None:
-    """A raw trace (x switchable through ``meta``) and its smoothed twin (hidden until
-    smoothing is on; it never replaces the raw trace)."""
+    """A raw trace (x switchable through ``meta``) and, where its chart may be smoothed
+    (``Chart.smooth``: never a count or a setting such as the learning rate), its smoothed
+    twin (hidden until smoothing is on; it never replaces the raw trace)."""
     if not np.isfinite(np.asarray(y, dtype=np.float64)).any():
         return
     name = f"{data.run_id} · {label}"
@@ -185,6 +91,8 @@ def _series(
             f"{html.escape(unit)}<extra></extra>",
         )
     )
+    if not smooth:
+        return
     fig.add_trace(
         go.Scatter(
             x=x["tokens"],
@@ -216,7 +124,7 @@ def _anomalies(fig: go.Figure, chart: Chart, data: FirstScreenData) -> None:
     y = []
     for a in marks:  # on the chart's first curve at that step, else the anomaly's value
         hit = np.flatnonzero(data.steps["step"] == a["step"])
-        column = chart.columns[0][0] if chart.columns else None
+        column = _COLUMNS[chart.key][0][0] if _COLUMNS[chart.key] else None
         value = data.steps[column][hit[0]] if column and hit.size else np.nan
         y.append(float(value) / chart.scale if np.isfinite(value) else float(a["value"]))
     text = [
@@ -270,10 +178,9 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
     fig = go.Figure()
     for i, data in enumerate(runs):
         x = {axis: _list(data.steps[axis]) for axis in AXES}
-        for dash, (column, label) in enumerate(chart.columns):
-            _series(fig, i, data, label, chart.unit, x, data.steps[column] / chart.scale, dash)
-        if chart.key == "lr" and data.lr is not None:
-            _series(fig, i, data, "lr", chart.unit, x, data.lr)
+        for dash, (column, label) in enumerate(_COLUMNS[chart.key]):
+            y = data.steps[column] / chart.scale
+            _series(fig, i, data, label, chart.unit, x, y, dash, smooth=chart.smooth)
         if chart.key == "source":
             shares = source_shares(data.sources)
             for dash, (source, (step, loss, _)) in enumerate(sorted(data.sources.items())):
@@ -302,9 +209,22 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
         _anomalies(fig, chart, data)
     drawn = any(t.meta["role"] == "raw" for t in fig.data)
     yaxis: dict[str, Any] = {"title": {"text": chart.unit}, "zeroline": False}
-    if chart.key == "cospike":  # a count: from 0, integer ticks
-        top = max([1.0] + [float(np.nanmax(d.steps["cospike_count"])) for d in runs])
+    if chart.axis is Axis.COUNT and drawn:  # a count: from 0, integer ticks
+        top = max(
+            [1.0]
+            + [
+                float(np.nanmax(np.array(tr.y, dtype=np.float64)))
+                for tr in fig.data
+                if tr.meta["role"] == "raw"
+            ]
+        )
         yaxis.update(range=[0, top * 1.1], tick0=0, dtick=max(1, int(np.ceil(top / 5))))
+    elif chart.axis is Axis.COUNT:
+        yaxis.update(range=[0, 1.1], tick0=0, dtick=1)
+    if chart.axis is Axis.SETTING and drawn:  # a constant setting reads as its value
+        top = max(float(np.nanmax(np.array(tr.y, dtype=np.float64))) for tr in fig.data)
+        if np.isfinite(top) and top > 0:
+            yaxis.update(range=[0, top * 1.25], tickformat=".3~g")
     if (
         chart.log
         and drawn

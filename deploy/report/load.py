@@ -47,8 +47,7 @@ class EvalSeries:
 class FirstScreenData:
     """What the panels and the tables need, read from the store.
 
-    ``sources`` maps a source to (step, loss, source tokens) per step; ``lr`` is None when
-    the run stored no learning rate (not measured, never zero).
+    ``sources`` maps a source to (step, loss, source tokens) per step.
     """
 
     run_id: str
@@ -58,7 +57,6 @@ class FirstScreenData:
     evals: list[EvalSeries] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
-    lr: np.ndarray | None = None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -116,13 +114,6 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
     steps = {
         name: _floats([r[i] for r in rows]) for i, name in enumerate(names) if name != "run_id"
     }
-    _, lr_rows = _query(
-        client,
-        f"SELECT lr FROM {db}.step_metrics FINAL WHERE run_id = {{run:String}} ORDER BY step",
-        run_id,
-    )
-    lr = _floats([r[0] for r in lr_rows])
-    lr = None if np.isnan(lr).all() else lr  # no optimizer probe: not measured, never zero
     runs = _dicts(client, f"SELECT * FROM {db}.runs FINAL WHERE run_id = {{run:String}}", run_id)
     by_source: dict[str, list[tuple]] = {}
     for row in _query(
@@ -178,7 +169,7 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
         run_id,
     )
     return FirstScreenData(
-        run_id, runs[0] if runs else None, steps, sources, evals, anomalies, alerts, lr
+        run_id, runs[0] if runs else None, steps, sources, evals, anomalies, alerts
     )
 
 

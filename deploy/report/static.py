@@ -20,18 +20,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from probewire.deploy.report.load import FirstScreenData, source_shares
+from probewire.stream.series import CHARTS, Axis, Chart, chart_columns
 
 __all__ = ["PANELS", "Panel", "png", "render_first_screen"]
-
-_GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, slots=True)
 class Panel:
-    """One of the nine panels: the first_screen columns it plots and the signals it marks.
-
-    ``right`` columns go on a second y axis; ``scale`` divides values for display.
-    """
+    """One of the nine panels, made from the registry's charts (``stream.series.CHARTS``):
+    the chart whose panel it is, the columns of the charts drawn on its right axis, and the
+    signals of every chart marked on it. ``scale`` divides values for display."""
 
     key: str
     title: str
@@ -42,73 +40,27 @@ class Panel:
     signals: frozenset[str] = frozenset()
     log: bool = False
     scale: float = 1.0
+    count: bool = False  # a cumulative count: from 0, integer ticks, drawn as steps
 
 
-PANELS: tuple[Panel, ...] = (
-    Panel(
-        "loss",
-        "Loss: mean L and worst rank L_max",
-        "nats/token",
-        (("loss", "L"), ("loss_worst_rank", "L_max")),
-        signals=frozenset({"loss", "loss_worst_rank"}),
-    ),
-    Panel(
-        "source",
-        "Loss by source (own history)",
-        "nats/token",
-        signals=frozenset({"loss_by_source"}),
-    ),
-    Panel(
-        "grad",
-        "Gradient norm G2 and clip rate",
-        "G2 (pre-clip)",
-        (("grad_norm", "G2"),),
-        (("clip_rate", "clip rate"),),
-        "clip rate",
-        frozenset({"grad_norm", "clip_rate"}),
-        log=True,
-    ),
-    Panel(
-        "cospike",
-        "Co-spikes (cumulative)",
-        "count",
-        (("cospike_count", "co-spikes"),),
-        signals=frozenset({"cospike"}),
-    ),
-    Panel(
-        "time",
-        "Step time and throughput",
-        "step time (s)",
-        (("step_time_s", "step time"),),
-        (("tokens_per_s", "tokens/s"),),
-        "tokens/s",
-        frozenset({"step_time", "step_time_s", "tokens_per_s", "straggler_score", "compute_rate"}),
-    ),
-    Panel(
-        "memory",
-        "Peak memory, max over ranks",
-        "GiB",
-        (("peak_memory_bytes", "peak"),),
-        signals=frozenset({"peak_memory", "peak_memory_bytes"}),
-        scale=_GIB,
-    ),
-    Panel(
-        "experts",
-        "Expert balance: MaxVio",
-        "MaxVio",
-        (("moe_maxvio", "MaxVio (worst layer)"),),
-        signals=frozenset({"moe_maxvio", "moe_shard_imbalance", "moe_h_norm"}),
-    ),
-    Panel(
-        "output",
-        "Output |x|max",
-        "|x|max",
-        (("output_absmax", "|x|max"),),
-        signals=frozenset({"output_absmax"}),
-        log=True,
-    ),
-    Panel("eval", "Held-out bits per byte", "bits/byte", signals=frozenset({"bpb"})),
-)
+def _panel(chart: Chart) -> Panel:
+    others = [c for c in CHARTS if c.panel == chart.key and c is not chart]
+    right = [c for c in others if c.right]
+    return Panel(
+        chart.key,
+        chart.panel_title,
+        chart.unit,
+        chart_columns(chart),
+        tuple(column for c in right for column in chart_columns(c)),
+        " / ".join(c.unit for c in right),
+        chart.signals.union(*(c.signals for c in others)),
+        chart.log,
+        chart.scale,
+        chart.axis is Axis.COUNT,
+    )
+
+
+PANELS: tuple[Panel, ...] = tuple(_panel(c) for c in CHARTS if c.panel == c.key)
 
 
 def _panel_of(anomaly: dict[str, Any]) -> str | None:
@@ -172,7 +124,7 @@ def _render(data: FirstScreenData) -> Figure:
                 tokens,
                 data.steps[column] / panel.scale,
                 label,
-                drawstyle="steps-post" if column == "cospike_count" else "default",
+                drawstyle="steps-post" if panel.count else "default",
             )
         if panel.key == "source":
             shares = source_shares(data.sources)
@@ -213,8 +165,9 @@ def _render(data: FirstScreenData) -> Figure:
                 gid="not-measured",
             )
             continue
-        if panel.key == "cospike":  # a count: from 0, integer ticks, never a ±0.04 axis
-            ax.set_ylim(0, max(1.0, float(np.nanmax(data.steps["cospike_count"]))) * 1.1)
+        if panel.count:  # a count: from 0, integer ticks, never a ±0.04 axis
+            top = np.nanmax(data.steps[panel.columns[0][0]])
+            ax.set_ylim(0, max(1.0, float(top)) * 1.1)
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.log and all(
             np.nanmin(data.steps[c]) > 0
