@@ -18,19 +18,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from .detect import calibrate
+from .series import StepMetrics as SM
 
 __all__ = ["COLUMNS", "Calibration", "calibrate_run", "held_level"]
 
 # stream setting -> step_metrics column it is calibrated on
 CALIBRATED = {
-    "loss_z_threshold": "loss",
-    "grad_z_threshold": "grad_norm",
-    "signal_z_threshold": "step_time_s",
+    "loss_z_threshold": SM.loss,
+    "grad_z_threshold": SM.grad_norm,
+    "signal_z_threshold": SM.step_time_s,
 }
 # held-level setting -> (step_metrics column, the stream setting naming k)
 HELD = {
-    "maxvio_threshold": ("moe_maxvio", "maxvio_steps"),
-    "straggler_ratio": ("straggler_own_ratio", "straggler_steps"),
+    "maxvio_threshold": (SM.moe_maxvio, "maxvio_steps"),
+    "straggler_ratio": (SM.straggler_own_ratio, "straggler_steps"),
 }
 COLUMNS = tuple(sorted({*CALIBRATED.values(), *(c for c, _ in HELD.values())}))
 

@@ -5,12 +5,14 @@ Pure functions (no state, no I/O), shared by the stream's alert rows and the rep
 
 from __future__ import annotations
 
+from .series import StepMetrics as SM
+
 __all__ = ["alert_message", "describe_value", "what_moved"]
 
 # signals whose value is a loss in nats per valid token; a ``gap`` finding of these carries
 # the ratio to the mean loss L instead (L_max / L, L_source / L)
-_LOSSES = {"loss", "loss_worst_rank", "loss_by_source"}
-_RATIO_OF = {"loss_worst_rank": "L_max / L", "loss_by_source": "L_source / L"}
+_LOSSES = {SM.loss, SM.loss_worst_rank, "loss_by_source"}
+_RATIO_OF = {SM.loss_worst_rank: "L_max / L", "loss_by_source": "L_source / L"}
 
 
 def what_moved(signal: str, kind: str) -> str:

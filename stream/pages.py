@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .series import StepMetrics as SM
+
 __all__ = ["Episode", "PageGate"]
 
 
@@ -49,7 +51,7 @@ class PageGate:
 
     @staticmethod
     def key(finding: Paging) -> str:
-        per_culprit = finding.signal in ("loss_by_source", "loss_worst_rank")
+        per_culprit = finding.signal in ("loss_by_source", SM.loss_worst_rank)
         return finding.signal + (f":{finding.culprit}" if per_culprit else "")
 
     def admit(self, step: int, finding: Paging) -> Episode:

@@ -32,6 +32,7 @@ from .detect import (
     SpikeResult,
 )
 from .pages import PageGate
+from .series import StepMetrics as SM
 
 __all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors", "next_steps"]
 
@@ -147,13 +148,13 @@ def _spike_finding(
 class SignalDetectors:
     """All per-run detector state; serialisable with ``to_state``/``from_state``."""
 
-    _SPIKE_SIGNALS = ("loss", "grad_norm", "worst_rank_ratio", "step_time", "output_absmax")
+    _SPIKE_SIGNALS = (SM.loss, SM.grad_norm, "worst_rank_ratio", "step_time", SM.output_absmax)
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
         self.spikes = {
-            "loss": self._detector(config.loss_z),
-            "grad_norm": self._detector(config.grad_z),
+            SM.loss: self._detector(config.loss_z),
+            SM.grad_norm: self._detector(config.grad_z),
             **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[2:]},
         }
         self.sources: dict[str, RobustSpikeDetector] = {}  # L_source / L, per source
@@ -192,18 +193,18 @@ class SignalDetectors:
         ranks = ranks or RankSeries()
         found: list[Finding | None] = []
         derived: dict[str, Any] = {}
-        loss = self.spikes["loss"].update(view["loss"]) if view["loss"] is not None else None
+        loss = self.spikes[SM.loss].update(view[SM.loss]) if view[SM.loss] is not None else None
         grad = (
-            self.spikes["grad_norm"].update(view["grad_norm"])
-            if view["grad_norm"] is not None
+            self.spikes[SM.grad_norm].update(view[SM.grad_norm])
+            if view[SM.grad_norm] is not None
             else None
         )
-        derived["loss_z"] = None if loss is None else loss.z
-        derived["grad_z"] = None if grad is None else grad.z
-        derived["loss_spike"] = int(bool(loss and loss.spike))
-        derived["grad_spike"] = int(bool(grad and grad.spike))
-        derived["warmup"] = int(bool(loss is None or loss.warmup))
-        for res, name in ((loss, "loss"), (grad, "grad_norm")):
+        derived[SM.loss_z] = None if loss is None else loss.z
+        derived[SM.grad_z] = None if grad is None else grad.z
+        derived[SM.loss_spike] = int(bool(loss and loss.spike))
+        derived[SM.grad_spike] = int(bool(grad and grad.spike))
+        derived[SM.warmup] = int(bool(loss is None or loss.warmup))
+        for res, name in ((loss, SM.loss), (grad, SM.grad_norm)):
             if res is not None and res.nonfinite:
                 found.append(
                     Finding(
@@ -212,7 +213,7 @@ class SignalDetectors:
                         value=res.x,
                         baseline=None,
                         z=None,
-                        category=Category.LOSS if name == "loss" else Category.GRAD,
+                        category=Category.LOSS if name == SM.loss else Category.GRAD,
                         page=True,
                     )
                 )
@@ -228,9 +229,9 @@ class SignalDetectors:
             if co.co_spike and not co.nonfinite:
                 found.append(
                     Finding(
-                        signal="cospike",
-                        kind="cospike",
-                        value=view["loss"],
+                        signal=SM.cospike,
+                        kind=SM.cospike,
+                        value=view[SM.loss],
                         baseline=_exp(loss.median),
                         z=co.magnitude,
                         category=Category.GRAD,
@@ -243,11 +244,11 @@ class SignalDetectors:
                 cospike_count=self.cospikes.count,
                 cospike_magnitude=self.cospikes.cumulative_magnitude,
             )
-        if view["grad_norm"] is not None:
+        if view[SM.grad_norm] is not None:
             clip = self.clip.update(
-                view["grad_norm"]
-                if view.get("clipped") is None
-                else (math.inf if view["clipped"] else 0.0)
+                view[SM.grad_norm]
+                if view.get(SM.clipped) is None
+                else (math.inf if view[SM.clipped] else 0.0)
             )
             derived.update(clip_rate=clip.rate, clipped=int(clip.clipped))
         else:
@@ -265,7 +266,7 @@ class SignalDetectors:
         found += self._straggler(step, ranks.own_ratio)
         found += self._single_signals(view)
         found += self._memory(step, view)
-        found += self._experts(view, warm=not derived["warmup"])
+        found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
         return derived, [f for f in found if f is not None]
 
@@ -278,29 +279,29 @@ class SignalDetectors:
         step closed at the deadline or early is not used: it depends on which partition
         the step's key hashes to.)"""
         found = []
-        missing = view["ranks_missing"]
+        missing = view[SM.ranks_missing]
         self.missing_run = {r: self.missing_run.get(r, 0) + 1 for r in missing}
         if missing:
             page = any(self.missing_run[r] >= 2 for r in missing)
             found.append(
                 Finding(
-                    signal="ranks_missing",
+                    signal=SM.ranks_missing,
                     kind="threshold",
-                    value=float(len(view["ranks_missing"])),
+                    value=float(len(view[SM.ranks_missing])),
                     baseline=0.0,
                     z=None,
                     category=Category.JOB,
                     page=page,
-                    culprit="ranks " + ",".join(map(str, view["ranks_missing"])),
-                    ranks=list(view["ranks_missing"]),
+                    culprit="ranks " + ",".join(map(str, view[SM.ranks_missing])),
+                    ranks=list(view[SM.ranks_missing]),
                 )
             )
-        if view.get("replay_mismatch_step"):
+        if view.get(SM.replay_mismatch_step):
             found.append(
                 Finding(
-                    signal="replay_mismatch",
+                    signal=SM.replay_mismatch,
                     kind="threshold",
-                    value=float(view["replay_mismatch_step"]),
+                    value=float(view[SM.replay_mismatch_step]),
                     baseline=0.0,
                     z=None,
                     category=Category.JOB,
@@ -363,7 +364,7 @@ class SignalDetectors:
     def _worst_rank(self, view: dict[str, Any], losses: Mapping[int, float]) -> list[Finding]:
         """L_max / L against its history, and the worst rank's own L_r against that rank's
         history (every rank's L_r enters its own window every step)."""
-        rank = view.get("loss_worst_rank_id")
+        rank = view.get(SM.loss_worst_rank_id)
         own = None
         for r, value in sorted(losses.items()):
             det = self.rank_loss.get(r)
@@ -373,12 +374,12 @@ class SignalDetectors:
                 own = det.update(value)
             else:
                 det.push(value)
-        if not (view["loss"] and view["loss_worst_rank"] is not None and view["loss"] > 0):
+        if not (view[SM.loss] and view[SM.loss_worst_rank] is not None and view[SM.loss] > 0):
             return []
-        gap = self.spikes["worst_rank_ratio"].update(view["loss_worst_rank"] / view["loss"])
+        gap = self.spikes["worst_rank_ratio"].update(view[SM.loss_worst_rank] / view[SM.loss])
         return [
             self._culprit_move(
-                "loss_worst_rank", f"rank {rank}", [rank], view["loss_worst_rank"], gap, own
+                SM.loss_worst_rank, f"rank {rank}", [rank], view[SM.loss_worst_rank], gap, own
             )
         ]
 
@@ -406,9 +407,9 @@ class SignalDetectors:
                 else own.peek(without_worst[source])
             )
             own_res = own.update(value)
-            if not (view["loss"] and math.isfinite(view["loss"])):
+            if not (view[SM.loss] and math.isfinite(view[SM.loss])):
                 continue
-            gap = self.sources[source].update(value / view["loss"])
+            gap = self.sources[source].update(value / view[SM.loss])
             finding = self._culprit_move(
                 "loss_by_source", f"source {source}", [], value, gap, own_res
             )
@@ -482,8 +483,8 @@ class SignalDetectors:
         for ``straggler_steps`` consecutive steps (a stall of the whole job; one slow step
         on a busy host is not a page). Output |x|max spikes; the media scale γ."""
         found: list[Finding | None] = []
-        if view["step_time_s"] is not None:
-            res = self.spikes["step_time"].update(view["step_time_s"])
+        if view[SM.step_time_s] is not None:
+            res = self.spikes["step_time"].update(view[SM.step_time_s])
             up = res.spike and (res.direction > 0 or res.nonfinite)
             self.step_time_run = self.step_time_run + 1 if up else 0
             rank = self._pace_setter()
@@ -497,21 +498,21 @@ class SignalDetectors:
                     None if rank is None else [rank],
                 )
             )
-        if view.get("output_absmax") is not None:
+        if view.get(SM.output_absmax) is not None:
             found.append(
                 _spike_finding(
-                    "output_absmax",
-                    self.spikes["output_absmax"].update(view["output_absmax"]),
+                    SM.output_absmax,
+                    self.spikes[SM.output_absmax].update(view[SM.output_absmax]),
                     Category.LAYERS,
                     True,
                     "output layer",
                 )
             )
-        gamma = view.get("media_scale")
+        gamma = view.get(SM.media_scale)
         if gamma is not None and gamma < self.config.media_scale_min:
             found.append(
                 Finding(
-                    signal="media_scale",
+                    signal=SM.media_scale,
                     kind="threshold",
                     value=gamma,
                     baseline=self.config.media_scale_min,
@@ -535,7 +536,7 @@ class SignalDetectors:
         return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:
-        peak = view.get("peak_memory_bytes")
+        peak = view.get(SM.peak_memory_bytes)
         if peak is None:
             return []
         if self.memory_baseline is None:
@@ -548,7 +549,7 @@ class SignalDetectors:
         growth = peak / self.memory_baseline - 1.0 if self.memory_baseline > 0 else 0.0
         if growth <= self.config.memory_growth:
             return []
-        rank = view.get("peak_memory_rank")
+        rank = view.get(SM.peak_memory_rank)
         return [
             Finding(
                 signal="peak_memory",
@@ -570,7 +571,7 @@ class SignalDetectors:
         steps after warm-up: MaxVio p50 0.80, p90 1.05, p99 1.29, max 1.6, and 3.0 while
         its router settles; held > 1.0 for 3 steps 11 times, > 1.5 never. A collapse onto
         2 of 8 experts (top-2) is 3.0."""
-        maxvio = view.get("moe_maxvio")
+        maxvio = view.get(SM.moe_maxvio)
         if maxvio is None:
             return []
         self.maxvio_run = self.maxvio_run + 1 if maxvio > self.config.maxvio_threshold else 0
@@ -578,7 +579,7 @@ class SignalDetectors:
             return []
         return [
             Finding(
-                signal="moe_maxvio",
+                signal=SM.moe_maxvio,
                 kind="threshold",
                 value=maxvio,
                 baseline=self.config.maxvio_threshold,
@@ -592,7 +593,7 @@ class SignalDetectors:
     def _residual(self, view: dict[str, Any]) -> list[Finding]:
         """R_b of the weakest branch below bfloat16's relative precision: a bf16 residual
         add s + b rounds most of that branch's update away (seeds 001 §8)."""
-        ratio = view.get("residual_ratio_min")
+        ratio = view.get(SM.residual_ratio_min)
         if ratio is None or ratio >= self.config.residual_ratio_min:
             return []
         return [
@@ -604,7 +605,7 @@ class SignalDetectors:
                 z=None,
                 category=Category.LAYERS,
                 page=True,
-                culprit=view.get("residual_ratio_branch") or "",
+                culprit=view.get(SM.residual_ratio_branch) or "",
             )
         ]
 

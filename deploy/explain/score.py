@@ -30,13 +30,14 @@ paged at the step comes first.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from probewire.stream.derive import own_time_ratios, own_times
 from probewire.stream.detect import median_mad, robust_z, spread_floor
 from probewire.stream.localize import layer_of_tensor
+from probewire.stream.series import StepMetrics as SM
 
 from .load import Loaded
 from .model import STAGES, Explanation, Finding, Page
@@ -48,19 +49,19 @@ _EPS = 1e-8
 # alert signal -> (stage: the category the stream gave it, the explain finding that shows it;
 # {source} filled from the culprit)
 PAGE_FINDINGS = {
-    "ranks_missing": ("job state", "ranks_missing"),
-    "replay_mismatch": ("job state", "replay_mismatch"),
-    "loss": ("loss", "loss"),
-    "loss_worst_rank": ("loss", "loss_worst_rank"),
+    SM.ranks_missing: ("job state", SM.ranks_missing),
+    SM.replay_mismatch: ("job state", SM.replay_mismatch),
+    SM.loss: ("loss", SM.loss),
+    SM.loss_worst_rank: ("loss", SM.loss_worst_rank),
     "loss_by_source": ("loss", "source:{source}"),
-    "grad_norm": ("gradient", "grad_norm"),
-    "cospike": ("gradient", "cospike_count"),
-    "output_absmax": ("layers", "output_absmax"),
-    "step_time": ("step time", "straggler_own_ratio"),
-    "peak_memory": ("memory", "peak_memory_bytes"),
-    "moe_maxvio": ("expert balance", "moe_maxvio"),
-    "media_scale": ("layers", "media_scale"),
-    "residual_scale": ("layers", "residual_ratio_min"),
+    SM.grad_norm: ("gradient", SM.grad_norm),
+    SM.cospike: ("gradient", SM.cospike_count),
+    SM.output_absmax: ("layers", SM.output_absmax),
+    "step_time": ("step time", SM.straggler_own_ratio),
+    "peak_memory": ("memory", SM.peak_memory_bytes),
+    SM.moe_maxvio: ("expert balance", SM.moe_maxvio),
+    SM.media_scale: ("layers", SM.media_scale),
+    "residual_scale": ("layers", SM.residual_ratio_min),
 }
 _NON_PAGING_KINDS = {"gap", "via_rank"}  # anomalies of a paging signal that never page
 
@@ -140,41 +141,45 @@ def _score(
     return _Score(base, z, ratio, onset is not None, onset, s)
 
 
-def score(
-    ld: Loaded,
-    *,
-    trend_window: int = 20,
-    z_threshold: float = 6.0,
-    min_change: float = 0.02,
-    jump_ratio: float = 3.0,
-    min_history: int = 20,
-) -> Explanation:
-    """Walk the escalation order over ``ld`` (see the module docstring)."""
-    data, step = ld.data, ld.step
-    start = ld.start
-    hist, scan = data.steps < start, data.steps >= start
-    findings: list[Finding] = []
+@dataclass
+class _Walk:
+    """One explain walk: the loaded data, the scanned and history steps, the thresholds,
+    and the findings so far; each stage of the escalation order is one method."""
 
-    def col(name: str) -> tuple[np.ndarray, np.ndarray]:
-        return data.series(name), data.present(name)
+    ld: Loaded
+    trend_window: int
+    z_threshold: float
+    min_change: float
+    jump_ratio: float
+    min_history: int
+    findings: list[Finding] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.data, self.step = self.ld.data, self.ld.step
+        self.hist, self.scan = self.data.steps < self.ld.start, self.data.steps >= self.ld.start
+
+    def col(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.data.series(name), self.data.present(name)
 
     def scored(
+        self,
         stage: str,
         signal: str,
         values: np.ndarray,
         present: np.ndarray,
         *,
         log: bool = True,
-        change: float = min_change,
+        change: float | None = None,
         culprit: str | None = None,
         note: str = "",
         shown: np.ndarray | None = None,
         falls: bool = False,
-        history: int = min_history,
+        history: int | None = None,
     ) -> Finding | None:
         """Score one series; None when it was not measured in the scanned steps.
         ``falls``: the signal is worse when it falls, so 1/x is scored (x is reported)."""
-        h, sc_ = hist & present, scan & present
+        data = self.data
+        h, sc_ = self.hist & present, self.scan & present
         if not sc_.any():
             return None
         score_on = 1.0 / values if falls else values
@@ -184,10 +189,10 @@ def score(
             data.steps[sc_],
             score_on[sc_],
             log=log,
-            min_change=change,
-            z_threshold=z_threshold,
-            trend_window=trend_window if log and shown is None and not falls else None,
-            min_history=history,
+            min_change=self.min_change if change is None else change,
+            z_threshold=self.z_threshold,
+            trend_window=self.trend_window if log and shown is None and not falls else None,
+            min_history=self.min_history if history is None else history,
         )
         at = sc.at if sc.at is not None else int(data.steps[sc_][-1])
         i = int(np.flatnonzero(data.steps == at)[0])
@@ -198,228 +203,257 @@ def score(
         if shown is not None:  # report the signal itself, scored through a ratio
             value = float(shown[i])
             baseline = value / sc.ratio if sc.ratio else None
-        if at != step:
+        if at != self.step:
             note = "; ".join(n for n in (f"value at step {at}", note) if n)
         finding = Finding(
             stage, signal, value, baseline, sc.ratio, sc.z, culprit, sc.moved, sc.onset, note, at
         )
-        findings.append(finding)
+        self.findings.append(finding)
         return finding
 
-    # 1. Job state: missing ranks, incomplete steps, late data, replays.
-    scan_steps = data.steps[scan]
-    in_scan = [
-        (int(s), m) for s, m, keep in zip(data.steps, data.column("ranks_missing"), scan) if keep
-    ]
-    missing = {s: m for s, m in in_scan if m}
-    ranks = sorted({r for m in missing.values() for r in m})
-    findings.append(
-        Finding(
-            "job state",
-            "ranks_missing",
-            float(len(data.at("ranks_missing", step))),
-            0.0,
-            None,
-            None,
-            f"ranks {', '.join(map(str, ranks))}" if ranks else None,
-            bool(missing),
-            min(missing) if missing else None,
+    def job_state(self) -> None:
+        """1. Job state: missing ranks, incomplete steps, late data, replays."""
+        data, step, scan = self.data, self.step, self.scan
+        in_scan = [
+            (int(s), m)
+            for s, m, keep in zip(data.steps, data.column(SM.ranks_missing), scan)
+            if keep
+        ]
+        missing = {s: m for s, m in in_scan if m}
+        ranks = sorted({r for m in missing.values() for r in m})
+        note = (
             f"ranks missing on {len(missing)} of {len(in_scan)} scanned steps"
             if missing
-            else "every rank reported",
-            step,
+            else "every rank reported"
         )
-    )
-    reasons = {
-        int(s): r
-        for s, r, keep in zip(data.steps, data.column("complete_reason"), scan)
-        if keep and r not in ("all_ranks", "", None)
-    }
-    if reasons:
-        findings.append(
+        self.findings.append(
             Finding(
                 "job state",
-                "complete_reason",
-                float(len(reasons)),
+                SM.ranks_missing,
+                float(len(data.at(SM.ranks_missing, step))),
                 0.0,
                 None,
                 None,
-                None,
-                True,
-                min(reasons),
-                ", ".join(f"step {s}: {r}" for s, r in sorted(reasons.items())),
+                f"ranks {', '.join(map(str, ranks))}" if ranks else None,
+                bool(missing),
+                min(missing) if missing else None,
+                note,
                 step,
             )
         )
-    if ld.late:
-        late_ranks = sorted({r for _, rs in ld.late for r in rs})
-        findings.append(
-            Finding(
-                "job state",
-                "late_data",
-                float(len(ld.late)),
-                0.0,
-                None,
-                None,
-                f"ranks {', '.join(map(str, late_ranks))}",
-                True,
-                ld.late[0][0],
-                "rank data arrived after its step was reduced",
-                step,
-            )
-        )
-    for counter in ("replay_mismatch", "skipped", "replayed"):
-        values = data.series(counter)
-        before = values[hist][-1] if hist.any() else 0.0
-        grew = [int(s) for s, v in zip(scan_steps, values[scan]) if v > before]
-        if grew:
-            findings.append(
+        reasons = {
+            int(s): r
+            for s, r, keep in zip(data.steps, data.column(SM.complete_reason), scan)
+            if keep and r not in ("all_ranks", "", None)
+        }
+        if reasons:
+            what = ", ".join(f"step {s}: {r}" for s, r in sorted(reasons.items()))
+            self.findings.append(
                 Finding(
-                    "job state",
-                    counter,
-                    float(values[-1]),
-                    float(before),
+                    "job state", SM.complete_reason, float(len(reasons)), 0.0, None, None,
+                    None, True, min(reasons), what, step,
+                )
+            )  # fmt: skip
+        self._late_and_counters()
+
+    def _late_and_counters(self) -> None:
+        data, step, ld = self.data, self.step, self.ld
+        if ld.late:
+            late_ranks = sorted({r for _, rs in ld.late for r in rs})
+            self.findings.append(
+                Finding(
+                    "job state", "late_data", float(len(ld.late)), 0.0, None, None,
+                    f"ranks {', '.join(map(str, late_ranks))}", True, ld.late[0][0],
+                    "rank data arrived after its step was reduced", step,
+                )
+            )  # fmt: skip
+        scan_steps = data.steps[self.scan]
+        for counter in (SM.replay_mismatch, SM.skipped, SM.replayed):
+            values = data.series(counter)
+            before = values[self.hist][-1] if self.hist.any() else 0.0
+            grew = [int(s) for s, v in zip(scan_steps, values[self.scan]) if v > before]
+            if grew:
+                self.findings.append(
+                    Finding(
+                        "job state", counter, float(values[-1]), float(before), None, None,
+                        None, True, grew[0], f"+{values[-1] - before:.0f} in the scanned steps",
+                        step,
+                    )
+                )  # fmt: skip
+
+    def loss(self) -> None:
+        """2. Loss: L, the worst rank's gap L_max / L, each source against its own history."""
+        data, ld = self.data, self.ld
+        loss, has_loss = self.col(SM.loss)
+        gap = data.series(SM.loss_worst_rank) / loss
+        has_gap = has_loss & data.present(SM.loss_worst_rank)
+        worst_rank = data.at(SM.loss_worst_rank_id, self.step)
+        rank_culprit = None if worst_rank is None else f"rank {worst_rank}"
+        loss_finding = self.scored("loss", SM.loss, loss, has_loss)
+        gap_finding = self.scored(
+            "loss",
+            SM.loss_worst_rank,
+            gap,
+            has_gap,
+            culprit=rank_culprit,
+            shown=data.series(SM.loss_worst_rank),
+            note="scored as L_max / L against its own history",
+        )
+        source_findings = _sources(
+            ld, self.hist, self.scan, loss, self.z_threshold, self.min_change, self.min_history
+        )
+        self.findings.extend(source_findings)
+        carrier = (
+            rank_culprit
+            if gap_finding is not None and gap_finding.moved
+            else next(
+                (f.culprit for f in sorted(source_findings, key=lambda f: -f.size) if f.moved),
+                None,
+            )
+        )
+        if loss_finding is not None and carrier:
+            self.findings[self.findings.index(loss_finding)] = replace(
+                loss_finding, culprit=carrier
+            )
+
+    def gradient(self, layer_culprit: str | None) -> None:
+        """3. Gradient norm, clipping, co-spikes, output |x|max."""
+        data, hist, scan = self.data, self.hist, self.scan
+        self.scored(
+            "gradient", SM.grad_norm, *self.col(SM.grad_norm), change=0.05, culprit=layer_culprit
+        )
+        self.scored("gradient", SM.clip_rate, *self.col(SM.clip_rate), log=False, change=0.02)
+        scan_steps = data.steps[scan]
+        cospikes = [int(s) for s, c in zip(scan_steps, data.series(SM.cospike)[scan]) if c > 0]
+        count = data.series(SM.cospike_count)
+        if cospikes or np.isfinite(count).any():
+            self.findings.append(
+                Finding(
+                    "gradient",
+                    SM.cospike_count,
+                    float(count[-1]),
+                    float(count[hist][-1]) if hist.any() else 0.0,
                     None,
                     None,
-                    None,
-                    True,
-                    grew[0],
-                    f"+{values[-1] - before:.0f} in the scanned steps",
-                    step,
+                    layer_culprit if cospikes else None,
+                    bool(cospikes),
+                    cospikes[0] if cospikes else None,
+                    f"co-spikes at steps {cospikes}" if cospikes else "",
+                    cospikes[-1] if cospikes else self.step,
                 )
             )
-
-    # 2. Loss: L, the worst rank's gap L_max / L, each source against its own history.
-    loss, has_loss = col("loss")
-    gap = data.series("loss_worst_rank") / loss
-    has_gap = has_loss & data.present("loss_worst_rank")
-    worst_rank = data.at("loss_worst_rank_id", step)
-    rank_culprit = None if worst_rank is None else f"rank {worst_rank}"
-    loss_finding = scored("loss", "loss", loss, has_loss)
-    gap_finding = scored(
-        "loss",
-        "loss_worst_rank",
-        gap,
-        has_gap,
-        culprit=rank_culprit,
-        shown=data.series("loss_worst_rank"),
-        note="scored as L_max / L against its own history",
-    )
-    source_findings = _sources(ld, hist, scan, loss, z_threshold, min_change, min_history)
-    findings.extend(source_findings)
-    carrier = (
-        rank_culprit
-        if gap_finding is not None and gap_finding.moved
-        else next(
-            (f.culprit for f in sorted(source_findings, key=lambda f: -f.size) if f.moved), None
+        self.scored(
+            "gradient",
+            SM.output_absmax,
+            *self.col(SM.output_absmax),
+            change=0.1,
+            culprit=layer_culprit,
         )
-    )
-    if loss_finding is not None and carrier:
-        findings[findings.index(loss_finding)] = replace(loss_finding, culprit=carrier)
 
-    # 3. Gradient norm, clipping, co-spikes, output |x|max.
-    layer = _layers(ld, start, jump_ratio)
-    layer_culprit = layer.culprit if layer is not None and layer.moved else None
-    scored("gradient", "grad_norm", *col("grad_norm"), change=0.05, culprit=layer_culprit)
-    scored("gradient", "clip_rate", *col("clip_rate"), log=False, change=0.02)
-    cospikes = [int(s) for s, c in zip(scan_steps, data.series("cospike")[scan]) if c > 0]
-    count = data.series("cospike_count")
-    if cospikes or np.isfinite(count).any():
-        findings.append(
-            Finding(
-                "gradient",
-                "cospike_count",
-                float(count[-1]),
-                float(count[hist][-1]) if hist.any() else 0.0,
-                None,
-                None,
-                layer_culprit if cospikes else None,
-                bool(cospikes),
-                cospikes[0] if cospikes else None,
-                f"co-spikes at steps {cospikes}" if cospikes else "",
-                cospikes[-1] if cospikes else step,
+    def step_time_and_memory(self) -> None:
+        """4. Step time: the straggler; 5. memory: the peak rank and its growth."""
+        data, step = self.data, self.step
+        straggler = data.at(SM.straggler_rank, step)
+        who = None if straggler is None else f"rank {straggler}"
+        self.scored(
+            "step time",
+            SM.step_time_s,
+            *self.col(SM.step_time_s),
+            change=0.05,
+            culprit=who,
+            note=_rank_note(self.ld),
+        )
+        self.scored(
+            "step time", SM.straggler_score, *self.col(SM.straggler_score), change=0.05, culprit=who
+        )
+        self.scored(
+            "step time",
+            SM.straggler_own_ratio,
+            *self.col(SM.straggler_own_ratio),
+            change=0.05,
+            culprit=who,
+            note="own time (step time - collective wait) over the other ranks'",
+        )
+        peak = data.series(SM.peak_memory_bytes)
+        peak_rank = data.at(SM.peak_memory_rank, step)
+        growth = ""
+        if np.isfinite(peak).sum() >= 2:
+            first = peak[np.isfinite(peak)][0]
+            growth = f"{100 * (peak[-1] / first - 1):+.1f}% over steps {data.steps[0]}–{step}"
+        self.scored(
+            "memory",
+            SM.peak_memory_bytes,
+            *self.col(SM.peak_memory_bytes),
+            change=0.02,
+            culprit=None if peak_rank is None else f"rank {peak_rank}",
+            note=growth,
+        )
+
+    def experts(self) -> None:
+        """6. Expert balance: the worst layer and its busiest expert."""
+        moe_culprit = None
+        if self.ld.moe is not None:
+            s, layer_name, _vio, expert, _h = self.ld.moe
+            where = f"layer {layer_name}" if str(layer_name).isdigit() else layer_name
+            moe_culprit = f"expert {expert} of {where} (step {s})"
+        self.scored(
+            "expert balance",
+            SM.moe_maxvio,
+            *self.col(SM.moe_maxvio),
+            log=False,
+            change=0.1,
+            culprit=moe_culprit,
+        )
+
+    def layers(self, layer: Finding | None) -> None:
+        """7. Layer views: the media scale γ and the weakest residual branch R_b (P0 at the
+        structure probes' cadence, so few history points), both worse when they fall; then
+        the backward walk."""
+        data = self.data
+        self.scored(
+            "layers",
+            SM.media_scale,
+            *self.col(SM.media_scale),
+            falls=True,
+            change=0.5,
+            culprit="media projector",
+            history=3,
+        )
+        ratio, has_ratio = self.col(SM.residual_ratio_min)
+        residual = self.scored(
+            "layers", SM.residual_ratio_min, ratio, has_ratio, falls=True, change=0.5, history=3
+        )
+        if residual is not None and residual.moved:
+            cause = _residual_cause(
+                self.ld, self.hist & has_ratio, int(data.steps[has_ratio][-1]), self.jump_ratio
             )
-        )
-    scored("gradient", "output_absmax", *col("output_absmax"), change=0.1, culprit=layer_culprit)
+            self.findings[self.findings.index(residual)] = replace(residual, culprit=cause)
+        if layer is not None:
+            self.findings.append(layer)
 
-    # 4. Step time: the straggler; 5. memory: the peak rank and its growth.
-    straggler = data.at("straggler_rank", step)
-    who = None if straggler is None else f"rank {straggler}"
-    scored(
-        "step time",
-        "step_time_s",
-        *col("step_time_s"),
-        change=0.05,
-        culprit=who,
-        note=_rank_note(ld),
-    )
-    scored("step time", "straggler_score", *col("straggler_score"), change=0.05, culprit=who)
-    scored(
-        "step time",
-        "straggler_own_ratio",
-        *col("straggler_own_ratio"),
-        change=0.05,
-        culprit=who,
-        note="own time (step time - collective wait) over the other ranks'",
-    )
-    peak = data.series("peak_memory_bytes")
-    peak_rank = data.at("peak_memory_rank", step)
-    growth = ""
-    if np.isfinite(peak).sum() >= 2:
-        first = peak[np.isfinite(peak)][0]
-        growth = f"{100 * (peak[-1] / first - 1):+.1f}% over steps {data.steps[0]}–{step}"
-    scored(
-        "memory",
-        "peak_memory_bytes",
-        *col("peak_memory_bytes"),
-        change=0.02,
-        culprit=None if peak_rank is None else f"rank {peak_rank}",
-        note=growth,
-    )
 
-    # 6. Expert balance: the worst layer and its busiest expert.
-    moe_culprit = None
-    if ld.moe is not None:
-        s, layer_name, _vio, expert, _h = ld.moe
-        where = f"layer {layer_name}" if str(layer_name).isdigit() else layer_name
-        moe_culprit = f"expert {expert} of {where} (step {s})"
-    scored(
-        "expert balance",
-        "moe_maxvio",
-        *col("moe_maxvio"),
-        log=False,
-        change=0.1,
-        culprit=moe_culprit,
-    )
-
-    # 7. Layer views: the media scale γ and the weakest residual branch R_b (P0 at the
-    # structure probes' cadence, so few history points), both worse when they fall; then
-    # the backward walk.
-    scored(
-        "layers",
-        "media_scale",
-        *col("media_scale"),
-        falls=True,
-        change=0.5,
-        culprit="media projector",
-        history=3,
-    )
-    ratio, has_ratio = col("residual_ratio_min")
-    residual = scored(
-        "layers", "residual_ratio_min", ratio, has_ratio, falls=True, change=0.5, history=3
-    )
-    if residual is not None and residual.moved:
-        findings[findings.index(residual)] = replace(
-            residual,
-            culprit=_residual_cause(
-                ld, hist & has_ratio, int(data.steps[has_ratio][-1]), jump_ratio
-            ),
-        )
-    if layer is not None:
-        findings.append(layer)
-    tokens = data.at("tokens", step)
+def score(
+    ld: Loaded,
+    *,
+    trend_window: int = 20,
+    z_threshold: float = 6.0,
+    min_change: float = 0.02,
+    jump_ratio: float = 3.0,
+    min_history: int = 20,
+) -> Explanation:
+    """Walk the escalation order over ``ld`` (see the module docstring)."""
+    walk = _Walk(ld, trend_window, z_threshold, min_change, jump_ratio, min_history)
+    walk.job_state()
+    walk.loss()
+    layer = _layers(ld, ld.start, jump_ratio)
+    walk.gradient(layer.culprit if layer is not None and layer.moved else None)
+    walk.step_time_and_memory()
+    walk.experts()
+    walk.layers(layer)
+    tokens = ld.data.at("tokens", ld.step)
+    findings = walk.findings
     return Explanation(
-        ld.run_id, step, int(tokens or 0), start, tuple(findings), _pages(ld, findings)
+        ld.run_id, ld.step, int(tokens or 0), ld.start, tuple(findings), _pages(ld, findings)
     )
 
 
@@ -432,8 +466,8 @@ def _pages(ld: Loaded, findings: list[Finding]) -> tuple[Page, ...]:
         stage, finding = PAGE_FINDINGS.get(row["signal"], ("layers", None))
         if finding is not None and "{source}" in finding:
             finding = finding.format(source=row["culprit"].removeprefix("source "))
-        if row["signal"] == "step_time" and "straggler_own_ratio" not in names:
-            finding = "step_time_s"
+        if row["signal"] == "step_time" and SM.straggler_own_ratio not in names:
+            finding = SM.step_time_s
         return Page(
             stage,
             row["signal"],
@@ -453,7 +487,7 @@ def _pages(ld: Loaded, findings: list[Finding]) -> tuple[Page, ...]:
         for row in ld.episode_events
         if row["kind"] not in _NON_PAGING_KINDS
         and (row["signal"], row["culprit"]) not in paged
-        and not (row["signal"] in ("loss", "grad_norm") and row["kind"] != "nonfinite")
+        and not (row["signal"] in (SM.loss, SM.grad_norm) and row["kind"] != "nonfinite")
     ]
     return tuple(
         sorted(
@@ -525,7 +559,7 @@ def _residual_cause(ld: Loaded, hist: np.ndarray, step: int, jump_ratio: float) 
     branch's stream norm N_s and branch norm N_b at ``step`` (its latest measurement)
     against their history medians."""
     data = ld.data
-    branch = data.at("residual_ratio_branch", step) or "the weakest branch"
+    branch = data.at(SM.residual_ratio_branch, step) or "the weakest branch"
 
     def change(name: str) -> float:
         """value at ``step`` / history median; NaN when either is missing."""
@@ -534,7 +568,7 @@ def _residual_cause(ld: Loaded, hist: np.ndarray, step: int, jump_ratio: float) 
         base = float(np.median(past)) if past.size else math.nan
         return float(series[data.steps == step][0]) / base if base > 0 else math.nan
 
-    grew, kept = change("residual_stream_norm"), change("residual_branch_norm")
+    grew, kept = change(SM.residual_stream_norm), change(SM.residual_branch_norm)
     if grew >= jump_ratio:
         return f"{branch}: residual stream grew {grew:.3g}×"
     if kept <= 1.0 / jump_ratio:
