@@ -4,15 +4,18 @@ generated from this list (``metric_table``; a unit test holds the README equal t
 
 An item is *formed* when a stored column or view holds the number the seed defines; it is
 *components* when only its reducible components are stored (per rank, in
-``rank_metrics``), so a reader forms it in SQL. Columns formed in the stream come from
-``series.FORMED`` where that registry has them.
+``rank_metrics``), so a reader forms it in SQL. The written list below names where each
+item is stored; a registry row (``series``) whose ``seed`` names an item ("002
+moe/maxvio.mean (.max)") and that the list does not mention yet is added to that item's
+stored columns (or becomes an item of its own), so a new series needs no edit here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
-from .series import FORMED
+from .series import FORMED, STEP_SERIES, Series
 
 __all__ = ["SEED_ITEMS", "SeedItem", "coverage", "metric_table"]
 
@@ -26,16 +29,16 @@ class SeedItem:
 
 
 def _f(*columns: str) -> str:
-    """``table.column`` of formed series (checked against the registry at import)."""
-    known = {f"{s.table}.{s.column}" for s in FORMED}
+    """``table.column`` of registry series (checked against the registry at import)."""
+    known = {f"{s.table}.{s.column}" for s in FORMED} | {f"step_metrics.{s}" for s in STEP_SERIES}
     unknown = [c for c in columns if c not in known]
     if unknown:
-        raise ValueError(f"not in series.FORMED: {unknown}")
+        raise ValueError(f"not in the registry (stream.series): {unknown}")
     return ", ".join(f"`{c}`" for c in columns)
 
 
 _RM = "`rank_metrics` ({})"
-SEED_ITEMS: tuple[SeedItem, ...] = (
+_WRITTEN: tuple[SeedItem, ...] = (
     SeedItem("001 §3", "global mean loss L", "`step_metrics.loss`"),
     SeedItem(
         "001 §3", "local mean loss L_r", _RM.format("loss.sum / loss.tokens per rank"), formed=False
@@ -164,6 +167,30 @@ SEED_ITEMS: tuple[SeedItem, ...] = (
         )
     ),
 )
+
+
+_SECTION = re.compile(r"^(\d{3})(?: §[\d, §-]+)?(?: (.+))?$")
+
+
+def _with_registry(items: tuple[SeedItem, ...], rows: tuple[Series, ...]) -> tuple[SeedItem, ...]:
+    """``items`` with the registry rows they do not mention yet, each under the item its
+    ``seed`` names (appended to that item's stored columns), else as an item of its own."""
+    out = list(items)
+    for row in rows:
+        column = f"`step_metrics.{row.name}`"
+        match = _SECTION.match(row.seed)
+        if not match or not match.group(2) or any(column in i.stored for i in out):
+            continue  # a section citation only, or already listed
+        doc, item = match.group(1), match.group(2)
+        at = next((k for k, i in enumerate(out) if i.seed.startswith(doc) and i.item == item), None)
+        if at is None:
+            out.append(SeedItem(doc, item, column))
+        else:
+            out[at] = replace(out[at], stored=f"{out[at].stored}, {column}")
+    return tuple(out)
+
+
+SEED_ITEMS: tuple[SeedItem, ...] = _with_registry(_WRITTEN, STEP_SERIES)
 
 
 def coverage() -> tuple[int, int]:
