@@ -31,6 +31,7 @@ __all__ = [
     "grad_norm",
     "loss_by_group",
     "mean_from_components",
+    "mean_max_violation",
     "media_scale",
     "own_time_ratios",
     "ratio_from_components",
@@ -418,6 +419,14 @@ def update_ratio(update_sum_sq: float, param_sum_sq: float, eps: float = 1e-12) 
     if update_sum_sq == 0 and param_sum_sq == 0:
         return None
     return math.sqrt(update_sum_sq) / (math.sqrt(param_sum_sq) + _scalar("eps", eps, positive=True))
+
+
+def mean_max_violation(layers: Sequence[Sequence[float]]) -> float | None:
+    """MaxVio averaged over the MoE layers that received a valid token (002 moe/maxvio.mean):
+    each layer's max_i c_i / mean_i c_i - 1 (``expert_balance``), summed and divided by the
+    number of such layers. None when no layer did (an empty layer is not a balanced one)."""
+    found = [b.max_violation for b in map(expert_balance, layers) if b is not None]
+    return math.fsum(found) / len(found) if found else None
 
 
 def dead_expert_ratio(layers: Sequence[Sequence[float]]) -> float | None:

@@ -574,6 +574,17 @@ class StepMetrics:
         first_screen=True,
         seed="001 §7",
     )
+    moe_maxvio_mean = _f(
+        "moe_maxvio_mean",
+        "expert MaxVio = I - 1, mean over the MoE layers with tokens",
+        since=7,
+        components=(Moe.EXPERT_TOKENS,),
+        formula=lambda s: derive.mean_max_violation(s.expert_loads),
+        chart="experts",
+        label="MaxVio (mean over layers)",
+        first_screen=True,
+        seed="002 moe/maxvio.mean (.max)",
+    )
     moe_shard_imbalance = _f(
         "moe_shard_imbalance",
         "expert-parallel shard imbalance, worst layer",

@@ -23,10 +23,10 @@ from probewire.instrument.catalog import (
     System,
     Tensor,
 )
-from probewire.stream.series import FORMED
 from probewire.instrument.wire import RankStep
 from probewire.stream.assemble import reduce_step
-from probewire.stream.formed import by_name, formed_series, grad_group_rows
+from probewire.stream.formed import formed_series, grad_group_rows
+from probewire.stream.series import FORMED
 from probewire.stream.view import p0_view
 
 RANKS = 4

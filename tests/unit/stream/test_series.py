@@ -1,0 +1,119 @@
+"""The registry of stored series (``stream.series``): the table, the view and the charts are
+its rows; and the series added through it alone, MaxVio averaged over MoE layers
+(``moe_maxvio_mean``), against a float64 NumPy reference and on a migrated store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from probewire.instrument.catalog import Label, Moe
+from probewire.instrument.wire import RankStep
+from probewire.sinks import TABLES, ClickHouseSink
+from probewire.sinks.schema import MIGRATIONS, STEP_METRICS
+from probewire.stream.assemble import reduce_step
+from probewire.stream.series import CHARTS, STEP_SERIES, VIEW, Kind, StepMetrics, chart_columns
+from probewire.stream.view import p0_view
+
+
+def test_every_step_metrics_column_is_a_registry_row_in_table_order():
+    assert [c.name for c in STEP_METRICS.columns] == [*map(str, STEP_SERIES), "inserted_at"]
+    assert [c.type for c in STEP_METRICS.columns[:-1]] == [s.sql for s in STEP_SERIES]
+
+
+def test_the_view_forms_exactly_the_rows_with_a_formula():
+    """Stage 2's view is the rows with formulas (plus the two values it reads unstored);
+    the others are the key, stage 2's totals and the detectors' outputs."""
+    empty = reduce_step("r", 0, 1, [], "all_ranks")
+    view = p0_view(empty).view
+    assert set(view) - {"flops_step", "moe_maxvio_layer"} == set(map(str, VIEW))
+    unformed = {s.kind for s in STEP_SERIES if s.formula is None}
+    assert unformed == {Kind.KEY, Kind.TOTAL, Kind.DETECTOR}
+
+
+def test_a_typo_in_a_rule_fails_at_attribute_lookup():
+    with pytest.raises(AttributeError):
+        StepMetrics.grad_nrom  # noqa: B018
+
+
+def test_every_chart_draws_registry_columns_and_every_charted_row_has_a_chart():
+    keys = {c.key for c in CHARTS}
+    assert all(s.chart in keys for s in STEP_SERIES if s.chart is not None)
+    drawn = {column for c in CHARTS for column, _ in chart_columns(c)}
+    assert drawn == {s.name for s in STEP_SERIES if s.chart is not None}
+
+
+def _moe_ranks(loads: dict[str, np.ndarray]) -> list[RankStep]:
+    """Two ranks splitting each layer's per-expert loads; a layer with no token sends
+    nothing (as the probe)."""
+    ranks = []
+    for r in range(2):
+        values = {}
+        for layer, counts in loads.items():
+            part = counts // 2 if r == 0 else counts - counts // 2
+            if part.sum() > 0:
+                for e, n in enumerate(part):
+                    key = ((Label.EXPERT, str(e)), (Label.LAYER, layer))
+                    values[(Moe.EXPERT_TOKENS, key)] = float(n)
+        ranks.append(
+            RankStep(
+                run_id="m", step=0, rank=r, world_size=2, host="h", coords={"dp": r}, values=values
+            )
+        )
+    return ranks
+
+
+def test_maxvio_mean_over_layers_equals_the_reference_and_skips_empty_layers():
+    rng = np.random.default_rng(7)
+    loads = {str(i): rng.integers(0, 400, size=8).astype(np.int64) for i in range(5)}
+    loads["2"][:] = 0  # no valid token reached layer 2: not a balanced layer
+    loads["4"][3] = 5_000  # one hot expert
+    step = reduce_step("m", 0, 2, _moe_ranks(loads), "all_ranks")
+    view = p0_view(step).view
+    per_layer = [
+        np.max(c.astype(np.float64)) / np.mean(c.astype(np.float64)) - 1.0
+        for c in loads.values()
+        if c.sum() > 0
+    ]
+    assert len(per_layer) == 4
+    assert view[StepMetrics.moe_maxvio_mean] == pytest.approx(np.mean(per_layer), rel=1e-12)
+    assert view[StepMetrics.moe_maxvio] == pytest.approx(np.max(per_layer), rel=1e-12)
+    assert p0_view(reduce_step("m", 1, 1, [], "all_ranks")).view["moe_maxvio_mean"] is None
+
+
+def test_a_version_6_store_gets_the_registry_column_of_migration_7(ch_client, ch_database):
+    """A store migrated to version 6 (no moe_maxvio_mean) is upgraded by the migration the
+    registry row makes: the column lands after moe_maxvio, the rows are kept."""
+    db = ch_database + "_v6"
+    table = next(t for t in TABLES if t.name == "step_metrics")
+    old = dataclasses.replace(
+        table, columns=tuple(c for c in table.columns if c.name != "moe_maxvio_mean")
+    )
+    ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+    sink = ClickHouseSink(ch_client, db)
+    ch_client.command(
+        f"CREATE TABLE {db}.schema_migrations (version UInt32, description String, "
+        "applied_at DateTime64(3) DEFAULT now64(3)) ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    for t in TABLES:
+        ch_client.command((old if t is table else t).ddl(db))
+    ch_client.command(
+        f"INSERT INTO {db}.schema_migrations (version, description) "
+        "VALUES (1, ''), (2, ''), (3, ''), (4, ''), (5, ''), (6, '')"
+    )
+    ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens) VALUES ('r', 3, 9)")
+    assert MIGRATIONS[-1].version == 7 and sink.migrate() == 7
+    names = [
+        r[0]
+        for r in ch_client.query(
+            f"SELECT name FROM system.columns WHERE database = '{db}' "
+            "AND table = 'step_metrics' ORDER BY position"
+        ).result_rows
+    ]
+    assert names == [c.name for c in table.columns]
+    assert names.index("moe_maxvio_mean") == names.index("moe_maxvio") + 1
+    assert ch_client.query(
+        f"SELECT step, tokens, moe_maxvio_mean FROM {db}.step_metrics"
+    ).result_rows == [(3, 9, None)]
