@@ -55,7 +55,7 @@ def _sections(first: int, more: str) -> set[int]:
 
 def citations(text: str) -> set[tuple[str, int]]:
     """Every (seed, section) a text cites."""
-    out = set()
+    out: set[tuple[str, int]] = set()
     for seed, first, more in _CITED.findall(text):
         out.update((seed, k) for k in _sections(int(first), more))
     for first, more in _BARE.findall(text):
