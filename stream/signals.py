@@ -191,8 +191,29 @@ class SignalDetectors:
         ``sources`` maps each data source to its valid-token mean loss L_source; ``ranks``
         holds each rank's local mean loss and own-time ratio."""
         ranks = ranks or RankSeries()
-        found: list[Finding | None] = []
         derived: dict[str, Any] = {}
+        found: list[Finding | None] = [*self._spikes(view, derived)]
+        found += self._job(view)
+        worst = self._worst_rank(view, ranks.loss)
+        found += worst
+        found += self._sources(
+            view,
+            sources,
+            ranks.source_loss_without_worst
+            if any(f is not None and f.page for f in worst)
+            else None,
+        )
+        found += self._straggler(step, ranks.own_ratio)
+        found += self._single_signals(view)
+        found += self._memory(step, view)
+        found += self._experts(view, warm=not derived[SM.warmup])
+        found += self._residual(view)
+        return derived, [f for f in found if f is not None]
+
+    def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding]:
+        """L and G2 against their histories, their co-spikes and the clip window; fills the
+        step's detector columns into ``derived``."""
+        found: list[Finding] = []
         loss = self.spikes[SM.loss].update(view[SM.loss]) if view[SM.loss] is not None else None
         grad = (
             self.spikes[SM.grad_norm].update(view[SM.grad_norm])
@@ -230,7 +251,7 @@ class SignalDetectors:
                 found.append(
                     Finding(
                         signal=SM.cospike,
-                        kind=SM.cospike,
+                        kind="cospike",
                         value=view[SM.loss],
                         baseline=_exp(loss.median),
                         z=co.magnitude,
@@ -253,22 +274,7 @@ class SignalDetectors:
             derived.update(clip_rate=clip.rate, clipped=int(clip.clipped))
         else:
             derived.update(clip_rate=None, clipped=0)
-        found += self._job(view)
-        worst = self._worst_rank(view, ranks.loss)
-        found += worst
-        found += self._sources(
-            view,
-            sources,
-            ranks.source_loss_without_worst
-            if any(f is not None and f.page for f in worst)
-            else None,
-        )
-        found += self._straggler(step, ranks.own_ratio)
-        found += self._single_signals(view)
-        found += self._memory(step, view)
-        found += self._experts(view, warm=not derived[SM.warmup])
-        found += self._residual(view)
-        return derived, [f for f in found if f is not None]
+        return found
 
     def _job(self, view: dict[str, Any]) -> list[Finding]:
         """A missing rank pages when it is missing on two steps in a row; one step without

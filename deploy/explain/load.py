@@ -98,6 +98,16 @@ def load(
     )
     start = max(step - lookback, int(data.steps[0]))
     out = Loaded(run_id, step, start, data)
+    _load_ranks(client, db, p, start, out)
+    _load_tensors(client, db, run_id, step, layer_history, out)
+    _load_pages(client, db, p, start, out)
+    return out
+
+
+def _load_ranks(client: Any, db: str, p: dict[str, Any], start: int, out: Loaded) -> None:
+    """The late ranks of the scanned steps, the sources' losses, and each rank's step time
+    and collective wait at the step."""
+    run_id, step = out.run_id, out.step
     out.late = [
         (int(s), sorted(int(r) for r in ranks))
         for s, ranks in _rows(
@@ -129,7 +139,11 @@ def load(
             out.step_times[int(rank)] = float(value)
         elif np.isfinite(value):
             out.waits[int(rank)] = out.waits.get(int(rank), 0.0) + float(value)
-    _load_tensors(client, db, run_id, step, layer_history, out)
+
+
+def _load_pages(client: Any, db: str, p: dict[str, Any], start: int, out: Loaded) -> None:
+    """The worst expert layer of the scanned steps, the step's pages, and the events at the
+    step inside a page episode that opened earlier."""
     moe = _rows(
         client,
         f"SELECT step, layer, max_violation, busiest_expert, h_norm FROM "
@@ -160,7 +174,6 @@ def load(
         "p.signal AND a.culprit = p.culprit ORDER BY a.signal",
         p,
     )
-    return out
 
 
 def _load_tensors(client: Any, db: str, run_id: str, step: int, history: int, out: Loaded) -> None:

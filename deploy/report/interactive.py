@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -208,33 +209,9 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
                 )
         _anomalies(fig, chart, data)
     drawn = any(t.meta["role"] == "raw" for t in fig.data)
-    yaxis: dict[str, Any] = {"title": {"text": chart.unit}, "zeroline": False}
-    if chart.axis is Axis.COUNT and drawn:  # a count: from 0, integer ticks
-        top = max(
-            [1.0]
-            + [
-                float(np.nanmax(np.array(tr.y, dtype=np.float64)))
-                for tr in fig.data
-                if tr.meta["role"] == "raw"
-            ]
-        )
-        yaxis.update(range=[0, top * 1.1], tick0=0, dtick=max(1, int(np.ceil(top / 5))))
-    elif chart.axis is Axis.COUNT:
-        yaxis.update(range=[0, 1.1], tick0=0, dtick=1)
-    if chart.axis is Axis.SETTING and drawn:  # a constant setting reads as its value
-        top = max(float(np.nanmax(np.array(tr.y, dtype=np.float64))) for tr in fig.data)
-        if np.isfinite(top) and top > 0:
-            yaxis.update(range=[0, top * 1.25], tickformat=".3~g")
-    if (
-        chart.log
-        and drawn
-        and all(
-            np.nanmin(np.array(tr.y, dtype=np.float64)) > 0
-            for tr in fig.data
-            if tr.meta["role"] == "raw"
-        )
-    ):
-        yaxis["type"] = "log"
+    yaxis = _yaxis(
+        chart, [np.array(t.y, dtype=np.float64) for t in fig.data if t.meta["role"] == "raw"]
+    )
     fig.update_layout(
         title={"text": chart.title, "font": {"size": 14}},
         height=320,
@@ -259,6 +236,22 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
         ],
     )
     return fig
+
+
+def _yaxis(chart: Chart, raw: list[np.ndarray]) -> dict[str, Any]:
+    """The chart's y axis over its raw traces: a count from 0 with integer ticks, a setting
+    (the learning rate) from 0 so a constant reads as its value, log where it is asked for
+    and every value is positive."""
+    yaxis: dict[str, Any] = {"title": {"text": chart.unit}, "zeroline": False}
+    top = max((float(np.nanmax(y)) for y in raw), default=math.nan)
+    if chart.axis is Axis.COUNT:
+        top = max(1.0, top) if raw else 1.0
+        yaxis.update(range=[0, top * 1.1], tick0=0, dtick=max(1, int(np.ceil(top / 5))))
+    if chart.axis is Axis.SETTING and math.isfinite(top) and top > 0:
+        yaxis.update(range=[0, top * 1.25], tickformat=".3~g")
+    if chart.log and raw and all(np.nanmin(y) > 0 for y in raw):
+        yaxis["type"] = "log"
+    return yaxis
 
 
 def build_figures(runs: list[FirstScreenData]) -> list[go.Figure]:
@@ -377,6 +370,35 @@ _SCRIPT = """
 """
 
 
+_ALERT_COLUMNS = (
+    "step",
+    "tokens",
+    "severity",
+    "signal",
+    "culprit",
+    "value",
+    "baseline",
+    "z",
+    "ranks",
+    "message",
+    "next_steps",
+)
+_ANOMALY_COLUMNS = ("step", "tokens", "signal", "kind", "culprit", "value", "baseline", "z")
+
+
+def _run_tables(runs: list[FirstScreenData]) -> list[str]:
+    """Each run's alerts and anomalies as HTML tables, with headings."""
+    tables = []
+    for data in runs:
+        run = html.escape(data.run_id)
+        tables.append(f"<h3>{run}: alerts ({len(data.alerts)})</h3>")
+        tables.append(_table(data.alerts, _ALERT_COLUMNS, "No alert fired."))
+        tables.append(f"<h3>{run}: anomalies ({len(data.anomalies)})</h3>")
+        anomalies = [_with_units(a) for a in data.anomalies]
+        tables.append(_table(anomalies, _ANOMALY_COLUMNS, "No anomaly detected."))
+    return tables
+
+
 def render_html(runs: list[FirstScreenData], figures: list[go.Figure] | None = None) -> str:
     """The whole page: controls, one div per chart, configs, alerts and anomalies."""
     figures = build_figures(runs) if figures is None else figures
@@ -392,36 +414,7 @@ def render_html(runs: list[FirstScreenData], figures: list[go.Figure] | None = N
     )
     options = "".join(f"<option value='{k}'>{html.escape(v)}</option>" for k, v in AXES.items())
     config_rows = _config_rows(runs)
-    tables = []
-    for data in runs:
-        tables.append(f"<h3>{html.escape(data.run_id)}: alerts ({len(data.alerts)})</h3>")
-        tables.append(
-            _table(
-                data.alerts,
-                (
-                    "step",
-                    "tokens",
-                    "severity",
-                    "signal",
-                    "culprit",
-                    "value",
-                    "baseline",
-                    "z",
-                    "ranks",
-                    "message",
-                    "next_steps",
-                ),
-                "No alert fired.",
-            )
-        )
-        tables.append(f"<h3>{html.escape(data.run_id)}: anomalies ({len(data.anomalies)})</h3>")
-        tables.append(
-            _table(
-                [_with_units(a) for a in data.anomalies],
-                ("step", "tokens", "signal", "kind", "culprit", "value", "baseline", "z"),
-                "No anomaly detected.",
-            )
-        )
+    tables = _run_tables(runs)
     pages = json.dumps(_pages(runs)).replace("</", "<\\/")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>

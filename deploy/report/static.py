@@ -107,51 +107,15 @@ def _render(data: FirstScreenData) -> Figure:
     fig = Figure(figsize=(16, 11), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(3, 3).ravel()
-    tokens = data.steps["tokens"]
-    tick = EngFormatter(sep="")
     pages = sorted({(a["step"], a["tokens"]) for a in data.alerts if a["severity"] == "page"})
     for ax, panel in zip(axes, PANELS):
         ax.set_label(f"panel:{panel.key}")
         ax.set_title(panel.title, fontsize=11)
         ax.set_xlabel("tokens")
         ax.set_ylabel(panel.ylabel)
-        ax.xaxis.set_major_formatter(tick)
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.grid(True, alpha=0.3)
-        drawn = False
-        for column, label in panel.columns:
-            drawn |= _draw(
-                ax,
-                tokens,
-                data.steps[column] / panel.scale,
-                label,
-                drawstyle="steps-post" if panel.count else "default",
-            )
-        if panel.key == "source":
-            shares = source_shares(data.sources)
-            for source, (step, loss, _) in sorted(data.sources.items()):
-                share = shares[source]
-                share_text = f" ({100 * share:.0f}% of tokens)" if np.isfinite(share) else ""
-                drawn |= _draw(ax, _tokens_at(data, step), loss, f"{source}{share_text}")
-        if panel.key == "eval":
-            for ev in sorted(data.evals, key=lambda e: e.name):
-                if ev.metric == "bpb":
-                    drawn |= _draw(
-                        ax,
-                        ev.tokens,
-                        ev.value,
-                        f"{ev.suite} ({ev.stream})" + (" [reference]" if ev.reference else ""),
-                        marker="o",
-                        markersize=3,
-                        linestyle="-" if ev.reference else "--",
-                    )
-        right = [(c, label) for c, label in panel.right if np.isfinite(data.steps[c]).any()]
-        if right:
-            twin = ax.twinx()
-            twin.set_ylabel(panel.right_label)
-            for column, label in right:
-                drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray", alpha=0.7)
-            twin.legend(loc="upper right", fontsize=8)
-        if not drawn:
+        if not _draw_panel(ax, panel, data):
             ax.set_xticks([])
             ax.set_yticks([])
             ax.text(
@@ -165,34 +129,7 @@ def _render(data: FirstScreenData) -> Figure:
                 gid="not-measured",
             )
             continue
-        if panel.count:  # a count: from 0, integer ticks, never a ±0.04 axis
-            top = np.nanmax(data.steps[panel.columns[0][0]])
-            ax.set_ylim(0, max(1.0, float(top)) * 1.1)
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        if panel.log and all(
-            np.nanmin(data.steps[c]) > 0
-            for c, _ in panel.columns
-            if np.isfinite(data.steps[c]).any()
-        ):
-            ax.set_yscale("log")
-        marks = [a for a in data.anomalies if _panel_of(a) == panel.key and a["tokens"] is not None]
-        if marks:
-            ax.plot(
-                [a["tokens"] for a in marks],
-                [_anomaly_y(a, panel, data) for a in marks],
-                linestyle="none",
-                marker="v",
-                markersize=9,
-                color="red",
-                markeredgecolor="black",
-                label="anomaly",
-                gid="anomaly",
-                zorder=5,
-            )
-        for _step, x in pages:
-            if x is not None:
-                ax.axvline(x, color="red", linestyle="--", linewidth=0.8, alpha=0.6, gid="alert")
-        ax.legend(loc="upper left", fontsize=8)
+        _mark(ax, panel, data, pages)
     run = data.run or {}
     status = f", {run['status']}" if run.get("status") else ""
     fig.suptitle(
@@ -201,6 +138,73 @@ def _render(data: FirstScreenData) -> Figure:
         fontsize=13,
     )
     return fig
+
+
+def _draw_panel(ax: Any, panel: Panel, data: FirstScreenData) -> bool:
+    """The panel's curves (its columns, sources, evaluations, right axis); False when it
+    has nothing measured to draw."""
+    tokens = data.steps["tokens"]
+    drawn = False
+    for column, label in panel.columns:
+        style = "steps-post" if panel.count else "default"
+        drawn |= _draw(ax, tokens, data.steps[column] / panel.scale, label, drawstyle=style)
+    if panel.key == "source":
+        shares = source_shares(data.sources)
+        for source, (step, loss, _) in sorted(data.sources.items()):
+            share = shares[source]
+            share_text = f" ({100 * share:.0f}% of tokens)" if np.isfinite(share) else ""
+            drawn |= _draw(ax, _tokens_at(data, step), loss, f"{source}{share_text}")
+    if panel.key == "eval":
+        for ev in sorted(data.evals, key=lambda e: e.name):
+            if ev.metric == "bpb":
+                drawn |= _draw(
+                    ax,
+                    ev.tokens,
+                    ev.value,
+                    f"{ev.suite} ({ev.stream})" + (" [reference]" if ev.reference else ""),
+                    marker="o",
+                    markersize=3,
+                    linestyle="-" if ev.reference else "--",
+                )
+    right = [(c, label) for c, label in panel.right if np.isfinite(data.steps[c]).any()]
+    if right:
+        twin = ax.twinx()
+        twin.set_ylabel(panel.right_label)
+        for column, label in right:
+            drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray", alpha=0.7)
+        twin.legend(loc="upper right", fontsize=8)
+    return drawn
+
+
+def _mark(ax: Any, panel: Panel, data: FirstScreenData, pages: list[tuple]) -> None:
+    """The panel's axis (a count from 0, log where every value is positive), its anomaly
+    markers and the pages' lines."""
+    if panel.count:  # a count: from 0, integer ticks, never a ±0.04 axis
+        top = np.nanmax(data.steps[panel.columns[0][0]])
+        ax.set_ylim(0, max(1.0, float(top)) * 1.1)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.log and all(
+        np.nanmin(data.steps[c]) > 0 for c, _ in panel.columns if np.isfinite(data.steps[c]).any()
+    ):
+        ax.set_yscale("log")
+    marks = [a for a in data.anomalies if _panel_of(a) == panel.key and a["tokens"] is not None]
+    if marks:
+        ax.plot(
+            [a["tokens"] for a in marks],
+            [_anomaly_y(a, panel, data) for a in marks],
+            linestyle="none",
+            marker="v",
+            markersize=9,
+            color="red",
+            markeredgecolor="black",
+            label="anomaly",
+            gid="anomaly",
+            zorder=5,
+        )
+    for _step, x in pages:
+        if x is not None:
+            ax.axvline(x, color="red", linestyle="--", linewidth=0.8, alpha=0.6, gid="alert")
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def png(fig: Figure) -> bytes:
