@@ -265,6 +265,24 @@ GRAD_GROUP_STATS = Table(
     key=("run_id", "group", "step"),
 )
 
+RESIDUAL_STATS = Table(
+    "residual_stats",
+    "R_b, N_s, N_b per layer and branch (token means), on the steps that measure them: "
+    "the depth profile of the residual paths (seeds 001 §8)",
+    (
+        _RUN,
+        _STEP,
+        _name("layer", "block index label"),
+        _name("branch", "attn or mlp"),
+        Column("tokens", "Float64", comment="valid tokens the means run over"),
+        _f("ratio", "R_b = ||branch output|| / ||residual stream||, token mean"),
+        _f("stream_norm", "N_s, token mean"),
+        _f("branch_norm", "N_b, token mean"),
+        _inserted_at(),
+    ),
+    key=("run_id", "layer", "branch", "step"),
+)
+
 EXPERT_STATS = Table(
     "expert_stats",
     "per-expert valid-token loads of retained steps",
@@ -411,6 +429,7 @@ TABLES: tuple[Table, ...] = (
     TENSOR_STATS,
     EXPERT_STATS,
     GRAD_GROUP_STATS,
+    RESIDUAL_STATS,
     TENSOR_NAMES,
     ANOMALIES,
     ALERTS,
@@ -459,6 +478,8 @@ class Migration:
     statements: tuple[str, ...]  # ``{db}`` stands for the database name
 
 
+# The written part of each migration; every version's step_metrics columns are the
+# registry's rows with that ``since`` (``_add_columns``), added before the written statements.
 _WRITTEN: tuple[Migration, ...] = (
     Migration(
         1,
@@ -470,23 +491,17 @@ _WRITTEN: tuple[Migration, ...] = (
     Migration(
         2,
         "step_metrics: media scale, the weakest residual branch, the straggler's own-time ratio",
-        _add_columns(2),
+        (),
     ),
     Migration(
         3,
         "step_metrics: learning rates; runs: status crashed",
-        (
-            *_add_columns(3),
-            f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'",
-        ),
+        (f"ALTER TABLE {{db}}.runs COMMENT COLUMN status '{_STATUS_DOC}'",),
     ),
     Migration(
         4,
         "step_metrics: the seeds' formed series and the guard's per-step events; grad_group_stats",
-        (
-            *_add_columns(4),
-            GRAD_GROUP_STATS.ddl("{db}"),
-        ),
+        (GRAD_GROUP_STATS.ddl("{db}"),),
     ),
     Migration(
         5,
@@ -501,23 +516,32 @@ _WRITTEN: tuple[Migration, ...] = (
         "tensor_names: each tensor label of a run once, with its block, role and expert",
         (TENSOR_NAMES.ddl("{db}"),),
     ),
+    Migration(
+        8,
+        "residual_stats: R_b, N_s, N_b per layer and branch of the steps that measure them",
+        (RESIDUAL_STATS.ddl("{db}"),),
+    ),
 )
 
 
-def _registry_migrations(after: int) -> tuple[Migration, ...]:
-    """One migration per registry version above the written ones: its rows' columns."""
-    versions = sorted({s.since for s in STEP_SERIES if s.since > after})
-    return tuple(
-        Migration(
-            v,
-            "step_metrics: " + ", ".join(s.name for s in STEP_SERIES if s.since == v),
-            _add_columns(v),
-        )
-        for v in versions
-    )
+def _migrations() -> tuple[Migration, ...]:
+    """Every version, written or from the registry alone: the registry's step_metrics
+    columns of that version (migration 1 creates the whole table), then its written part."""
+    written = {m.version: m for m in _WRITTEN}
+    versions = sorted(set(written) | {s.since for s in STEP_SERIES})
+    out = []
+    for v in versions:
+        columns = _add_columns(v) if v > 1 else ()
+        if v in written:
+            m = written[v]
+            out.append(Migration(v, m.description, (*columns, *m.statements)))
+        else:
+            names = ", ".join(s.name for s in STEP_SERIES if s.since == v)
+            out.append(Migration(v, f"step_metrics: {names}", columns))
+    return tuple(out)
 
 
-MIGRATIONS: tuple[Migration, ...] = (*_WRITTEN, *_registry_migrations(_WRITTEN[-1].version))
+MIGRATIONS: tuple[Migration, ...] = _migrations()
 
 
 @dataclass(frozen=True, slots=True)
@@ -587,6 +611,25 @@ FROM (
 """,
 )
 
+# Per (run, step, tensor) of a retained scan step: the update ratio rho = ||dw|| / (||w|| +
+# eps) of each tensor scanned both as its parameter and as its update (``derive.update_ratio``,
+# eps = 1e-12), with both RMS beside it (seeds 001 §6).
+_TENSOR_UPDATE_RATIO = View(
+    "tensor_update_ratio",
+    """
+SELECT u.run_id AS run_id, u.step AS step, u.tensor AS tensor,
+    sqrt(u.sum_sq) / (sqrt(p.sum_sq) + 1e-12) AS update_ratio,
+    if(u.n > 0, sqrt(u.sum_sq / u.n), NULL) AS update_rms,
+    if(p.n > 0, sqrt(p.sum_sq / p.n), NULL) AS param_rms
+FROM (SELECT run_id, step, tensor, sum_sq, n FROM {db}.tensor_stats FINAL
+      WHERE kind = 'update') AS u
+INNER JOIN (SELECT run_id, step, tensor, sum_sq, n FROM {db}.tensor_stats FINAL
+            WHERE kind = 'param') AS p
+    ON u.run_id = p.run_id AND u.step = p.step AND u.tensor = p.tensor
+WHERE u.sum_sq > 0 OR p.sum_sq > 0
+""",
+)
+
 # Per (run, step, layer): I, MaxVio, H_norm, dead ratio and shard imbalance from the
 # expert loads c_i (seeds 001 §7). H = log T - sum c_i log c_i / T over c_i > 0.
 # Layers that received no valid token are left out, not reported as zero.
@@ -611,4 +654,10 @@ HAVING layer_tokens > 0
 """,
 )
 
-VIEWS: tuple[View, ...] = (_FIRST_SCREEN, _LOSS_BY_SOURCE, _TENSOR_VIEW, _EXPERT_BALANCE)
+VIEWS: tuple[View, ...] = (
+    _FIRST_SCREEN,
+    _LOSS_BY_SOURCE,
+    _TENSOR_VIEW,
+    _TENSOR_UPDATE_RATIO,
+    _EXPERT_BALANCE,
+)

@@ -39,6 +39,8 @@ __all__ = [
     "rank_means",
     "rms_from_components",
     "shard_imbalance",
+    "Spread",
+    "spread",
     "straggler_score",
     "tokens_per_s",
     "update_ratio",
@@ -439,3 +441,27 @@ def dead_expert_ratio(layers: Sequence[Sequence[float]]) -> float | None:
             dead += int(np.count_nonzero(c == 0))
             total += c.size
     return dead / total if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """A per-tensor series over the tensors of a step: its least, median and largest value,
+    and the tensors holding the least and the largest."""
+
+    min: float
+    min_at: str
+    median: float
+    max: float
+    max_at: str
+
+
+def spread(values: Mapping[str, float]) -> Spread | None:
+    """Min (with its key), median and max (with its key) of the finite values; ties go to
+    the first key in sorted order. None when no value is finite (none to describe). The
+    median of an even count is the mean of the two middle values (``numpy.median``)."""
+    finite = sorted((k, float(v)) for k, v in values.items() if math.isfinite(v))
+    if not finite:
+        return None
+    lo = min(finite, key=lambda kv: kv[1])
+    hi = max(finite, key=lambda kv: kv[1])
+    return Spread(lo[1], lo[0], float(np.median([v for _, v in finite])), hi[1], hi[0])

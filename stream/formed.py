@@ -14,7 +14,7 @@ from .inputs import StepInputs, by_name
 from .records import ReducedStep
 from .series import FORMED
 
-__all__ = ["by_name", "formed_series", "grad_group_rows"]
+__all__ = ["by_name", "formed_series", "grad_group_rows", "residual_rows"]
 
 _STEP = tuple(f.series for f in FORMED if f.table == "step_metrics")
 _GROUP = tuple(f.series for f in FORMED if f.table == "grad_group_stats")
@@ -44,3 +44,21 @@ def grad_group_rows(item: ReducedStep) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def residual_rows(s: StepInputs) -> list[dict[str, Any]]:
+    """``residual_stats`` rows: each residual branch's token-mean R_b, N_s and N_b at a
+    step that measures them (the depth profile; the weakest one is in ``step_metrics``)."""
+    base = {"run_id": s.item.run_id, "step": s.item.step}
+    return [
+        {
+            **base,
+            "layer": b.layer,
+            "branch": b.branch,
+            "tokens": b.tokens,
+            "ratio": b.ratio,
+            "stream_norm": b.stream_norm,
+            "branch_norm": b.branch_norm,
+        }
+        for b in s.branches
+    ]

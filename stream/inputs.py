@@ -37,12 +37,15 @@ from probewire.instrument.wire import Labels, SeriesKey
 from .derive import (
     ExpertBalance,
     GradStats,
+    Spread,
     expert_balance,
     grad_stats,
     mean_from_components,
     own_time_ratios,
     own_times,
     shard_imbalance,
+    spread,
+    update_ratio,
     worst_rank_loss,
 )
 from .records import ReducedStep
@@ -146,12 +149,18 @@ class Experts:
 
 @dataclass(frozen=True, slots=True)
 class Branch:
-    """The weakest residual branch: the smallest token-mean R_b, with its N_s and N_b."""
+    """One residual branch's token means: R_b, with its N_s and N_b."""
 
     ratio: float
-    where: str  # "layer L attn|mlp"
+    layer: str
+    branch: str  # attn | mlp
+    tokens: float
     stream_norm: float | None
     branch_norm: float | None
+
+    @property
+    def where(self) -> str:
+        return f"layer {self.layer} {self.branch}"
 
 
 class StepInputs:
@@ -270,29 +279,50 @@ class StepInputs:
         return [[by.get(i, 0.0) for i in range(max(by) + 1)] for by in layers.values()]
 
     @cached_property
-    def weakest_branch(self) -> Branch | None:
-        """The smallest token-mean R_b = Σ ratio_sum / Σ tokens over (layer, branch)."""
-        weakest: tuple[float, Labels, float | None, float | None] | None = None
-        for labels, n in self.labelled(Residual.TOKENS).items():
+    def branches(self) -> list[Branch]:
+        """Each residual branch's token means (R_b, N_s, N_b) over Σ tokens, in label order:
+        the layers and branches with valid tokens and a finite ratio sum (seeds 001 §8)."""
+        out = []
+        for labels, n in sorted(self.labelled(Residual.TOKENS).items()):
             ratio = self.red.get((_RATIO_SUM, labels))
             if not n > 0 or ratio is None or not math.isfinite(ratio):
                 continue
             mean = mean_from_components(ratio, n)
-            if mean is not None and (weakest is None or mean < weakest[0]):
-                s, b = (
-                    self.red.get((name, labels)) for name in (_STREAM_NORM_SUM, _BRANCH_NORM_SUM)
-                )
-                weakest = (
-                    mean,
-                    labels,
+            s, b = (self.red.get((name, labels)) for name in (_STREAM_NORM_SUM, _BRANCH_NORM_SUM))
+            lab = dict(labels)
+            out.append(
+                Branch(
+                    mean if mean is not None else math.nan,
+                    lab.get(Label.LAYER, "?"),
+                    lab.get(Label.BRANCH, "?"),
+                    n,
                     None if s is None else mean_from_components(s, n),
                     None if b is None else mean_from_components(b, n),
                 )
-        if weakest is None:
-            return None
-        lab = dict(weakest[1])
-        where = f"layer {lab.get(Label.LAYER, '?')} {lab.get(Label.BRANCH, '?')}"
-        return Branch(weakest[0], where, weakest[2], weakest[3])
+            )
+        return out
+
+    @cached_property
+    def weakest_branch(self) -> Branch | None:
+        """The branch with the smallest token-mean R_b (ties: the first in label order)."""
+        weakest = None
+        for branch in self.branches:
+            if weakest is None or branch.ratio < weakest.ratio:
+                weakest = branch
+        return weakest
+
+    @cached_property
+    def rho_spread(self) -> Spread | None:
+        """Min, median and max of the per-tensor update ratios, with the extreme tensors."""
+        return spread(self.update_ratios)
+
+    @cached_property
+    def update_ratios(self) -> dict[str, float]:
+        """ρ of each tensor scanned both as kind=param and kind=update at this step."""
+        by_kind = self.tensor_sum_sq
+        both = sorted(set(by_kind["param"]) & set(by_kind["update"]))
+        found = {t: update_ratio(by_kind["update"][t], by_kind["param"][t]) for t in both}
+        return {t: v for t, v in found.items() if v is not None}
 
     @cached_property
     def learning_rates(self) -> dict[str, float]:

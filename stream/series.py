@@ -726,12 +726,55 @@ class StepMetrics:
     )
     update_ratio = _f(
         "update_ratio",
-        "rho = ||update|| / ||param|| over the scanned parameters",
+        "rho pooled over the scanned tensors: ||all updates|| / ||all params|| (per tensor: "
+        "update_ratio_min/median/max here, every tensor in the tensor_update_ratio view)",
         kind=Kind.FORMED,
         since=4,
         components=(Tensor.SUM_SQ,),
         formula=_update_ratio,
         seed="001 §6 relative update size ρ",
+    )
+    update_ratio_min = _f(
+        "update_ratio_min",
+        "rho of the tensor whose update is smallest against its weights",
+        since=8,
+        components=(Tensor.SUM_SQ,),
+        formula=lambda s: None if (r := s.rho_spread) is None else r.min,
+        seed="001 §6",
+    )
+    update_ratio_min_tensor = Series(
+        "update_ratio_min_tensor",
+        "Nullable(String)",
+        "the tensor of update_ratio_min",
+        since=8,
+        components=(Tensor.SUM_SQ,),
+        formula=lambda s: None if (r := s.rho_spread) is None else r.min_at,
+        seed="001 §6",
+    )
+    update_ratio_median = _f(
+        "update_ratio_median",
+        "median over the scanned tensors of rho = ||dw|| / (||w|| + eps)",
+        since=8,
+        components=(Tensor.SUM_SQ,),
+        formula=lambda s: None if (r := s.rho_spread) is None else r.median,
+        seed="001 §6 relative update size ρ",
+    )
+    update_ratio_max = _f(
+        "update_ratio_max",
+        "rho of the tensor whose update is largest against its weights",
+        since=8,
+        components=(Tensor.SUM_SQ,),
+        formula=lambda s: None if (r := s.rho_spread) is None else r.max,
+        seed="001 §6",
+    )
+    update_ratio_max_tensor = Series(
+        "update_ratio_max_tensor",
+        "Nullable(String)",
+        "the tensor of update_ratio_max",
+        since=8,
+        components=(Tensor.SUM_SQ,),
+        formula=lambda s: None if (r := s.rho_spread) is None else r.max_at,
+        seed="001 §6",
     )
     logits_rms = _f(
         "logits_rms",

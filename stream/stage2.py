@@ -37,7 +37,8 @@ from typing import Any
 from .assemble import REPLAY
 from .dimensions import tensor_dimensions
 from .errors import check
-from .formed import grad_group_rows
+from .formed import grad_group_rows, residual_rows
+from .inputs import StepInputs
 from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
@@ -275,7 +276,8 @@ class RunPipeline:
             if item.step <= self.last_step and item.step not in self.skipped:
                 continue  # re-delivery: already counted
             try:
-                view = p0_view(item)
+                inputs = StepInputs(item)
+                view = p0_view(item, inputs)
             except ValueError as exc:  # malformed components: refused, no state moved
                 out.refused.append(
                     (
@@ -287,12 +289,14 @@ class RunPipeline:
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
             self.skipped.add(self.last_step + 1, item.step - 1)
-            out.extend(self._step(item, view, after_gap))
+            out.extend(self._step(item, view, inputs, after_gap))
         if items:
             out.rows["runs"].append(self._run_row("running"))
         return out
 
-    def _step(self, item: ReducedStep, p0: P0View, after_gap: bool) -> Stage2Output:
+    def _step(
+        self, item: ReducedStep, p0: P0View, inputs: StepInputs, after_gap: bool
+    ) -> Stage2Output:
         out = Stage2Output()
         view, sources = p0.view, p0.sources
         self.world_size = max(self.world_size, item.world_size)
@@ -326,6 +330,7 @@ class RunPipeline:
             row[sm.complete_reason] = "after_gap"
         out.rows["step_metrics"].append(row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
+        out.rows["residual_stats"] += residual_rows(inputs)
         out.rows["source_metrics"] += [
             {
                 "run_id": self.run_id,

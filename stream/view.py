@@ -63,17 +63,18 @@ def _rank_series(s: StepInputs) -> RankSeries:
 class P0View(NamedTuple):
     """A step's P0 view (``view``: the step_metrics columns it forms, plus ``flops_step``
     and ``moe_maxvio_layer``, which stage 2 and the detectors read and do not store), per
-    data source (loss, share, tokens) (``sources``), and the per-rank series the
-    detectors' culprit rules read (``ranks``)."""
+    data source (loss, share, tokens) (``sources``), the per-rank series the detectors'
+    culprit rules read (``ranks``)."""
 
     view: dict[str, Any]
     sources: dict[str, tuple[float, float, float]]
     ranks: RankSeries
 
 
-def p0_view(item: ReducedStep) -> P0View:
-    """The step's P0 values from its reduced components and the ranks' values."""
-    s = StepInputs(item)
+def p0_view(item: ReducedStep, inputs: StepInputs | None = None) -> P0View:
+    """The step's P0 values from its reduced components and the ranks' values (``inputs``:
+    the step's ``StepInputs`` when the caller reads them too)."""
+    s = StepInputs(item) if inputs is None else inputs
     view: dict[str, Any] = {c.name: c.formula(s) for c in VIEW}  # type: ignore[misc]
     view["flops_step"] = s.get(System.FLOPS)
     worst = s.experts.worst

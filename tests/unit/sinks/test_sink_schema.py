@@ -15,9 +15,11 @@ from probewire.sinks.schema import (
     _STEP_METRICS_V3,
     _STEP_METRICS_V4,
     GRAD_GROUP_STATS,
+    RESIDUAL_STATS,
     TENSOR_NAMES,
 )
 from probewire.stream import derive
+from probewire.stream.series import STEP_SERIES
 
 
 @pytest.fixture()
@@ -56,10 +58,10 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 7
+    assert sink.migrate() == 8
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
-    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
+    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
@@ -102,6 +104,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client, c
     db = ch_database + "_v1"
     table = next(t for t in TABLES if t.name == "step_metrics")
     later = {c.name for c in (*_STEP_METRICS_V2, *_STEP_METRICS_V3, *_STEP_METRICS_V4)}
+    later |= {s.name for s in STEP_SERIES if s.since > 1}  # and every column added since
     old = dataclasses.replace(table, columns=tuple(c for c in table.columns if c.name not in later))
     ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
     ch_client.command(
@@ -111,12 +114,12 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client, c
     )
     ch_client.command(f"INSERT INTO {db}.schema_migrations (version, description) VALUES (1, 'v1')")
     for t in TABLES:
-        if t not in (GRAD_GROUP_STATS, TENSOR_NAMES):
+        if t not in (GRAD_GROUP_STATS, TENSOR_NAMES, RESIDUAL_STATS):
             ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(
         f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) VALUES ('r', 7, 10, 2.5)"
     )
-    assert ClickHouseSink(ch_client, db).migrate() == 7
+    assert ClickHouseSink(ch_client, db).migrate() == 8
     got = _rows(
         ch_client,
         f"SELECT name, type FROM system.columns WHERE database = '{db}' "

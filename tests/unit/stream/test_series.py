@@ -104,7 +104,7 @@ def test_a_version_6_store_gets_the_registry_column_of_migration_7(ch_client, ch
         "VALUES (1, ''), (2, ''), (3, ''), (4, ''), (5, ''), (6, '')"
     )
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens) VALUES ('r', 3, 9)")
-    assert MIGRATIONS[-1].version == 7 and sink.migrate() == 7
+    assert sink.migrate() == MIGRATIONS[-1].version
     names = [
         r[0]
         for r in ch_client.query(
@@ -117,3 +117,41 @@ def test_a_version_6_store_gets_the_registry_column_of_migration_7(ch_client, ch
     assert ch_client.query(
         f"SELECT step, tokens, moe_maxvio_mean FROM {db}.step_metrics"
     ).result_rows == [(3, 9, None)]
+
+
+def test_residual_stats_hold_every_branchs_token_means_and_stage_2_writes_them():
+    """R_b, N_s, N_b of each (layer, branch) as Σ over ranks / Σ tokens (the depth profile
+    the report draws); the weakest branch stays in step_metrics."""
+    from probewire.instrument.catalog import Residual
+    from probewire.stream.stage2 import RunPipeline, Stage2Config
+
+    rng = np.random.default_rng(3)
+    sums = {"ratio": {}, "stream_norm": {}, "branch_norm": {}}
+    ranks = []
+    for r in range(2):
+        values = {}
+        for layer in ("0", "1", "2"):
+            for branch in ("attn", "mlp"):
+                labels = ((Label.BRANCH, branch), (Label.LAYER, layer))
+                n = float(rng.integers(5, 40))
+                values[(Residual.TOKENS, labels)] = n
+                sums.setdefault("tokens", {}).setdefault(labels, []).append(n)
+                for stat in ("ratio", "stream_norm", "branch_norm"):
+                    v = float(rng.uniform(0.1, 2.0)) * n
+                    values[(Residual.name(stat, "sum"), labels)] = v
+                    sums[stat].setdefault(labels, []).append(v)
+        ranks.append(
+            RankStep(run_id="rs", step=0, rank=r, world_size=2, host="h", coords={"dp": r},
+                     values=values)
+        )  # fmt: skip
+    step = reduce_step("rs", 0, 2, ranks, "all_ranks")
+    rows = RunPipeline("rs", Stage2Config()).accept(step, 0.0).rows["residual_stats"]
+    assert len(rows) == 6
+    for row in rows:
+        labels = ((Label.BRANCH, row["branch"]), (Label.LAYER, row["layer"]))
+        tokens = np.sum(sums["tokens"][labels], dtype=np.float64)
+        assert row["tokens"] == tokens
+        for stat in ("ratio", "stream_norm", "branch_norm"):
+            assert row[stat] == pytest.approx(np.sum(sums[stat][labels]) / tokens, rel=1e-12)
+    view = p0_view(step).view
+    assert view[StepMetrics.residual_ratio_min] == min(r["ratio"] for r in rows)
