@@ -37,8 +37,10 @@ __all__ = [
     "ratio_from_components",
     "own_times",
     "rank_means",
+    "ratios_by_label",
     "rms_from_components",
     "shard_imbalance",
+    "shares",
     "Spread",
     "spread",
     "straggler_score",
@@ -465,3 +467,26 @@ def spread(values: Mapping[str, float]) -> Spread | None:
     lo = min(finite, key=lambda kv: kv[1])
     hi = max(finite, key=lambda kv: kv[1])
     return Spread(lo[1], lo[0], float(np.median([v for _, v in finite])), hi[1], hi[0])
+
+
+def shares(counts: Mapping[str, float]) -> dict[str, float]:
+    """Each key's share of the total, π^(μ) = N^(μ) / Σ_ν N^(ν) (seeds 001 §9 token share):
+    {} when nothing was counted (no measurement, never a zero share)."""
+    total = math.fsum(_counts("counts", list(counts.values()))) if counts else 0.0
+    return {k: float(v) / total for k, v in sorted(counts.items())} if total > 0 else {}
+
+
+def ratios_by_label(
+    parts: Mapping[tuple[tuple[str, str], ...], float],
+    wholes: Mapping[tuple[tuple[str, str], ...], float],
+    key: str,
+) -> dict[str, float]:
+    """part / whole for each label set both hold, keyed by its ``key`` label (e.g. one
+    agreement per MTP depth): ``ratio_from_components`` of each; a label set without a
+    positive whole is left out."""
+    out = {}
+    for labels, whole in wholes.items():
+        value = ratio_from_components(parts.get(labels), whole)
+        if value is not None:
+            out[dict(labels).get(key, "")] = value
+    return dict(sorted(out.items()))

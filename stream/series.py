@@ -34,6 +34,7 @@ from probewire.instrument.catalog import (
     Comm,
     Grad,
     Guard,
+    Label,
     Loss,
     Memory,
     Modality,
@@ -610,6 +611,20 @@ class StepMetrics:
         first_screen=True,
         seed="001 §6",
     )
+    modality_token_share = Series(
+        "modality_token_share",
+        "Map(LowCardinality(String), Float64)",
+        "pi per modality: its tokens entering the backbone / all modalities' tokens (empty "
+        "without a media path)",
+        since=8,
+        default="map()",
+        components=(Modality.TOKENS,),
+        formula=lambda s: derive.shares(
+            {dict(k).get(Label.MODALITY, ""): v for k, v in s.labelled(Modality.TOKENS).items()}
+        ),
+        first_screen=True,
+        seed="001 §9 token share π",
+    )
     # migration 2: structure P0 signals at their probe cadence, the straggler's own-time ratio
     media_scale = _f(
         "media_scale",
@@ -829,12 +844,25 @@ class StepMetrics:
     )
     mtp_agreement = _f(
         "mtp_agreement",
-        "top-1 agreement of LM head and MTP heads, aligned positions",
+        "top-1 agreement of LM head and MTP heads, aligned positions, pooled over depths "
+        "(per depth: mtp_agreement_by_depth)",
         kind=Kind.FORMED,
         since=4,
         components=(Output.MTP_AGREE, Output.MTP_POSITIONS),
         formula=lambda s: derive.ratio_from_components(
             s.total(Output.MTP_AGREE), s.total(Output.MTP_POSITIONS)
+        ),
+        seed="002 act/mtp_{k}_lm_head_top1_agreement",
+    )
+    mtp_agreement_by_depth = Series(
+        "mtp_agreement_by_depth",
+        "Map(LowCardinality(String), Float64)",
+        "top-1 agreement of the LM head and the MTP head of each depth k, aligned positions",
+        since=8,
+        default="map()",
+        components=(Output.MTP_AGREE, Output.MTP_POSITIONS),
+        formula=lambda s: derive.ratios_by_label(
+            s.labelled(Output.MTP_AGREE), s.labelled(Output.MTP_POSITIONS), Label.DEPTH
         ),
         seed="002 act/mtp_{k}_lm_head_top1_agreement",
     )

@@ -155,3 +155,52 @@ def test_residual_stats_hold_every_branchs_token_means_and_stage_2_writes_them()
             assert row[stat] == pytest.approx(np.sum(sums[stat][labels]) / tokens, rel=1e-12)
     view = p0_view(step).view
     assert view[StepMetrics.residual_ratio_min] == min(r["ratio"] for r in rows)
+
+
+def test_modality_token_share_is_each_modalitys_tokens_over_all_and_absent_without_media():
+    """π^(μ) = Σ_r tokens{μ} / Σ_μ Σ_r tokens (seeds 001 §9), a rank without media sending
+    no media count; a step without a media path stores an empty map, not a zero share."""
+    from probewire.instrument.catalog import Modality
+
+    counts = {
+        0: {"text": 300.0, "media": 64.0},
+        1: {"text": 250.0},
+        2: {"text": 10.0, "media": 1.0},
+    }
+    ranks = [
+        RankStep(run_id="pi", step=0, rank=r, world_size=3, host="h", coords={"dp": r},
+                 values={(Modality.TOKENS, ((Label.MODALITY, m),)): n for m, n in c.items()})
+        for r, c in counts.items()
+    ]  # fmt: skip
+    view = p0_view(reduce_step("pi", 0, 3, ranks, "all_ranks")).view
+    text = np.sum([c.get("text", 0.0) for c in counts.values()], dtype=np.float64)
+    media = np.sum([c.get("media", 0.0) for c in counts.values()], dtype=np.float64)
+    assert view[StepMetrics.modality_token_share] == pytest.approx(
+        {"media": media / (text + media), "text": text / (text + media)}, rel=1e-15
+    )
+    assert p0_view(reduce_step("pi", 1, 1, [], "all_ranks")).view["modality_token_share"] == {}
+
+
+def test_mtp_agreement_per_depth_beside_the_pooled_value():
+    """002 act/mtp_{k}_lm_head_top1_agreement is one value per depth k: Σ agree{k} / Σ
+    positions{k} over ranks; the pooled column stays Σ_k agree / Σ_k positions."""
+    from probewire.instrument.catalog import Output
+
+    agree = {0: {"1": 40.0, "2": 22.0}, 1: {"1": 35.0, "2": 15.0}}
+    positions = {0: {"1": 60.0, "2": 60.0}, 1: {"1": 50.0, "2": 50.0}}
+    ranks = []
+    for r in (0, 1):
+        values = {}
+        for k in ("1", "2"):
+            values[(Output.MTP_AGREE, ((Label.DEPTH, k),))] = agree[r][k]
+            values[(Output.MTP_POSITIONS, ((Label.DEPTH, k),))] = positions[r][k]
+        ranks.append(RankStep(run_id="mtp", step=0, rank=r, world_size=2, host="h",
+                              coords={"dp": r}, values=values))  # fmt: skip
+    view = p0_view(reduce_step("mtp", 0, 2, ranks, "all_ranks")).view
+    per = {k: (agree[0][k] + agree[1][k]) / (positions[0][k] + positions[1][k]) for k in ("1", "2")}
+    assert view[StepMetrics.mtp_agreement_by_depth] == pytest.approx(per, rel=1e-15)
+    assert per["1"] > 0.6 > per["2"]  # the depths differ: pooling hides the deeper head
+    pooled = sum(sum(a.values()) for a in agree.values()) / sum(
+        sum(p.values()) for p in positions.values()
+    )
+    assert view[StepMetrics.mtp_agreement] == pytest.approx(pooled, rel=1e-15)
