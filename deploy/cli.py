@@ -412,7 +412,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from probewire.stream.calibration import COLUMNS, calibrate_run
+    from probewire.stream.calibration import COLUMNS, DETECTOR_FIELDS, calibrate_run
 
     settings = _settings(args)
     columns = ", ".join(COLUMNS)
@@ -447,7 +447,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ["setting", "series", "threshold", "steps"],
         [(c.setting, c.column, c.threshold, c.n_steps) for c in results],
     )
-    print("stream:\n" + "".join(f"  {c.setting}: {c.threshold:.3f}\n" for c in results), end="")
+    fields = "".join(f"      {DETECTOR_FIELDS[c.setting]}: {c.threshold:.3f}\n" for c in results)
+    print("stream:\n  stage2:\n    detectors:\n" + fields, end="")
     return 0
 
 

@@ -20,7 +20,18 @@ import numpy as np
 from .detect import calibrate
 from .series import StepMetrics as SM
 
-__all__ = ["COLUMNS", "Calibration", "calibrate_run", "held_level"]
+__all__ = [
+    "COLUMNS",
+    "DETECTOR_FIELDS",
+    "MIN_WINDOWS",
+    "Calibration",
+    "calibrate_run",
+    "held_level",
+]
+
+MIN_WINDOWS = 3
+"""A stable run shorter than this many detector windows calibrates nothing: the first
+window only warms the detector up, so fewer would put a threshold on a handful of scores."""
 
 # stream setting -> step_metrics column it is calibrated on
 CALIBRATED = {
@@ -34,6 +45,14 @@ HELD = {
     "straggler_ratio": (SM.straggler_own_ratio, "straggler_steps"),
 }
 COLUMNS = tuple(sorted({*CALIBRATED.values(), *(c for c, _ in HELD.values())}))
+# calibrated setting -> its field of stream.stage2.detectors (DetectorConfig)
+DETECTOR_FIELDS = {
+    "loss_z_threshold": "loss_z",
+    "grad_z_threshold": "grad_z",
+    "signal_z_threshold": "signal_z",
+    "maxvio_threshold": "maxvio_threshold",
+    "straggler_ratio": "straggler_ratio",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +88,16 @@ def calibrate_run(
 ) -> list[Calibration]:
     """One threshold per calibrated setting; missing values (None) are dropped first.
     ``held_steps`` maps each HELD setting's k setting (``maxvio_steps``, ...) to its value
-    (default 3); a held-level series that is absent gives no row."""
+    (default 3); a held-level series that is absent gives no row. A ValueError for a run
+    shorter than ``MIN_WINDOWS`` windows."""
+    steps = max((len(v) for v in series.values()), default=0)
+    if steps < MIN_WINDOWS * window:
+        raise ValueError(
+            f"the run has {steps} steps: a series needs more than window={window} values, "
+            f"and calibration at least {MIN_WINDOWS} detector windows of stable steps "
+            f"({MIN_WINDOWS} x {window} = {MIN_WINDOWS * window}); calibrate on a longer "
+            "stable run, or pass a smaller --window"
+        )
     out = []
     for setting, column in CALIBRATED.items():
         values = [v for v in series.get(column, []) if v is not None and math.isfinite(v)]

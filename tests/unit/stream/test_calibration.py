@@ -100,3 +100,17 @@ def test_a_run_without_experts_or_ranks_gets_no_held_threshold():
         "grad_z_threshold",
         "signal_z_threshold",
     }
+
+
+def test_a_run_shorter_than_three_windows_is_refused_with_what_it_needs():
+    """120 steps under a 100-step window would put thresholds on 20 scores: refused, with
+    the minimum and the way out in the message."""
+    rng = np.random.default_rng(4)
+    series = {
+        column: list(np.exp(rng.normal(0, 0.02, 360)))
+        for column in ("loss", "grad_norm", "step_time_s")
+    }
+    short = {column: values[:120] for column, values in series.items()}
+    with pytest.raises(ValueError, match=r"120 steps.*3 detector windows.*3 x 100 = 300"):
+        calibrate_run(short, window=100)
+    assert len(calibrate_run(series, window=100)) == 3  # 360 steps: calibrated
