@@ -125,8 +125,8 @@ def probewire_cospike(s: Series, window: int) -> list[int]:
     det_g = RobustSpikeDetector(window=window, threshold=6.0)
     co = CoSpikeTracker()
     fired = []
-    for step, l, g in zip(s.steps, s.loss, s.grad):
-        if co.update(det_l.update(l), det_g.update(g)).co_spike:
+    for step, loss, grad in zip(s.steps, s.loss, s.grad):
+        if co.update(det_l.update(loss), det_g.update(grad)).co_spike:
             fired.append(int(step))
     return fired
 
@@ -139,7 +139,7 @@ def rule_10x_first100(s: Series, window: int) -> list[int]:
     if len(s.loss) <= 100:
         return []
     limit = 10 * np.nanmax(s.loss[:100])
-    return [int(st) for st, l in zip(s.steps[100:], s.loss[100:]) if not l <= limit]
+    return [int(st) for st, loss in zip(s.steps[100:], s.loss[100:]) if not loss <= limit]
 
 
 def rule_2x_mean_5(s: Series, window: int) -> list[int]:
@@ -177,7 +177,7 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
     rows, missed, alarms = [], {d: 0 for d in DETECTORS}, {d: 0 for d in DETECTORS}
     for s in scenarios:  # must page nothing: the cell counts firings from the scenario on
         row = [f"{s.label} (pages nothing)"]
-        for name, det in DETECTORS.items():
+        for det in DETECTORS.values():
             fired = [f for f in det(s, window) if f >= s.fault_step]
             cell = str(len(fired))
             if fired and det is probewire_stream:

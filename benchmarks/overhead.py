@@ -56,6 +56,7 @@ Figures (stdout, one line each, machine-readable):
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -160,14 +161,17 @@ def _best(fn, at_least: int = 5, budget_s: float = 0.25, at_most: int = 200) -> 
 
 
 def scan_ratio(chunk: int | None, compiled: bool = False) -> tuple[float, dict[int, float]]:
-    ratios = {}
-    for n in SCAN_SIZES:
-        x = torch.randn(n, device=DEVICE)
-        reference = _best(lambda: x.abs().max())
-        ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
-        ratios[n] = ours / reference
-        del x
+    ratios = {n: _scan_ratio_at(n, chunk, compiled) for n in SCAN_SIZES}
     return max(ratios.values()), ratios
+
+
+def _scan_ratio_at(n: int, chunk: int | None, compiled: bool) -> float:
+    """The scan's time over ``x.abs().max()``'s on one random tensor of ``n`` elements (freed
+    on return, before the next size is allocated)."""
+    x = torch.randn(n, device=DEVICE)
+    reference = _best(lambda: x.abs().max())
+    ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
+    return ours / reference
 
 
 def _on_device(batch):
@@ -385,11 +389,7 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
             transport=NullTransport(),
         )
         monitors[name] = monitor
-
-        def run(steps, model=model, opt=opt, monitor=monitor, state={"step": 0}, emits=None):
-            return _timed_steps(model, opt, monitor, batches, state, steps, emits)
-
-        runs[name] = run
+        runs[name] = functools.partial(_timed_steps, model, opt, monitor, batches, {"step": 0})
     for run in runs.values():
         run(20)
     times: dict[str, list[float]] = {"off": [], "p0": []}

@@ -16,6 +16,7 @@ them to columns and the insert itself are. The goal is ≥ 500k rows/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import shutil
@@ -163,7 +164,7 @@ def main() -> int:
             results.append(
                 _bench(
                     f"{table} {how}",
-                    lambda b: write(table, b),
+                    functools.partial(write, table),
                     [make(k) for k in range(n)],
                     args.repeat,
                 )

@@ -274,7 +274,7 @@ class Worker:
         dead-lettered. Unconfirmed, nothing is acknowledged: a restart reads it again."""
         try:
             try:
-                for part, data in split_step(reduced, self.config.max_message_bytes):
+                for _part, data in split_step(reduced, self.config.max_message_bytes):
                     await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
             except (OversizeStep, PublishError) as exc:
                 reason = str(exc)

@@ -44,8 +44,8 @@ def cpu_burner(
     """``processes`` busy loops, each bounded to ``limit_s`` seconds, stopped by PID on
     exit (their own sessions: nothing else is signalled); yields their PIDs."""
     code = (
-        "import time\nend = time.monotonic() + %r\nwhile time.monotonic() < end:\n"
-        "    pass\n" % float(limit_s)
+        f"import time\nend = time.monotonic() + {float(limit_s)!r}\n"
+        "while time.monotonic() < end:\n    pass\n"
     )
     procs = []
     sink = open(log or os.devnull, "ab")
