@@ -80,7 +80,7 @@ class CheckpointLoader:
     batch_size: int = 16
     device: str = "cpu"
     supports_ema: bool = field(init=False, default=False)
-    _load: Callable[..., Any] = field(init=False, repr=False, default=None)
+    _load: Callable[..., Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._load = resolve_callable(self.factory, "model factory")

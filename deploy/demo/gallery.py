@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +157,7 @@ class Explain:
 def read_gallery(
     store: Path,
     sql: dict[str, str],
-    explains: list[Explain] = (),
+    explains: Sequence[Explain] = (),
     database: str = "probewire",
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
