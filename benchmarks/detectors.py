@@ -252,6 +252,39 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    fault_step = args.fault_step or (130 if args.quick else 200)
+    long_steps = args.long_steps or (300 if args.quick else 5000)
+    healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
+    presets = [p for p in args.healthy_presets.split(",") if p]
+    console = Console()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    meta = (
+        f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
+        f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
+        f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
+        f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
+        f"needs (tiny unless it needs experts or media)."
+    )
+    console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
+    plan = _plan(args, fault_step, long_steps, healthy_steps, presets)
+    recorded = record(args.work_dir, plan, args.window, args.reuse, console)
+    faulty = [s for s in recorded if s.label in FAULTS]
+    scenarios = [s for s in recorded if s.label.startswith("scenario-")]
+    healthy = [s for s in recorded if s.label.startswith("healthy-")]
+    header, rows = evaluate(faulty, scenarios, healthy, args.window)
+    table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
+    for h in header:
+        table.add_column(h.replace("**", ""))
+    for r in rows:
+        table.add_row(*(c.replace("**", "") for c in r))
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown(header, rows, meta))
+    console.print(f"written to {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--quick",
@@ -284,21 +317,18 @@ def main() -> None:
         default=",".join(SCENARIOS),
         help="comma-separated scenarios that must page nothing",
     )
-    args = p.parse_args()
-    fault_step = args.fault_step or (130 if args.quick else 200)
-    long_steps = args.long_steps or (300 if args.quick else 5000)
-    healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
-    presets = [p for p in args.healthy_presets.split(",") if p]
-    console = Console()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    meta = (
-        f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
-        f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
-        f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
-        f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
-        f"needs (tiny unless it needs experts or media)."
-    )
-    console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
+    return p
+
+
+def _plan(
+    args: argparse.Namespace,
+    fault_step: int,
+    long_steps: int,
+    healthy_steps: int,
+    presets: list[str],
+) -> list[Planned]:
+    """The runs to record: each fault and each must-page-nothing scenario at ``fault_step``,
+    the long fault-free tiny run and the fault-free runs of the other presets."""
     plan = [
         Planned(n, fault_step + args.after, demo_train_args([f"{n}@{fault_step}"]), fault_step)
         for n in filter(None, args.faults.split(","))
@@ -320,20 +350,7 @@ def main() -> None:
         for preset in presets
         for seed in range(1, args.healthy_runs + 1)
     ]
-    recorded = record(args.work_dir, plan, args.window, args.reuse, console)
-    faulty = [s for s in recorded if s.label in FAULTS]
-    scenarios = [s for s in recorded if s.label.startswith("scenario-")]
-    healthy = [s for s in recorded if s.label.startswith("healthy-")]
-    header, rows = evaluate(faulty, scenarios, healthy, args.window)
-    table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
-    for h in header:
-        table.add_column(h.replace("**", ""))
-    for r in rows:
-        table.add_row(*(c.replace("**", "") for c in r))
-    console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(header, rows, meta))
-    console.print(f"written to {args.out}")
+    return plan
 
 
 if __name__ == "__main__":
