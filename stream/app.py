@@ -24,12 +24,13 @@ from typing import Any
 
 import faust
 
+from probewire.instrument.plumbing import KafkaConfig, TopicConfig
 from probewire.sinks.clickhouse import ClickHouseSink
 
 from .config import StreamConfig
 from .consumer import Consumer, use_fetch_wait
 from .gaps import GapReader
-from .kafka import KafkaConfig, TopicConfig, broker_credentials
+from .kafka import broker_credentials
 from .publish import Publisher
 from .worker import Worker, dead_letter_row
 

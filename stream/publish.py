@@ -22,7 +22,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .errors import check
+from probewire.instrument.plumbing import check
 
 __all__ = [
     "RECORD_OVERHEAD_BYTES",

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from probewire.instrument.plumbing import Heartbeat, TopicConfig
 from probewire.instrument.wire import DecodeError, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
 from probewire.sinks.retained import load_state
@@ -31,8 +32,7 @@ from .assemble import REPLAY, StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
 from .gaps import GapReader, GapWatch
-from .health import Heartbeat, Progress
-from .kafka import TopicConfig
+from .health import Progress
 from .lifecycle import EventError, parse_event
 from .publish import Publisher, PublishError
 from .records import RecordError, ReducedStep
