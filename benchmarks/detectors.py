@@ -125,8 +125,8 @@ def probewire_cospike(s: Series, window: int) -> list[int]:
     det_g = RobustSpikeDetector(window=window, threshold=6.0)
     co = CoSpikeTracker()
     fired = []
-    for step, l, g in zip(s.steps, s.loss, s.grad):
-        if co.update(det_l.update(l), det_g.update(g)).co_spike:
+    for step, loss, grad in zip(s.steps, s.loss, s.grad):
+        if co.update(det_l.update(loss), det_g.update(grad)).co_spike:
             fired.append(int(step))
     return fired
 
@@ -139,7 +139,7 @@ def rule_10x_first100(s: Series, window: int) -> list[int]:
     if len(s.loss) <= 100:
         return []
     limit = 10 * np.nanmax(s.loss[:100])
-    return [int(st) for st, l in zip(s.steps[100:], s.loss[100:]) if not l <= limit]
+    return [int(st) for st, loss in zip(s.steps[100:], s.loss[100:]) if not loss <= limit]
 
 
 def rule_2x_mean_5(s: Series, window: int) -> list[int]:
@@ -177,7 +177,7 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
     rows, missed, alarms = [], {d: 0 for d in DETECTORS}, {d: 0 for d in DETECTORS}
     for s in scenarios:  # must page nothing: the cell counts firings from the scenario on
         row = [f"{s.label} (pages nothing)"]
-        for name, det in DETECTORS.items():
+        for det in DETECTORS.values():
             fired = [f for f in det(s, window) if f >= s.fault_step]
             cell = str(len(fired))
             if fired and det is probewire_stream:
@@ -252,6 +252,39 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    fault_step = args.fault_step or (130 if args.quick else 200)
+    long_steps = args.long_steps or (300 if args.quick else 5000)
+    healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
+    presets = [p for p in args.healthy_presets.split(",") if p]
+    console = Console()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    meta = (
+        f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
+        f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
+        f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
+        f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
+        f"needs (tiny unless it needs experts or media)."
+    )
+    console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
+    plan = _plan(args, fault_step, long_steps, healthy_steps, presets)
+    recorded = record(args.work_dir, plan, args.window, args.reuse, console)
+    faulty = [s for s in recorded if s.label in FAULTS]
+    scenarios = [s for s in recorded if s.label.startswith("scenario-")]
+    healthy = [s for s in recorded if s.label.startswith("healthy-")]
+    header, rows = evaluate(faulty, scenarios, healthy, args.window)
+    table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
+    for h in header:
+        table.add_column(h.replace("**", ""))
+    for r in rows:
+        table.add_row(*(c.replace("**", "") for c in r))
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(markdown(header, rows, meta))
+    console.print(f"written to {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--quick",
@@ -284,21 +317,18 @@ def main() -> None:
         default=",".join(SCENARIOS),
         help="comma-separated scenarios that must page nothing",
     )
-    args = p.parse_args()
-    fault_step = args.fault_step or (130 if args.quick else 200)
-    long_steps = args.long_steps or (300 if args.quick else 5000)
-    healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
-    presets = [p for p in args.healthy_presets.split(",") if p]
-    console = Console()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    meta = (
-        f"window {args.window}, faults at step {fault_step} with {args.after} steps after, "
-        f"fault-free runs: {long_steps} steps (tiny, seed 1) and {args.healthy_runs} of "
-        f"{healthy_steps} steps per preset ({', '.join(presets)}; seeds 1..), 2 gloo ranks "
-        f"on CPU, one broker/worker/store for all runs; each fault runs on the preset it "
-        f"needs (tiny unless it needs experts or media)."
-    )
-    console.print(f"[bold]detectors benchmark[/]: {meta}  work dir {args.work_dir}")
+    return p
+
+
+def _plan(
+    args: argparse.Namespace,
+    fault_step: int,
+    long_steps: int,
+    healthy_steps: int,
+    presets: list[str],
+) -> list[Planned]:
+    """The runs to record: each fault and each must-page-nothing scenario at ``fault_step``,
+    the long fault-free tiny run and the fault-free runs of the other presets."""
     plan = [
         Planned(n, fault_step + args.after, demo_train_args([f"{n}@{fault_step}"]), fault_step)
         for n in filter(None, args.faults.split(","))
@@ -320,20 +350,7 @@ def main() -> None:
         for preset in presets
         for seed in range(1, args.healthy_runs + 1)
     ]
-    recorded = record(args.work_dir, plan, args.window, args.reuse, console)
-    faulty = [s for s in recorded if s.label in FAULTS]
-    scenarios = [s for s in recorded if s.label.startswith("scenario-")]
-    healthy = [s for s in recorded if s.label.startswith("healthy-")]
-    header, rows = evaluate(faulty, scenarios, healthy, args.window)
-    table = Table(title="steps to detection (fault runs) and false alarms (fault-free runs)")
-    for h in header:
-        table.add_column(h.replace("**", ""))
-    for r in rows:
-        table.add_row(*(c.replace("**", "") for c in r))
-    console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(header, rows, meta))
-    console.print(f"written to {args.out}")
+    return plan
 
 
 if __name__ == "__main__":

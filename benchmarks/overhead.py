@@ -56,10 +56,12 @@ Figures (stdout, one line each, machine-readable):
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -160,14 +162,17 @@ def _best(fn, at_least: int = 5, budget_s: float = 0.25, at_most: int = 200) -> 
 
 
 def scan_ratio(chunk: int | None, compiled: bool = False) -> tuple[float, dict[int, float]]:
-    ratios = {}
-    for n in SCAN_SIZES:
-        x = torch.randn(n, device=DEVICE)
-        reference = _best(lambda: x.abs().max())
-        ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
-        ratios[n] = ours / reference
-        del x
+    ratios = {n: _scan_ratio_at(n, chunk, compiled) for n in SCAN_SIZES}
     return max(ratios.values()), ratios
+
+
+def _scan_ratio_at(n: int, chunk: int | None, compiled: bool) -> float:
+    """The scan's time over ``x.abs().max()``'s on one random tensor of ``n`` elements (freed
+    on return, before the next size is allocated)."""
+    x = torch.randn(n, device=DEVICE)
+    reference = _best(lambda: x.abs().max())
+    ours = _best((lambda: fused_scan(x)) if compiled else (lambda: scan(x, chunk_elems=chunk)))
+    return ours / reference
 
 
 def _on_device(batch):
@@ -385,11 +390,7 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
             transport=NullTransport(),
         )
         monitors[name] = monitor
-
-        def run(steps, model=model, opt=opt, monitor=monitor, state={"step": 0}, emits=None):
-            return _timed_steps(model, opt, monitor, batches, state, steps, emits)
-
-        runs[name] = run
+        runs[name] = functools.partial(_timed_steps, model, opt, monitor, batches, {"step": 0})
     for run in runs.values():
         run(20)
     times: dict[str, list[float]] = {"off": [], "p0": []}
@@ -439,13 +440,20 @@ def main() -> None:
         DEVICE = torch.device(sys.argv[sys.argv.index("--device") + 1])
     torch.set_num_threads(1)
     corpus = load_corpus()
+    common = dict(clip_threshold=1.0, sources=SOURCES)
+    _tiny_model_figures(corpus, common)
+    _other_model_figures(corpus, common)
+
+
+def _tiny_model_figures(corpus: Any, common: dict[str, Any]) -> None:
+    """The tiny model's variants side by side (off, P0, P0 + P1, ring), then the scans:
+    the p0, p1, ring, scan and emit figures."""
     rng = np.random.default_rng(0)
     cfg = TinyConfig()
     batches = [
         [_on_device(corpus.batch(rng, 4, cfg.seq_len, min_len=8)) for _ in range(2)]
         for _ in range(50)
     ]
-    common = dict(clip_threshold=1.0, sources=SOURCES)
     p0_config = ProbeConfig(cadence={"step": 1, "scan": 0, "demand": 0}, **common)
     p1_config = ProbeConfig(cadence={"step": 1, "scan": 100, "demand": 0}, **common)
     ring_config = ProbeConfig(
@@ -501,6 +509,11 @@ def main() -> None:
     print(f"scan ratio compiled {compiled:.2f}")
     print(f"emit_us {emit_s / max(emit_n, 1) * 1e6:.1f}")
     sys.stdout.flush()
+
+
+def _other_model_figures(corpus: Any, common: dict[str, Any]) -> None:
+    """The p0 ratio on the independent models: StockGPT, 1,000 tensors, under FSDP2 and on
+    DDP ranks (the last two on CPU only)."""
     gpt, gpt_compiled, gpt_off = gpt_ratios(corpus, common)
     print(
         f"# StockGPT (torch TransformerEncoderLayer, d=128, 4 layers, sequence {GPT_SEQ}), "

@@ -16,6 +16,7 @@ them to columns and the insert itself are. The goal is ≥ 500k rows/s.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from importlib.metadata import version
+from typing import Any
 
 import numpy as np
 
@@ -132,65 +134,11 @@ def main() -> int:
             f"# step_metrics: {len(TABLE_COLUMNS['step_metrics'])} columns; "
             f"rank_metrics: {len(TABLE_COLUMNS['rank_metrics'])} columns"
         )
-        rng = np.random.default_rng(0)
-        n = args.repeat + 1
-        results, stored_ok = [], True
-        cases = (
-            ("step_metrics", "write(rows)", lambda k: _step_rows(f"r{k}", 0, args.rows_step, rng)),
-            (
-                "rank_metrics",
-                "write(rows)",
-                lambda k: _rank_rows(f"r{k}", 0, args.rows_rank, 64, rng),
-            ),
-            (
-                "step_metrics",
-                "write_columns",
-                lambda k: _columns(_step_rows(f"r{k}", 0, args.rows_step, rng)),
-            ),
-            (
-                "rank_metrics",
-                "write_columns",
-                lambda k: _columns(_rank_rows(f"r{k}", 0, args.rows_rank, 64, rng)),
-            ),
-        )
-        for i, (table, how, make) in enumerate(cases):
-            # A fresh database per case, so one case's background merges do not slow the next.
-            sink = ClickHouseSink(
-                client, f"bench{i}", batch_rows=max(args.rows_step, args.rows_rank)
-            )
-            sink.migrate()
-            write = getattr(sink, "write" if how == "write(rows)" else "write_columns")
-            results.append(
-                _bench(
-                    f"{table} {how}",
-                    lambda b: write(table, b),
-                    [make(k) for k in range(n)],
-                    args.repeat,
-                )
-            )
-            rows = args.rows_step if table == "step_metrics" else args.rows_rank
-            stored = client.query(f"SELECT count() FROM bench{i}.{table}").result_rows[0][0]
-            stored_ok &= stored == n * rows
-            client.command(f"DROP DATABASE bench{i} SYNC")
-        # The engine's own ceiling for the wide table: rows generated inside ClickHouse.
-        sink = ClickHouseSink(client, "ceiling")
-        sink.migrate()
-        rates = []
-        for k in range(n):
-            started = time.perf_counter()
-            client.command(
-                f"INSERT INTO ceiling.step_metrics (run_id, step, tokens, loss, loss_worst_rank, "
-                "loss_worst_rank_id, grad_norm, clip_rate, loss_z, grad_z, step_time_s, "
-                "tokens_per_s, compute_rate, straggler_score, straggler_rank, peak_memory_bytes, "
-                "peak_memory_rank, moe_maxvio, moe_shard_imbalance, moe_h_norm, output_absmax, "
-                f"complete_reason) SELECT 'c{k}', number, number * 100, rand() / 1e9, "
-                "rand() / 1e9, number % 64, 1, 0.01, 0.3, 0.4, 0.5, 5e5, 1e14, 1.02, 7, 7e10, 3, "
-                f"0.1, 1.05, 0.97, 31, 'all_ranks' FROM numbers({args.rows_step})"
-            )
-            rates.append(args.rows_step / (time.perf_counter() - started))
+        cases = _cases(args, np.random.default_rng(0))
+        results, stored_ok = _bench_cases(client, cases, args)
         print(
             f"step_metrics engine only (INSERT SELECT, no client): "
-            f"{statistics.median(rates[1:]):,.0f} rows/s (reference ceiling)"
+            f"{_engine_ceiling(client, args):,.0f} rows/s (reference ceiling)"
         )
         goal = 500_000
         print(
@@ -200,6 +148,73 @@ def main() -> int:
         return 0 if stored_ok else 1
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def _cases(args: argparse.Namespace, rng: np.random.Generator) -> tuple:
+    """(table, write method, the k-th batch's maker) for each measured way of writing."""
+    return (
+        ("step_metrics", "write(rows)", lambda k: _step_rows(f"r{k}", 0, args.rows_step, rng)),
+        (
+            "rank_metrics",
+            "write(rows)",
+            lambda k: _rank_rows(f"r{k}", 0, args.rows_rank, 64, rng),
+        ),
+        (
+            "step_metrics",
+            "write_columns",
+            lambda k: _columns(_step_rows(f"r{k}", 0, args.rows_step, rng)),
+        ),
+        (
+            "rank_metrics",
+            "write_columns",
+            lambda k: _columns(_rank_rows(f"r{k}", 0, args.rows_rank, 64, rng)),
+        ),
+    )
+
+
+def _bench_cases(client: Any, cases: tuple, args: argparse.Namespace) -> tuple[list, bool]:
+    """Each case's rows/s through the sink, and whether every case stored all its rows."""
+    n = args.repeat + 1
+    results, stored_ok = [], True
+    for i, (table, how, make) in enumerate(cases):
+        # A fresh database per case, so one case's background merges do not slow the next.
+        sink = ClickHouseSink(client, f"bench{i}", batch_rows=max(args.rows_step, args.rows_rank))
+        sink.migrate()
+        write = getattr(sink, "write" if how == "write(rows)" else "write_columns")
+        results.append(
+            _bench(
+                f"{table} {how}",
+                functools.partial(write, table),
+                [make(k) for k in range(n)],
+                args.repeat,
+            )
+        )
+        rows = args.rows_step if table == "step_metrics" else args.rows_rank
+        stored = client.query(f"SELECT count() FROM bench{i}.{table}").result_rows[0][0]
+        stored_ok &= stored == n * rows
+        client.command(f"DROP DATABASE bench{i} SYNC")
+    return results, stored_ok
+
+
+def _engine_ceiling(client: Any, args: argparse.Namespace) -> float:
+    """The engine's own ceiling for the wide table: rows generated inside ClickHouse
+    (median rows/s of the repeats after the first)."""
+    sink = ClickHouseSink(client, "ceiling")
+    sink.migrate()
+    rates = []
+    for k in range(args.repeat + 1):
+        started = time.perf_counter()
+        client.command(
+            f"INSERT INTO ceiling.step_metrics (run_id, step, tokens, loss, loss_worst_rank, "
+            "loss_worst_rank_id, grad_norm, clip_rate, loss_z, grad_z, step_time_s, "
+            "tokens_per_s, compute_rate, straggler_score, straggler_rank, peak_memory_bytes, "
+            "peak_memory_rank, moe_maxvio, moe_shard_imbalance, moe_h_norm, output_absmax, "
+            f"complete_reason) SELECT 'c{k}', number, number * 100, rand() / 1e9, "
+            "rand() / 1e9, number % 64, 1, 0.01, 0.3, 0.4, 0.5, 5e5, 1e14, 1.02, 7, 7e10, 3, "
+            f"0.1, 1.05, 0.97, 31, 'all_ranks' FROM numbers({args.rows_step})"
+        )
+        rates.append(args.rows_step / (time.perf_counter() - started))
+    return statistics.median(rates[1:])
 
 
 if __name__ == "__main__":

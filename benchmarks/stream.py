@@ -48,12 +48,12 @@ from probewire.deploy.stack import LocalStack
 from probewire.instrument import wire
 from probewire.instrument.catalog import Group, Label, Tensor
 from probewire.instrument.export import StepEmitter
+from probewire.instrument.plumbing import read_heartbeat
 from probewire.instrument.testing import MemoryTransport
 from probewire.instrument.wire import Point, RankIdentity, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, connect
 from probewire.stream.assemble import StepAssembler
 from probewire.stream.batching import Batch
-from probewire.stream.health import read_heartbeat
 from probewire.stream.records import ReducedStep
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import RunPipeline, Stage2Config, Stage2Output

@@ -452,17 +452,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
-    parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
-    parser.add_argument(
-        "--log-format",
-        choices=FORMATS,
-        default="text",
-        help="json: one JSON object per line, for every service",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    """``probewire demo``: the embedded pipeline on a real training run, faults optional."""
     demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
     demo.add_argument("--ranks", type=int, default=2)
     demo.add_argument("--steps", type=int, default=200)
@@ -494,6 +485,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_stack(sub: argparse._SubParsersAction) -> None:
+    """``probewire up`` and ``probewire run``: the local stack for the user's own training."""
     for name, text in (
         ("up", "start the local stack for your own training script; Ctrl-C stops it"),
         ("run", "run a training command inside the local stack, then print its pages"),
@@ -526,6 +520,9 @@ def _parser() -> argparse.ArgumentParser:
             )
         cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
 
+
+def _add_store_reads(sub: argparse._SubParsersAction) -> None:
+    """``probewire sql`` and ``probewire runs``: read the store."""
     sql = sub.add_parser("sql", help="run SQL on the store")
     sql.add_argument("query")
     sql.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
@@ -544,6 +541,9 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     runs.set_defaults(func=cmd_runs)
 
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    """``probewire worker``: the stream worker."""
     worker = sub.add_parser("worker", help="run the stream worker (Faust)")
     worker.add_argument("--loglevel", default="warning")
     worker.add_argument(
@@ -562,6 +562,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(func=cmd_worker)
 
+
+def _add_operations(sub: argparse._SubParsersAction) -> None:
+    """``probewire migrate``, ``calibrate`` and ``health``: the operator's commands."""
     migrate = sub.add_parser("migrate", help="create or upgrade the ClickHouse schema")
     migrate.add_argument("--store")
     migrate.add_argument("--clickhouse-url")
@@ -582,6 +585,9 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--max-age-s", type=float, default=60.0)
     health.set_defaults(func=cmd_health)
 
+
+def _add_views(sub: argparse._SubParsersAction) -> None:
+    """``probewire report`` and ``probewire explain``: a run on pages and at one step."""
     report = sub.add_parser(
         "report",
         help="write runs as one interactive HTML page (runs "
@@ -605,6 +611,25 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--z", type=float, default=6.0, help="robust z that counts as moved")
     explain.add_argument("--format", choices=["table", "json"], default="table")
     explain.set_defaults(func=cmd_explain)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
+    parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="json: one JSON object per line, for every service",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_demo(sub)
+    _add_stack(sub)
+    _add_store_reads(sub)
+    _add_worker(sub)
+    _add_operations(sub)
+    _add_views(sub)
     from probewire.evaluators.cli import add_evaluator_parser
 
     add_evaluator_parser(

@@ -11,7 +11,7 @@ partition never reach stage 1, as when the consumer moved past them (``stream.ga
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +37,12 @@ class _OutageClient:
         return call
 
 
-def with_outage(client: Any, env: dict[str, str] | None = None) -> Any:
+def with_outage(client: Any, env: Mapping[str, str] | None = None) -> Any:
     flag = (env or os.environ).get("PROBEWIRE_FAULT_STORE_OUTAGE")
     return _OutageClient(client, Path(flag)) if flag else client
 
 
-def fault_hook(env: dict[str, str] | None = None) -> Callable[..., bool]:
+def fault_hook(env: Mapping[str, str] | None = None) -> Callable[..., bool]:
     """The worker's ``before_event(agent, partition)``: raises for the agent to crash;
     True for a rank message to drop."""
     env = env or os.environ

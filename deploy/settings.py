@@ -1,7 +1,7 @@
 """One typed settings tree shared by the CLI, the stream worker, the evaluator and the chart.
 
 Each component owns its config and its defaults (``stream.config.StreamConfig`` and the
-configs it nests, ``stream.kafka.KafkaConfig`` / ``TopicConfig``); this module composes
+configs it nests, ``instrument.plumbing.KafkaConfig`` / ``TopicConfig``); this module composes
 them into one tree and adds the sections only the composition root needs.
 Values come from, in increasing precedence: the defaults, a YAML/JSON file
 (`PROBEWIRE_CONFIG` or an explicit path), and environment variables named
@@ -27,9 +27,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import yaml
 
 from probewire.evaluators.config import EvaluatorConfig, EvaluatorSetup  # torch-free
+from probewire.instrument.plumbing import ConfigError, KafkaConfig, TopicConfig, within
 from probewire.stream.config import StreamConfig
-from probewire.stream.errors import ConfigError, within
-from probewire.stream.kafka import KafkaConfig, TopicConfig
 
 __all__ = [
     "ClickHouseSettings",
@@ -49,7 +48,16 @@ SettingsError = ConfigError  # every error names its field: "stream.deadline_s: 
 KafkaSettings = KafkaConfig
 TopicSettings = TopicConfig
 StreamSettings = StreamConfig
-EvaluatorSettings = EvaluatorConfig
+DEMO_CHECKPOINT_LOADER = "probewire.deploy.demo.model:load_checkpoint"
+"""The evaluator's default ``model_factory``: the demo model's loader, named here, in the
+composition root (``evaluators`` names no ``deploy`` module)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluatorSettings(EvaluatorConfig):
+    """``evaluator``: the evaluator's config with the composition root's default loader."""
+
+    model_factory: str = DEMO_CHECKPOINT_LOADER
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:

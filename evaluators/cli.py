@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from probewire.stream.errors import ConfigError
+from probewire.instrument.plumbing import ConfigError
 
 from .config import EvaluatorSetup
 from .records import DEFAULT_SUITES, SUITE_NAMES  # torch-free: `probewire health` stays fast

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from probewire.stream.errors import check
-from probewire.stream.kafka import KafkaConfig, TopicConfig
+from probewire.instrument.plumbing import KafkaConfig, TopicConfig, check
 
 from .records import DEFAULT_SUITES
 
@@ -19,7 +18,10 @@ class EvaluatorConfig:
     """The checkpoint evaluator service."""
 
     enabled: bool = True
-    model_factory: str = "probewire.deploy.demo.model:load_checkpoint"
+    model_factory: str
+    """``module:function`` loading a checkpoint (``load(path)``, or ``load(path, ema=...)``);
+    no default here: the composition root supplies one (``probewire.deploy.settings``: the
+    demo model's)."""
     data_dir: str = ""
     every_fraction: float = 0.01
     suites: str = ",".join(DEFAULT_SUITES)
@@ -70,7 +72,7 @@ class EvaluatorSetup:
     """Built configs for ``EvaluatorService``: the composition root (``deploy``) makes it
     from the settings tree; ``group_id`` is the consumer group when no flag names one."""
 
-    config: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    config: EvaluatorConfig
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     topics: TopicConfig = field(default_factory=TopicConfig)
     group_id: str = "probewire.evaluator"

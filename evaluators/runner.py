@@ -80,7 +80,7 @@ class CheckpointLoader:
     batch_size: int = 16
     device: str = "cpu"
     supports_ema: bool = field(init=False, default=False)
-    _load: Callable[..., Any] = field(init=False, repr=False, default=None)
+    _load: Callable[..., Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._load = resolve_callable(self.factory, "model factory")
@@ -210,29 +210,46 @@ def evaluate_checkpoint(
             scored.append(stream)
             for suite in suites:
                 bar: ProgressSink = _Bar(progress, f"step {event.step} {stream} {suite.name}", tick)
-                try:
-                    versions = suite.versions(model)
-                    results.append((stream, suite, versions, suite.run(model, bar)))
-                except EvaluationCancelled:
-                    raise
-                except Exception as exc:  # a suite or the user's model: contain it, go on
-                    log.warning(
-                        "suite %s on %s weights of %s step %d failed",
-                        suite.name,
-                        stream,
-                        event.run_id,
-                        event.step,
-                        exc_info=True,
-                    )
-                    failures.append(
-                        SuiteFailure(
-                            suite=suite.name, weights_stream=stream, reason=_first_line(exc)
-                        )
-                    )
+                outcome = _run_suite(event, stream, suite, model, bar)
+                if isinstance(outcome, SuiteFailure):
+                    failures.append(outcome)
+                else:
+                    results.append(outcome)
             del model
     reference = _reference(reference_stream, event.weights_stream, scored)
+    return _records(event, results, reference), failures
+
+
+def _run_suite(
+    event: CheckpointEvent, stream: str, suite: Suite, model: Any, bar: ProgressSink
+) -> tuple[str, Suite, Versions, list[Score]] | SuiteFailure:
+    """One suite on one stream's weights: its scores, or the failure it is contained as
+    (a cancellation still stops the evaluation)."""
+    try:
+        versions = suite.versions(model)
+        return stream, suite, versions, suite.run(model, bar)
+    except EvaluationCancelled:
+        raise
+    except Exception as exc:  # a suite or the user's model: contain it, go on
+        log.warning(
+            "suite %s on %s weights of %s step %d failed",
+            suite.name,
+            stream,
+            event.run_id,
+            event.step,
+            exc_info=True,
+        )
+        return SuiteFailure(suite=suite.name, weights_stream=stream, reason=_first_line(exc))
+
+
+def _records(
+    event: CheckpointEvent,
+    results: list[tuple[str, Suite, Versions, list[Score]]],
+    reference: str | None,
+) -> list[EvalRecord]:
+    """One record per (stream, suite, metric); ``reference`` marks the reference stream's."""
     now = time.time_ns()
-    records = [
+    return [
         EvalRecord(
             run_id=event.run_id,
             step=event.step,
@@ -256,4 +273,3 @@ def evaluate_checkpoint(
         for stream, suite, v, scores in results
         for score in scores
     ]
-    return records, failures

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probewire.stream.health import Heartbeat, default_heartbeat_path
+from probewire.instrument.plumbing import Heartbeat, default_heartbeat_path
 
 from .cadence import Cadence
 from .config import EvaluatorSetup

@@ -253,9 +253,6 @@ def discover(
 ) -> Structure:
     """Find the structure observation points of ``model`` (see the module docstring)."""
     named = [(label_name(q), m) for q, m in model.named_modules()]
-    by_name = dict(named)
-    block_re, router_re = re.compile(config.blocks), re.compile(config.routers)
-    gate_re, score_re = re.compile(config.branch_gates), re.compile(config.gate_scores)
     emb_re, proj_re = re.compile(config.embedding), re.compile(config.projector)
     enc_re, mtp_re = re.compile(config.encoder), re.compile(config.mtp_heads)
     logits_re = re.compile(logits_pattern)
@@ -269,65 +266,10 @@ def discover(
     inside_encoder = lambda n: (
         encoder is not None and (n == encoder[0] or n.startswith(encoder[0] + "."))
     )
-
-    blocks: list[BlockPoint] = []
-    block_layer: dict[str, int] = {}
-    for name, module in named:
-        match = block_re.fullmatch(name) if name else None
-        if match is None or inside_encoder(name):
-            continue
-        layer = int(match.groups()[-1])
-        attn, mlp = _child(module, config.attn_children), _child(module, config.mlp_children)
-        blocks.append(BlockPoint(layer, name, module, attn and attn[1], mlp and mlp[1]))
-        block_layer[name] = layer
-    blocks.sort(key=lambda b: b.layer)
-
-    routers, gates, values, activations = [], [], [], []
-    for name, module in named:
-        layer = layer_of(name, block_layer) if name else None
-        if layer is None:
-            continue
-        if router_re.fullmatch(name):
-            parent = by_name.get(name.rpartition(".")[0])
-            router = _router(layer, name, module, parent, config)
-            if router is not None:
-                routers.append(router)
-        elif gate_re.fullmatch(name):
-            params = [p for p in module.parameters(recurse=False) if p.dim() == 1]
-            branch = _branch_of(name, config)
-            if params and branch is not None:
-                gates.append(
-                    GatePoint(
-                        layer,
-                        branch,
-                        name,
-                        module,
-                        params[0],
-                        float(getattr(module, "temperature", 1.0)),
-                    )
-                )
-        elif score_re.fullmatch(name):
-            activations.append(ModuleView(layer, "gate_score", name, module, pre=False))
-    for block in blocks:
-        if block.attn is None:
-            continue
-        attn_name = next(
-            f"{block.name}.{c}"
-            for c in config.attn_children
-            if getattr(block.module, c, None) is block.attn
-        )
-        value = _child(block.attn, _V_CHILDREN)
-        fused = _child(block.attn, config.fused_qkv)
-        if value is not None:
-            values.append(ValuePoint(block.layer, f"{attn_name}.{value[0]}", value[1], None))
-        elif fused is not None and _out_features(fused[1]) % 3 == 0:
-            values.append(ValuePoint(block.layer, f"{attn_name}.{fused[0]}", fused[1], 2))
-        out = _child(block.attn, _O_CHILDREN)
-        if out is not None:
-            activations.append(
-                ModuleView(block.layer, "attn_core", f"{attn_name}.{out[0]}", out[1], pre=True)
-            )
-    activations.sort(key=lambda a: (a.layer, a.role))
+    blocks, block_layer = _blocks(named, config, inside_encoder)
+    routers, gates, activations = _layer_points(named, block_layer, config)
+    values, attn_cores = _attention_points(blocks, config)
+    activations = sorted(activations + attn_cores, key=lambda a: (a.layer, a.role))
 
     logits = next((m for n, m in named if n and logits_re.fullmatch(n)), None)
     embedding = next(
@@ -359,6 +301,83 @@ def discover(
         tuple(mtp),
         _bos_id(model, config),
     )
+
+
+def _blocks(
+    named: list[tuple[str, nn.Module]],
+    config: StructureConfig,
+    inside_encoder: Callable[[str], bool],
+) -> tuple[list[BlockPoint], dict[str, int]]:
+    """The transformer blocks outside the media encoder, by layer, and each one's layer."""
+    block_re = re.compile(config.blocks)
+    blocks: list[BlockPoint] = []
+    block_layer: dict[str, int] = {}
+    for name, module in named:
+        match = block_re.fullmatch(name) if name else None
+        if match is None or inside_encoder(name):
+            continue
+        layer = int(match.groups()[-1])
+        attn, mlp = _child(module, config.attn_children), _child(module, config.mlp_children)
+        blocks.append(BlockPoint(layer, name, module, attn and attn[1], mlp and mlp[1]))
+        block_layer[name] = layer
+    blocks.sort(key=lambda b: b.layer)
+    return blocks, block_layer
+
+
+def _layer_points(
+    named: list[tuple[str, nn.Module]], block_layer: dict[str, int], config: StructureConfig
+) -> tuple[list[RouterPoint], list[GatePoint], list[ModuleView]]:
+    """Inside the blocks: the MoE routers, the branch gates and the gate-score activations."""
+    by_name = dict(named)
+    router_re, gate_re = re.compile(config.routers), re.compile(config.branch_gates)
+    score_re = re.compile(config.gate_scores)
+    routers, gates, activations = [], [], []
+    for name, module in named:
+        layer = layer_of(name, block_layer) if name else None
+        if layer is None:
+            continue
+        if router_re.fullmatch(name):
+            parent = by_name.get(name.rpartition(".")[0])
+            router = _router(layer, name, module, parent, config)
+            if router is not None:
+                routers.append(router)
+        elif gate_re.fullmatch(name):
+            params = [p for p in module.parameters(recurse=False) if p.dim() == 1]
+            branch = _branch_of(name, config)
+            if params and branch is not None:
+                temperature = float(getattr(module, "temperature", 1.0))
+                gates.append(GatePoint(layer, branch, name, module, params[0], temperature))
+        elif score_re.fullmatch(name):
+            activations.append(ModuleView(layer, "gate_score", name, module, pre=False))
+    return routers, gates, activations
+
+
+def _attention_points(
+    blocks: list[BlockPoint], config: StructureConfig
+) -> tuple[list[ValuePoint], list[ModuleView]]:
+    """Per attention block: the value projection (its own, or the V third of a fused QKV)
+    and the attention core's output (the input of the output projection)."""
+    values, activations = [], []
+    for block in blocks:
+        if block.attn is None:
+            continue
+        attn_name = next(
+            f"{block.name}.{c}"
+            for c in config.attn_children
+            if getattr(block.module, c, None) is block.attn
+        )
+        value = _child(block.attn, _V_CHILDREN)
+        fused = _child(block.attn, config.fused_qkv)
+        if value is not None:
+            values.append(ValuePoint(block.layer, f"{attn_name}.{value[0]}", value[1], None))
+        elif fused is not None and _out_features(fused[1]) % 3 == 0:
+            values.append(ValuePoint(block.layer, f"{attn_name}.{fused[0]}", fused[1], 2))
+        out = _child(block.attn, _O_CHILDREN)
+        if out is not None:
+            activations.append(
+                ModuleView(block.layer, "attn_core", f"{attn_name}.{out[0]}", out[1], pre=True)
+            )
+    return values, activations
 
 
 def _branch_of(name: str, config: StructureConfig) -> str | None:

@@ -63,10 +63,10 @@ from .probes.grads import GradProbe
 from .probes.head import logits_hook
 from .probes.loss import LossProbe
 from .probes.optim import OptimProbe
-from .probes.structure import attach_structure
+from .probes.structure import StructureProbes, attach_structure
 from .probes.system import SystemProbe, default_flops_per_token
 from .probes.tensors import TensorProbe
-from .registry import build_registry
+from .registry import Registry, build_registry
 from .state import Schedule, StepState
 from .step import NullReplayContext, NullStepContext, Probes, ProbeSet, ReplayContext, StepContext
 from .wire import RankIdentity
@@ -74,6 +74,38 @@ from .wire import RankIdentity
 __all__ = ["Monitor", "NullMonitor", "attach"]
 
 log = logging.getLogger(__name__)
+
+
+def _scan_backend(config: ProbeConfig, device: torch.device | None) -> str:
+    """The configured scan backend; "auto" is the compiled one on a GPU, eager elsewhere."""
+    if config.scan_backend != "auto":
+        return config.scan_backend
+    return "compiled" if device is not None else "eager"
+
+
+def _register_hooks(
+    state: StepState,
+    registry: Registry,
+    optimizer: torch.optim.Optimizer | None,
+    tensors: TensorProbe,
+    fused: bool,
+) -> list[Any]:
+    """The logits forward hook and the optimizer's step hooks (of the reported parameters
+    the optimizer updates); their handles."""
+    handles: list[Any] = []
+    if registry.logits is not None and registry.logits.report:
+        handles.append(
+            registry.logits.module.register_forward_hook(logits_hook(state, fused=fused))
+        )
+    if optimizer is not None:
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        reported = [i for i in registry.params if i.owned and id(i.param) in in_optimizer]
+        pre, post = tensors.optimizer_hooks(reported, optimizer)
+        handles += [
+            optimizer.register_step_pre_hook(pre),
+            optimizer.register_step_post_hook(post),
+        ]
+    return handles
 
 
 class Monitor:
@@ -98,13 +130,7 @@ class Monitor:
         self._ended = False
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
-        self.scan_backend = (
-            config.scan_backend
-            if config.scan_backend != "auto"
-            else "compiled"
-            if device is not None
-            else "eager"
-        )
+        self.scan_backend = _scan_backend(config, device)
         # checked first; how the scans run is chosen once, here, and stored with the run
         started = run_event(
             identity,
@@ -125,26 +151,56 @@ class Monitor:
         self.unhooked = _unhooked(model, registry, config)
         for message in self.unhooked:
             log.warning("probewire: %s", message)
-        tensors = TensorProbe(
+        fused = self.scan_backend == "compiled"
+        self._probes, self.structure = self._build_probes(model, optimizer, registry, device, fused)
+        self._ctx = StepContext(
             self._state,
+            self._schedule,
+            self._probes,
+            self._emitter.submit,
+            on_error=self._step_failed,
+            replay_steps=config.replay_steps,
+        )
+        self._params = list(model.parameters())  # a replay sets their gradients aside
+        self._handles = _register_hooks(
+            self._state, registry, optimizer, self._probes.tensors, fused
+        )
+        self._control = control
+        if control is not None:
+            control.start(self.densify, self.dump)
+        if identity.rank == 0:
+            self._send_run_event(started)
+
+    def _build_probes(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        registry: Registry,
+        device: torch.device | None,
+        fused: bool,
+    ) -> tuple[Probes, StructureProbes | None]:
+        """Every probe of the rank, configured once (and the structure probes, or None)."""
+        config, state = self.config, self._state
+        tensors = TensorProbe(
+            state,
             registry,
             chunk_elems=config.scan_chunk_elems,
             mask_activations=config.mask_activations,
             update_ratio=config.update_ratio,
             persistent_hooks=config.persistent_hooks,
-            fused=self.scan_backend == "compiled",
+            fused=fused,
         )
         sets: list[ProbeSet] = []
-        self.structure = attach_structure(
-            self._state,
+        structure = attach_structure(
+            state,
             model,
             registry,
             config.structure,
             logits_module=config.logits_module,
             persistent=config.persistent_hooks,
         )
-        if self.structure is not None:
-            sets.append(self.structure)
+        if structure is not None:
+            sets.append(structure)
         comm = CommTimer()
         if config.comm:
             comm.install()
@@ -153,7 +209,7 @@ class Monitor:
             if config.flops_per_token is not None
             else default_flops_per_token(model, registry.n_params)
         )
-        self._probes = Probes(
+        probes = Probes(
             loss=LossProbe(config.sources, config.modalities),
             grads=GradProbe(
                 registry.params,
@@ -168,41 +224,13 @@ class Monitor:
                 flops_per_token=flops,
                 clip_threshold=config.clip_threshold,
                 telemetry=config.telemetry,
-                read_network=identity.local_rank == 0,
+                read_network=self.identity.local_rank == 0,
             ),
             comm=comm,
             sets=sets,
             optim=OptimProbe(optimizer) if optimizer is not None else None,
         )
-        self._ctx = StepContext(
-            self._state,
-            self._schedule,
-            self._probes,
-            self._emitter.submit,
-            on_error=self._step_failed,
-            replay_steps=config.replay_steps,
-        )
-        self._params = list(model.parameters())  # a replay sets their gradients aside
-        self._handles: list[Any] = []
-        if registry.logits is not None and registry.logits.report:
-            self._handles.append(
-                registry.logits.module.register_forward_hook(
-                    logits_hook(self._state, fused=self.scan_backend == "compiled")
-                )
-            )
-        if optimizer is not None:
-            in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            reported = [i for i in registry.params if i.owned and id(i.param) in in_optimizer]
-            pre, post = tensors.optimizer_hooks(reported, optimizer)
-            self._handles += [
-                optimizer.register_step_pre_hook(pre),
-                optimizer.register_step_post_hook(post),
-            ]
-        self._control = control
-        if control is not None:
-            control.start(self.densify, self.dump)
-        if identity.rank == 0:
-            self._send_run_event(started)
+        return probes, structure
 
     # ------------------------------------------------------------------ the loop's API
     def step(self, step: int) -> StepContext:

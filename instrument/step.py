@@ -17,7 +17,7 @@ import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -153,7 +153,7 @@ class StepContext:
         state.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         state, probes = self._state, self._probes
         ok, step = exc_type is None, state.step
         try:
@@ -355,7 +355,7 @@ class ReplayContext:
             self._restore()
             raise
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         ctx = self._ctx
         try:
             ctx.__exit__(exc_type, exc, tb)
@@ -383,7 +383,7 @@ class NullReplayContext:
     def __enter__(self) -> NullStepContext:
         return NullStepContext()
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         return False
 
 
@@ -396,7 +396,7 @@ class NullStepContext:
     def __enter__(self) -> NullStepContext:
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         return False
 
     def sampled(self, tier: Tier | str) -> bool:

@@ -24,12 +24,13 @@ from typing import Any
 
 import faust
 
+from probewire.instrument.plumbing import KafkaConfig, TopicConfig
 from probewire.sinks.clickhouse import ClickHouseSink
 
 from .config import StreamConfig
 from .consumer import Consumer, use_fetch_wait
 from .gaps import GapReader
-from .kafka import KafkaConfig, TopicConfig, broker_credentials
+from .kafka import broker_credentials
 from .publish import Publisher
 from .worker import Worker, dead_letter_row
 
@@ -64,7 +65,34 @@ def create_app(
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
     use_fetch_wait(config.fetch_max_wait_ms)
-    app = _App(
+    app = _new_app(config, kafka, topics, heartbeat_path)
+    client_config = kafka.client_config()  # a missing SASL password fails here, at build
+    worker = Worker(
+        config,
+        topics,
+        lambda: Publisher(client_config, config.max_message_bytes),
+        open_store,
+        heartbeat_path,
+        before_event,
+        make_gap_reader=lambda: GapReader(client_config, config.app_id),
+    )
+    app.probewire_worker = worker
+
+    _stage1_agents(app, worker, topics)
+    if config.role == "stage1":
+        # Stage 1 only: this process subscribes to ``otlp_metrics`` alone, so Faust's
+        # assignor splits that topic's partitions over every worker of the group and gives
+        # the other topics to the workers that subscribe to them (the store owner).
+        return app
+    _stage2_agents(app, worker, topics)
+    return app
+
+
+def _new_app(
+    config: StreamConfig, kafka: KafkaConfig, topics: TopicConfig, heartbeat_path: Path
+) -> _App:
+    """The Faust app, its broker and consumer settings from the configs (no agents yet)."""
+    return _App(
         config.app_id,
         broker=f"kafka://{kafka.bootstrap}",
         broker_credentials=broker_credentials(kafka),
@@ -87,17 +115,11 @@ def create_app(
         # data directory anyway: next to the heartbeat file, never in the working directory
         datadir=str(heartbeat_path.parent / "faust-{conf.id}"),
     )
-    client_config = kafka.client_config()  # a missing SASL password fails here, at build
-    worker = Worker(
-        config,
-        topics,
-        lambda: Publisher(client_config, config.max_message_bytes),
-        open_store,
-        heartbeat_path,
-        before_event,
-        make_gap_reader=lambda: GapReader(client_config, config.app_id),
-    )
-    app.probewire_worker = worker
+
+
+def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
+    """Stage 1 on every worker: rank messages into steps, the one-second tick, partition
+    assignment and the store's close on shutdown."""
 
     @app.agent(app.topic(topics.metrics))
     async def assemble(stream):
@@ -122,11 +144,10 @@ def create_app(
         async def on_stop(self) -> None:
             worker.close()
 
-    if config.role == "stage1":
-        # Stage 1 only: this process subscribes to ``otlp_metrics`` alone, so Faust's
-        # assignor splits that topic's partitions over every worker of the group and gives
-        # the other topics to the workers that subscribe to them (the store owner).
-        return app
+
+def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
+    """On the store owner: reduced steps per run, run events, dead letters, evaluations and
+    the timer that flushes a batch left waiting."""
 
     @app.agent(app.topic(topics.steps))
     async def per_run(stream):
@@ -160,8 +181,6 @@ def create_app(
     async def flush_old() -> None:
         """Write a batch that has waited ``stream.batch.within_s`` with no step after it."""
         worker.flush_soon()  # never awaits the write: the timer stays within its interval
-
-    return app
 
 
 def _evaluation_row(payload: bytes) -> dict[str, Any] | None:

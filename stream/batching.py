@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import check
+from probewire.instrument.plumbing import check
+
 from .stage2 import Stage2Output
 
 __all__ = ["Batch", "BatchConfig", "StoreBatch"]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from probewire.instrument.plumbing import check, within
+
 from .batching import BatchConfig
-from .errors import check, within
 from .health import HealthConfig
 from .stage2 import Stage2Config
 from .validate import Bounds

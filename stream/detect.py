@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 
@@ -222,7 +223,7 @@ class RobustSpikeDetector:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> RobustSpikeDetector:
+    def from_state(cls, state: Mapping[str, Any]) -> RobustSpikeDetector:
         """Rebuild a detector from ``to_state()`` output."""
         detector = cls(
             window=int(state["window"]),
@@ -312,7 +313,7 @@ class CoSpikeTracker:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> CoSpikeTracker:
+    def from_state(cls, state: Mapping[str, Any]) -> CoSpikeTracker:
         """Rebuild a tracker from ``to_state()`` output."""
         return cls(
             count=int(state["count"]),
@@ -370,7 +371,7 @@ class ClipRateWindow:
         return {"window": self.window, "threshold_c": self.threshold_c, "flags": list(self._flags)}
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> ClipRateWindow:
+    def from_state(cls, state: Mapping[str, Any]) -> ClipRateWindow:
         """Rebuild a window from ``to_state()`` output."""
         clip = cls(window=int(state["window"]), threshold_c=float(state["threshold_c"]))
         flags = [bool(f) for f in state["flags"]]
@@ -497,7 +498,7 @@ class RankLevels:
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> RankLevels:
+    def from_state(cls, state: Mapping[str, Any]) -> RankLevels:
         levels = cls(
             window=int(state["window"]),
             recent=int(state["recent"]),

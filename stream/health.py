@@ -9,61 +9,15 @@ writes what the agents did, not that the timer ran.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from .errors import check
+from probewire.instrument.plumbing import check
 
-__all__ = ["HealthConfig", "Heartbeat", "Progress", "default_heartbeat_path", "read_heartbeat"]
-
-
-def default_heartbeat_path(component: str) -> Path:
-    base = os.environ.get(
-        "PROBEWIRE_HEARTBEAT_DIR", os.path.join(tempfile.gettempdir(), "probewire")
-    )
-    return Path(base) / f"{component}.heartbeat"
-
-
-@dataclass(slots=True)
-class Heartbeat:
-    """Writes ``{"component", "ts", "status", "runs": {run_id: {...}}, ...}`` atomically;
-    ``extra`` (the worker's health verdict and reasons) is merged in."""
-
-    path: Path
-    component: str
-    status: str = "starting"
-    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def beat(self, status: str | None = None, extra: dict[str, Any] | None = None) -> None:
-        if status is not None:
-            self.status = status
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = {
-            "component": self.component,
-            "ts": time.time(),
-            "status": self.status,
-            "pid": os.getpid(),
-            "runs": self.runs,
-            **(extra or {}),
-        }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, default=str))
-        os.replace(tmp, self.path)
-
-
-def read_heartbeat(path: Path) -> dict[str, Any] | None:
-    """The last heartbeat, or None when there is none (yet)."""
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+__all__ = ["HealthConfig", "Progress"]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .errors import check
+from probewire.instrument.plumbing import check
 
 __all__ = [
     "RECORD_OVERHEAD_BYTES",
@@ -107,7 +107,7 @@ class Publisher:
         done: asyncio.Future[Any] = loop.create_future()
 
         def report(err: KafkaError | None, _msg: Any) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(err))
+            loop.call_soon_threadsafe(_settle, done, err)
 
         while True:
             try:
@@ -136,6 +136,12 @@ _PERMANENT = frozenset(
         KafkaError.INVALID_RECORD,
     }
 )
+
+
+def _settle(done: asyncio.Future[Any], err: KafkaError | None) -> None:
+    """Resolve the delivery future with the report's error, once (a late report is moot)."""
+    if not done.done():
+        done.set_result(err)
 
 
 def _retriable(error: KafkaError) -> bool:

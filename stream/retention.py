@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["RetentionPolicy", "retained_steps"]
 
@@ -170,7 +170,7 @@ class RetentionPolicy(Generic[P]):
         }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, object]) -> RetentionPolicy[P]:
+    def from_state(cls, state: Mapping[str, Any]) -> RetentionPolicy[P]:
         """Rebuild a policy from ``to_state()`` output (lists or tuples in ``buffer``)."""
         policy: RetentionPolicy[P] = cls(
             k=int(state["k"]),

@@ -17,9 +17,8 @@ import numpy as np
 
 from probewire.instrument.catalog import Grad, Group, Loss, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
+from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
-
-from .kafka import TopicConfig
 
 __all__ = ["SimRun", "own_topics", "send"]
 

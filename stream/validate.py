@@ -25,9 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from probewire.instrument.catalog import CATALOG, Label, Loss
+from probewire.instrument.plumbing import check
 from probewire.instrument.wire import RankStep
-
-from .errors import check
 
 __all__ = ["Bounds", "Checked", "StepValidator"]
 

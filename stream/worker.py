@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from probewire.instrument.plumbing import Heartbeat, TopicConfig
 from probewire.instrument.wire import DecodeError, decode_rank_step
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
 from probewire.sinks.retained import load_state
@@ -31,8 +32,7 @@ from .assemble import REPLAY, StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
 from .gaps import GapReader, GapWatch
-from .health import Heartbeat, Progress
-from .kafka import TopicConfig
+from .health import Progress
 from .lifecycle import EventError, parse_event
 from .publish import Publisher, PublishError
 from .records import RecordError, ReducedStep
@@ -144,6 +144,12 @@ class Worker:
             self.heartbeat.beat(status, self.progress.report())
         except OSError as exc:
             log.error("probewire: cannot write the heartbeat %s: %s", self.heartbeat.path, exc)
+
+    def _started_publisher(self) -> Publisher:
+        """The publisher ``start`` made (every agent and timer runs after it)."""
+        if self.publisher is None:
+            raise RuntimeError("the worker's publisher is used before start()")
+        return self.publisher
 
     async def tick(self) -> None:
         """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
@@ -274,8 +280,10 @@ class Worker:
         dead-lettered. Unconfirmed, nothing is acknowledged: a restart reads it again."""
         try:
             try:
-                for part, data in split_step(reduced, self.config.max_message_bytes):
-                    await self.publisher.send(self.topics.steps, reduced.run_id.encode(), data)
+                for _part, data in split_step(reduced, self.config.max_message_bytes):
+                    await self._started_publisher().send(
+                        self.topics.steps, reduced.run_id.encode(), data
+                    )
             except (OversizeStep, PublishError) as exc:
                 reason = str(exc)
                 log.error(
@@ -362,11 +370,11 @@ class Worker:
         alerts = out.rows.get("alerts", [])
         try:
             for alert in alerts:
-                await self.publisher.send(
+                await self._started_publisher().send(
                     self.topics.alerts, run_id.encode(), json.dumps(alert).encode()
                 )
             for control in out.controls:
-                await self.publisher.send(
+                await self._started_publisher().send(
                     self.topics.control, run_id.encode(), json.dumps(control).encode()
                 )
         except PublishError as exc:  # the alert row is still stored with the batch
@@ -453,7 +461,9 @@ class Worker:
         self.progress.dead_letter()
         body["key"] = (key or b"").decode(errors="replace")  # run and step, for the store
         try:
-            await self.publisher.send(self.topics.deadletter, key, json.dumps(body).encode())
+            await self._started_publisher().send(
+                self.topics.deadletter, key, json.dumps(body).encode()
+            )
         except PublishError as exc:
             log.error("probewire: dead letter not published (%s): %s", exc.reason, body["reason"])
 

@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +44,8 @@ def cpu_burner(
     """``processes`` busy loops, each bounded to ``limit_s`` seconds, stopped by PID on
     exit (their own sessions: nothing else is signalled); yields their PIDs."""
     code = (
-        "import time\nend = time.monotonic() + %r\nwhile time.monotonic() < end:\n"
-        "    pass\n" % float(limit_s)
+        f"import time\nend = time.monotonic() + {float(limit_s)!r}\n"
+        "while time.monotonic() < end:\n    pass\n"
     )
     procs = []
     sink = open(log or os.devnull, "ab")
@@ -157,7 +157,7 @@ class Explain:
 def read_gallery(
     store: Path,
     sql: dict[str, str],
-    explains: list[Explain] = (),
+    explains: Sequence[Explain] = (),
     database: str = "probewire",
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:

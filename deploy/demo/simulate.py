@@ -38,7 +38,7 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from probewire.instrument.catalog import (
     System,
     Tensor,
 )
+from probewire.instrument.wire import RankStep, series_key
 
 from .faults import (
     BadRank,
@@ -135,6 +136,177 @@ def _active(fault: Fault, t: int, steps: int = 0) -> bool:
     return t >= fault.step and (not steps or t < fault.step + steps)
 
 
+F = TypeVar("F", bound=Fault)
+
+
+@dataclass(slots=True)
+class _Step:
+    """What every rank of step ``t`` shares: the loss level, the gradient norm, the faults'
+    shock (``boost`` of the gradient from ``origin`` inward, ``spike`` of the loss), each
+    rank's compute time and when the slowest one finished."""
+
+    t: int
+    base: float
+    g2: float
+    boost: float
+    origin: int | None
+    spike: float
+    compute: np.ndarray
+    done: float
+
+
+def _of(faults: Sequence[Fault], cls: type[F]) -> list[F]:
+    """The faults of one kind."""
+    return [f for f in faults if isinstance(f, cls)]
+
+
+def _shared(t: int, faults: Sequence[Fault], world_size: int, rng: np.random.Generator) -> _Step:
+    """Step ``t``'s shared state, the layer explosions, poisoned batches and stragglers in it."""
+    boost, origin, spike = 1.0, None, 1.0
+    for f in _of(faults, LayerExplosion):
+        if t == f.step:
+            boost, origin, spike = f.scale, f.layer, 1.3
+    for p in _of(faults, PoisonedBatch):
+        if t == p.step or (p.repeat_after and t == p.step + p.repeat_after):
+            boost, spike = boost * 10.0, spike * 1.6
+    base = 2.2 + 2.5 * math.exp(-t / 35)
+    g2 = (0.5 + 0.4 * math.exp(-t / 30)) * (1 + 0.03 * float(rng.normal())) * boost
+    compute = 0.45 * np.exp(rng.normal(0, 0.02, world_size))
+    for slow in _of(faults, Straggler):
+        if _active(slow, t, slow.duration):
+            compute[slow.rank] = (
+                compute[slow.rank] * slow.factor
+                if slow.factor > 0
+                else compute[slow.rank] + slow.delay_s
+            )
+    done = float(compute.max())  # synchronous DDP: every rank waits for the last one
+    return _Step(t, base, g2, boost, origin, spike, compute, done)
+
+
+def _loss_values(
+    step: _Step,
+    r: int,
+    faults: Sequence[Fault],
+    sources: Sequence[tuple[str, float]],
+    rng: np.random.Generator,
+) -> dict[Any, float]:
+    """Rank ``r``'s loss sums and valid tokens, by source and in total."""
+    t = step.t
+    valid = 4096 - int(rng.integers(0, 256))  # padding varies per rank
+    values: dict[Any, float] = {}
+    total_sum = total_n = 0.0
+    for i, (source, share) in enumerate(sources):
+        n = float(round(share * valid))
+        mean = step.base * (1 - 0.1 * i) * (1 + 0.01 * float(rng.normal())) * step.spike
+        for f in _of(faults, SourceRegression):
+            if f.source == source and _active(f, t):
+                broken = min(1.0, f.per_step * (t - f.step + 1)) if f.per_step else 1.0
+                mean += broken * (_RANDOM_BYTES - mean)
+        if any(f.rank == r and _active(f, t) for f in _of(faults, BadRank)):
+            mean = _RANDOM_BYTES * (1 + 0.01 * float(rng.normal()))
+        for easy in _of(faults, EasyBatch):
+            if easy.rank == r and _active(easy, t, easy.steps):
+                mean *= easy.loss_scale
+        values[series_key(Loss.SUM, {Label.SOURCE: source})] = mean * n
+        values[series_key(Loss.TOKENS, {Label.SOURCE: source})] = n
+        total_sum, total_n = total_sum + mean * n, total_n + n
+    values[series_key(Loss.SUM)] = total_sum
+    values[series_key(Loss.TOKENS)] = total_n
+    return values
+
+
+def _system_values(
+    step: _Step, r: int, total_n: float, faults: Sequence[Fault], rng: np.random.Generator
+) -> dict[Any, float]:
+    """Rank ``r``'s gradient norm, step time, all-reduce wait, FLOPs, peak memory, |z|max."""
+    t, done = step.t, step.done
+    comm = 0.05 * (1 + 0.05 * float(rng.random()))
+    creep = sum(
+        f.mib_per_step * (1 << 20) * (t - f.step + 1)
+        for f in _of(faults, MemoryCreep)
+        if f.rank == r and _active(f, t)
+    )
+    return {
+        series_key(Grad.NORM_SQ): step.g2 * step.g2,
+        series_key(System.STEP_TIME): done + comm,
+        series_key(Comm.WAIT, {Label.OP: "ddp_allreduce"}): done - step.compute[r] + comm,
+        series_key(System.FLOPS): 6 * _PARAMS * total_n,
+        series_key(Memory.PEAK_ALLOCATED): 20e9
+        + r * 1e8
+        + t * 2e6
+        + 1e6 * float(rng.normal())
+        + creep,
+        series_key(Output.LOGITS_ABS_MAX): 25.0
+        * (1 + 0.05 * float(rng.normal()))
+        * math.sqrt(step.boost),
+    }
+
+
+def _tensor_values(
+    step: _Step, r: int, layers: int, world_size: int, rng: np.random.Generator
+) -> dict[Any, float]:
+    """Rank ``r``'s one-pass backward and gradient statistics per tensor (a sampled step)."""
+    values: dict[Any, float] = {}
+    hit = False  # walking from the output inward: all from the origin on blows up
+    for tensor in _backward_order(layers):
+        hit = hit or (step.origin is not None and tensor == f"layers.{step.origin}.mlp")
+        for kind, sigma in (("bwd", 1e-3), ("grad", 1e-4)):
+            parts = _tensor_parts(sigma * (step.boost if hit else 1.0), 1e6, world_size, r, rng)
+            for name, v in parts.items():
+                values[series_key(name, {Label.TENSOR: tensor, Label.KIND: kind})] = v
+    return values
+
+
+def _reference(records: Sequence[Any]) -> tuple[float, float, int]:
+    """(L, L_max, worst rank) in float64, straight from the ranks' loss components."""
+    sums = np.array([rec.values[series_key(Loss.SUM)] for rec in records])
+    counts = np.array([rec.values[series_key(Loss.TOKENS)] for rec in records])
+    means = sums / counts
+    return float(sums.sum() / counts.sum()), float(means.max()), int(np.argmax(means))
+
+
+def _add_expert_loads(
+    reduced: Any, layers: int, experts: int, tokens: float, rng: np.random.Generator
+) -> None:
+    """Per-expert token counts c_i summed over ranks, as stage 1 reduces them."""
+    for i in range(layers):
+        loads = rng.normal(1.0, 0.05, experts) * tokens * 2 / experts
+        for e, c in enumerate(loads):
+            labels = {Label.LAYER: str(i), Label.EXPERT: str(e), Label.SHARD: str(e * 2 // experts)}
+            reduced.reduced[series_key(Moe.EXPERT_TOKENS, labels)] = c
+
+
+def _evaluations(run_id: str, t: int, last_row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The held-out bpb of step ``t``'s raw and EMA weights, from the last stored loss."""
+    return [
+        {
+            "run_id": run_id,
+            "step": t,
+            "tokens": last_row["tokens"],
+            "flops": last_row["flops"],
+            "suite": "heldout",
+            "metric": "bpb",
+            "value": last_row["loss"] * 1.02 / math.log(2) / 3.8 + shift,
+            "weights_stream": stream,
+            "reference": reference,
+            "n_items": 512,
+            "dataset_version": "heldout-v1",
+            "tokenizer_version": "tok-v1",
+        }
+        for stream, reference, shift in (("raw", 1, 0.0), ("ema", 0, -0.01))
+    ]
+
+
+def _store(run: SimulatedRun, out: Any) -> None:
+    """Stage 2's rows and per-rank detail columns into the run's tables."""
+    from probewire.stream.stage2 import column_rows
+
+    for table, rows in out.rows.items():
+        run.tables[table] += rows
+    for table, columns in out.columns.items():  # the per-rank detail
+        run.tables[table] += column_rows(columns)
+
+
 def simulated_run(
     run_id: str = "synthetic",
     *,
@@ -151,14 +323,12 @@ def simulated_run(
     seed: int = 0,
 ) -> SimulatedRun:
     """Simulate ``steps`` steps of a ``world_size``-rank job with the demo ``faults``."""
-    from probewire.instrument.wire import RankStep, series_key
     from probewire.stream.assemble import reduce_step
     from probewire.stream.signals import DetectorConfig
-    from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
+    from probewire.stream.stage2 import RunPipeline, Stage2Config
 
     rng = np.random.default_rng(seed)
-    faults = _faults(faults)
-    of = lambda cls: [f for f in faults if isinstance(f, cls)]  # noqa: E731
+    parsed = _faults(faults)
     pipeline = RunPipeline(
         run_id,
         Stage2Config(
@@ -170,82 +340,20 @@ def simulated_run(
         ),
     )
     tensor_steps = {t for t in range(steps) if t % retain_every == 0}
-    tensor_steps |= {s for f in of(LayerExplosion) for s in range(f.step - halo, f.step + halo + 1)}
-    tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    run = SimulatedRun(run_id, tables)
+    tensor_steps |= {
+        s for f in _of(parsed, LayerExplosion) for s in range(f.step - halo, f.step + halo + 1)
+    }
+    run = SimulatedRun(run_id, defaultdict(list))
+    tokens_key = series_key(Loss.TOKENS)
     last_row: dict[str, Any] = {}
-
     for t in range(steps):
-        boost, origin, spike = 1.0, None, 1.0
-        for f in of(LayerExplosion):
-            if t == f.step:
-                boost, origin, spike = f.scale, f.layer, 1.3
-        for f in of(PoisonedBatch):
-            if t == f.step or (f.repeat_after and t == f.step + f.repeat_after):
-                boost, spike = boost * 10.0, spike * 1.6
-        base = 2.2 + 2.5 * math.exp(-t / 35)
-        g2 = (0.5 + 0.4 * math.exp(-t / 30)) * (1 + 0.03 * float(rng.normal())) * boost
-        compute = 0.45 * np.exp(rng.normal(0, 0.02, world_size))
-        for f in of(Straggler):
-            if _active(f, t, f.duration):
-                compute[f.rank] = (
-                    compute[f.rank] * f.factor if f.factor > 0 else compute[f.rank] + f.delay_s
-                )
-        done = float(compute.max())  # synchronous DDP: every rank waits for the last one
+        step = _shared(t, parsed, world_size, rng)
         records = []
         for r in range(world_size):
-            valid = 4096 - int(rng.integers(0, 256))  # padding varies per rank
-            values: dict[Any, float] = {}
-            total_sum = total_n = 0.0
-            for i, (source, share) in enumerate(sources):
-                n = float(round(share * valid))
-                mean = base * (1 - 0.1 * i) * (1 + 0.01 * float(rng.normal())) * spike
-                for f in of(SourceRegression):
-                    if f.source == source and _active(f, t):
-                        broken = min(1.0, f.per_step * (t - f.step + 1)) if f.per_step else 1.0
-                        mean += broken * (_RANDOM_BYTES - mean)
-                if any(f.rank == r and _active(f, t) for f in of(BadRank)):
-                    mean = _RANDOM_BYTES * (1 + 0.01 * float(rng.normal()))
-                for f in of(EasyBatch):
-                    if f.rank == r and _active(f, t, f.steps):
-                        mean *= f.loss_scale
-                values[series_key(Loss.SUM, {Label.SOURCE: source})] = mean * n
-                values[series_key(Loss.TOKENS, {Label.SOURCE: source})] = n
-                total_sum, total_n = total_sum + mean * n, total_n + n
-            comm = 0.05 * (1 + 0.05 * float(rng.random()))
-            creep = sum(
-                f.mib_per_step * (1 << 20) * (t - f.step + 1)
-                for f in of(MemoryCreep)
-                if f.rank == r and _active(f, t)
-            )
-            values.update(
-                {
-                    series_key(Loss.SUM): total_sum,
-                    series_key(Loss.TOKENS): total_n,
-                    series_key(Grad.NORM_SQ): g2 * g2,
-                    series_key(System.STEP_TIME): done + comm,
-                    series_key(Comm.WAIT, {Label.OP: "ddp_allreduce"}): done - compute[r] + comm,
-                    series_key(System.FLOPS): 6 * _PARAMS * total_n,
-                    series_key(Memory.PEAK_ALLOCATED): 20e9
-                    + r * 1e8
-                    + t * 2e6
-                    + 1e6 * float(rng.normal())
-                    + creep,
-                    series_key(Output.LOGITS_ABS_MAX): 25.0
-                    * (1 + 0.05 * float(rng.normal()))
-                    * math.sqrt(boost),
-                }
-            )
+            values = _loss_values(step, r, parsed, sources, rng)
+            values.update(_system_values(step, r, values[tokens_key], parsed, rng))
             if t in tensor_steps:
-                hit = False  # walking from the output inward: all from the origin on blows up
-                for tensor in _backward_order(layers):
-                    hit = hit or (origin is not None and tensor == f"layers.{origin}.mlp")
-                    for kind, sigma in (("bwd", 1e-3), ("grad", 1e-4)):
-                        parts = _tensor_parts(
-                            sigma * (boost if hit else 1.0), 1e6, world_size, r, rng
-                        )
-                        for name, v in parts.items():
-                            values[series_key(name, {Label.TENSOR: tensor, Label.KIND: kind})] = v
+                values.update(_tensor_values(step, r, layers, world_size, rng))
             records.append(
                 RankStep(
                     run_id=run_id,
@@ -257,56 +365,19 @@ def simulated_run(
                     values=values,
                 )
             )
-        sums = np.array([rec.values[series_key(Loss.SUM)] for rec in records])
-        counts = np.array([rec.values[series_key(Loss.TOKENS)] for rec in records])
-        means = sums / counts
-        run.reference[t] = (
-            float(sums.sum() / counts.sum()),
-            float(means.max()),
-            int(np.argmax(means)),
-        )
+        run.reference[t] = _reference(records)
         reduced = reduce_step(run_id, t, world_size, records, "all_ranks")
-        for i in range(layers):  # c_i summed over ranks, as stage 1 reduces it
-            loads = rng.normal(1.0, 0.05, experts) * float(counts.sum()) * 2 / experts
-            for e, c in enumerate(loads):
-                reduced.reduced[
-                    series_key(
-                        Moe.EXPERT_TOKENS,
-                        {
-                            Label.LAYER: str(i),
-                            Label.EXPERT: str(e),
-                            Label.SHARD: str(e * 2 // experts),
-                        },
-                    )
-                ] = c
+        tokens = float(np.array([rec.values[tokens_key] for rec in records]).sum())
+        _add_expert_loads(reduced, layers, experts, tokens, rng)
         out = pipeline.accept(reduced, float(t))
-        for table, rows in out.rows.items():
-            tables[table] += rows
-        for table, columns in out.columns.items():  # the per-rank detail
-            tables[table] += column_rows(columns)
+        _store(run, out)
         run.promote += out.promote
         last_row = out.rows["step_metrics"][-1] if out.rows.get("step_metrics") else last_row
         if t % eval_every == 0 and t > 0:
-            for stream, reference, shift in (("raw", 1, 0.0), ("ema", 0, -0.01)):
-                tables["evaluations"].append(
-                    {
-                        "run_id": run_id,
-                        "step": t,
-                        "tokens": last_row["tokens"],
-                        "flops": last_row["flops"],
-                        "suite": "heldout",
-                        "metric": "bpb",
-                        "value": last_row["loss"] * 1.02 / math.log(2) / 3.8 + shift,
-                        "weights_stream": stream,
-                        "reference": reference,
-                        "n_items": 512,
-                        "dataset_version": "heldout-v1",
-                        "tokenizer_version": "tok-v1",
-                    }
-                )
+            run.tables["evaluations"] += _evaluations(run_id, t, last_row)
     out = pipeline.finish()
     for table, rows in out.rows.items():
-        tables[table] += rows
+        run.tables[table] += rows
     run.promote = sorted(set(run.promote + out.promote))
     return run
 

@@ -30,6 +30,7 @@ import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,34 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     corpus = load_corpus()
     rng = np.random.default_rng([args.seed, args.rank])  # a different data shard per rank
-    kafka = KafkaSettings(bootstrap=args.bootstrap).client_config()
-    # attach once: observation points, optimizer hooks, control listener, exporters
-    monitor = attach(
-        model,
-        opt,
-        identity=RankIdentity(
-            run_id=args.run_id,
-            rank=args.rank,
-            world_size=args.world_size,
-            local_rank=args.rank,
-            coords={"dp": args.rank},
-        ),
-        config=ProbeConfig(
-            clip_threshold=args.clip,
-            sources=SOURCES,
-            cadence={"step": 1, "scan": args.p1_every, "demand": 0},
-        ),
-        transport=KafkaTransport(kafka, args.topic),
-        control=ControlListener(
-            kafka, run_id=args.run_id, rank=args.rank, topic=args.control_topic
-        ),
-        events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None,
-        run_config={
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("faults", "rank", "master_port", "bootstrap", "trace")
-        },
-    )
+    monitor = _attach(args, model, opt)
     trace = open(args.trace / f"rank{args.rank}.jsonl", "w") if args.trace else None
     if args.ckpt_dir is not None and args.rank == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -190,65 +164,11 @@ def main(argv: list[str] | None = None) -> None:
             with monitor.step(step) as s:
                 for fault in args.faults:
                     fault.on_step_start(step, args.rank, model, opt)
-                # data: a few rows per micro-batch; random valid lengths pad some rows
-                batches = [
-                    corpus.batch(
-                        rng,
-                        args.batch_size,
-                        cfg.seq_len,
-                        min_len=8,
-                        media_tiles=cfg.media_tiles,
-                        image_size=cfg.image_size,
-                    )
-                    for _ in range(args.micro_batches)
-                ]
-                for fault in args.faults:
-                    batches = [fault.on_batch(step, args.rank, b) for b in batches]
+                batches = _batches(args, cfg, corpus, rng, step)
                 n_valid = sum(int((b.targets != IGNORE).sum()) for b in batches)
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                # forward/backward: the objective is this rank's valid-token mean loss
-                for i, batch in enumerate(batches):
-                    last = i == len(batches) - 1
-                    s.micro_batch(
-                        tokens=batch.tokens, mask=batch.targets != IGNORE, source=batch.source
-                    )
-                    with nullcontext() if last else model.no_sync():
-                        logits, mtp = model(
-                            batch.tokens, batch.media, batch.media_mask, return_mtp=True
-                        )
-                        losses = F.cross_entropy(
-                            logits.float().reshape(-1, logits.shape[-1]),
-                            batch.targets.reshape(-1),
-                            ignore_index=IGNORE,
-                            reduction="none",
-                        ).view_as(batch.targets)
-                        s.loss(losses)
-                        # MTP heads (preset full) train on the targets k places ahead; the
-                        # monitored loss stays the main head's
-                        objective = losses.sum() + sum(
-                            F.cross_entropy(
-                                z.float().reshape(-1, z.shape[-1]),
-                                mtp_targets(batch.targets, k).reshape(-1),
-                                ignore_index=IGNORE,
-                                reduction="sum",
-                            )
-                            for k, z in enumerate(mtp, 1)
-                        )
-                        (objective / max(n_valid, 1)).backward()
-                    loss_sum += losses.detach().double().sum()
-                # spike guard: replay a suspicious step on the same batches (no update) and
-                # check that it reproduces the loss; a replay that does not points at hardware
-                mean_loss = loss_sum.item() / max(n_valid, 1)  # note: host sync point
-                flaky = any(f.replay_differs(step) for f in args.faults)
-                if flaky or (
-                    running_loss is not None and mean_loss > args.guard_factor * running_loss
-                ):
-                    replay = _replay_loss(model.module, batches, perturb=flaky)
-                    s.replayed(
-                        reproduced=abs(replay - loss_sum.item()) <= 1e-6 * abs(loss_sum.item())
-                    )
-                running_loss = (
-                    mean_loss if running_loss is None else 0.95 * running_loss + 0.05 * mean_loss
+                loss_sum = _forward_backward(model, s, batches, n_valid)
+                running_loss = _spike_guard(
+                    args, model, s, batches, step, loss_sum, n_valid, running_loss
                 )
                 # this rank's wait on DDP's gradient all-reduce (complete once backward has
                 # returned), sent every step: the stream takes it off the rank's step time
@@ -280,18 +200,137 @@ def main(argv: list[str] | None = None) -> None:
                     + "\n"
                 )
             if args.save_every and (step + 1) % args.save_every == 0:
-                # every rank joins the one collective; rank 0 saves and announces
-                totals = torch.tensor([float(local_tokens), local_flops], dtype=torch.float64)
-                dist.all_reduce(totals)
-                if args.rank == 0:
-                    path = args.ckpt_dir / f"step{step:07d}.pt"
-                    save_checkpoint(model.module, path)
-                    monitor.checkpoint(str(path), step, int(totals[0]), float(totals[1]))
+                _checkpoint(args, model, monitor, step, local_tokens, local_flops)
     finally:
         monitor.close()
         if trace:
             trace.close()
         dist.destroy_process_group()
+
+
+def _attach(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """Attach the monitor once: observation points, optimizer hooks, control listener and
+    the Kafka exporters (rank 0 also announces checkpoints)."""
+    kafka = KafkaSettings(bootstrap=args.bootstrap).client_config()
+    return attach(
+        model,
+        opt,
+        identity=RankIdentity(
+            run_id=args.run_id,
+            rank=args.rank,
+            world_size=args.world_size,
+            local_rank=args.rank,
+            coords={"dp": args.rank},
+        ),
+        config=ProbeConfig(
+            clip_threshold=args.clip,
+            sources=SOURCES,
+            cadence={"step": 1, "scan": args.p1_every, "demand": 0},
+        ),
+        transport=KafkaTransport(kafka, args.topic),
+        control=ControlListener(
+            kafka, run_id=args.run_id, rank=args.rank, topic=args.control_topic
+        ),
+        events=KafkaTransport(kafka, args.checkpoint_topic) if args.rank == 0 else None,
+        run_config={
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("faults", "rank", "master_port", "bootstrap", "trace")
+        },
+    )
+
+
+def _batches(
+    args: argparse.Namespace, cfg: TinyConfig, corpus: Any, rng: np.random.Generator, step: int
+) -> list:
+    """The step's micro-batches, a few rows each (random valid lengths pad some rows), as
+    the faults leave them."""
+    batches = [
+        corpus.batch(
+            rng,
+            args.batch_size,
+            cfg.seq_len,
+            min_len=8,
+            media_tiles=cfg.media_tiles,
+            image_size=cfg.image_size,
+        )
+        for _ in range(args.micro_batches)
+    ]
+    for fault in args.faults:
+        batches = [fault.on_batch(step, args.rank, b) for b in batches]
+    return batches
+
+
+def _forward_backward(
+    model: DistributedDataParallel, s: Any, batches: list, n_valid: int
+) -> torch.Tensor:
+    """Forward and backward over the micro-batches (DDP syncs on the last one); the
+    objective is this rank's valid-token mean loss. Returns the valid-token loss sum."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        s.micro_batch(tokens=batch.tokens, mask=batch.targets != IGNORE, source=batch.source)
+        with nullcontext() if last else model.no_sync():
+            logits, mtp = model(batch.tokens, batch.media, batch.media_mask, return_mtp=True)
+            losses = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]),
+                batch.targets.reshape(-1),
+                ignore_index=IGNORE,
+                reduction="none",
+            ).view_as(batch.targets)
+            s.loss(losses)
+            # MTP heads (preset full) train on the targets k places ahead; the monitored
+            # loss stays the main head's
+            objective = losses.sum() + sum(
+                F.cross_entropy(
+                    z.float().reshape(-1, z.shape[-1]),
+                    mtp_targets(batch.targets, k).reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction="sum",
+                )
+                for k, z in enumerate(mtp, 1)
+            )
+            (objective / max(n_valid, 1)).backward()
+        loss_sum += losses.detach().double().sum()
+    return loss_sum
+
+
+def _spike_guard(
+    args: argparse.Namespace,
+    model: DistributedDataParallel,
+    s: Any,
+    batches: list,
+    step: int,
+    loss_sum: torch.Tensor,
+    n_valid: int,
+    running_loss: float | None,
+) -> float:
+    """Replay a suspicious step on the same batches (no update) and check that it
+    reproduces the loss (a replay that does not points at hardware); the new running loss."""
+    mean_loss = loss_sum.item() / max(n_valid, 1)  # note: host sync point
+    flaky = any(f.replay_differs(step) for f in args.faults)
+    if flaky or (running_loss is not None and mean_loss > args.guard_factor * running_loss):
+        replay = _replay_loss(model.module, batches, perturb=flaky)
+        s.replayed(reproduced=abs(replay - loss_sum.item()) <= 1e-6 * abs(loss_sum.item()))
+    return mean_loss if running_loss is None else 0.95 * running_loss + 0.05 * mean_loss
+
+
+def _checkpoint(
+    args: argparse.Namespace,
+    model: DistributedDataParallel,
+    monitor: Any,
+    step: int,
+    local_tokens: int,
+    local_flops: float,
+) -> None:
+    """Every rank joins the one collective (the run's tokens and FLOPs so far); rank 0
+    saves the checkpoint and announces it."""
+    totals = torch.tensor([float(local_tokens), local_flops], dtype=torch.float64)
+    dist.all_reduce(totals)
+    if args.rank == 0:
+        path = args.ckpt_dir / f"step{step:07d}.pt"
+        save_checkpoint(model.module, path)
+        monitor.checkpoint(str(path), step, int(totals[0]), float(totals[1]))
 
 
 def _replay_loss(model: torch.nn.Module, batches: list, perturb: bool) -> float:

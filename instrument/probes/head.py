@@ -94,7 +94,8 @@ def decode_head(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
     maxima: list[float] = []
     sum_sq = positions = 0.0
     vocab = 1
-    for values, (form, n, masked, vocab) in parts:
+    for values, (form, n, masked, part_vocab) in parts:
+        vocab = part_vocab  # the same in every part
         if form == "rows":
             rows = values[: 3 * n].reshape(3, n)
             if masked:

@@ -59,7 +59,7 @@ def test_the_cli_applies_the_format_to_its_command_and_refuses_others(tmp_path, 
         == 1
     )
     logging.getLogger("probewire.x").warning("hello")
-    [line] = [l for l in capsys.readouterr().err.splitlines() if l.startswith("{")]
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("{")]
     assert json.loads(line)["service"] == "health"
     with pytest.raises(ValueError, match="one of text, json"):
         logging_config("xml", "info", "worker")

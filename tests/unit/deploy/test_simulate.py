@@ -14,7 +14,7 @@ def test_faults_are_the_demos_classes_or_their_command_line_texts():
         "s", steps=40, world_size=3, detector_window=10, faults=["bad-rank@30:rank=2"]
     )
     rows = {r["step"]: r for r in run.tables["step_metrics"]}
-    for step, (loss, worst, rank) in run.reference.items():  # float64 reference
+    for step, (loss, worst, _rank) in run.reference.items():  # float64 reference
         assert rows[step]["loss"] == pytest.approx(loss, rel=1e-12)
         assert rows[step]["loss_worst_rank"] == pytest.approx(worst, rel=1e-12)
     assert rows[35]["loss_worst_rank_id"] == 2

@@ -188,7 +188,7 @@ def test_a_replicated_parameter_is_reported_by_tensor_parallel_rank_0_only():
             s.gradients()
         monitor.close()
         [record] = [decode_rank_step(k, v) for k, v in transport.messages]
-        seen[tp] = {dict(l)["tensor"] for n, l in record.values if n == "tensor.n"}
+        seen[tp] = {dict(labels)["tensor"] for n, labels in record.values if n == "tensor.n"}
     assert "ln.weight" in seen[0] and "ln.weight" not in seen[1]
     assert "ln" in seen[0] and "ln" not in seen[1]  # its activation too
     assert "up.weight" in seen[0] and "up.weight" in seen[1]

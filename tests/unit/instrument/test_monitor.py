@@ -209,9 +209,9 @@ class Checkpointed(TinyLM):
 
 def tensor_stats(recs):
     return {
-        (dict(l)["tensor"], dict(l)["kind"], n): v
-        for (n, l), v in recs[0].values.items()
-        if n.startswith("tensor.") and dict(l)["kind"] in ("fwd", "bwd")
+        (dict(labels)["tensor"], dict(labels)["kind"], n): v
+        for (n, labels), v in recs[0].values.items()
+        if n.startswith("tensor.") and dict(labels)["kind"] in ("fwd", "bwd")
     }
 
 

@@ -467,11 +467,11 @@ def test_bos_value_gradient_against_numpy(measured):
 
 
 def test_mtp_agreement_aligns_the_shared_target(measured):
-    model, rec = measured["model"], measured["rec"]
+    rec = measured["rec"]
     positions = agree = 0
     torch.manual_seed(0)
     fresh = TinyLM(CFG)  # the weights the step's forward saw (the run updated ``model``)
-    for (tokens, targets, media, present), text in zip(measured["batches"], measured["text"]):
+    for (tokens, _targets, media, present), text in zip(measured["batches"], measured["text"]):
         with torch.no_grad():
             main, [mtp] = fresh(tokens, media, present, return_mtp=True)
         same = main[:, 1:].argmax(-1) == mtp[:, :-1].argmax(-1)

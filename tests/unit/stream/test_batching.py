@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from probewire.instrument.plumbing import ConfigError
 from probewire.stream.batching import BatchConfig, StoreBatch
-from probewire.stream.errors import ConfigError
 from probewire.stream.stage2 import Stage2Output
 
 

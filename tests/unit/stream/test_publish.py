@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from probewire.stream.errors import ConfigError
+from probewire.instrument.plumbing import ConfigError
 from probewire.stream.publish import RECORD_OVERHEAD_BYTES, check_message_limit
 
 

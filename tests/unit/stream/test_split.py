@@ -41,7 +41,7 @@ def big_step(ranks=16, tensors=60) -> ReducedStep:
 def rows(parts) -> dict[str, list]:
     run = RunPipeline("r", Stage2Config())
     out = {}
-    for part, data in parts:
+    for _part, data in parts:
         got = run.accept(ReducedStep.from_bytes(data), now=0.0)
         for table, table_rows in got.rows.items():
             out.setdefault(table, []).extend(table_rows)

@@ -72,7 +72,7 @@ def test_adamw_chain_matches_a_manual_float64_adamw():
     w = torch.nn.Parameter(torch.randn(50))
     opt = torch.optim.AdamW([w], lr=0.1, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
     m = v = torch.zeros(50, dtype=torch.float64)
-    for t in range(1, 4):
+    for _ in range(1, 4):
         w.grad = torch.randn(50)
         opt.step()
         g = w.grad.double()
