@@ -216,8 +216,8 @@ _EVAL = "`evaluations` (metric {})"
 _RETAINED = "stored per rank for retained steps only"
 _NOT_PAGED = "stored and charted, but no rule pages on it"
 _STATIC = (
-    "fixed thresholds are not rules here: the detectors score each series against its own "
-    "rolling baseline and are calibrated on stable runs (001 §4)"
+    "fixed thresholds are not rules here: each series is scored against its own rolling "
+    "baseline, with thresholds calibrated on stable runs (001 §4)"
 )
 
 _001: tuple[SeedItem, ...] = (
@@ -958,7 +958,8 @@ _002: tuple[SeedItem, ...] = (
     _full(
         "002 §1",
         "squares and RMS in FP32 or wider, padding excluded",
-        _p("instrument/scan.py") + " (float64), valid-position masks",
+        _p("instrument/scan.py")
+        + " (float32 chunks or wider, float64 partials), valid-position masks",
     ),
     _full(
         "002 §1",
@@ -1029,10 +1030,12 @@ _002: tuple[SeedItem, ...] = (
         "MTP agreement on aligned target positions only",
         _p("instrument/probes/mtp.py"),
     ),
-    _out(
+    _part(
         "002 §3",
         "MTP agreement read beside the true-label accuracy of each head",
-        "the MTP heads' accuracy against the labels is not measured",
+        _f("step_metrics.mtp_agreement"),
+        "the heads' accuracy against the labels is not measured, so there is nothing to "
+        "read the agreement beside",
     ),
     _full(
         "002 §3",
@@ -1174,7 +1177,7 @@ _003: tuple[SeedItem, ...] = (
         "003 §4",
         "relative update Δθ/θ per layer, in its band 1e-3–1e-1",
         _f("step_metrics.update_ratio"),
-        "ρ is pooled over tensors, not per layer; the bands are not rules (" + _STATIC + ")",
+        "ρ is pooled over tensors, not per layer; " + _STATIC,
     ),
     _out(
         "003 §5",
@@ -1316,11 +1319,12 @@ _004: tuple[SeedItem, ...] = (
         _f("step_metrics.clipped", "step_metrics.clip_rate"),
         "the loop's `max_norm` is not read: without `ProbeConfig.clip_threshold`, c = 1.0",
     ),
-    _out(
+    _part(
         "004 §2",
         "share of parameters changed beyond a threshold (under 5 %: LR too small)",
-        "not formed; ρ (pooled) measures the update's size instead",
         _f("step_metrics.update_ratio"),
+        "the elements moved beyond a threshold are not counted; ρ (pooled over tensors) "
+        "measures the update's size instead",
     ),
     _full(
         "004 §2",
@@ -1370,7 +1374,7 @@ _004: tuple[SeedItem, ...] = (
         "a loss rise with a gradient-norm anomaly: check the data first",
         _f("step_metrics.cospike") + ", `probewire explain`",
     ),
-    _full(
+    _part(
         "004 §4",
         "dashboards: training, hardware, alerts by severity",
         _p("deploy/grafana/probewire-first-screen.json")
@@ -1378,6 +1382,7 @@ _004: tuple[SeedItem, ...] = (
         + _p("deploy/grafana/probewire-rank.json")
         + ", "
         + _c("alerts.severity"),
+        "no hardware board: device utilisation, power and temperature are not charted",
     ),
     _out(
         "004 §4",

@@ -88,7 +88,8 @@ def test_every_document_and_every_section_has_items():
 
 def test_every_stored_column_and_module_named_exists():
     """A backticked ``table.column`` in ``where`` is a column of that table or view in
-    ``sinks.schema`` (the registry builds ``step_metrics``); a backticked path exists."""
+    ``sinks.schema`` (the registry builds ``step_metrics``); a backticked path exists, and
+    the names cited after it, "`path` (`a`, `B.c`)", occur in that file."""
     stored = stored_columns()
     bad = []
     for token in re.findall(r"`([^`]+)`", _listed()):
@@ -97,6 +98,11 @@ def test_every_stored_column_and_module_named_exists():
             bad.append(token)
         if "/" in token and not (ROOT / token).exists():
             bad.append(token)
+    for path, names in re.findall(r"`([\w.-]+/[\w/.-]+)` \(([^)]*)\)", _listed()):
+        text = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+        for name in re.findall(r"`([^`]+)`", names):
+            if not re.search(rf"\b{re.escape(name.split('.')[-1])}\b", text):
+                bad.append(f"{path}: {name}")
     assert not bad
 
 
