@@ -179,9 +179,7 @@ def _t(*names: str) -> str:
 
 def _rm(*metrics: str) -> str:
     """Catalog metrics (``*`` globs, ``{labels}`` allowed) kept per rank in ``rank_metrics``."""
-    unknown = [
-        m for m in metrics if not fnmatch.filter(CATALOG, m.split("{")[0]) and m != "module.*"
-    ]
+    unknown = [m for m in metrics if not fnmatch.filter(CATALOG, m.split("{")[0])]
     if unknown:
         raise ValueError(f"not in the catalog (instrument.catalog): {unknown}")
     return f"{_t('rank_metrics')} ({_code(metrics)})"
@@ -194,16 +192,24 @@ def _s(seed: str) -> tuple[str, str]:
     return doc, section
 
 
+def _item(
+    seed: str, item: str, status: Status, where: str, missing: str, also: tuple[str, ...]
+) -> SeedItem:
+    for other in also:
+        _s(other)  # a citation of a section the document has
+    return SeedItem(*_s(seed), item, status, where, missing, also)
+
+
 def _full(seed: str, item: str, where: str, also: tuple[str, ...] = ()) -> SeedItem:
-    return SeedItem(*_s(seed), item, Status.FULL, where, "", also)
+    return _item(seed, item, Status.FULL, where, "", also)
 
 
 def _part(seed: str, item: str, where: str, missing: str, also: tuple[str, ...] = ()) -> SeedItem:
-    return SeedItem(*_s(seed), item, Status.PARTIAL, where, missing, also)
+    return _item(seed, item, Status.PARTIAL, where, missing, also)
 
 
 def _out(seed: str, item: str, why: str, where: str = "", also: tuple[str, ...] = ()) -> SeedItem:
-    return SeedItem(*_s(seed), item, Status.OUT, where, why, also)
+    return _item(seed, item, Status.OUT, where, why, also)
 
 
 def _p(path: str, *names: str) -> str:
@@ -214,7 +220,6 @@ def _p(path: str, *names: str) -> str:
 # ------------------------------------------------------------------ the items
 _EVAL = "`evaluations` (metric {})"
 _RETAINED = "stored per rank for retained steps only"
-_NOT_PAGED = "stored and charted, but no rule pages on it"
 _STATIC = (
     "fixed thresholds are not rules here: each series is scored against its own rolling "
     "baseline, with thresholds calibrated on stable runs (001 §4)"
@@ -578,7 +583,7 @@ _001: tuple[SeedItem, ...] = (
     ),
     _part(
         "001 §6",
-        "relative update size ρ per tensor",
+        "relative update size ρ",
         _f("step_metrics.update_ratio"),
         "pooled over all scanned tensors, not per tensor: a layer whose updates died or blew "
         "up is hidden (per tensor only by hand, `tensor_view.rms` of kind update / param)",

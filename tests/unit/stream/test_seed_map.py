@@ -136,6 +136,14 @@ def test_a_misnamed_column_table_or_metric_fails(check, name):
         check(name)
 
 
+def test_an_item_citing_a_section_its_document_lacks_fails():
+    """A seed section, or an ``also`` citation, that is not in ``SECTIONS`` is refused."""
+    with pytest.raises(ValueError, match="no section '§13'"):
+        seed_map._full("001 §13", "an item", "`step_metrics.loss`")
+    with pytest.raises(ValueError, match="no section 'lost'"):
+        seed_map._full("001 §3", "an item", "`step_metrics.loss`", ("000 lost",))
+
+
 def _row(name: str, seed: str) -> tuple[str, Series]:
     return "step_metrics", Series(name, "Nullable(Float64)", kind=Kind.DETECTOR, seed=seed)
 
@@ -166,7 +174,7 @@ def test_issue_37_items_are_partial_with_what_is_missing():
     constant, allocated/reserved components only) are partial and say so."""
     by_item = {(i.seed, i.item): i for i in SEED_ITEMS}
     expect = {
-        ("001 §6", "relative update size ρ per tensor"): "pooled",
+        ("001 §6", "relative update size ρ"): "pooled",
         ("001 §9", "modality token share π^(μ) (P0, every 1–10 steps)"): "not formed",
         ("001 §7", "shard imbalance over expert-parallel shards"): "constant",
         ("001 §5", "allocated and reserved memory"): "components only",
