@@ -468,10 +468,12 @@ _001: tuple[SeedItem, ...] = (
         _f("step_metrics.tokens_per_s", "step_metrics.step_tokens"),
         ("000 system",),
     ),
-    _full(
+    _part(
         "001 §5",
         "compute rate Φ with a fixed FLOP estimator",
         _f("step_metrics.compute_rate") + ", `ProbeConfig.flops_per_token`",
+        "D is taken as the number of ranks (one device per rank assumed): a rank driving "
+        "several devices gets a Φ too large",
         ("000 system",),
     ),
     _full(
