@@ -24,7 +24,8 @@ edit here.
 
 ``seed_map_doc()`` is docs/seed-map.md and ``readme_summary()`` the README's region between
 its metric-table markers (a unit test holds both equal to the files); ``python -m
-probewire.stream.seed_map`` prints the coverage line, ``--doc`` / ``--readme`` the two texts.
+probewire.stream.seed_map`` prints the coverage line, ``--doc`` / ``--readme`` the two texts,
+and ``--write [ROOT]`` rewrites both files of the repository at ROOT (default: here).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from pathlib import Path
 
 from probewire.instrument.catalog import CATALOG
 from probewire.sinks.schema import TABLES, VIEWS, View
@@ -53,6 +55,7 @@ __all__ = [
     "readme_summary",
     "seed_map_doc",
     "stored_columns",
+    "write",
 ]
 
 
@@ -1494,8 +1497,8 @@ def seed_map_doc() -> str:
     parts = [
         "# Seed map: every item of the five seeds",
         "",
-        "Generated from `stream/seed_map.py` (`python -m probewire.stream.seed_map --doc > "
-        "docs/seed-map.md`); `tests/unit/stream/test_seed_map.py` fails when this page "
+        "Generated from `stream/seed_map.py` (`python -m probewire.stream.seed_map --write` "
+        "rewrites it and the README's counts); `tests/unit/stream/test_seed_map.py` fails when this page "
         "differs. Status **full**: implemented as the seed defines it, `where` says where; "
         "**partial**: `missing` says what is not; **out of scope**: `missing` says why. "
         "Seed 000 summarizes 001: a 001 item it repeats names the 000 section under "
@@ -1518,13 +1521,39 @@ def readme_summary() -> str:
     )
 
 
-if __name__ == "__main__":  # pragma: no cover - regenerates the texts the tests compare
-    arg = sys.argv[1] if len(sys.argv) > 1 else ""
+README_BEGIN, README_END = "<!-- metric-table:begin -->\n", "\n<!-- metric-table:end -->"
+
+
+def write(root: Path) -> str | None:
+    """Rewrite ``root``/docs/seed-map.md and the README region; the error line, if any."""
+    readme = root / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    if README_BEGIN not in text or README_END not in text.split(README_BEGIN, 1)[1]:
+        return f"{readme}: no metric-table markers; run from the repository root or name it"
+    head, rest = text.split(README_BEGIN, 1)
+    readme.write_text(
+        head + README_BEGIN + readme_summary() + README_END + rest.split(README_END, 1)[1]
+    )
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "seed-map.md").write_text(seed_map_doc())
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """``[--doc | --readme | --write [ROOT]]``: print a text, or rewrite both files."""
     texts = {"--doc": seed_map_doc, "--readme": readme_summary, "": coverage}
-    if arg not in texts:
-        print(
-            f"unknown option {arg!r}: run python -m probewire.stream.seed_map [--doc | --readme]",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+    arg = argv[0] if argv else ""
+    if arg == "--write" and len(argv) <= 2:
+        error = write(Path(argv[1] if len(argv) == 2 else "."))
+        print(error or coverage(), file=sys.stderr if error else sys.stdout)
+        return 2 if error else 0
+    if arg not in texts or len(argv) > 1:
+        usage = "python -m probewire.stream.seed_map [--doc | --readme | --write [ROOT]]"
+        print(f"unknown arguments {argv}: run {usage}", file=sys.stderr)
+        return 2
     print(texts[arg](), end="" if arg == "--doc" else "\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - the command line; main() is tested
+    sys.exit(main(sys.argv[1:]))

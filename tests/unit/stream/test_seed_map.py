@@ -24,15 +24,15 @@ from probewire.stream.seed_map import (
 from probewire.stream.series import FORMED, STEP_SERIES, Kind, Series
 
 ROOT = Path(__file__).resolve().parents[3]
-REGEN = "regenerate: python -m probewire.stream.seed_map {}"
+REGEN = "regenerate: python -m probewire.stream.seed_map --write"
 
 
 def test_the_readme_region_is_the_generated_summary():
     """The README between its metric-table markers is ``readme_summary()`` exactly."""
     text = (ROOT / "README.md").read_text()
-    begin, end = "<!-- metric-table:begin -->\n", "\n<!-- metric-table:end -->"
+    begin, end = seed_map.README_BEGIN, seed_map.README_END
     assert begin in text and end in text, "README lacks the metric-table markers"
-    assert text.split(begin)[1].split(end)[0] == readme_summary(), REGEN.format("--readme")
+    assert text.split(begin)[1].split(end)[0] == readme_summary(), REGEN
 
 
 def test_docs_seed_map_is_the_generated_page():
@@ -183,13 +183,38 @@ def test_issue_37_items_are_partial_with_what_is_missing():
         assert by_item[key].status is Status.PARTIAL and word in by_item[key].missing, key
 
 
-def test_the_module_prints_the_coverage_line_and_refuses_an_unknown_option():
-    """``python -m probewire.stream.seed_map`` prints the coverage line; a wrong option is
-    one line and exit code 2."""
+def test_the_module_prints_the_coverage_line():
+    """``python -m probewire.stream.seed_map`` prints the coverage line and nothing else."""
     run = [sys.executable, "-m", "probewire.stream.seed_map"]
     ok = subprocess.run(run, capture_output=True, text=True, check=True)
-    assert ok.stdout == seed_map.coverage() + "\n"
+    assert ok.stdout == seed_map.coverage() + "\n" and not ok.stderr
     assert re.fullmatch(r"Seed map: \d+ items of the five seeds: \d+ full, .*\.\n", ok.stdout)
-    bad = subprocess.run([*run, "--tabel"], capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and not bad.stdout
-    assert "--doc" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_write_regenerates_both_files_and_leaves_the_rest_of_the_readme(tmp_path):
+    """``--write ROOT`` rewrites docs/seed-map.md and only the README's marked region."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "seed-map.md").write_text("stale")
+    before, after = "# title\ntext\n", "\n## next\nmore\n"
+    readme = before + seed_map.README_BEGIN + "| stale |" + seed_map.README_END + after
+    (tmp_path / "README.md").write_text(readme)
+    assert seed_map.main(["--write", str(tmp_path)]) == 0
+    assert (tmp_path / "docs" / "seed-map.md").read_text() == seed_map_doc()
+    expect = before + seed_map.README_BEGIN + readme_summary() + seed_map.README_END + after
+    assert (tmp_path / "README.md").read_text() == expect
+
+
+@pytest.mark.parametrize("argv", [["--tabel"], ["--doc", "extra"], ["--write", "a", "b"]])
+def test_wrong_arguments_are_one_line_and_exit_code_2(argv, capsys):
+    """A wrong option is refused with one line naming the usage, exit code 2."""
+    assert seed_map.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "--write" in err
+
+
+def test_write_without_a_readme_is_one_line_and_exit_code_2(tmp_path, capsys):
+    """``--write`` where there is no README with the markers writes nothing and says so."""
+    assert seed_map.main(["--write", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and "metric-table markers" in err
+    assert list(tmp_path.iterdir()) == []
