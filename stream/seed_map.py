@@ -451,11 +451,11 @@ _001: tuple[SeedItem, ...] = (
         "AMP GradScaler skips are not counted unless the loop reports them to the guard",
         ("000 gradients",),
     ),
-    _part(
+    _full(
         "001 §4",
         "calibrate window and z threshold on stable runs, never on one failure",
-        _p("stream/calibration.py", "calibrate_run") + ", `probewire calibrate`",
-        "no minimum run length: a run a little longer than one window is calibrated",
+        _p("stream/calibration.py", "calibrate_run")
+        + ", `probewire calibrate` (refuses a run shorter than three windows)",
         ("000 gradients",),
     ),
     # §5 system health
@@ -586,12 +586,19 @@ _001: tuple[SeedItem, ...] = (
         _p("stream/assemble.py", "reduce_step") + ", `MetricSpec.reduction`",
         ("000 tensors",),
     ),
-    _part(
+    _full(
         "001 §6",
         "relative update size ρ",
-        _f("step_metrics.update_ratio"),
-        "pooled over all scanned tensors, not per tensor: a layer whose updates died or blew "
-        "up is hidden (per tensor only by hand, `tensor_view.rms` of kind update / param)",
+        _f(
+            "step_metrics.update_ratio_min",
+            "step_metrics.update_ratio_min_tensor",
+            "step_metrics.update_ratio_max",
+            "step_metrics.update_ratio_max_tensor",
+            "step_metrics.update_ratio",
+        )
+        + " (pooled), "
+        + _c("tensor_update_ratio.update_ratio")
+        + " per tensor of retained scan steps",
         ("000 tensors", "000 quick read"),
     ),
     _part(
@@ -661,8 +668,9 @@ _001: tuple[SeedItem, ...] = (
             "step_metrics.residual_stream_norm",
             "step_metrics.residual_branch_norm",
         ),
-        "only the weakest branch is stored per step; R_b per layer (the depth profile) is "
-        f"components only ({_RETAINED})",
+        "per layer on every step that measures it in "
+        + _c("residual_stats.ratio")
+        + "; no report chart draws the depth profile yet",
         ("000 residual", "000 quick read"),
     ),
     _part(
@@ -698,9 +706,11 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §9",
         "modality token share π^(μ) (P0, every 1–10 steps)",
-        _c("source_metrics.token_share") + " for modalities labelled on the loss",
-        "the modality probe's own counts (`modality.tokens`) are not formed, only kept in "
-        "`rank_metrics` of retained steps; π is not on the first screen",
+        _f("step_metrics.modality_token_share")
+        + " (first screen, from `modality.tokens`), "
+        + _c("source_metrics.token_share")
+        + " for modalities labelled on the loss",
+        "no rule pages a shift of π (issue 38)",
         ("000 modality",),
     ),
     _full(
@@ -1011,12 +1021,10 @@ _002: tuple[SeedItem, ...] = (
         _c("tensor_view.rms") + " (kind `fwd`, block outputs)",
         "per block on scan steps; the mean over the layers is not a stored series",
     ),
-    _part(
+    _full(
         "002 §2",
         "act/mtp_{k}_lm_head_top1_agreement",
-        _f("step_metrics.mtp_agreement"),
-        "pooled over depths: one value, not one per depth k (per depth only as "
-        "`output.mtp_agree{depth}` components in `rank_metrics`)",
+        _f("step_metrics.mtp_agreement_by_depth", "step_metrics.mtp_agreement"),
     ),
     _full(
         "002 §2",

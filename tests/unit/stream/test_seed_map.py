@@ -170,17 +170,20 @@ def test_a_registry_row_joins_the_item_its_seed_names_or_becomes_a_partial_item(
 
 
 def test_issue_37_items_are_partial_with_what_is_missing():
-    """The items issue 37 found marked formed (ρ pooled, π not formed, shard imbalance a
-    constant, allocated/reserved components only) are partial and say so."""
+    """The items issue 37 found marked formed: those still open (shard imbalance a
+    constant, allocated/reserved components only) are partial and say so; the fixed ones
+    name their new columns (ρ per tensor, π formed on the first screen)."""
     by_item = {(i.seed, i.item): i for i in SEED_ITEMS}
     expect = {
-        ("001 §6", "relative update size ρ"): "pooled",
-        ("001 §9", "modality token share π^(μ) (P0, every 1–10 steps)"): "not formed",
         ("001 §7", "shard imbalance over expert-parallel shards"): "constant",
         ("001 §5", "allocated and reserved memory"): "components only",
     }
     for key, word in expect.items():
         assert by_item[key].status is Status.PARTIAL and word in by_item[key].missing, key
+    rho = by_item[("001 §6", "relative update size ρ")]
+    assert rho.status is Status.FULL and "tensor_update_ratio.update_ratio" in rho.where
+    pi = by_item[("001 §9", "modality token share π^(μ) (P0, every 1–10 steps)")]
+    assert "step_metrics.modality_token_share" in pi.where
 
 
 def test_the_module_prints_the_coverage_line():
