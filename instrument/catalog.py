@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "CATALOG",
@@ -445,7 +446,7 @@ _GRAD_LABEL_DOC = (
     "Replicate dim, a hand-declared tp/ep replica — only at coordinate 0, a "
     "shard on every rank holding one; so the stream sums over all ranks."
 )
-_G = dict(labels=(Label.GROUP,), point=_GRAD_POINT)
+_G: dict[str, Any] = dict(labels=(Label.GROUP,), point=_GRAD_POINT)
 _GRAD = (
     _m(
         Grad.NORM_SQ,
@@ -977,7 +978,7 @@ _T_DOC = (
     "tensor identical on several ranks is reported by one of them (coordinate 0 of the "
     "replicating groups); shards are summed."
 )
-_T = dict(labels=(Label.TENSOR, Label.KIND), point=_T_POINT)
+_T: dict[str, Any] = dict(labels=(Label.TENSOR, Label.KIND), point=_T_POINT)
 _TENSOR = (
     _m(
         Tensor.N,

@@ -69,7 +69,8 @@ def held_level(
     """margin x quantile of the rolling minimum over ``steps`` consecutive measured values
     (a missing value breaks the run), ignoring the first ``skip`` values; None when no
     run of ``steps`` values exists."""
-    held, run = [], []
+    held: list[float] = []
+    run: list[float] = []
     for v in list(values)[skip:]:
         run = [] if v is None or not math.isfinite(v) else (run + [v])[-steps:]
         if len(run) == steps:
@@ -105,10 +106,10 @@ def calibrate_run(
             Calibration(setting, column, calibrate(values, window, quantile, margin), len(values))
         )
     for setting, (column, k_setting) in HELD.items():
-        values = list(series.get(column, []))
+        held_values = list(series.get(column, []))
         k = (held_steps or {}).get(k_setting, 3)
-        level = held_level(values, k, window, quantile, margin)
+        level = held_level(held_values, k, window, quantile, margin)
         if level is not None:
-            n = sum(v is not None for v in values[window:])
+            n = sum(v is not None for v in held_values[window:])
             out.append(Calibration(setting, column, level, n))
     return out

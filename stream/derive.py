@@ -346,8 +346,7 @@ def media_scale(
     each RMS from its cross-rank sum of squares and element count (seeds 001 §9). None
     unless all four were reported and both counts are > 0; NaN for a NaN or negative sum
     of squares (not a measurement, but visible)."""
-    parts = (media_sum_sq, media_n, text_sum_sq, text_n)
-    if any(v is None for v in parts) or not media_n or not text_n:
+    if media_sum_sq is None or text_sum_sq is None or not media_n or not text_n:
         return None
     if not (media_sum_sq >= 0 and text_sum_sq >= 0):
         return math.nan
@@ -355,6 +354,8 @@ def media_scale(
         rms_from_components(media_sum_sq, media_n),
         rms_from_components(text_sum_sq, text_n),
     )
+    if media is None or text is None:  # counts checked > 0 above: not reached
+        return None
     return media / (text + _scalar("eps", eps, positive=True))
 
 

@@ -210,10 +210,10 @@ class SignalDetectors:
         found += self._residual(view)
         return derived, [f for f in found if f is not None]
 
-    def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding]:
+    def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
         """L and G2 against their histories, their co-spikes and the clip window; fills the
         step's detector columns into ``derived``."""
-        found: list[Finding] = []
+        found: list[Finding | None] = []
         loss = self.spikes[SM.loss].update(view[SM.loss]) if view[SM.loss] is not None else None
         grad = (
             self.spikes[SM.grad_norm].update(view[SM.grad_norm])
@@ -367,7 +367,9 @@ class SignalDetectors:
             ranks=ranks,
         )
 
-    def _worst_rank(self, view: dict[str, Any], losses: Mapping[int, float]) -> list[Finding]:
+    def _worst_rank(
+        self, view: dict[str, Any], losses: Mapping[int, float]
+    ) -> list[Finding | None]:
         """L_max / L against its history, and the worst rank's own L_r against that rank's
         history (every rank's L_r enters its own window every step)."""
         rank = view.get(SM.loss_worst_rank_id)
@@ -385,7 +387,12 @@ class SignalDetectors:
         gap = self.spikes["worst_rank_ratio"].update(view[SM.loss_worst_rank] / view[SM.loss])
         return [
             self._culprit_move(
-                SM.loss_worst_rank, f"rank {rank}", [rank], view[SM.loss_worst_rank], gap, own
+                SM.loss_worst_rank,
+                f"rank {rank}",
+                [] if rank is None else [int(rank)],
+                view[SM.loss_worst_rank],
+                gap,
+                own,
             )
         ]
 
@@ -394,7 +401,7 @@ class SignalDetectors:
         view: dict[str, Any],
         sources: Mapping[str, float],
         without_worst: Mapping[str, float] | None = None,
-    ) -> list[Finding]:
+    ) -> list[Finding | None]:
         """Each source's L_source / L and its own L_source, both against their histories
         (seeds 001 §3: compare each group against its own history). When the worst rank's
         own loss paged at this step (``without_worst``: each source's loss over the other
@@ -470,6 +477,8 @@ class SignalDetectors:
             return []
         _, rank, level = best
         base = self.levels.baseline(rank)
+        if base is None:  # held above its own baseline: it has one
+            return []
         return [
             Finding(
                 signal="step_time",

@@ -308,7 +308,8 @@ class RunPipeline:
             self.guard[total] += view[flag]
         self.last_step = max(self.last_step, item.step)
         if after_gap:  # the detectors' windows hold the run's steps in order
-            derived, findings = {}, []
+            derived: dict[str, Any] = {}
+            findings: list[Finding] = []
             clipped = view[sm.clipped]
             view[sm.clipped] = int(clipped is not None and clipped > 0)  # NaN: not clipped
         else:

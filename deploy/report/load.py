@@ -53,7 +53,7 @@ class FirstScreenData:
     run_id: str
     run: dict[str, Any] | None
     steps: dict[str, np.ndarray]  # first_screen columns
-    sources: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # step, loss, tokens
+    sources: dict[str, tuple[np.ndarray, ...]]  # step, loss, tokens
     evals: list[EvalSeries] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
@@ -70,7 +70,7 @@ class FirstScreenData:
 
 
 def source_shares(
-    sources: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    sources: dict[str, tuple[np.ndarray, ...]],
 ) -> dict[str, float]:
     """Each source's share of the run's valid tokens: its tokens summed over the stored
     steps over all sources' tokens (NaN when no source counted a token)."""
