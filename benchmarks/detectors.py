@@ -43,6 +43,7 @@ from rich.table import Table
 from probewire.deploy.demo.faults import FAULTS, SCENARIOS, demo_train_args
 from probewire.deploy.demo.gallery import Gallery, read_gallery
 from probewire.stream.detect import CoSpikeTracker, RobustSpikeDetector
+from probewire.stream.series import StepMetrics as SM
 
 DB = "probewire"
 
@@ -94,7 +95,7 @@ def record(
     read = read_gallery(
         gallery.store,
         {
-            "steps": f"SELECT run_id, step, loss, grad_norm FROM {DB}.step_metrics FINAL "
+            "steps": f"SELECT run_id, step, loss, {SM.grad_norm} FROM {DB}.step_metrics FINAL "
             "ORDER BY run_id, step",
             "alerts": f"SELECT run_id, step, signal FROM {DB}.alerts FINAL ORDER BY run_id, step",
         },
@@ -112,7 +113,7 @@ def record(
                 run.fault_step,
                 np.array([r["step"] for r in rows]),
                 np.array([nan if r["loss"] is None else r["loss"] for r in rows], float),
-                np.array([nan if r["grad_norm"] is None else r["grad_norm"] for r in rows], float),
+                np.array([nan if (g := r[SM.grad_norm]) is None else g for r in rows], float),
                 [(a["step"], a["signal"]) for a in read["sql"]["alerts"] if a["run_id"] == run_id],
             )
         )

@@ -31,6 +31,41 @@ import numpy as np
 
 from probewire.instrument.catalog import Grad, Loss, System
 from probewire.sinks import TABLE_COLUMNS, ClickHouseSink, connect
+from probewire.stream.series import StepMetrics as SM
+
+# a 64-rank step's values, by registry column (stream.series.StepMetrics)
+_STEP_VALUES = {
+    SM.step_tokens: 4096 * 64,
+    SM.loss_worst_rank_id: 0,
+    SM.grad_norm: 0.9,
+    SM.clip_rate: 0.01,
+    SM.clipped: 0,
+    SM.loss_z: 0.3,
+    SM.grad_z: 0.4,
+    SM.loss_spike: 0,
+    SM.grad_spike: 0,
+    SM.cospike: 0,
+    SM.cospike_count: 0,
+    SM.cospike_magnitude: 0.0,
+    SM.step_time_s: 0.5,
+    SM.tokens_per_s: 524288.0,
+    SM.compute_rate: 1.5e14,
+    SM.straggler_score: 1.02,
+    SM.straggler_rank: 7,
+    SM.peak_memory_bytes: 7.1e10,
+    SM.peak_memory_rank: 3,
+    SM.moe_maxvio: 0.12,
+    SM.moe_shard_imbalance: 1.05,
+    SM.moe_h_norm: 0.97,
+    SM.output_absmax: 31.0,
+    SM.skipped: 0,
+    SM.replayed: 0,
+    SM.replay_mismatch: 0,
+    SM.ranks_reporting: 64,
+    SM.ranks_missing: [],
+    SM.complete_reason: "all_ranks",
+    SM.warmup: 0,
+}
 
 
 def _step_rows(run_id: str, start: int, n: int, rng: np.random.Generator) -> list[dict]:
@@ -38,46 +73,19 @@ def _step_rows(run_id: str, start: int, n: int, rng: np.random.Generator) -> lis
     rows = []
     for i in range(n):
         step = start + i
-        rows.append(
+        row = {str(k): v for k, v in _STEP_VALUES.items()}
+        row.update(
             {
-                "run_id": run_id,
-                "step": step,
-                "tokens": 4096 * 64 * step,
-                "flops": 1e15 * step,
-                "step_tokens": 4096 * 64,
-                "loss": float(loss[i]),
-                "loss_worst_rank": float(loss[i]) + 0.1,
-                "loss_worst_rank_id": i % 64,
-                "grad_norm": 0.9,
-                "clip_rate": 0.01,
-                "clipped": 0,
-                "loss_z": 0.3,
-                "grad_z": 0.4,
-                "loss_spike": 0,
-                "grad_spike": 0,
-                "cospike": 0,
-                "cospike_count": 0,
-                "cospike_magnitude": 0.0,
-                "step_time_s": 0.5,
-                "tokens_per_s": 524288.0,
-                "compute_rate": 1.5e14,
-                "straggler_score": 1.02,
-                "straggler_rank": 7,
-                "peak_memory_bytes": 7.1e10,
-                "peak_memory_rank": 3,
-                "moe_maxvio": 0.12,
-                "moe_shard_imbalance": 1.05,
-                "moe_h_norm": 0.97,
-                "output_absmax": 31.0,
-                "skipped": 0,
-                "replayed": 0,
-                "replay_mismatch": 0,
-                "ranks_reporting": 64,
-                "ranks_missing": [],
-                "complete_reason": "all_ranks",
-                "warmup": 0,
+                SM.run_id.name: run_id,
+                SM.step.name: step,
+                SM.tokens.name: 4096 * 64 * step,
+                SM.flops.name: 1e15 * step,
+                SM.loss.name: float(loss[i]),
+                SM.loss_worst_rank.name: float(loss[i]) + 0.1,
+                SM.loss_worst_rank_id.name: i % 64,
             }
         )
+        rows.append(row)
     return rows
 
 
@@ -196,6 +204,34 @@ def _bench_cases(client: Any, cases: tuple, args: argparse.Namespace) -> tuple[l
     return results, stored_ok
 
 
+_CEILING_COLUMNS = ", ".join(
+    (
+        SM.run_id,
+        SM.step,
+        SM.tokens,
+        SM.loss,
+        SM.loss_worst_rank,
+        SM.loss_worst_rank_id,
+        SM.grad_norm,
+        SM.clip_rate,
+        SM.loss_z,
+        SM.grad_z,
+        SM.step_time_s,
+        SM.tokens_per_s,
+        SM.compute_rate,
+        SM.straggler_score,
+        SM.straggler_rank,
+        SM.peak_memory_bytes,
+        SM.peak_memory_rank,
+        SM.moe_maxvio,
+        SM.moe_shard_imbalance,
+        SM.moe_h_norm,
+        SM.output_absmax,
+        SM.complete_reason,
+    )
+)
+
+
 def _engine_ceiling(client: Any, args: argparse.Namespace) -> float:
     """The engine's own ceiling for the wide table: rows generated inside ClickHouse
     (median rows/s of the repeats after the first)."""
@@ -205,13 +241,10 @@ def _engine_ceiling(client: Any, args: argparse.Namespace) -> float:
     for k in range(args.repeat + 1):
         started = time.perf_counter()
         client.command(
-            f"INSERT INTO ceiling.step_metrics (run_id, step, tokens, loss, loss_worst_rank, "
-            "loss_worst_rank_id, grad_norm, clip_rate, loss_z, grad_z, step_time_s, "
-            "tokens_per_s, compute_rate, straggler_score, straggler_rank, peak_memory_bytes, "
-            "peak_memory_rank, moe_maxvio, moe_shard_imbalance, moe_h_norm, output_absmax, "
-            f"complete_reason) SELECT 'c{k}', number, number * 100, rand() / 1e9, "
-            "rand() / 1e9, number % 64, 1, 0.01, 0.3, 0.4, 0.5, 5e5, 1e14, 1.02, 7, 7e10, 3, "
-            f"0.1, 1.05, 0.97, 31, 'all_ranks' FROM numbers({args.rows_step})"
+            f"INSERT INTO ceiling.step_metrics ({_CEILING_COLUMNS}) SELECT 'c{k}', number, "
+            "number * 100, rand() / 1e9, rand() / 1e9, number % 64, 1, 0.01, 0.3, 0.4, 0.5, "
+            f"5e5, 1e14, 1.02, 7, 7e10, 3, 0.1, 1.05, 0.97, 31, 'all_ranks' "
+            f"FROM numbers({args.rows_step})"
         )
         rates.append(args.rows_step / (time.perf_counter() - started))
     return statistics.median(rates[1:])
