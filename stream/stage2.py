@@ -34,9 +34,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from probewire.instrument.plumbing import check
+
 from .assemble import REPLAY
 from .dimensions import tensor_dimensions
-from .errors import check
 from .formed import grad_group_rows, residual_rows
 from .inputs import StepInputs
 from .lifecycle import RunEvent, RunLifecycle

@@ -111,8 +111,10 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
         ]
         hint = f"; runs in {db}: {', '.join(known)}" if known else f"; {db} holds no run yet"
         raise RunNotFound(f"run {run_id!r} has no steps in {db}.step_metrics{hint}")
-    steps = {
-        name: _floats([r[i] for r in rows]) for i, name in enumerate(names) if name != "run_id"
+    steps = {  # the numeric series (a map column, such as pi per modality, is not drawn)
+        name: _floats([r[i] for r in rows])
+        for i, name in enumerate(names)
+        if name != "run_id" and not isinstance(rows[0][i], dict)
     }
     runs = _dicts(client, f"SELECT * FROM {db}.runs FINAL WHERE run_id = {{run:String}}", run_id)
     by_source: dict[str, list[tuple]] = {}
