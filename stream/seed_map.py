@@ -38,7 +38,19 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from probewire.instrument.catalog import CATALOG
+from probewire.instrument.catalog import (
+    CATALOG,
+    Comm,
+    Device,
+    Host,
+    Loss,
+    Memory,
+    Modality,
+    Module,
+    Moe,
+    Net,
+    Residual,
+)
 from probewire.sinks.schema import TABLES, VIEWS, View
 
 from .series import FORMED, STEP_SERIES, Series
@@ -312,7 +324,7 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §3",
         "local mean loss L_r",
-        _rm("loss.sum", "loss.tokens"),
+        _rm(Loss.SUM, Loss.TOKENS),
         f"components only, {_RETAINED}; the detectors read every rank's L_r but no L_r "
         "series is stored",
         ("000 loss",),
@@ -498,7 +510,7 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §5",
         "allocated and reserved memory",
-        _rm("memory.allocated", "memory.reserved"),
+        _rm(Memory.ALLOCATED, Memory.RESERVED),
         f"components only, {_RETAINED}; the reserved − allocated gap is not formed",
         ("000 system",),
     ),
@@ -513,7 +525,7 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §5",
         "collective call count and payload beside W_comm",
-        _rm("comm.calls", "comm.bytes"),
+        _rm(Comm.CALLS, Comm.BYTES),
         f"{_RETAINED}; not formed beside `step_metrics.comm_wait_frac`",
         ("000 system",),
     ),
@@ -533,7 +545,7 @@ _001: tuple[SeedItem, ...] = (
     _full(
         "001 §5",
         "network counters read once per node",
-        _rm("net.rx", "net.tx") + " from local rank 0",
+        _rm(Net.RX, Net.TX) + " from local rank 0",
         ("000 system",),
     ),
     # §6 tensor probes
@@ -648,7 +660,7 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §7",
         "router bias terms, top-k margin distributions (P2)",
-        _rm("moe.router_bias", "moe.topk_margin_*"),
+        _rm(Moe.ROUTER_BIAS, "moe.topk_margin_*"),
         f"components only, on demand, {_RETAINED}; not formed",
         ("000 experts",),
     ),
@@ -690,7 +702,7 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §8",
         "gate saturation fraction at several thresholds θ",
-        _rm("residual.gate_closed", "residual.gate_channels"),
+        _rm(Residual.GATE_CLOSED, Residual.GATE_CHANNELS),
         f"components only, {_RETAINED}; not formed",
         ("000 residual",),
     ),
@@ -939,7 +951,7 @@ _000: tuple[SeedItem, ...] = (
     _part(
         "000 modality",
         "S_enc read against the encoder's share of the parameters",
-        _rm("modality.encoder_params", "modality.all_params"),
+        _rm(Modality.ENCODER_PARAMS, Modality.ALL_PARAMS),
         f"components only, {_RETAINED}; the parameter share is not formed",
     ),
     _part(
@@ -968,7 +980,7 @@ _MODULE_ROWS = (
     ("grad/Wq_abs.max (Wk, Wv)", "module.grad_abs_max{module=q,k,v}"),
     ("grad/Wo_abs.max", "module.grad_abs_max{module=o}"),
     ("grad/mla_Q_up_abs.max (Q_down, KV_up, ...)", "module.grad_abs_max{module=q_up,...}"),
-    ("grad/W_gate_rms (W_up, W_down)", "module.grad_sum_sq"),
+    ("grad/W_gate_rms (W_up, W_down)", Module.GRAD_SUM_SQ),
     ("grad/{name}_rms (layer norms)", "module.grad_sum_sq{module=norm_*}"),
     ("act/attn_out_before_proj_rms.avg", "module.act_sum_sq{module=attn_core}"),
     ("act/gate_scores_rms.avg", "module.act_sum_sq{module=gate_score}"),
@@ -989,7 +1001,7 @@ _002: tuple[SeedItem, ...] = (
     _full(
         "002 §1",
         "MoE counts: one optimizer step, summed over the EP group",
-        _p("instrument/catalog.py", "moe.expert_tokens"),
+        _p("instrument/catalog.py", Moe.EXPERT_TOKENS),
     ),
     _full(
         "002 §1",
@@ -1212,7 +1224,7 @@ _003: tuple[SeedItem, ...] = (
     _part(
         "003 §5",
         "system monitoring: GPU use, memory, CPU RAM and swap, network",
-        _rm("device.utilization", "device.memory_used", "host.rss", "host.page_faults_major")
+        _rm(Device.UTILIZATION, Device.MEMORY_USED, Host.RSS, Host.FAULTS_MAJOR)
         + ", "
         + _rm("net.*"),
         f"{_RETAINED}; swap is not measured (major page faults stand in); {_STATIC}",
@@ -1274,13 +1286,13 @@ _004: tuple[SeedItem, ...] = (
     _part(
         "004 §1",
         "GPU memory used / total, alert at 90 %",
-        _rm("device.memory_used"),
+        _rm(Device.MEMORY_USED),
         f"{_RETAINED}; the total is not recorded, so no share; {_STATIC}",
     ),
     _part(
         "004 §1",
         "GPU utilisation (80 % good, under 60 % a bottleneck)",
-        _rm("device.utilization"),
+        _rm(Device.UTILIZATION),
         f"{_RETAINED}; {_STATIC}",
     ),
     _out(
@@ -1291,13 +1303,13 @@ _004: tuple[SeedItem, ...] = (
     _part(
         "004 §1",
         "host memory (available)",
-        _rm("host.rss"),
+        _rm(Host.RSS),
         "the process RSS only; the host's available memory is not measured",
     ),
     _part(
         "004 §1",
         "network bandwidth between nodes",
-        _rm("net.rx", "net.tx"),
+        _rm(Net.RX, Net.TX),
         f"read once per node, {_RETAINED}; the sum over nodes is not formed",
     ),
     _out(
