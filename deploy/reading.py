@@ -2,8 +2,11 @@
 
 ``open_client`` finds the way in by itself: a ClickHouse server by its URL; for an
 embedded (chdb) store, the live reader of the worker that owns it (``sinks.readserver``)
-when one serves it, else the directory itself. When another process holds the directory
-and serves no reader, the error is one line naming that process.
+when one serves it, else a reader of this process's own over the directory (unpublished,
+on loopback, closed at exit): either way the store is read under the reader's rules
+(the engine's ``readonly = 1`` and its parse-tree allowlist), so a read command never
+writes. When another process holds the directory and serves no reader, the error is one
+line naming that process.
 
 ``render_rows`` prints rows as ``csv``, ``tsv`` or strict ``json`` (NaN and ±Inf become
 null, dates become ISO text): pure functions, no I/O besides the returned text.
@@ -11,6 +14,7 @@ null, dates become ISO text): pure functions, no I/O besides the returned text.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import datetime as dt
@@ -70,8 +74,8 @@ def open_client(
     if owner is None or owner.startswith(f"pid {os.getpid()} "):
         try:
             with _quiet_stderr():  # the engine prints its own lock error to fd 2
-                return connect(url)
-        except ClickHouseError:
+                return connect(_own_reader(path))
+        except RuntimeError:
             owner = store_owner(path)  # taken meanwhile (a worker starting)
             if owner is None:
                 raise
@@ -80,6 +84,15 @@ def open_client(
         "(yet); query it once that process ends, or through its worker's "
         "reader (`probewire up` / `run` start one)"
     )
+
+
+def _own_reader(path: Path) -> str:
+    """The URL of a read server of this process over the idle store at ``path``."""
+    from probewire.sinks.readserver import ReadServer
+
+    server = ReadServer(path)
+    atexit.register(server.close)
+    return server.start(publish=False)
 
 
 @contextlib.contextmanager

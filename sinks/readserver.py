@@ -7,12 +7,19 @@ for ``{name:Type}`` parameters, ``FORMAT`` clauses, errors as ``Code: N. DB::Exc
 with status 500 and ``X-ClickHouse-Exception-Code``), so clickhouse-connect, curl and
 Grafana's ClickHouse data source (HTTP protocol) read the embedded store like a server.
 
-Read-only is the engine's own rule: the reading connection runs with ``readonly = 2``
-(reads and per-query settings; no INSERT, ALTER, DROP or ``SET readonly``). Queries are
-served one at a time on that connection, beside the worker's writer connection; settings
-given as URL parameters stay set on it for later requests. Responses are uncompressed
-(``compress=1``, ClickHouse's own block compression, is refused with a clear error).
-Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested here.
+Read-only is the engine's own rule, on a session of its own per request: each query runs
+on a fresh connection whose URL settings are applied first (they last for that request
+only), then ``allow_introspection_functions = 0`` and ``readonly = 1``: the engine refuses
+INSERT, ALTER, DROP, CREATE, ``SET``, ``SETTINGS`` clauses and every table function that
+reaches the host or the network (``file``, ``url``, ``s3``, ``hdfs``, ``remote``,
+``executable``, ``dictionary``, ...). As a second line, ``sinks.sqlguard`` checks the
+engine's own parse tree of the statement (multi-statements are a syntax error there):
+SELECT / SHOW / DESCRIBE / EXISTS only (no KILL, no SYSTEM), no ``INTO OUTFILE``, no
+scalar ``file()``. A refused query is a ``Code: 164 ... (READONLY)`` error. Queries
+are served one at a time, beside the worker's writer connection. Responses are
+uncompressed (``compress=1``, ClickHouse's own block compression, is refused with a clear
+error). Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested
+here.
 
 Discovery: on start the server writes ``<store>/probewire-reader.json`` —
 ``{"url", "pid", "store"}`` — and removes it on close, so ``probewire sql --store DIR``
@@ -29,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from .sqlguard import refusal
 
 __all__ = ["READER_FILE", "ReadServer", "find_reader", "store_owner"]
 
@@ -58,6 +67,8 @@ _NOT_SETTINGS = frozenset(
     }
 )
 _MAX_BODY = 1 << 20
+# applied last on every reading session: the engine's own read-only rules (see above)
+_LOCKDOWN = ("SET allow_introspection_functions = 0", "SET readonly = 1")
 
 
 class ReadServer:
@@ -69,8 +80,10 @@ class ReadServer:
         import chdb
 
         self.path = Path(path).resolve()
-        self._conn = chdb.connect(str(self.path))  # shares the engine of this process
-        self._conn.query("SET readonly = 2")
+        # keeps the engine of this process open while requests open and close their own
+        self._conn = chdb.connect(str(self.path))
+        for statement in _LOCKDOWN:
+            self._conn.query(statement)
         self._lock = threading.Lock()
         self.queries = 0
         server = self
@@ -149,18 +162,19 @@ class ReadServer:
         }
         try:
             with self._lock:
-                self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
-                for key, value in settings.items():
-                    self._conn.query(f"SET {_identifier(key)} = {_literal(value)}")
-                started = time.perf_counter()
-                result = self._conn.query(sql, fmt, params=binds or None)
-                self.queries += 1
+                refused, result, started = self._run(params, settings, sql, fmt, binds)
         except Exception as exc:  # the engine's error, passed on as a server would
             text = str(exc).strip()
             code = (
                 text.split(".", 1)[0].removeprefix("Code: ") if text.startswith("Code:") else "1001"
             )
             return 500, (text + "\n").encode(), {"X-ClickHouse-Exception-Code": code}
+        if refused is not None:
+            return (
+                500,
+                f"Code: 164. DB::Exception: the read-only reader refuses {refused}. (READONLY)\n".encode(),
+                {"X-ClickHouse-Exception-Code": "164"},
+            )
         summary = {
             "read_rows": str(result.rows_read()),
             "read_bytes": str(result.bytes_read()),
@@ -176,15 +190,57 @@ class ReadServer:
             },
         )
 
-    def start(self) -> str:
-        """Serve on a background thread and publish the address in the store directory."""
+    def _run(
+        self,
+        params: dict[str, str],
+        settings: dict[str, str],
+        sql: str,
+        fmt: str,
+        binds: dict[str, str],
+    ) -> tuple[str | None, Any, float]:
+        """``(refusal, result, start time)`` of one query on a session of its own."""
+        import chdb
+
+        # the statement is checked on the server's own session (no client settings, so a
+        # client's max_result_rows cannot break the check), then runs on a fresh one
+        self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
+        canonical = (
+            self._conn.query(f"SELECT formatQuerySingleLine({_literal(sql)})", "TSVRaw")
+            .bytes()
+            .decode()
+            .rstrip("\n")
+        )
+        ast = self._conn.query(f"EXPLAIN AST {canonical}", "TSVRaw", params=binds or None)
+        refused = refusal(ast.bytes().decode())
+        if refused is not None:
+            return refused, None, 0.0
+        conn = chdb.connect(str(self.path))
+        try:
+            conn.query(f"USE {_identifier(params.get('database') or 'default')}")
+            for key, value in settings.items():
+                conn.query(f"SET {_identifier(key)} = {_literal(value)}")
+            for statement in _LOCKDOWN:
+                conn.query(statement)
+            started = time.perf_counter()
+            result = conn.query(canonical, fmt, params=binds or None)
+            self.queries += 1
+            return None, result, started
+        finally:
+            conn.close()
+
+    def start(self, *, publish: bool = True) -> str:
+        """Serve on a background thread; with ``publish``, write the address into the
+        store directory for other processes (see the module doc)."""
         self._thread = threading.Thread(
             target=self._http.serve_forever, name="probewire-reader", daemon=True
         )
         self._thread.start()
-        tmp = self.path / (READER_FILE + ".tmp")
-        tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)}))
-        os.replace(tmp, self.path / READER_FILE)
+        if publish:
+            tmp = self.path / (READER_FILE + ".tmp")
+            tmp.write_text(
+                json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)})
+            )
+            os.replace(tmp, self.path / READER_FILE)
         return self.url
 
     def close(self) -> None:

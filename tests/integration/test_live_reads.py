@@ -9,6 +9,8 @@ import math
 import subprocess
 import sys
 import textwrap
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -125,3 +127,95 @@ def test_sql_without_a_reader_names_the_process_holding_the_store(scratch_dir: P
     finally:
         holder.kill()
         holder.wait(10)
+
+
+@pytest.fixture(scope="module")
+def hostile_reader(store_url: str, ch_client, tmp_path_factory):
+    """A reader over the session store with a table of its own, and a folder to watch."""
+    if not store_url.startswith("chdb:///"):
+        pytest.skip("the live reader serves an embedded (chdb) store")
+    db = "pw_hostile"
+    ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+    ch_client.command(
+        f"CREATE TABLE IF NOT EXISTS {db}.t (run_id String, step UInt64) "
+        "ENGINE = MergeTree ORDER BY step"
+    )
+    ch_client.insert(f"{db}.t", [["r", 1], ["r", 2]], column_names=["run_id", "step"])
+    server = ReadServer(Path(store_url[len("chdb://") :]))
+    server.start(publish=False)
+    try:
+        yield server, db, tmp_path_factory.mktemp("hostile")
+    finally:
+        server.close()
+        ch_client.command(f"DROP DATABASE IF EXISTS {db}")
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+HOSTILE = {
+    "host-file": "SELECT * FROM file('/etc/passwd', 'LineAsString')",
+    "relative-glob": "SELECT * FROM file('../../../etc/*', 'LineAsString')",
+    "environ": "SELECT * FROM file('/proc/self/environ', 'RawBLOB')",
+    "environ-scalar": "SELECT file('/proc/self/environ')",
+    "url-loopback": "SELECT * FROM url('http://127.0.0.1:{port}/?query=SELECT+1', 'CSV')",
+    "insert-function": "INSERT INTO FUNCTION file('{dir}/written.csv', 'CSV') SELECT 1",
+    "outfile": "SELECT 1 INTO OUTFILE '{dir}/outfile.txt'",
+    "outfile-union": "SELECT 1 UNION ALL SELECT 2 INTO OUTFILE '{dir}/union.txt'",
+    "two-statements": "SELECT 1; SELECT 2 INTO OUTFILE '{dir}/second.txt'",
+    "remote": "SELECT * FROM remote('127.0.0.1:{port}', system.one)",
+    "s3": "SELECT * FROM s3('http://127.0.0.1:{port}/bucket/x.csv', 'CSV')",
+    "executable": "SELECT * FROM executable('cat', 'LineAsString', 'x String')",
+    "dictionary": "SELECT * FROM dictionary('d')",
+    "kill": "KILL QUERY WHERE 1",
+    "system": "SYSTEM FLUSH LOGS",
+    "set-readonly": "SET readonly = 0",
+    "drop": "DROP TABLE {db}.t",
+    "introspection": "SELECT addressToLine(toUInt64(1))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_reader_refuses_what_reaches_the_host_or_writes(hostile_reader, name: str):
+    """Each query that reads a host file, reaches the network, writes a file, kills or
+    administers is refused with one line (an engine error, status 500), no file is left
+    behind, and the store's table still answers."""
+    server, db, folder = hostile_reader
+    sql = HOSTILE[name].format(port=server.port, dir=folder, db=db)
+    status, body = _get(f"{server.url}/?query={urllib.parse.quote(sql)}")
+    assert status == 500 and body.startswith("Code: ") and body.count("\n") == 1, body
+    assert "root:" not in body and "PATH=" not in body
+    assert list(folder.iterdir()) == []
+    assert _get(f"{server.url}/?query=" + urllib.parse.quote(f"SELECT count() FROM {db}.t")) == (
+        200,
+        "2\n",
+    )
+
+
+def test_reader_answers_selects_formats_and_parameters(hostile_reader):
+    """Ordinary reads still work: parameters through clickhouse-connect, FORMAT clauses,
+    an arithmetic table function; settings given as URL parameters apply to their request
+    only (a max_result_rows given once does not stay set for the next client)."""
+    server, db, _ = hostile_reader
+    http = clickhouse_connect.get_client(host="127.0.0.1", port=server.port)
+    rows = http.query(
+        f"SELECT step FROM {db}.t WHERE run_id = {{r:String}} ORDER BY step",
+        parameters={"r": "r"},
+    ).result_rows
+    assert rows == [(1,), (2,)]
+    sql = f"SELECT step FROM {db}.t ORDER BY step FORMAT JSONEachRow"
+    assert _get(f"{server.url}/?query={urllib.parse.quote(sql)}") == (
+        200,
+        '{"step":1}\n{"step":2}\n',
+    )
+    probe = urllib.parse.quote("SELECT getSetting('max_result_rows')")
+    assert _get(f"{server.url}/?max_result_rows=5&query={probe}") == (200, "5\n")
+    assert _get(f"{server.url}/?query={probe}") == (200, "0\n")
+    assert http.query("SELECT name FROM numbers(1) ARRAY JOIN ['a'] AS name").result_rows == [
+        ("a",)
+    ]
