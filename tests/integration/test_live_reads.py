@@ -77,6 +77,8 @@ HOLDER = textwrap.dedent("""
     if sys.argv[2] == "reader":
         ReadServer(path).start()
     print("ready", flush=True)
+    if sys.argv[2] == "idle":
+        sys.exit(0)
     time.sleep(120)
 """)
 
@@ -112,6 +114,42 @@ def test_sql_reads_a_store_another_process_owns_through_its_reader(scratch_dir: 
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines() == ["run_id,world_size", "held,2"]
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+WRITES = (
+    "DROP TABLE probewire.runs",
+    "INSERT INTO probewire.runs (run_id, world_size, status) VALUES ('x', 1, 'running')",
+    "ALTER TABLE probewire.runs DELETE WHERE 1",
+    "SET readonly = 0",
+)
+
+
+def _refused_and_table_kept(store: Path) -> None:
+    for sql in WRITES:
+        out = _sql(store, sql)
+        assert out.returncode == 2 and out.stdout == "", (sql, out.stdout, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "READONLY" in out.stderr, out.stderr
+    out = _sql(store, "--format", "csv", "SELECT run_id, status FROM probewire.runs FINAL")
+    assert out.returncode == 0 and out.stdout.splitlines() == ["run_id,status", "held,running"]
+
+
+def test_sql_never_writes_an_idle_store(scratch_dir: Path):
+    """On a store no process holds, DROP, INSERT, ALTER and SET readonly = 0 through
+    `probewire sql` each fail with one line (exit 2) and the table and its row are kept."""
+    holder = _hold(scratch_dir / "store", "idle")
+    assert holder.wait(60) == 0
+    _refused_and_table_kept(scratch_dir / "store")
+
+
+def test_sql_never_writes_a_served_store(scratch_dir: Path):
+    """The same through the live reader of the process that owns the store."""
+    holder = _hold(scratch_dir / "store", "reader")
+    try:
+        _refused_and_table_kept(scratch_dir / "store")
     finally:
         holder.kill()
         holder.wait(10)
