@@ -53,6 +53,17 @@ def _store_url(args: argparse.Namespace) -> dict[str, str]:
     return {}
 
 
+def _check_run_id(args: argparse.Namespace) -> None:
+    """A --run-id the store and the printed commands cannot hold is a user error."""
+    from probewire.instrument.wire import check_run_id
+
+    if args.run_id is not None:
+        try:
+            check_run_id(args.run_id)
+        except ValueError as exc:
+            raise UserError(f"--run-id: {exc}") from None
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {"clickhouse": _store_url(args)}
     if not overrides["clickhouse"] and "PROBEWIRE_CLICKHOUSE__URL" not in os.environ:
@@ -109,6 +120,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
         raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
+    _check_run_id(args)
     from probewire.deploy.demo.faults import FaultError, demo_train_args
 
     try:
@@ -203,6 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if args.sql_port < 0 or args.sql_port > 65535:
         raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    _check_run_id(args)
     settings = _settings(args)
     try:
         code = run_command(

@@ -46,6 +46,7 @@ __all__ = [
     "RankStep",
     "SeriesKey",
     "WireEncoder",
+    "check_run_id",
     "decode_rank_step",
     "message_key",
     "scope_version",
@@ -100,6 +101,16 @@ def scope_version() -> str:
         return "0"
 
 
+def check_run_id(run_id: str) -> None:
+    """Raise ``ValueError`` (one line) unless ``run_id`` is non-empty printable text with
+    no ``:`` (the key separator) and no control character (it is printed in commands)."""
+    if not run_id or ":" in run_id or not run_id.isprintable():
+        raise ValueError(
+            "run_id must be non-empty printable text with no ':' and no control "
+            f"characters, got {run_id!r}"
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankIdentity:
     """Who is speaking: the OTLP resource attributes of every message from this rank."""
@@ -112,8 +123,7 @@ class RankIdentity:
     coords: Mapping[str, int] = field(default_factory=dict)  # group name (dp/tp/...) -> index
 
     def __post_init__(self) -> None:
-        if not self.run_id or ":" in self.run_id:
-            raise ValueError(f"run_id must be non-empty and contain no ':', got {self.run_id!r}")
+        check_run_id(self.run_id)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         unknown = set(self.coords) - set(GROUPS)
