@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ def open_client(
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
     from probewire.sinks.clickhouse import connect
-    from probewire.sinks.readserver import find_reader, store_owner
+    from probewire.sinks.readserver import reader_info, store_owner
 
     path = chdb_path(url)
     if path is None:
@@ -59,11 +60,12 @@ def open_client(
             raise StoreError(f"cannot reach ClickHouse at {url}: {exc}") from None
     if not path.is_dir():
         raise StoreError(f"no store at {path}; {hint}")
-    reader = find_reader(path)
-    if reader is not None:
+    info = reader_info(path)
+    if info is not None:
+        reader = info["url"]
         logging.getLogger("clickhouse_connect").setLevel(logging.CRITICAL)  # one line, ours
         try:
-            return connect(reader)
+            return _reader_client(reader, info["token"])
         except (ClickHouseError, OSError) as exc:
             raise StoreError(
                 f"the live reader of {path} at {reader} did not answer "
@@ -74,7 +76,7 @@ def open_client(
     if owner is None or owner.startswith(f"pid {os.getpid()} "):
         try:
             with _quiet_stderr():  # the engine prints its own lock error to fd 2
-                return connect(_own_reader(path))
+                return _reader_client(*_own_reader(path))
         except RuntimeError:
             owner = store_owner(path)  # taken meanwhile (a worker starting)
             if owner is None:
@@ -86,13 +88,21 @@ def open_client(
     )
 
 
-def _own_reader(path: Path) -> str:
-    """The URL of a read server of this process over the idle store at ``path``."""
+def _own_reader(path: Path) -> tuple[str, str]:
+    """``(url, token)`` of a read server of this process over the idle store at ``path``
+    (a token of its own: other local users cannot read through it meanwhile)."""
     from probewire.sinks.readserver import ReadServer
 
-    server = ReadServer(path)
+    server = ReadServer(path, token=secrets.token_urlsafe(24))
     atexit.register(server.close)
-    return server.start(publish=False)
+    return server.start(publish=False), server.token
+
+
+def _reader_client(url: str, token: str) -> Any:
+    """A clickhouse-connect client of a reader, with its token as the password."""
+    import clickhouse_connect
+
+    return clickhouse_connect.get_client(dsn=url, username="default", password=token)
 
 
 @contextlib.contextmanager

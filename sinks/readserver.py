@@ -21,13 +21,21 @@ uncompressed (``compress=1``, ClickHouse's own block compression, is refused wit
 error). Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested
 here.
 
-Discovery: on start the server writes ``<store>/probewire-reader.json`` —
-``{"url", "pid", "store"}`` — and removes it on close, so ``probewire sql --store DIR``
-finds it by itself. ``find_reader`` reads it back and checks that the process is alive.
+Access: with a ``token`` (``probewire up`` / ``run`` / ``demo`` make one per worker and
+pass it in ``PROBEWIRE_READER_TOKEN``), a request must carry it as the ClickHouse password
+(HTTP basic auth, ``X-ClickHouse-Key`` or the ``password`` parameter; any user name), else
+it is refused (``Code: 516 ... (AUTHENTICATION_FAILED)``, status 403); ``/ping`` stays
+open. Discovery: on start the server writes ``<store>/probewire-reader.json`` —
+``{"url", "pid", "store", "token"}``, created 0600 — and removes it on close, so ``probewire
+sql --store DIR`` finds it by itself. ``reader_info`` trusts the file only when its PID is
+the process that holds the store (the engine's own ``status`` file) and is alive, so a
+forged file is ignored.
 """
 
 from __future__ import annotations
 
+import base64
+import hmac
 import json
 import os
 import threading
@@ -39,9 +47,17 @@ from urllib.parse import parse_qs, urlsplit
 
 from .sqlguard import refusal
 
-__all__ = ["READER_FILE", "ReadServer", "find_reader", "store_owner"]
+__all__ = [
+    "READER_FILE",
+    "READER_TOKEN_ENV",
+    "ReadServer",
+    "find_reader",
+    "reader_info",
+    "store_owner",
+]
 
 READER_FILE = "probewire-reader.json"
+READER_TOKEN_ENV = "PROBEWIRE_READER_TOKEN"  # the worker's reader token, set by its launcher
 
 # URL parameters of ClickHouse's HTTP interface that are not settings
 _NOT_SETTINGS = frozenset(
@@ -67,6 +83,11 @@ _NOT_SETTINGS = frozenset(
     }
 )
 _MAX_BODY = 1 << 20
+_DENIED = (
+    b"Code: 516. DB::Exception: this probewire reader needs its token as the password "
+    b"(`probewire sql --store DIR` reads it from the store's probewire-reader.json). "
+    b"(AUTHENTICATION_FAILED)\n"
+)
 # applied last on every reading session: the engine's own read-only rules (see above)
 _LOCKDOWN = ("SET allow_introspection_functions = 0", "SET readonly = 1")
 
@@ -75,11 +96,17 @@ class ReadServer:
     """Serves read-only SQL on ``host:port`` (0: a free port) for the chdb store at ``path``."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0
+        self,
+        path: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str = "",
     ) -> None:
         import chdb
 
         self.path = Path(path).resolve()
+        self.token = token
         # keeps the engine of this process open while requests open and close their own
         self._conn = chdb.connect(str(self.path))
         for statement in _LOCKDOWN:
@@ -113,6 +140,9 @@ class ReadServer:
                     if url.path == "/ping" or ("query" not in params and not body):
                         self._reply(200, b"Ok.\n", {})
                         return
+                    if not server.admits(self.headers, params):
+                        self._reply(403, _DENIED, {"X-ClickHouse-Exception-Code": "516"})
+                        return
                     status, payload, headers = server.execute(params, body)
                     self._reply(status, payload, headers)
                     return
@@ -137,6 +167,19 @@ class ReadServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def admits(self, headers: Any, params: dict[str, str]) -> bool:
+        """Whether a request carries the token (always, when the server has none)."""
+        if not self.token:
+            return True
+        given = headers.get("X-ClickHouse-Key") or params.get("password") or ""
+        auth = headers.get("Authorization") or ""
+        if not given and auth.startswith("Basic "):
+            try:
+                given = base64.b64decode(auth[6:]).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                given = ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
 
     def execute(self, params: dict[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
         """One request: ``(status, payload, headers)`` as a ClickHouse server answers it."""
@@ -236,10 +279,12 @@ class ReadServer:
         )
         self._thread.start()
         if publish:
+            info = {"url": self.url, "pid": os.getpid(), "store": str(self.path)}
             tmp = self.path / (READER_FILE + ".tmp")
-            tmp.write_text(
-                json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)})
-            )
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump({**info, "token": self.token}, out)
             os.replace(tmp, self.path / READER_FILE)
         return self.url
 
@@ -276,25 +321,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def find_reader(path: str | os.PathLike[str]) -> str | None:
-    """The URL of the live reader serving the store at ``path``, or None."""
+def reader_info(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``{"url", "pid", "store", "token"}`` of the live reader serving the store at
+    ``path``, or None: the discovery file is trusted only when its PID is the live process
+    that holds the store."""
     try:
         info = json.loads((Path(path) / READER_FILE).read_text())
         url, pid = str(info["url"]), int(info["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return url if _alive(pid) else None
+    if pid != _owner_pid(path) or not _alive(pid) or not url.startswith("http://127.0.0.1:"):
+        return None
+    return {**info, "url": url, "pid": pid, "token": str(info.get("token") or "")}
+
+
+def find_reader(path: str | os.PathLike[str]) -> str | None:
+    """The URL of the live reader serving the store at ``path``, or None."""
+    info = reader_info(path)
+    return None if info is None else info["url"]
+
+
+def _owner_pid(path: str | os.PathLike[str]) -> int | None:
+    """The PID the engine wrote into the store's ``status`` file (``PID: N``), or None."""
+    try:
+        first = (Path(path) / "status").read_text().splitlines()[0]
+        return int(first.removeprefix("PID:").strip())
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def store_owner(path: str | os.PathLike[str]) -> str | None:
     """``pid N (command line)`` of the process holding the chdb store at ``path``, or None
     when no live process holds it (the engine writes ``PID: N`` into its ``status`` file)."""
-    try:
-        first = (Path(path) / "status").read_text().splitlines()[0]
-        pid = int(first.removeprefix("PID:").strip())
-    except (OSError, ValueError, IndexError):
-        return None
-    if not _alive(pid):
+    pid = _owner_pid(path)
+    if pid is None or not _alive(pid):
         return None
     try:
         cmd = " ".join(

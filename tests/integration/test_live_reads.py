@@ -5,10 +5,12 @@ process holds the store."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -76,6 +78,8 @@ HOLDER = textwrap.dedent("""
                        column_names=["run_id", "world_size", "status"])
     if sys.argv[2] == "reader":
         ReadServer(path).start()
+    if sys.argv[2] == "token":
+        ReadServer(path, token="s3cret-token").start()
     print("ready", flush=True)
     if sys.argv[2] == "idle":
         sys.exit(0)
@@ -257,3 +261,62 @@ def test_reader_answers_selects_formats_and_parameters(hostile_reader):
     assert http.query("SELECT name FROM numbers(1) ARRAY JOIN ['a'] AS name").result_rows == [
         ("a",)
     ]
+
+
+def test_a_reader_with_a_token_refuses_requests_without_it(chdb_path):
+    """With a token, a request without it or with a wrong one is refused with one line
+    (status 403, code 516); the token as clickhouse-connect's password, as X-ClickHouse-Key
+    or as the password parameter is answered; /ping stays open. The discovery file holding
+    it is mode 0600."""
+    server = ReadServer(chdb_path, token="t0ken")
+    try:
+        url = server.start()
+        assert (chdb_path / READER_FILE).stat().st_mode & 0o777 == 0o600
+        assert json.loads((chdb_path / READER_FILE).read_text())["token"] == "t0ken"
+        query = urllib.parse.quote("SELECT 1")
+        for suffix in ("", "&password=wrong"):
+            status, body = _get(f"{url}/?query={query}{suffix}")
+            assert status == 403 and "516" in body and body.count("\n") == 1, body
+        with pytest.raises(DatabaseError, match="516"):
+            clickhouse_connect.get_client(host="127.0.0.1", port=server.port).query("SELECT 1")
+        http = clickhouse_connect.get_client(host="127.0.0.1", port=server.port, password="t0ken")
+        assert http.query("SELECT 2").result_rows == [(2,)]
+        assert _get(f"{url}/?query={query}&password=t0ken") == (200, "1\n")
+        request = urllib.request.Request(
+            f"{url}/?query={query}", headers={"X-ClickHouse-Key": "t0ken"}
+        )
+        assert urllib.request.urlopen(request, timeout=30).read() == b"1\n"
+        assert _get(f"{url}/ping") == (200, "Ok.\n")
+    finally:
+        server.close()
+
+
+def test_sql_finds_and_uses_the_token_of_a_served_store(scratch_dir: Path):
+    """`probewire sql --store` reads the token from the discovery file and is answered."""
+    holder = _hold(scratch_dir / "store", "token")
+    try:
+        out = _sql(
+            scratch_dir / "store", "--format", "csv", "SELECT run_id FROM probewire.runs FINAL"
+        )
+        assert out.returncode == 0 and out.stdout.splitlines() == ["run_id", "held"], out.stderr
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_a_forged_discovery_file_is_not_trusted(scratch_dir: Path):
+    """A discovery file whose PID is not the process holding the store (pid 1, pointing at
+    a port that never answers) is ignored: `probewire sql` says at once which process holds
+    the store instead of hanging on the forged address."""
+    holder = _hold(scratch_dir / "store", "plain")
+    try:
+        forged = {"url": "http://127.0.0.1:9/", "pid": 1, "store": str(scratch_dir / "store")}
+        (scratch_dir / "store" / READER_FILE).write_text(json.dumps(forged))
+        assert find_reader(scratch_dir / "store") is None
+        started = time.monotonic()
+        out = _sql(scratch_dir / "store", "SELECT 1")
+        assert time.monotonic() - started < 30
+        assert out.returncode == 2 and f"held by pid {holder.pid} " in out.stderr, out.stderr
+    finally:
+        holder.kill()
+        holder.wait(10)
