@@ -47,17 +47,19 @@ def open_client(
     """A clickhouse-connect client for reading the store at ``url`` (see the module doc)."""
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
+    from probewire.deploy.settings import split_credentials
     from probewire.sinks.clickhouse import connect
     from probewire.sinks.readserver import reader_info, store_owner
 
     path = chdb_path(url)
     if path is None:
+        shown = split_credentials(url)[0]  # a password written into the URL is never shown
         try:
             return connect(url, username=username, password_env=password_env)
         except ClickHouseError as exc:
-            raise StoreError(f"cannot reach ClickHouse at {url}: {_first_line(exc)}") from None
+            raise StoreError(f"cannot reach ClickHouse at {shown}: {_first_line(exc)}") from None
         except OSError as exc:
-            raise StoreError(f"cannot reach ClickHouse at {url}: {exc}") from None
+            raise StoreError(f"cannot reach ClickHouse at {shown}: {exc}") from None
     if not path.is_dir():
         raise StoreError(f"no store at {path}; {hint}")
     info = reader_info(path)

@@ -47,3 +47,12 @@ def test_a_run_id_with_control_characters_is_one_line(argv, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--run-id" in err and "control" in err
     assert "\x1b" not in err and "\t" not in err
+
+
+def test_an_unreachable_server_url_is_reported_without_its_password(capsys):
+    """`cannot reach ClickHouse at URL` names the server without the password written
+    into the URL (and nothing else printed carries it)."""
+    assert main(["sql", "--clickhouse-url", "http://writer:S3CRETPW@127.0.0.1:9/", "SELECT 1"]) == 2
+    captured = capsys.readouterr()
+    assert "cannot reach ClickHouse at http://127.0.0.1:9/" in captured.err
+    assert "S3CRETPW" not in captured.err + captured.out
