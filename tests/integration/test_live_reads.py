@@ -320,3 +320,44 @@ def test_a_forged_discovery_file_is_not_trusted(scratch_dir: Path):
     finally:
         holder.kill()
         holder.wait(10)
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from probewire.sinks.clickhouse import ClickHouseSink, connect
+    sink = ClickHouseSink(connect("chdb:///" + sys.argv[1].lstrip("/")), "probewire")
+    sink.migrate()
+    sink.write("step_metrics", [
+        {"run_id": sys.argv[2], "step": s, "loss": 2.0 + s, "grad_norm": 1.0, "step_time_s": 0.1}
+        for s in range(3)
+    ])
+""")
+
+
+@pytest.mark.parametrize("run_id", ["$(touch PWNED)", 'it\'s "q" `touch PWNED2` !x'])
+def test_the_printed_sql_line_runs_the_intended_query_in_bash(scratch_dir: Path, run_id: str):
+    """The "next" sql line printed for a hostile run id, run by bash with the real CLI,
+    creates no file and answers that run's three steps from the store."""
+    import shlex
+
+    from probewire.deploy.result import RunResult, render_result
+
+    store = scratch_dir / "store"
+    subprocess.run([sys.executable, "-c", WRITER, str(store), run_id], check=True, timeout=120)
+    text = render_result(
+        RunResult(run_id, "finished", 3, 2, ()), f"--store {shlex.quote(str(store))}"
+    )
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("probewire sql")]
+    cli = f'probewire() {{ {shlex.quote(sys.executable)} -m probewire.deploy.cli "$@"; }}'
+    work = scratch_dir / "cwd"
+    work.mkdir()
+    out = subprocess.run(
+        ["bash", "-c", f"{cli}\n{line}"], cwd=work, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert list(work.iterdir()) == [] and sorted(p.name for p in scratch_dir.iterdir()) == [
+        "cwd",
+        "store",
+    ]
+    rows = [r for r in out.stdout.splitlines() if r.strip("│ ").split(" ")[0] in {"0", "1", "2"}]
+    assert len(rows) == 3, out.stdout
