@@ -55,13 +55,11 @@ def _store_url(args: argparse.Namespace) -> dict[str, str]:
 
 def _check_run_id(args: argparse.Namespace) -> None:
     """A --run-id the store and the printed commands cannot hold is a user error."""
-    from probewire.instrument.wire import check_run_id
+    from probewire.instrument.wire import run_id_problem
 
-    if args.run_id is not None:
-        try:
-            check_run_id(args.run_id)
-        except ValueError as exc:
-            raise UserError(f"--run-id: {exc}") from None
+    problem = run_id_problem(args.run_id) if args.run_id else None
+    if problem is not None:
+        raise UserError(f"--run-id {problem}, got {args.run_id!r}")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -46,9 +46,9 @@ __all__ = [
     "RankStep",
     "SeriesKey",
     "WireEncoder",
-    "check_run_id",
     "decode_rank_step",
     "message_key",
+    "run_id_problem",
     "scope_version",
     "series_key",
 ]
@@ -101,14 +101,16 @@ def scope_version() -> str:
         return "0"
 
 
-def check_run_id(run_id: str) -> None:
-    """Raise ``ValueError`` (one line) unless ``run_id`` is non-empty printable text with
-    no ``:`` (the key separator) and no control character (it is printed in commands)."""
-    if not run_id or ":" in run_id or not run_id.isprintable():
-        raise ValueError(
-            "run_id must be non-empty printable text with no ':' and no control "
-            f"characters, got {run_id!r}"
-        )
+def run_id_problem(run_id: str) -> str | None:
+    """What makes ``run_id`` unusable, or None: it must be non-empty, without ``:`` (the
+    message key separator) and without control characters (it is printed in commands)."""
+    if not run_id:
+        return "must not be empty"
+    if ":" in run_id:
+        return "must not contain ':'"
+    if not run_id.isprintable():
+        return "must not contain control characters"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +125,9 @@ class RankIdentity:
     coords: Mapping[str, int] = field(default_factory=dict)  # group name (dp/tp/...) -> index
 
     def __post_init__(self) -> None:
-        check_run_id(self.run_id)
+        problem = run_id_problem(self.run_id)
+        if problem is not None:
+            raise ValueError(f"run_id {problem}, got {self.run_id!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         unknown = set(self.coords) - set(GROUPS)

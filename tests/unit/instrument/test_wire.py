@@ -486,7 +486,7 @@ def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
 def test_a_run_id_that_cannot_be_printed_or_keyed_is_refused_at_attach(run_id):
     """RankIdentity (what attach builds) refuses an empty run id, one with ':' and one with
     a control or line-separator character, with a one-line message that shows it escaped."""
-    with pytest.raises(ValueError, match="run_id must be") as info:
+    with pytest.raises(ValueError, match="run_id must not") as info:
         RankIdentity(run_id=run_id, rank=0, world_size=1)
     assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
 
