@@ -53,6 +53,15 @@ def _store_url(args: argparse.Namespace) -> dict[str, str]:
     return {}
 
 
+def _check_run_id(args: argparse.Namespace) -> None:
+    """A --run-id the store and the printed commands cannot hold is a user error."""
+    from probewire.instrument.wire import run_id_problem
+
+    problem = run_id_problem(args.run_id) if args.run_id else None
+    if problem is not None:
+        raise UserError(f"--run-id {problem}, got {args.run_id!r}")
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {"clickhouse": _store_url(args)}
     if not overrides["clickhouse"] and "PROBEWIRE_CLICKHOUSE__URL" not in os.environ:
@@ -109,6 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
         raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
+    _check_run_id(args)
     from probewire.deploy.demo.faults import FaultError, demo_train_args
 
     try:
@@ -203,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if args.sql_port < 0 or args.sql_port > 65535:
         raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    _check_run_id(args)
     settings = _settings(args)
     try:
         code = run_command(

@@ -2,8 +2,11 @@
 
 ``open_client`` finds the way in by itself: a ClickHouse server by its URL; for an
 embedded (chdb) store, the live reader of the worker that owns it (``sinks.readserver``)
-when one serves it, else the directory itself. When another process holds the directory
-and serves no reader, the error is one line naming that process.
+when one serves it, else a reader of this process's own over the directory (unpublished,
+on loopback, closed at exit): either way the store is read under the reader's rules
+(the engine's ``readonly = 1`` and its parse-tree allowlist), so a read command never
+writes. When another process holds the directory and serves no reader, the error is one
+line naming that process.
 
 ``render_rows`` prints rows as ``csv``, ``tsv`` or strict ``json`` (NaN and ±Inf become
 null, dates become ISO text): pure functions, no I/O besides the returned text.
@@ -11,6 +14,7 @@ null, dates become ISO text): pure functions, no I/O besides the returned text.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import datetime as dt
@@ -19,6 +23,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,24 +47,27 @@ def open_client(
     """A clickhouse-connect client for reading the store at ``url`` (see the module doc)."""
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
+    from probewire.deploy.settings import split_credentials
     from probewire.sinks.clickhouse import connect
-    from probewire.sinks.readserver import find_reader, store_owner
+    from probewire.sinks.readserver import reader_info, store_owner
 
     path = chdb_path(url)
     if path is None:
+        shown = split_credentials(url)[0]  # a password written into the URL is never shown
         try:
             return connect(url, username=username, password_env=password_env)
         except ClickHouseError as exc:
-            raise StoreError(f"cannot reach ClickHouse at {url}: {_first_line(exc)}") from None
+            raise StoreError(f"cannot reach ClickHouse at {shown}: {_first_line(exc)}") from None
         except OSError as exc:
-            raise StoreError(f"cannot reach ClickHouse at {url}: {exc}") from None
+            raise StoreError(f"cannot reach ClickHouse at {shown}: {exc}") from None
     if not path.is_dir():
         raise StoreError(f"no store at {path}; {hint}")
-    reader = find_reader(path)
-    if reader is not None:
+    info = reader_info(path)
+    if info is not None:
+        reader = info["url"]
         logging.getLogger("clickhouse_connect").setLevel(logging.CRITICAL)  # one line, ours
         try:
-            return connect(reader)
+            return _reader_client(reader, info["token"])
         except (ClickHouseError, OSError) as exc:
             raise StoreError(
                 f"the live reader of {path} at {reader} did not answer "
@@ -70,8 +78,8 @@ def open_client(
     if owner is None or owner.startswith(f"pid {os.getpid()} "):
         try:
             with _quiet_stderr():  # the engine prints its own lock error to fd 2
-                return connect(url)
-        except ClickHouseError:
+                return _reader_client(*_own_reader(path))
+        except RuntimeError:
             owner = store_owner(path)  # taken meanwhile (a worker starting)
             if owner is None:
                 raise
@@ -80,6 +88,23 @@ def open_client(
         "(yet); query it once that process ends, or through its worker's "
         "reader (`probewire up` / `run` start one)"
     )
+
+
+def _own_reader(path: Path) -> tuple[str, str]:
+    """``(url, token)`` of a read server of this process over the idle store at ``path``
+    (a token of its own: other local users cannot read through it meanwhile)."""
+    from probewire.sinks.readserver import ReadServer
+
+    server = ReadServer(path, token=secrets.token_urlsafe(24))
+    atexit.register(server.close)
+    return server.start(publish=False), server.token
+
+
+def _reader_client(url: str, token: str) -> Any:
+    """A clickhouse-connect client of a reader, with its token as the password."""
+    import clickhouse_connect
+
+    return clickhouse_connect.get_client(dsn=url, username="default", password=token)
 
 
 @contextlib.contextmanager

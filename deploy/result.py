@@ -76,7 +76,24 @@ def render_result(
         "next:",
         f"  probewire report --run {run}{where}",
         f"  probewire explain --run {run} --step {step}{where}",
-        f'  probewire sql{where} "SELECT step, loss, grad_norm, lr, step_time_s FROM '
-        f"{database}.step_metrics FINAL WHERE run_id = '{result.run_id}' ORDER BY step\"",
+        f"  probewire sql{where} "
+        + _shell_arg(
+            f"SELECT step, loss, grad_norm, lr, step_time_s FROM {database}.step_metrics "
+            f"FINAL WHERE run_id = {_sql_string(result.run_id)} ORDER BY step"
+        ),
     ]
     return "\n".join(lines)
+
+
+def _sql_string(text: str) -> str:
+    """``text`` as a ClickHouse string literal (backslash and quote escaped)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _shell_arg(text: str) -> str:
+    """``text`` as one shell word that expands to nothing else: in double quotes when it
+    holds none of the characters a shell treats specially there (``$``, backquote,
+    backslash, ``"``, ``!``) nor a control character, else ``shlex.quote``."""
+    if text.isprintable() and not set(text) & set('$`\\"!'):
+        return f'"{text}"'
+    return shlex.quote(text)

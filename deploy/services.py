@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from pathlib import Path
 
 from probewire.deploy.settings import Settings, split_credentials
@@ -43,10 +44,14 @@ def open_store(settings: Settings, read_port: int = 0):
         sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days
     )
     if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
-        from probewire.sinks.readserver import ReadServer
+        from probewire.sinks.readserver import READER_TOKEN_ENV, ReadServer
 
         try:
-            reader = ReadServer(ch.url[len("chdb://") :], port=read_port)
+            reader = ReadServer(
+                ch.url[len("chdb://") :],
+                port=read_port,
+                token=os.environ.get(READER_TOKEN_ENV, ""),
+            )
         except OSError as exc:  # the port is taken: the worker runs on, without live reads
             log.error("probewire: no live reads: cannot serve on 127.0.0.1:%d (%s)", read_port, exc)
             return sink

@@ -201,8 +201,9 @@ def _banner(session: StackSession, out: TextIO, store_arg: str, run_id: str | No
     )
     if session.sql_url:
         print(
-            f"probewire: live SQL (ClickHouse HTTP, read-only) {session.sql_url} · "
-            f'`probewire sql {store_arg}"SELECT ..."` finds it by itself',
+            f"probewire: live SQL (ClickHouse HTTP, read-only) {session.sql_url}, its "
+            "password the token in the store's 0600 probewire-reader.json · "
+            f'`probewire sql {store_arg}"SELECT ..."` finds both by itself',
             file=out,
         )
     if run_id:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from typing import IO
 
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings, split_credentials
+from probewire.sinks.readserver import READER_TOKEN_ENV
 
 __all__ = [
     "LocalStack",
@@ -307,6 +309,9 @@ class LocalStack:
         read-only SQL on 127.0.0.1:``sql_port`` (0: a free port) while it owns an embedded
         store."""
         env = self._child_env(self.heartbeat_path)
+        # the live reader answers only clients that read this token from the store's
+        # 0600 discovery file (an environment variable: argv is visible to every user)
+        env[READER_TOKEN_ENV] = secrets.token_urlsafe(24)
         self.heartbeat_path.unlink(missing_ok=True)
         self.sql_port = sql_port or free_port()
         self.worker = spawn(

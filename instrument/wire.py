@@ -48,6 +48,7 @@ __all__ = [
     "WireEncoder",
     "decode_rank_step",
     "message_key",
+    "run_id_problem",
     "scope_version",
     "series_key",
 ]
@@ -100,6 +101,18 @@ def scope_version() -> str:
         return "0"
 
 
+def run_id_problem(run_id: str) -> str | None:
+    """What makes ``run_id`` unusable, or None: it must be non-empty, without ``:`` (the
+    message key separator) and without control characters (it is printed in commands)."""
+    if not run_id:
+        return "must not be empty"
+    if ":" in run_id:
+        return "must not contain ':'"
+    if not run_id.isprintable():
+        return "must not contain control characters"
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankIdentity:
     """Who is speaking: the OTLP resource attributes of every message from this rank."""
@@ -112,8 +125,9 @@ class RankIdentity:
     coords: Mapping[str, int] = field(default_factory=dict)  # group name (dp/tp/...) -> index
 
     def __post_init__(self) -> None:
-        if not self.run_id or ":" in self.run_id:
-            raise ValueError(f"run_id must be non-empty and contain no ':', got {self.run_id!r}")
+        problem = run_id_problem(self.run_id)
+        if problem is not None:
+            raise ValueError(f"run_id {problem}, got {self.run_id!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         unknown = set(self.coords) - set(GROUPS)

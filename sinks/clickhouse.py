@@ -99,7 +99,8 @@ class ClickHouseSink:
             raise ValueError(f"batch_rows must be >= 1, got {self.batch_rows!r}")
 
     def migrate(self, *, sensitive_artifacts: bool = False, sensitive_ttl_days: int = 7) -> int:
-        """Create the database, apply pending migrations and (re)create the views.
+        """Create the database, apply pending migrations, recreate a table of the current
+        version that is missing (dropped by hand), and (re)create the views.
 
         With ``sensitive_artifacts`` the opt-in table of raw samples and token traces is
         created (or its TTL updated to ``sensitive_ttl_days``); without it nothing is
@@ -134,6 +135,7 @@ class ClickHouseSink:
                     column_names=["version", "description"],
                 )
             )
+        self._repair()
         if sensitive_artifacts:
             table = _sensitive_table(sensitive_ttl_days)
             self._command(table.ddl(db))
@@ -141,6 +143,30 @@ class ClickHouseSink:
         for view in VIEWS:
             self._command(view.ddl(db))
         return max(m.version for m in MIGRATIONS)
+
+    def _repair(self) -> None:
+        """Recreate tables of the current version that are missing though their migration
+        was applied (a table dropped by hand): every migration statement is idempotent
+        (``IF NOT EXISTS``), so all of them are replayed in order."""
+        db = self.database
+        present = {
+            row[0]
+            for row in self._retry(
+                lambda: (
+                    self.client.query(
+                        "SELECT name FROM system.tables WHERE database = {db:String}",
+                        parameters={"db": db},
+                    ).result_rows
+                )
+            )
+        }
+        missing = sorted(set(TABLE_COLUMNS) - {SENSITIVE_ARTIFACTS} - present)
+        if not missing:
+            return
+        log.warning("schema of %s: recreating missing table(s) %s", db, ", ".join(missing))
+        for migration in MIGRATIONS:
+            for statement in migration.statements:
+                self._command(statement.replace("{db}", db))
 
     def write(self, table: str, rows: Sequence[Mapping[str, Any]]) -> int:
         """Store rows (dicts keyed by column); returns how many. Blocks until stored.

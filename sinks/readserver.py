@@ -7,20 +7,35 @@ for ``{name:Type}`` parameters, ``FORMAT`` clauses, errors as ``Code: N. DB::Exc
 with status 500 and ``X-ClickHouse-Exception-Code``), so clickhouse-connect, curl and
 Grafana's ClickHouse data source (HTTP protocol) read the embedded store like a server.
 
-Read-only is the engine's own rule: the reading connection runs with ``readonly = 2``
-(reads and per-query settings; no INSERT, ALTER, DROP or ``SET readonly``). Queries are
-served one at a time on that connection, beside the worker's writer connection; settings
-given as URL parameters stay set on it for later requests. Responses are uncompressed
-(``compress=1``, ClickHouse's own block compression, is refused with a clear error).
-Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested here.
+Read-only is the engine's own rule, on a session of its own per request: each query runs
+on a fresh connection whose URL settings are applied first (they last for that request
+only), then ``allow_introspection_functions = 0`` and ``readonly = 1``: the engine refuses
+INSERT, ALTER, DROP, CREATE, ``SET``, ``SETTINGS`` clauses and every table function that
+reaches the host or the network (``file``, ``url``, ``s3``, ``hdfs``, ``remote``,
+``executable``, ``dictionary``, ...). As a second line, ``sinks.sqlguard`` checks the
+engine's own parse tree of the statement (multi-statements are a syntax error there):
+SELECT / SHOW / DESCRIBE / EXISTS only (no KILL, no SYSTEM), no ``INTO OUTFILE``, no
+scalar ``file()``. A refused query is a ``Code: 164 ... (READONLY)`` error. Queries
+are served one at a time, beside the worker's writer connection. Responses are
+uncompressed (``compress=1``, ClickHouse's own block compression, is refused with a clear
+error). Tested with clickhouse-connect and plain HTTP; Grafana's data source is not tested
+here.
 
-Discovery: on start the server writes ``<store>/probewire-reader.json`` —
-``{"url", "pid", "store"}`` — and removes it on close, so ``probewire sql --store DIR``
-finds it by itself. ``find_reader`` reads it back and checks that the process is alive.
+Access: with a ``token`` (``probewire up`` / ``run`` / ``demo`` make one per worker and
+pass it in ``PROBEWIRE_READER_TOKEN``), a request must carry it as the ClickHouse password
+(HTTP basic auth, ``X-ClickHouse-Key`` or the ``password`` parameter; any user name), else
+it is refused (``Code: 516 ... (AUTHENTICATION_FAILED)``, status 403); ``/ping`` stays
+open. Discovery: on start the server writes ``<store>/probewire-reader.json`` —
+``{"url", "pid", "store", "token"}``, created 0600 — and removes it on close, so ``probewire
+sql --store DIR`` finds it by itself. ``reader_info`` trusts the file only when its PID is
+the process that holds the store (the engine's own ``status`` file) and is alive, so a
+forged file is ignored.
 """
 
 from __future__ import annotations
 
+import base64
+import hmac
 import json
 import os
 import threading
@@ -30,9 +45,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["READER_FILE", "ReadServer", "find_reader", "store_owner"]
+from .sqlguard import refusal
+
+__all__ = [
+    "READER_FILE",
+    "READER_TOKEN_ENV",
+    "ReadServer",
+    "find_reader",
+    "reader_info",
+    "store_owner",
+]
 
 READER_FILE = "probewire-reader.json"
+READER_TOKEN_ENV = "PROBEWIRE_READER_TOKEN"  # the worker's reader token, set by its launcher
 
 # URL parameters of ClickHouse's HTTP interface that are not settings
 _NOT_SETTINGS = frozenset(
@@ -58,19 +83,34 @@ _NOT_SETTINGS = frozenset(
     }
 )
 _MAX_BODY = 1 << 20
+_DENIED = (
+    b"Code: 516. DB::Exception: this probewire reader needs its token as the password "
+    b"(`probewire sql --store DIR` reads it from the store's probewire-reader.json). "
+    b"(AUTHENTICATION_FAILED)\n"
+)
+# applied last on every reading session: the engine's own read-only rules (see above)
+_LOCKDOWN = ("SET allow_introspection_functions = 0", "SET readonly = 1")
 
 
 class ReadServer:
     """Serves read-only SQL on ``host:port`` (0: a free port) for the chdb store at ``path``."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, host: str = "127.0.0.1", port: int = 0
+        self,
+        path: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str = "",
     ) -> None:
         import chdb
 
         self.path = Path(path).resolve()
-        self._conn = chdb.connect(str(self.path))  # shares the engine of this process
-        self._conn.query("SET readonly = 2")
+        self.token = token
+        # keeps the engine of this process open while requests open and close their own
+        self._conn = chdb.connect(str(self.path))
+        for statement in _LOCKDOWN:
+            self._conn.query(statement)
         self._lock = threading.Lock()
         self.queries = 0
         server = self
@@ -100,6 +140,9 @@ class ReadServer:
                     if url.path == "/ping" or ("query" not in params and not body):
                         self._reply(200, b"Ok.\n", {})
                         return
+                    if not server.admits(self.headers, params):
+                        self._reply(403, _DENIED, {"X-ClickHouse-Exception-Code": "516"})
+                        return
                     status, payload, headers = server.execute(params, body)
                     self._reply(status, payload, headers)
                     return
@@ -125,6 +168,19 @@ class ReadServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def admits(self, headers: Any, params: dict[str, str]) -> bool:
+        """Whether a request carries the token (always, when the server has none)."""
+        if not self.token:
+            return True
+        given = headers.get("X-ClickHouse-Key") or params.get("password") or ""
+        auth = headers.get("Authorization") or ""
+        if not given and auth.startswith("Basic "):
+            try:
+                given = base64.b64decode(auth[6:]).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                given = ""
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
     def execute(self, params: dict[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
         """One request: ``(status, payload, headers)`` as a ClickHouse server answers it."""
         if params.get("compress") == "1":
@@ -149,18 +205,19 @@ class ReadServer:
         }
         try:
             with self._lock:
-                self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
-                for key, value in settings.items():
-                    self._conn.query(f"SET {_identifier(key)} = {_literal(value)}")
-                started = time.perf_counter()
-                result = self._conn.query(sql, fmt, params=binds or None)
-                self.queries += 1
+                refused, result, started = self._run(params, settings, sql, fmt, binds)
         except Exception as exc:  # the engine's error, passed on as a server would
             text = str(exc).strip()
             code = (
                 text.split(".", 1)[0].removeprefix("Code: ") if text.startswith("Code:") else "1001"
             )
             return 500, (text + "\n").encode(), {"X-ClickHouse-Exception-Code": code}
+        if refused is not None:
+            return (
+                500,
+                f"Code: 164. DB::Exception: the read-only reader refuses {refused}. (READONLY)\n".encode(),
+                {"X-ClickHouse-Exception-Code": "164"},
+            )
         summary = {
             "read_rows": str(result.rows_read()),
             "read_bytes": str(result.bytes_read()),
@@ -176,15 +233,59 @@ class ReadServer:
             },
         )
 
-    def start(self) -> str:
-        """Serve on a background thread and publish the address in the store directory."""
+    def _run(
+        self,
+        params: dict[str, str],
+        settings: dict[str, str],
+        sql: str,
+        fmt: str,
+        binds: dict[str, str],
+    ) -> tuple[str | None, Any, float]:
+        """``(refusal, result, start time)`` of one query on a session of its own."""
+        import chdb
+
+        # the statement is checked on the server's own session (no client settings, so a
+        # client's max_result_rows cannot break the check), then runs on a fresh one
+        self._conn.query(f"USE {_identifier(params.get('database') or 'default')}")
+        canonical = (
+            self._conn.query(f"SELECT formatQuerySingleLine({_literal(sql)})", "TSVRaw")
+            .bytes()
+            .decode()
+            .rstrip("\n")
+        )
+        ast = self._conn.query(f"EXPLAIN AST {canonical}", "TSVRaw", params=binds or None)
+        refused = refusal(ast.bytes().decode())
+        if refused is not None:
+            return refused, None, 0.0
+        conn = chdb.connect(str(self.path))
+        try:
+            conn.query(f"USE {_identifier(params.get('database') or 'default')}")
+            for key, value in settings.items():
+                conn.query(f"SET {_identifier(key)} = {_literal(value)}")
+            for statement in _LOCKDOWN:
+                conn.query(statement)
+            started = time.perf_counter()
+            result = conn.query(canonical, fmt, params=binds or None)
+            self.queries += 1
+            return None, result, started
+        finally:
+            conn.close()
+
+    def start(self, *, publish: bool = True) -> str:
+        """Serve on a background thread; with ``publish``, write the address into the
+        store directory for other processes (see the module doc)."""
         self._thread = threading.Thread(
             target=self._http.serve_forever, name="probewire-reader", daemon=True
         )
         self._thread.start()
-        tmp = self.path / (READER_FILE + ".tmp")
-        tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "store": str(self.path)}))
-        os.replace(tmp, self.path / READER_FILE)
+        if publish:
+            info = {"url": self.url, "pid": os.getpid(), "store": str(self.path)}
+            tmp = self.path / (READER_FILE + ".tmp")
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump({**info, "token": self.token}, out)
+            os.replace(tmp, self.path / READER_FILE)
         return self.url
 
     def close(self) -> None:
@@ -220,25 +321,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def find_reader(path: str | os.PathLike[str]) -> str | None:
-    """The URL of the live reader serving the store at ``path``, or None."""
+def reader_info(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``{"url", "pid", "store", "token"}`` of the live reader serving the store at
+    ``path``, or None: the discovery file is trusted only when its PID is the live process
+    that holds the store."""
     try:
         info = json.loads((Path(path) / READER_FILE).read_text())
         url, pid = str(info["url"]), int(info["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return url if _alive(pid) else None
+    if pid != _owner_pid(path) or not _alive(pid) or not url.startswith("http://127.0.0.1:"):
+        return None
+    return {**info, "url": url, "pid": pid, "token": str(info.get("token") or "")}
+
+
+def find_reader(path: str | os.PathLike[str]) -> str | None:
+    """The URL of the live reader serving the store at ``path``, or None."""
+    info = reader_info(path)
+    return None if info is None else info["url"]
+
+
+def _owner_pid(path: str | os.PathLike[str]) -> int | None:
+    """The PID the engine wrote into the store's ``status`` file (``PID: N``), or None."""
+    try:
+        first = (Path(path) / "status").read_text().splitlines()[0]
+        return int(first.removeprefix("PID:").strip())
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def store_owner(path: str | os.PathLike[str]) -> str | None:
     """``pid N (command line)`` of the process holding the chdb store at ``path``, or None
     when no live process holds it (the engine writes ``PID: N`` into its ``status`` file)."""
-    try:
-        first = (Path(path) / "status").read_text().splitlines()[0]
-        pid = int(first.removeprefix("PID:").strip())
-    except (OSError, ValueError, IndexError):
-        return None
-    if not _alive(pid):
+    pid = _owner_pid(path)
+    if pid is None or not _alive(pid):
         return None
     try:
         cmd = " ".join(

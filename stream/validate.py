@@ -6,8 +6,12 @@ plausible step of its run", with bounds from settings (``Bounds``):
 - step in ``0..max_step`` and at most ``max_step_ahead`` beyond the newest step of its run;
 - ``1 <= world_size <= max_world_size``, ``0 <= rank < world_size``, parallel coordinates
   in ``0..world_size-1``; every rank of a run reports the world size its first message did;
-- counts (tokens, elements, bytes, steps, FLOPs, ...) and times finite and >= 0 (a loss
-  sum is not one: its NaN or ±inf is what a diverging rank measures, and is kept);
+- counts (tokens, elements, bytes, steps, FLOPs, ...) and times finite, >= 0 and at most
+  what one rank can measure in one step (``count_limit``: 2^40 tokens, 10^30 FLOPs, else
+  2^53, the integers a float64 holds exactly); a value past it (``1e20`` tokens, ``2^64``)
+  is not a measurement, and summed into a run's cumulative UInt64 token count it would
+  make every later step of the run unstorable (a loss sum is not a count: its NaN or ±inf
+  is what a diverging rank measures, and is kept); ``-0.0`` is a count of 0;
 - a loss sum comes with its token count (same labels), and is 0 where that count is 0;
 - label values at most ``max_label_length`` characters without ``|`` (the label-text
   separator); expert and shard indices decimal integers that fit the store's UInt32;
@@ -24,13 +28,44 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from probewire.instrument.catalog import CATALOG, Label, Loss
+from probewire.instrument.catalog import (
+    CATALOG,
+    Label,
+    Loss,
+    Modality,
+    Moe,
+    Output,
+    Residual,
+    System,
+)
 from probewire.instrument.plumbing import check
 from probewire.instrument.wire import RankStep
 
-__all__ = ["Bounds", "Checked", "StepValidator"]
+__all__ = ["Bounds", "Checked", "StepValidator", "count_limit"]
 
 _COUNTS = frozenset(name for name, spec in CATALOG.items() if spec.nonnegative)
+_MAX_COUNT = float(2**53)
+# Per rank and step, by catalog name; every other count: _MAX_COUNT. Token counts are
+# summed over ranks (and, for step_metrics.tokens, over steps) into UInt64 columns: 2^40
+# (10^12) tokens per rank and step is far past any batch, and 2^24 rank-steps of it still
+# fit. FLOPs are stored as Float64; 10^30 is past any device-step.
+_COUNT_LIMITS = {
+    Loss.TOKENS: float(2**40),
+    System.POSITIONS: float(2**40),
+    Modality.TOKENS: float(2**40),
+    Moe.EXPERT_TOKENS: float(2**40),
+    Moe.MARGIN_TOKENS: float(2**40),
+    Residual.TOKENS: float(2**40),
+    Output.POSITIONS: float(2**40),
+    System.FLOPS: 1e30,
+}
+
+
+def count_limit(name: str) -> float:
+    """The largest value one rank may report for the count ``name`` in one step."""
+    return _COUNT_LIMITS.get(name, _MAX_COUNT)
+
+
 _INDEX_LABELS = frozenset({Label.EXPERT, Label.SHARD})
 _UINT32 = 2**32
 
@@ -138,8 +173,11 @@ class StepValidator:
                 return f"coordinate {group}={coord} outside world size {record.world_size}"
         labels_ok = self._labels_ok
         for (name, labels), value in record.values.items():
-            if name in _COUNTS and not (math.isfinite(value) and value >= 0):
-                return f"count {name} must be finite and >= 0, got {value!r}"
+            if name in _COUNTS and not (math.isfinite(value) and 0 <= value <= count_limit(name)):
+                return (
+                    f"count {name} must be finite and in 0..{count_limit(name):.6g} "
+                    f"(one rank, one step), got {value!r}"
+                )
             if labels not in labels_ok:  # a rank sends the same label sets every step
                 for key, text in labels:
                     if len(text) > b.max_label_length or "|" in text:

@@ -11,6 +11,7 @@ from probewire.deploy.demo.faults import BadRank
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 from probewire.sinks import ClickHouseSink, connect
 from probewire.sinks.retained import promote
+from probewire.sinks.schema import MIGRATIONS
 
 pytestmark = pytest.mark.integration
 
@@ -155,3 +156,20 @@ def test_promotion_keeps_the_latest_version_of_each_row(ch_client, sink) -> None
         (s, r, 2.0 * (s + r / 10)) for s in (1, 3) for r in range(4)
     ]
     assert _contents(ch_client, db) == latest
+
+
+def test_migrate_recreates_a_table_dropped_by_hand(sink, ch_client, ch_database):
+    """A table of the current version dropped after its migration was applied comes back,
+    with its current columns, when migrate runs again; the other tables keep their rows."""
+    ch_client.insert(
+        f"{ch_database}.runs",
+        [["kept", 2, "running"]],
+        column_names=["run_id", "world_size", "status"],
+    )
+    columns = ch_client.query(f"DESCRIBE TABLE {ch_database}.step_metrics").result_rows
+    ch_client.command(f"DROP TABLE {ch_database}.step_metrics")
+    assert sink.migrate() == max(m.version for m in MIGRATIONS)
+    assert ch_client.query(f"DESCRIBE TABLE {ch_database}.step_metrics").result_rows == columns
+    assert ch_client.query(f"SELECT run_id FROM {ch_database}.runs FINAL").result_rows == [
+        ("kept",)
+    ]

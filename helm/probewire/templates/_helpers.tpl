@@ -82,6 +82,12 @@ Refuse configurations that would deploy but not work, with a message that names 
 {{- if and .Values.tls.clickhouse.existingSecret (not (hasPrefix "https://" $s.clickhouse.url)) }}
 {{- fail "tls.clickhouse.existingSecret is set but settings.clickhouse.url is not https://; the CA would be unused" }}
 {{- end }}
+{{- if $s.stream.alert_webhook_url }}
+{{- fail "settings.stream.alert_webhook_url would be rendered into the ConfigMaps, where whoever reads them reads the token in it: leave it empty, put the URL in a Secret and name it in secrets.alertWebhook.existingSecret" }}
+{{- end }}
+{{- if not (regexMatch "^([A-Za-z_][A-Za-z0-9_]*)?$" (toString (.Values.dashboards.datasource.passwordEnv | default ""))) }}
+{{- fail "dashboards.datasource.passwordEnv must name an environment variable of Grafana's (letters, digits and _, not a digit first), not hold the password: put the password in Grafana's environment and name the variable here" }}
+{{- end }}
 {{- if and (hasKey $s.evaluator "enabled") (ne $s.evaluator.enabled .Values.evaluator.enabled) }}
 {{- fail "settings.evaluator.enabled disagrees with evaluator.enabled; set only evaluator.enabled (the chart copies it into the settings)" }}
 {{- end }}

@@ -570,3 +570,57 @@ def test_images_run_as_the_uid_the_chart_requires(component: str) -> None:
     assert re.search(r"^USER 10001:10001$", dockerfile, re.MULTILINE)
     assert 'ENTRYPOINT ["probewire"]' in dockerfile
     assert f'CMD ["{component}"]' in dockerfile
+
+
+# --- the alert webhook and the Grafana password name -------------------------------
+
+
+def test_a_webhook_url_in_the_settings_is_refused_without_being_echoed(chart: helm.Chart) -> None:
+    """settings.stream.alert_webhook_url would land in both ConfigMaps: refused, naming
+    where the URL goes instead, and the URL (its token) is not in the message."""
+    with pytest.raises(helm.HelmRenderError) as caught:
+        _render(
+            chart, {"settings": {"stream": {"alert_webhook_url": "https://h.example/SENTINEL-h8"}}}
+        )
+    assert "secrets.alertWebhook.existingSecret" in str(caught.value)
+    assert SENTINEL not in str(caught.value)
+
+
+def test_the_webhook_url_reaches_the_worker_from_its_secret_only(chart: helm.Chart) -> None:
+    """With secrets.alertWebhook the worker (and only the worker) gets the URL from a
+    secretKeyRef as the settings override PROBEWIRE_STREAM__ALERT_WEBHOOK_URL."""
+    texts = _render(
+        chart, {"secrets": {"alertWebhook": {"existingSecret": "hooks", "urlKey": "u"}}}
+    )
+    manifests = [
+        doc
+        for path, text in texts.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+    found = {}
+    for m in manifests:
+        if m["kind"] in {"Deployment", "Job"}:
+            for c in m["spec"]["template"]["spec"]["containers"]:
+                for e in c.get("env", []):
+                    if e["name"] == "PROBEWIRE_STREAM__ALERT_WEBHOOK_URL":
+                        found[m["metadata"]["name"]] = e
+    assert found == {
+        "probewire-worker": {
+            "name": "PROBEWIRE_STREAM__ALERT_WEBHOOK_URL",
+            "valueFrom": {"secretKeyRef": {"name": "hooks", "key": "u"}},
+        }
+    }
+
+
+def test_a_grafana_password_env_that_is_not_a_name_is_refused_without_being_echoed(
+    chart: helm.Chart,
+) -> None:
+    """dashboards.datasource.passwordEnv holding a value (not a variable name) is refused
+    naming the key, without echoing the value."""
+    override = {"dashboards": {"datasource": {"enabled": True, "passwordEnv": "SENTINEL-i9 pw!"}}}
+    with pytest.raises((helm.HelmRenderError, helm.HelmValuesError)) as caught:
+        _render(chart, override)
+    assert "dashboards.datasource.passwordEnv" in str(caught.value)
+    assert SENTINEL not in str(caught.value)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import shlex
+import subprocess
+
+import pytest
+
 from probewire.deploy.result import Page, RunResult, render_result
 from probewire.deploy.session import session_env, status_line
 from probewire.deploy.settings import Settings
@@ -45,3 +52,36 @@ def test_status_line_and_the_environment_a_script_needs():
     env = session_env(Settings(), "127.0.0.1:9", "r1")
     assert env["PROBEWIRE_KAFKA__BOOTSTRAP"] == "127.0.0.1:9" and env["PROBEWIRE_RUN_ID"] == "r1"
     assert env["PROBEWIRE_TOPICS__RUNS"] == "probewire.runs"
+
+
+HOSTILE_RUN_IDS = ["$(touch PWNED)", 'it\'s "q" `touch PWNED2` \\ !x', "plain-run.1"]
+
+
+@pytest.mark.parametrize("run_id", HOSTILE_RUN_IDS, ids=["subshell", "quotes", "plain"])
+def test_next_lines_paste_as_one_safe_command_whatever_the_run_id(run_id: str, tmp_path):
+    """Each printed "next" line, run by bash (with `probewire` a function printing its
+    argv), creates no file and passes the run id whole: report and explain get it as one
+    argument, and sql gets one query whose string literal reads back as the run id."""
+    store = tmp_path / "my store"
+    text = render_result(
+        RunResult(run_id, "finished", 3, 2, ()), f"--store {shlex.quote(str(store))}"
+    )
+    lines = text.splitlines()[text.splitlines().index("next:") + 1 :]
+    stub = 'probewire() { python3 -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@"; }'
+    argvs = []
+    for line in lines:
+        out = subprocess.run(
+            ["bash", "-c", f"{stub}\n{line}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0 and out.stdout.count("\n") == 1, (line, out.stderr)
+        argvs.append(json.loads(out.stdout))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert argvs[0] == ["report", "--run", run_id, "--store", str(store)]
+    assert argvs[1] == ["explain", "--run", run_id, "--step", "2", "--store", str(store)]
+    assert argvs[2][:3] == ["sql", "--store", str(store)] and len(argvs[2]) == 4
+    literal = argvs[2][3].split("WHERE run_id = ", 1)[1].removesuffix(" ORDER BY step")
+    assert ast.literal_eval(literal) == run_id  # ClickHouse and Python read '\\' and '\'' alike

@@ -480,3 +480,17 @@ def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
             payload = encoder.encode(step, series[: 10 + step // 2 % 2])
             assert same_outcome(*decode_both(message_key("bounds", step), payload))
             _check_counts(senders)
+
+
+@pytest.mark.parametrize("run_id", ["", "a:b", "a\nb", "a\x1b[31mb", "a\x00", "a\u2028b"])
+def test_a_run_id_that_cannot_be_printed_or_keyed_is_refused_at_attach(run_id):
+    """RankIdentity (what attach builds) refuses an empty run id, one with ':' and one with
+    a control or line-separator character, with a one-line message that shows it escaped."""
+    with pytest.raises(ValueError, match="run_id must not") as info:
+        RankIdentity(run_id=run_id, rank=0, world_size=1)
+    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
+
+
+def test_printable_run_ids_with_shell_characters_are_accepted():
+    """Quotes, $() and spaces are data, not an error: the printed commands quote them."""
+    assert RankIdentity(run_id="$(touch X) it's", rank=0, world_size=1).run_id == "$(touch X) it's"

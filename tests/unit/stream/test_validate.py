@@ -124,3 +124,37 @@ def test_label_sets_checked_once_still_meet_every_rule():
     )
     checked = v.check(rank_step(run_id="y", values=dict(src_a)))
     assert checked.record is not None and "2 point(s) dropped" in checked.reason
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (Loss.TOKENS, 1e20),
+        (Loss.TOKENS, 1e300),
+        (Loss.TOKENS, float(2**64)),
+        (Moe.EXPERT_TOKENS, float(2**41)),
+        (System.FLOPS, 1e31),
+        (System.STEP_TIME, float(2**54)),
+    ],
+)
+def test_a_count_past_what_one_rank_measures_in_a_step_is_refused(name, value):
+    """Finite, non-negative but absurd counts (which would overflow the store's UInt64
+    token columns, or are no measurement) are refused with a reason naming the bound."""
+    labels = {Label.LAYER: "0", Label.EXPERT: "1"} if name == Moe.EXPERT_TOKENS else {}
+    values = {series_key(Loss.SUM): 3.0, series_key(Loss.TOKENS): 1.0}
+    values[series_key(name, labels)] = value
+    checked = StepValidator(Bounds()).check(rank_step(values=values))
+    assert checked.record is None and f"count {name} must be finite and in 0.." in checked.reason
+
+
+def test_counts_at_their_bound_and_negative_zero_pass():
+    """The bound itself is a legal value, and -0.0 is a count of zero (not negative)."""
+    values = {
+        series_key(Loss.SUM): 0.0,
+        series_key(Loss.TOKENS): -0.0,
+        series_key(System.FLOPS): 1e30,
+        series_key(System.STEP_TIME): float(2**53),
+    }
+    assert StepValidator(Bounds()).check(rank_step(values=values)).reason is None
+    values = {series_key(Loss.SUM): 3.0, series_key(Loss.TOKENS): float(2**40)}
+    assert StepValidator(Bounds()).check(rank_step(values=values)).reason is None
