@@ -616,12 +616,21 @@ def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir
         f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, {0.1 + 0.001 * z:.6f})"
         for s, (x, y, z) in enumerate(rng.normal(size=(80, 3)))
     )
-    inserted = probewire(
-        "sql",
-        "--store",
-        str(store),
-        "INSERT INTO probewire.step_metrics "
-        f"(run_id, step, loss, grad_norm, step_time_s) VALUES {values}",
+    # the rows go in through the writer, in a process of its own (``sql`` never writes)
+    inserted = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, clickhouse_connect; "
+            "c = clickhouse_connect.get_client(dsn='chdb://' + sys.argv[1]); "
+            "c.command('INSERT INTO probewire.step_metrics "
+            "(run_id, step, loss, grad_norm, step_time_s) VALUES ' + sys.argv[2])",
+            str(store),
+            values,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert inserted.returncode == 0, inserted.stderr
     assert (
