@@ -6,13 +6,14 @@ import functools
 import json
 import struct
 from dataclasses import dataclass, field
+from enum import StrEnum
 from itertools import chain
 
 import numpy as np
 
 from probewire.instrument.wire import SeriesKey
 
-__all__ = ["RecordError", "ReducedStep"]
+__all__ = ["CompleteReason", "RecordError", "ReducedStep"]
 
 
 class RecordError(ValueError):
@@ -72,6 +73,19 @@ or a few (a step split for the broker's limit has one a part); a layout of K ser
 ~150 bytes a series, so at most ~0.5 MB each for a step of 500 tensors' statistics."""
 
 
+class CompleteReason(StrEnum):
+    """Why a reduced step was emitted: the ``complete_reason`` that stage 2 branches on and
+    ClickHouse stores (the values are stored: never change one)."""
+
+    ALL_RANKS = "all_ranks"  # every rank of the step reported
+    DEADLINE = "deadline"  # its deadline passed with ranks missing (or the worker stopped)
+    LATER_STEP = "later_step"  # a later step of the run completed on the same partition
+    LATE = "late"  # a rank's data after its step was emitted: kept as detail
+    REPLAY = "replay"  # the ranks' ring buffers, sent on a dump: a past step's detail
+    DETAIL = "detail"  # a detail part of a step split for the broker's message limit
+    AFTER_GAP = "after_gap"  # set by stage 2: the first step after a gap in the run
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """Where a step's reduced series and its ranks' series go among its sorted keys."""
@@ -112,7 +126,7 @@ class ReducedStep:
     per_rank: dict[int, dict[SeriesKey, float]]
     hosts: dict[int, str] = field(default_factory=dict)
     coords: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> {dp: i, ...}
-    complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late", "replay"
+    complete_reason: CompleteReason = CompleteReason.ALL_RANKS
 
     def to_bytes(self) -> bytes:
         """Compact wire form: a JSON header naming the series once, then float64 arrays.
@@ -229,4 +243,5 @@ class ReducedStep:
             }
         head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
         head["coords"] = {int(x): c for x, c in head["coords"].items()}
+        head["complete_reason"] = CompleteReason(head["complete_reason"])  # else a ValueError
         return cls(**head)
