@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .detect import RobustSpikeDetector
@@ -36,7 +36,6 @@ __all__ = [
     "Localisation",
     "layer_of_tensor",
     "layer_views",
-    "locate_explosion",
     "walk_order",
 ]
 
@@ -129,18 +128,3 @@ class ExplosionLocator:
                 baseline = None if r.median is None else math.exp(r.median)
                 return Localisation(layer, tensor, r.x, baseline, r.z, tuple(walked))
         return None
-
-
-def locate_explosion(
-    history: Sequence[Mapping[str, float]],
-    current: Mapping[str, float],
-    *,
-    window: int = 20,
-    min_history: int = 5,
-    threshold: float = 6.0,
-) -> Localisation | None:
-    """Pure form: the layer ``current`` names after the steps in ``history`` (oldest first)."""
-    locator = ExplosionLocator(window=window, min_history=min_history, threshold=threshold)
-    for values in history:
-        locator.update(values)
-    return locator.update(current)
