@@ -25,6 +25,8 @@ Box = tuple[float, float, float, float]
 class BigramLM(nn.Module):
     """logits[b, t] = table[tokens[b, t]] (float64): the next token depends on this one only."""
 
+    table: torch.Tensor  # a registered buffer
+
     def __init__(self, table: np.ndarray) -> None:
         super().__init__()
         table = np.asarray(table, dtype=np.float64)

@@ -48,16 +48,17 @@ def _decode_keys(texts: bytes) -> list[SeriesKey]:
 
 
 def _decode_key(text: str) -> SeriesKey:
-    key = _TEXT_KEY.get(text)
-    if key is None:
-        name, *pairs = text.split("|")
-        labels = tuple(tuple(p.split("=", 1)) for p in pairs)
-        if any(len(label) != 2 for label in labels):
-            raise ValueError(f"a label without '=' in series {text!r}")
-        key = name, labels  # type: ignore[assignment]
-        if len(_TEXT_KEY) >= _CACHE_MAX:
-            _TEXT_KEY.clear()
-        _TEXT_KEY[text] = key
+    known = _TEXT_KEY.get(text)
+    if known is not None:
+        return known
+    name, *pairs = text.split("|")
+    labels = [p.split("=", 1) for p in pairs]
+    if any(len(label) != 2 for label in labels):
+        raise ValueError(f"a label without '=' in series {text!r}")
+    key = name, tuple((k, v) for k, v in labels)
+    if len(_TEXT_KEY) >= _CACHE_MAX:
+        _TEXT_KEY.clear()
+    _TEXT_KEY[text] = key
     return key
 
 

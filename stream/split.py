@@ -90,6 +90,7 @@ def _fit(
     data = part.to_bytes()
     if len(data) <= max_bytes:
         return [(part, data)]
+    halves: list[tuple[list[dict[SeriesKey, float]], dict[int, dict[SeriesKey, float]]]]
     if len(groups) > 1:
         mid = len(groups) // 2
         halves = [(groups[:mid], {}), (groups[mid:], {})]
