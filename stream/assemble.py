@@ -112,6 +112,7 @@ def reduce_step(
             firsts[groups] = list(first.values())
         # the lowest rank of each replica class that reported this series
         column = columns.get(key)
+        representatives: Sequence[float]
         if column is not None and len(firsts[groups]) == len(records):  # no replicas
             representatives = column
         elif key in everywhere:
