@@ -281,7 +281,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     import faust
 
-    from probewire.deploy.faults import fault_hook
+    from probewire.deploy.fault_injection import fault_hook
     from probewire.stream.app import create_app
     from probewire.stream.publish import broker_message_limit, check_message_limit
 

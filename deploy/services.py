@@ -29,7 +29,7 @@ def open_store(settings: Settings, read_port: int = 0):
     so queries work while the worker owns it (``sinks.readserver``)."""
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
-    from probewire.deploy.faults import with_outage
+    from probewire.deploy.fault_injection import with_outage
     from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
 
     ch = settings.clickhouse

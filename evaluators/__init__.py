@@ -64,7 +64,8 @@ _HOME = {
     **dict.fromkeys(["add_evaluator_parser"], "cli"),
     **dict.fromkeys(["EvaluatorConfig", "EvaluatorSetup"], "config"),
     **dict.fromkeys(["build_suites", "ensure_demo_datasets"], "datadir"),
-    **dict.fromkeys(["ThresholdBoxPredictor", "make_grounding_set", "render_image"], "images"),
+    **dict.fromkeys(["make_grounding_set", "render_image"], "images"),
+    "ThresholdBoxPredictor": "testing",
     **dict.fromkeys(["ByteTokenizer", "EvalModel", "SeededSampler", "Tokenizer"], "lm"),
     **dict.fromkeys(
         [
@@ -120,7 +121,7 @@ if TYPE_CHECKING:
     from .cli import add_evaluator_parser
     from .config import EvaluatorConfig, EvaluatorSetup
     from .datadir import build_suites, ensure_demo_datasets
-    from .images import ThresholdBoxPredictor, make_grounding_set, render_image
+    from .images import make_grounding_set, render_image
     from .lm import ByteTokenizer, EvalModel, SeededSampler, Tokenizer
     from .records import (
         DEFAULT_SUITES,
@@ -148,3 +149,4 @@ if TYPE_CHECKING:
         Suite,
         dataset_version,
     )
+    from .testing import ThresholdBoxPredictor

@@ -14,13 +14,12 @@ stores only seeds and boxes. ``IMAGE_VERSION`` goes into the suite's prompt vers
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import numpy as np
 
 from .datasets import GroundingItem
 
-__all__ = ["IMAGE_VERSION", "ThresholdBoxPredictor", "make_grounding_set", "render_image"]
+__all__ = ["IMAGE_VERSION", "make_grounding_set", "render_image"]
 
 IMAGE_VERSION = "procedural-two-rects/v1"
 _TARGETS = ("bright", "dim")
@@ -68,27 +67,3 @@ def make_grounding_set(n: int, seed: int, size: int = 32) -> list[GroundingItem]
             )
         )
     return items
-
-
-@dataclass(frozen=True, slots=True)
-class ThresholdBoxPredictor:
-    """A deterministic grounding "model" for tests and the docs.
-
-    With an image it thresholds the level named in the prompt and returns the bounding
-    box of those pixels; without one (media removed) it answers with the centred box
-    covering the middle half of the image, a text-prior guess. ``use_media=False``
-    makes a predictor that ignores the image altogether.
-    """
-
-    size: int = 32
-    use_media: bool = True
-
-    def predict_box(self, image: np.ndarray | None, prompt: str) -> Box:
-        if image is None or not self.use_media:
-            q = self.size / 4
-            return (q, q, 3 * q, 3 * q)
-        mask = image > 0.75 if "bright" in prompt else (image > 0.3) & (image < 0.75)
-        ys, xs = np.nonzero(mask)
-        if xs.size == 0:
-            return (0.0, 0.0, 0.0, 0.0)
-        return (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))

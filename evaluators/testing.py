@@ -4,7 +4,8 @@
 is a NumPy one-liner; ``QuantileSampler`` replaces random draws by evenly spaced
 quantiles, so sample i of n picks the token whose cumulative probability first reaches
 (i + ½)/n; ``CharTokenizer`` makes a token out of every character, so tokens and UTF-8
-bytes differ as soon as the text is not ASCII.
+bytes differ as soon as the text is not ASCII; ``ThresholdBoxPredictor`` answers a
+grounding prompt by thresholding the rendered image (or, without one, with a fixed guess).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["BigramLM", "CharTokenizer", "QuantileSampler"]
+__all__ = ["BigramLM", "CharTokenizer", "QuantileSampler", "ThresholdBoxPredictor"]
+
+Box = tuple[float, float, float, float]
 
 
 class BigramLM(nn.Module):
     """logits[b, t] = table[tokens[b, t]] (float64): the next token depends on this one only."""
+
+    table: torch.Tensor  # a registered buffer
 
     def __init__(self, table: np.ndarray) -> None:
         super().__init__()
@@ -66,3 +71,27 @@ class QuantileSampler:
         cdf = probs.double().cumsum(-1)
         u = (sample_ids.double().to(cdf.device) + 0.5) / self.n
         return torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdBoxPredictor:
+    """A deterministic grounding "model" for tests.
+
+    With an image it thresholds the level named in the prompt and returns the bounding
+    box of those pixels; without one (media removed) it answers with the centred box
+    covering the middle half of the image, a text-prior guess. ``use_media=False``
+    makes a predictor that ignores the image altogether.
+    """
+
+    size: int = 32
+    use_media: bool = True
+
+    def predict_box(self, image: np.ndarray | None, prompt: str) -> Box:
+        if image is None or not self.use_media:
+            q = self.size / 4
+            return (q, q, 3 * q, 3 * q)
+        mask = image > 0.75 if "bright" in prompt else (image > 0.3) & (image < 0.75)
+        ys, xs = np.nonzero(mask)
+        if xs.size == 0:
+            return (0.0, 0.0, 0.0, 0.0)
+        return (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))

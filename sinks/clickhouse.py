@@ -12,6 +12,7 @@ wrong type) raise at once instead of being retried.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import time
@@ -129,9 +130,10 @@ class ClickHouseSink:
             for statement in migration.statements:
                 self._command(statement.replace("{db}", db))
             self._retry(
-                lambda m=migration: self.client.insert(
+                functools.partial(
+                    self.client.insert,
                     f"{db}.schema_migrations",
-                    [[m.version, m.description]],
+                    [[migration.version, migration.description]],
                     column_names=["version", "description"],
                 )
             )

@@ -13,7 +13,7 @@ and -inf is NaN, a sum past the float64 range ±inf (as NumPy's float64 sum).
 A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
 scan-tier detail of a step whose other points were sent at the time) gathers apart from
 the step's own messages, by the same rules (every rank, or the deadline), and is reduced
-into a step with ``complete_reason = "replay"``: detail of a step that may be long
+into a step with ``complete_reason = CompleteReason.REPLAY``: detail of a step that may be long
 complete. Each rank's replay of a step is counted once.
 """
 
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from probewire.instrument.catalog import CATALOG, Group, Reduction
 from probewire.instrument.wire import RankStep, SeriesKey
 
-from .records import ReducedStep
+from .records import CompleteReason, ReducedStep
 
 __all__ = ["REPLAY", "AddResult", "StepAssembler", "reduce_step"]
 
-REPLAY = "replay"
+REPLAY = CompleteReason.REPLAY  # the name stage2.py imports (until the registry change)
 
 _GROUP_ORDER = tuple(g.value for g in Group)
 
@@ -82,7 +82,7 @@ def _apply(reduction: Reduction, values: Sequence[float]) -> float:
 
 
 def reduce_step(
-    run_id: str, step: int, world_size: int, records: list[RankStep], reason: str
+    run_id: str, step: int, world_size: int, records: list[RankStep], reason: CompleteReason
 ) -> ReducedStep:
     """Reduce one step's per-rank records with the catalog's rules."""
     records = sorted(records, key=lambda r: r.rank)
@@ -112,6 +112,7 @@ def reduce_step(
             firsts[groups] = list(first.values())
         # the lowest rank of each replica class that reported this series
         column = columns.get(key)
+        representatives: Sequence[float]
         if column is not None and len(firsts[groups]) == len(records):  # no replicas
             representatives = column
         elif key in everywhere:
@@ -160,7 +161,7 @@ class StepAssembler:
         if deadline_s <= 0:
             raise ValueError("deadline_s must be > 0")
         self.deadline_s = deadline_s
-        # keys (run, step) of the steps' own messages, (run, step, REPLAY) of replays
+        # keys (run, step) of the steps' own messages, (run, step, "replay") of replays
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
         self._remember = remember_steps
@@ -184,7 +185,7 @@ class StepAssembler:
         pending.records[record.rank] = record
         if len(pending.records) < pending.world_size:
             return AddResult(completed=[])
-        completed = [self._emit(key, "all_ranks")]
+        completed = [self._emit(key, CompleteReason.ALL_RANKS)]
         earlier = sorted(
             k
             for k, p in self._pending.items()
@@ -193,11 +194,11 @@ class StepAssembler:
             and k[1] < record.step
             and p.partition == pending.partition
         )
-        completed = [self._emit(k, "later_step") for k in earlier] + completed
+        completed = [self._emit(k, CompleteReason.LATER_STEP) for k in earlier] + completed
         return AddResult(completed=completed)
 
     def _add_replay(self, record: RankStep, now: float, partition: int) -> AddResult:
-        key = (record.run_id, record.step, REPLAY)
+        key = (record.run_id, record.step, CompleteReason.REPLAY)
         done = self._done.get(key)
         pending = (
             None
@@ -209,7 +210,7 @@ class StepAssembler:
         pending.records[record.rank] = record
         if len(pending.records) < pending.world_size:
             return AddResult(completed=[])
-        return AddResult(completed=[self._emit(key, REPLAY)])
+        return AddResult(completed=[self._emit(key, CompleteReason.REPLAY)])
 
     def expire(self, now: float) -> list[ReducedStep]:
         """Emit every pending step whose deadline has passed, in (run, step) order."""
@@ -217,16 +218,19 @@ class StepAssembler:
             (k for k, p in self._pending.items() if now - p.first_seen >= self.deadline_s),
             key=lambda k: k[:2],
         )
-        return [self._emit(k, "deadline") for k in due]
+        return [self._emit(k, CompleteReason.DEADLINE) for k in due]
 
     def flush(self) -> list[ReducedStep]:
         """Emit everything pending (shutdown)."""
-        return [self._emit(k, "deadline") for k in sorted(self._pending, key=lambda k: k[:2])]
+        return [
+            self._emit(k, CompleteReason.DEADLINE)
+            for k in sorted(self._pending, key=lambda k: k[:2])
+        ]
 
-    def _emit(self, key: tuple, reason: str) -> ReducedStep:
+    def _emit(self, key: tuple, reason: CompleteReason) -> ReducedStep:
         pending = self._pending.pop(key)
         if len(key) == 3:
-            reason = REPLAY
+            reason = CompleteReason.REPLAY
         self._done[key] = frozenset(pending.records)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)

@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .detect import RobustSpikeDetector
+from .detect import RobustSpikeDetector, SpikeResult
 
 __all__ = [
     "ExplosionLocator",
     "Localisation",
     "layer_of_tensor",
     "layer_views",
-    "locate_explosion",
     "walk_order",
 ]
 
@@ -108,7 +107,7 @@ class ExplosionLocator:
         """Score this step's per-tensor values; walking the layers from the output inward,
         the first layer with a spiking tensor, or None (nothing jumped, or only tensors
         still warming up)."""
-        layers: dict[str, list[tuple[str, object]]] = {}
+        layers: dict[str, list[tuple[str, SpikeResult]]] = {}
         for tensor in sorted(values):
             detector = self._detectors.get(tensor)
             if detector is None:
@@ -121,26 +120,11 @@ class ExplosionLocator:
         walked: list[tuple[str, float | None]] = []
         for layer in walk_order(layers):
             scored = layers[layer]
-            zs = [r.z for _, r in scored if r.z is not None]  # type: ignore[attr-defined]
+            zs = [r.z for _, r in scored if r.z is not None]
             walked.append((layer, max(zs) if zs else None))
-            spikes = [(t, r) for t, r in scored if r.spike]  # type: ignore[attr-defined]
+            spikes = [(t, r) for t, r in scored if r.spike]
             if spikes:
-                tensor, r = max(spikes, key=lambda tr: math.inf if tr[1].z is None else tr[1].z)  # type: ignore[attr-defined]
+                tensor, r = max(spikes, key=lambda tr: math.inf if tr[1].z is None else tr[1].z)
                 baseline = None if r.median is None else math.exp(r.median)
                 return Localisation(layer, tensor, r.x, baseline, r.z, tuple(walked))
         return None
-
-
-def locate_explosion(
-    history: Sequence[Mapping[str, float]],
-    current: Mapping[str, float],
-    *,
-    window: int = 20,
-    min_history: int = 5,
-    threshold: float = 6.0,
-) -> Localisation | None:
-    """Pure form: the layer ``current`` names after the steps in ``history`` (oldest first)."""
-    locator = ExplosionLocator(window=window, min_history=min_history, threshold=threshold)
-    for values in history:
-        locator.update(values)
-    return locator.update(current)

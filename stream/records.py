@@ -6,13 +6,14 @@ import functools
 import json
 import struct
 from dataclasses import dataclass, field
+from enum import StrEnum
 from itertools import chain
 
 import numpy as np
 
 from probewire.instrument.wire import SeriesKey
 
-__all__ = ["RecordError", "ReducedStep"]
+__all__ = ["CompleteReason", "RecordError", "ReducedStep"]
 
 
 class RecordError(ValueError):
@@ -47,16 +48,17 @@ def _decode_keys(texts: bytes) -> list[SeriesKey]:
 
 
 def _decode_key(text: str) -> SeriesKey:
-    key = _TEXT_KEY.get(text)
-    if key is None:
-        name, *pairs = text.split("|")
-        labels = tuple(tuple(p.split("=", 1)) for p in pairs)
-        if any(len(label) != 2 for label in labels):
-            raise ValueError(f"a label without '=' in series {text!r}")
-        key = name, labels  # type: ignore[assignment]
-        if len(_TEXT_KEY) >= _CACHE_MAX:
-            _TEXT_KEY.clear()
-        _TEXT_KEY[text] = key
+    known = _TEXT_KEY.get(text)
+    if known is not None:
+        return known
+    name, *pairs = text.split("|")
+    labels = [p.split("=", 1) for p in pairs]
+    if any(len(label) != 2 for label in labels):
+        raise ValueError(f"a label without '=' in series {text!r}")
+    key = name, tuple((k, v) for k, v in labels)
+    if len(_TEXT_KEY) >= _CACHE_MAX:
+        _TEXT_KEY.clear()
+    _TEXT_KEY[text] = key
     return key
 
 
@@ -70,6 +72,19 @@ _LAYOUTS_MAX = 64
 """Step layouts kept, both ways (``_layout`` to write, ``_KEYS`` to read): a run has one
 or a few (a step split for the broker's limit has one a part); a layout of K series holds
 ~150 bytes a series, so at most ~0.5 MB each for a step of 500 tensors' statistics."""
+
+
+class CompleteReason(StrEnum):
+    """Why a reduced step was emitted: the ``complete_reason`` that stage 2 branches on and
+    ClickHouse stores (the values are stored: never change one)."""
+
+    ALL_RANKS = "all_ranks"  # every rank of the step reported
+    DEADLINE = "deadline"  # its deadline passed with ranks missing (or the worker stopped)
+    LATER_STEP = "later_step"  # a later step of the run completed on the same partition
+    LATE = "late"  # a rank's data after its step was emitted: kept as detail
+    REPLAY = "replay"  # the ranks' ring buffers, sent on a dump: a past step's detail
+    DETAIL = "detail"  # a detail part of a step split for the broker's message limit
+    AFTER_GAP = "after_gap"  # set by stage 2: the first step after a gap in the run
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +127,7 @@ class ReducedStep:
     per_rank: dict[int, dict[SeriesKey, float]]
     hosts: dict[int, str] = field(default_factory=dict)
     coords: dict[int, dict[str, int]] = field(default_factory=dict)  # rank -> {dp: i, ...}
-    complete_reason: str = "all_ranks"  # or "deadline", "later_step", "late", "replay"
+    complete_reason: CompleteReason = CompleteReason.ALL_RANKS
 
     def to_bytes(self) -> bytes:
         """Compact wire form: a JSON header naming the series once, then float64 arrays.
@@ -229,4 +244,5 @@ class ReducedStep:
             }
         head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
         head["coords"] = {int(x): c for x, c in head["coords"].items()}
+        head["complete_reason"] = CompleteReason(head["complete_reason"])  # else a ValueError
         return cls(**head)

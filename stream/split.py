@@ -2,7 +2,7 @@
 
 A reduced step carries every rank's components; 64 ranks x 500 tensors is about 1.6 MB,
 over Kafka's usual 1 MB. Such a step leaves stage 1 as several messages of the same key
-(so the same partition, in order): first *detail* parts (``complete_reason="detail"``:
+(so the same partition, in order): first *detail* parts (``CompleteReason.DETAIL``:
 per-rank values and tensor statistics, each part a subset), then the *main* part: every
 reduced value stage 2's view reads and the per-rank values it reads (``inputs.PER_RANK``).
 Stage 2 stores a detail part's rows in the look-back tables at once and processes the
@@ -19,11 +19,9 @@ from probewire.instrument.catalog import CATALOG, Priority, Tensor
 from probewire.instrument.wire import SeriesKey
 
 from .inputs import PER_RANK
-from .records import ReducedStep
+from .records import CompleteReason, ReducedStep
 
-__all__ = ["DETAIL", "OversizeStep", "split_step"]
-
-DETAIL = "detail"
+__all__ = ["OversizeStep", "split_step"]
 _TENSOR = frozenset(Tensor.ALL)
 
 
@@ -87,11 +85,12 @@ def _fit(
         reduced={k: v for g in groups for k, v in g.items()},
         per_rank=per_rank,
         hosts={r: step.hosts.get(r, "") for r in per_rank},
-        complete_reason=DETAIL,
+        complete_reason=CompleteReason.DETAIL,
     )
     data = part.to_bytes()
     if len(data) <= max_bytes:
         return [(part, data)]
+    halves: list[tuple[list[dict[SeriesKey, float]], dict[int, dict[SeriesKey, float]]]]
     if len(groups) > 1:
         mid = len(groups) // 2
         halves = [(groups[:mid], {}), (groups[mid:], {})]

@@ -28,14 +28,14 @@ from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavai
 from probewire.sinks.retained import load_state
 
 from .alerting import AlertmanagerWebhook
-from .assemble import REPLAY, StepAssembler
+from .assemble import StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
 from .gaps import GapReader, GapWatch
 from .health import Progress
 from .lifecycle import EventError, parse_event
 from .publish import Publisher, PublishError
-from .records import RecordError, ReducedStep
+from .records import CompleteReason, RecordError, ReducedStep
 from .split import OversizeStep, split_step
 from .stage2 import RunPipeline, Stage2Output
 from .store import STATE_KEY, write_batch
@@ -238,10 +238,11 @@ class Worker:
                 reduced={},
                 per_rank={record.rank: record.values},
                 hosts={record.rank: record.host},
-                complete_reason="late",
+                complete_reason=CompleteReason.LATE,
             )
-            self.waiting.setdefault((record.run_id, record.step, "late"), []).append(event)
-            await self.publish_step(late, key=(record.run_id, record.step, "late"))
+            key = (record.run_id, record.step, CompleteReason.LATE)
+            self.waiting.setdefault(key, []).append(event)
+            await self.publish_step(late, key=key)
             return
         key = _wait_key(record.run_id, record.step, record.replay)
         self.waiting.setdefault(key, []).append(event)
@@ -266,7 +267,9 @@ class Worker:
         """Hand a reduced step to the broker and return: the agent goes on with the next
         message while the broker confirms (one round trip per step bounded stage 1 at
         ~120 steps/s). Up to ``MAX_IN_FLIGHT`` steps wait for confirmation at once."""
-        key = key or _wait_key(reduced.run_id, reduced.step, reduced.complete_reason == REPLAY)
+        key = key or _wait_key(
+            reduced.run_id, reduced.step, reduced.complete_reason == CompleteReason.REPLAY
+        )
         events = self.waiting.pop(key, [])
         since = self.waiting_since.pop(key, time.monotonic())
         await self._in_flight.acquire()
@@ -494,7 +497,7 @@ class Worker:
 def _wait_key(run_id: str, step: int, replay: bool) -> tuple:
     """The key of the rank messages waiting for one reduced step: a replay (the ranks' ring
     buffers) waits apart from the step's own messages."""
-    return (run_id, step, REPLAY) if replay else (run_id, step)
+    return (run_id, step, CompleteReason.REPLAY) if replay else (run_id, step)
 
 
 def _origin(what: str, content: bytes) -> dict[str, Any]:

@@ -46,7 +46,6 @@ __all__ = [
     "load_checkpoint",
     "mtp_targets",
     "save_checkpoint",
-    "token_loss_sum",
 ]
 
 VOCAB = 257  # 256 byte values + BOS
@@ -402,16 +401,6 @@ def flops_per_token(model: TinyLM) -> float:
     n = sum(p.numel() for p in model.parameters())
     c = model.cfg
     return 6.0 * n + 12.0 * c.n_layer * c.d_model * c.seq_len
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ over valid targets of the token NLL (nats); padded targets are IGNORE."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE,
-        reduction="sum",
-    )
 
 
 def mtp_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ stage 1 (``probewire.stream.assemble.reduce_step``) and stage 2
 retention). Per-expert token counts are added to the reduced step as stage 1 reduces them.
 ``write_simulated_run`` stores the rows and promotes the retained detail as the worker does.
 
-The faults are the demo's (``deploy/demo/faults.py``: the same classes, names and
+The faults are the demo's (``deploy/demo/faults/``: the same classes, names and
 parameters, ``parse_fault`` texts included); each simulated one puts the same culprit into
 the data that the real fault puts into a training run:
 
@@ -324,6 +324,7 @@ def simulated_run(
 ) -> SimulatedRun:
     """Simulate ``steps`` steps of a ``world_size``-rank job with the demo ``faults``."""
     from probewire.stream.assemble import reduce_step
+    from probewire.stream.records import CompleteReason
     from probewire.stream.signals import DetectorConfig
     from probewire.stream.stage2 import RunPipeline, Stage2Config
 
@@ -366,7 +367,7 @@ def simulated_run(
                 )
             )
         run.reference[t] = _reference(records)
-        reduced = reduce_step(run_id, t, world_size, records, "all_ranks")
+        reduced = reduce_step(run_id, t, world_size, records, CompleteReason.ALL_RANKS)
         tokens = float(np.array([rec.values[tokens_key] for rec in records]).sum())
         _add_expert_loads(reduced, layers, experts, tokens, rng)
         out = pipeline.accept(reduced, float(t))

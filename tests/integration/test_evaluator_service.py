@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from demo_losses import token_loss_sum
 
 from probewire.deploy.demo.data import load_corpus
-from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM, save_checkpoint, token_loss_sum
+from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM, save_checkpoint
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import KafkaSettings, Settings, StreamSettings, TopicSettings
 from probewire.deploy.stack import create_topics

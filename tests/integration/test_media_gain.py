@@ -22,8 +22,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from demo_losses import token_loss_sum
 
-from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM, token_loss_sum
+from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.evaluators.lm import ByteTokenizer, EvalModel
 from probewire.evaluators.media_task import CAPTIONS, CaptionSuite, caption_batch, make_caption_set
 from probewire.evaluators.suites import MediaGain

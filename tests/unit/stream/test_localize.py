@@ -10,11 +10,22 @@ import pytest
 
 from probewire.stream.localize import (
     ExplosionLocator,
+    Localisation,
     layer_of_tensor,
     layer_views,
-    locate_explosion,
     walk_order,
 )
+
+
+def locate_explosion(
+    history: list[dict[str, float]], current: dict[str, float]
+) -> Localisation | None:
+    """The layer ``current`` names after the steps in ``history`` (oldest first), through
+    the locator the stream runs."""
+    locator = ExplosionLocator()
+    for values in history:
+        locator.update(values)
+    return locator.update(current)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from probewire.instrument.catalog import Loss, Tensor
 from probewire.instrument.wire import series_key
-from probewire.stream.records import RecordError, ReducedStep
+from probewire.stream.records import CompleteReason, RecordError, ReducedStep
 
 LOSS, TOK = series_key(Loss.SUM), series_key(Loss.TOKENS)
 ABS = series_key(Tensor.ABS_MAX, {"tensor": "b0", "kind": "fwd"})
@@ -137,3 +137,26 @@ def test_a_label_without_a_value_is_a_record_error():
     size = struct.unpack_from("<I", data)[0] + len(bad) - len(data)
     with pytest.raises(RecordError, match="label without '='"):
         ReducedStep.from_bytes(struct.pack("<I", size) + bad[4:])
+
+
+def test_complete_reasons_keep_their_stored_values_and_read_back_as_the_enum():
+    """The values ClickHouse stores are unchanged; a step's reason reads back as the enum
+    member (equal to its text); a reason the enum does not know is a RecordError (a dead
+    letter), not a step that stage 2 would branch on wrongly."""
+    assert [r.value for r in CompleteReason] == [
+        "all_ranks",
+        "deadline",
+        "later_step",
+        "late",
+        "replay",
+        "detail",
+        "after_gap",
+    ]
+    step = make({0: {LOSS: 1.0}}, {LOSS: 1.0})
+    for reason in CompleteReason:
+        step.complete_reason = reason
+        back = ReducedStep.from_bytes(step.to_bytes())
+        assert back.complete_reason is reason and back.complete_reason == reason.value
+    step.complete_reason = "finished"  # type: ignore[assignment]
+    with pytest.raises(RecordError, match="finished"):
+        ReducedStep.from_bytes(step.to_bytes())

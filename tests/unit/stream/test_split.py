@@ -7,8 +7,8 @@ import pytest
 from probewire.instrument.catalog import Label, Loss, System, Tensor
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.assemble import reduce_step
-from probewire.stream.records import ReducedStep
-from probewire.stream.split import DETAIL, OversizeStep, split_step
+from probewire.stream.records import CompleteReason, ReducedStep
+from probewire.stream.split import OversizeStep, split_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
 from probewire.stream.view import p0_view
 
@@ -62,7 +62,9 @@ def test_an_oversize_step_becomes_parts_under_the_limit_with_the_same_rows():
     assert len(step.to_bytes()) > 4 * limit
     parts = split_step(step, limit)
     assert all(len(data) <= limit for _, data in parts)
-    assert [p.complete_reason for p, _ in parts] == [DETAIL] * (len(parts) - 1) + ["all_ranks"]
+    assert [p.complete_reason for p, _ in parts] == [CompleteReason.DETAIL] * (len(parts) - 1) + [
+        "all_ranks"
+    ]
     main = parts[-1][0]
     assert p0_view(main) == p0_view(step)  # P0 whole in the main part
     whole, split = rows([(step, step.to_bytes())]), rows(parts)

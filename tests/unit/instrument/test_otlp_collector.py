@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
-from probewire.instrument.collector import OtlpTransport
+from probewire.instrument.otlp_collector import OtlpTransport
 from probewire.instrument.wire import decode_rank_step
 
 

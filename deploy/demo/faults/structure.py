@@ -1,5 +1,5 @@
 """Faults of the demo model's optional structures: experts, media, the residual stream
-(each documents its measured signature; the registry is ``faults.FAULTS``)."""
+(each documents its measured signature; the registry is ``training.FAULTS``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from .fault import Fault, FaultError, _core
-from .model import TinyConfig
+from ..model import TinyConfig
+from .base import Fault, FaultError, _core
 
 __all__ = ["Bf16Swallow", "IgnoredMedia", "RoutingCollapse"]
 

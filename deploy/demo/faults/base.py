@@ -1,4 +1,5 @@
-"""The fault base class and the helpers faults share (a leaf: the fault modules import it).
+"""The fault base class and the helpers faults share (a leaf: the other fault modules
+import it).
 
 A fault acts on real training through a few hooks the demo loop calls (``on_batch``,
 ``on_step_start``, ``on_step_end``, ``replay_differs``); its class attributes state the
@@ -12,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from .data import Batch
-from .model import IGNORE
+from ..data import Batch
+from ..model import IGNORE
 
 __all__ = ["Fault", "FaultError"]
 

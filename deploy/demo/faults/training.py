@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from .data import SOURCES, Batch
-from .fault import Fault, FaultError, _core, _scramble
-from .model import IGNORE, PRESETS
-from .structure_faults import Bf16Swallow, IgnoredMedia, RoutingCollapse
+from ..data import SOURCES, Batch
+from ..model import IGNORE, PRESETS
+from .base import Fault, FaultError, _core, _scramble
+from .structure import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
 __all__ = [
     "FAULTS",
