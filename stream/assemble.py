@@ -31,9 +31,8 @@ from probewire.instrument.wire import RankStep, SeriesKey
 
 from .records import CompleteReason, ReducedStep
 
-__all__ = ["REPLAY", "AddResult", "StepAssembler", "reduce_step"]
+__all__ = ["AddResult", "StepAssembler", "reduce_step"]
 
-REPLAY = CompleteReason.REPLAY  # the name stage2.py imports (until the registry change)
 
 _GROUP_ORDER = tuple(g.value for g in Group)
 

@@ -28,7 +28,7 @@ __all__ = [
     "grad_stats",
     "expert_balance",
     "global_mean_loss",
-    "grad_norm",
+    "norm_from_squares",
     "loss_by_group",
     "mean_from_components",
     "mean_max_violation",
@@ -44,7 +44,7 @@ __all__ = [
     "Spread",
     "spread",
     "straggler_score",
-    "tokens_per_s",
+    "token_rate",
     "update_ratio",
     "worst_rank_loss",
 ]
@@ -148,7 +148,7 @@ def loss_by_group(
     }
 
 
-def grad_norm(norm_sq: float | None) -> float | None:
+def norm_from_squares(norm_sq: float | None) -> float | None:
     """G_2 = sqrt(sum_p g_p^2) from the squared norm summed over the parameters' owners
     (seeds 001 §4). None when no rank reported it; NaN for a NaN or negative sum (a
     non-finite gradient stays visible), +inf for +inf."""
@@ -157,7 +157,7 @@ def grad_norm(norm_sq: float | None) -> float | None:
     return math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
 
 
-def tokens_per_s(n_tok: float, tau: float | None) -> float | None:
+def token_rate(n_tok: float, tau: float | None) -> float | None:
     """TPS = N_tok / tau: a step's global valid tokens over its global wall time tau (the
     max of the ranks' step times, stage 1's reduction) (seeds 001 §5). None without a
     time (no rank reported one, or 0 s)."""

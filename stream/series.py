@@ -50,6 +50,7 @@ from probewire.instrument.catalog import (
 
 from . import derive
 from .inputs import StepInputs
+from .records import CompleteReason
 
 __all__ = [
     "CHARTS",
@@ -432,7 +433,7 @@ class StepMetrics:
         "G2 before clipping",
         unit="L2 norm",
         components=(Grad.NORM_SQ,),
-        formula=lambda s: derive.grad_norm(s.get(Grad.NORM_SQ)),
+        formula=lambda s: derive.norm_from_squares(s.get(Grad.NORM_SQ)),
         chart="grad",
         label="G2",
         first_screen=True,
@@ -505,7 +506,7 @@ class StepMetrics:
         "N_tok / tau",
         unit="tokens/s",
         components=(*_LOSS, *_TIME),
-        formula=lambda s: derive.tokens_per_s(s.tokens, s.get(System.STEP_TIME)),
+        formula=lambda s: derive.token_rate(s.tokens, s.get(System.STEP_TIME)),
         chart="throughput",
         label="tokens/s",
         first_screen=True,
@@ -959,7 +960,7 @@ class StepMetrics:
     complete_reason = Series(
         "complete_reason",
         "LowCardinality(String)",
-        "all_ranks, deadline or later_step",
+        "why the step was emitted: " + ", ".join(r.value for r in CompleteReason),
         default="''",
         formula=lambda s: s.item.complete_reason,
     )

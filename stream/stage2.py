@@ -36,7 +36,6 @@ from typing import Any
 
 from probewire.instrument.plumbing import check
 
-from .assemble import REPLAY
 from .dimensions import tensor_dimensions
 from .formed import grad_group_rows, residual_rows
 from .inputs import StepInputs
@@ -44,7 +43,7 @@ from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
 from .pages import Episode
-from .records import ReducedStep
+from .records import CompleteReason, ReducedStep
 from .retention import RetentionPolicy
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
@@ -225,16 +224,22 @@ class RunPipeline:
     def _accept(self, item: ReducedStep, now: float) -> Stage2Output:
         self.last_arrival = now
         self.finished = False  # a step after an idle expiry reopens the run
-        if item.complete_reason == "detail":  # part of a step split for the broker's limit
+        if (
+            item.complete_reason == CompleteReason.DETAIL
+        ):  # part of a step split for the broker's limit
             out = Stage2Output()
             _add_detail(out, item)
             return out  # promoted with its step (the main part comes after it)
-        if item.complete_reason == "late":  # data after its step's deadline: kept as detail
+        if (
+            item.complete_reason == CompleteReason.LATE
+        ):  # data after its step's deadline: kept as detail
             out = Stage2Output()
             out.add_columns("rank_metrics_recent", rank_columns(item))
             out.promote.append(item.step)
             return out
-        if item.complete_reason == REPLAY:  # the ranks' ring buffers: a past step's detail
+        if (
+            item.complete_reason == CompleteReason.REPLAY
+        ):  # the ranks' ring buffers: a past step's detail
             out = Stage2Output()
             _add_detail(out, item)
             out.promote.append(item.step)  # into the detail tables, the step's P0 row untouched
@@ -329,7 +334,7 @@ class RunPipeline:
             **derived,
         }
         if after_gap:
-            row[sm.complete_reason] = "after_gap"
+            row[sm.complete_reason] = CompleteReason.AFTER_GAP.value
         out.rows["step_metrics"].append(row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["residual_stats"] += residual_rows(inputs)

@@ -17,7 +17,7 @@ from probewire.instrument.wire import SeriesKey
 
 from .derive import loss_by_group, rank_means
 from .inputs import StepInputs, series_reads
-from .records import ReducedStep
+from .records import CompleteReason, ReducedStep
 from .series import VIEW
 from .signals import RankSeries
 
@@ -99,7 +99,7 @@ def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
     Ranks usually send the same series in the same order: their names and label texts are
     made once and extended rank after rank."""
     # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
-    late = int(item.complete_reason in ("late", "replay"))
+    late = int(item.complete_reason in (CompleteReason.LATE, CompleteReason.REPLAY))
     metrics: list[str] = []
     labels: list[str] = []
     ranks: list[int] = []

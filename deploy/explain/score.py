@@ -37,6 +37,7 @@ import numpy as np
 from probewire.stream.derive import own_time_ratios, own_times
 from probewire.stream.detect import median_mad, robust_z, spread_floor
 from probewire.stream.localize import layer_of_tensor
+from probewire.stream.records import CompleteReason
 from probewire.stream.series import StepMetrics as SM
 
 from .load import Loaded
@@ -244,7 +245,7 @@ class _Walk:
         reasons = {
             int(s): r
             for s, r, keep in zip(data.steps, data.column(SM.complete_reason), scan)
-            if keep and r not in ("all_ranks", "", None)
+            if keep and r not in (CompleteReason.ALL_RANKS, "", None)
         }
         if reasons:
             what = ", ".join(f"step {s}: {r}" for s, r in sorted(reasons.items()))

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import torch
 
+from probewire.stream.series import StepMetrics as SM
+
 from ..model import TinyConfig
 from .base import Fault, FaultError, _core
 
@@ -31,10 +33,10 @@ class RoutingCollapse(Fault):
     onset ``step``)."""
 
     name: ClassVar[str] = "routing-collapse"
-    signal: ClassVar[str] = "moe_maxvio"
+    signal: ClassVar[str] = SM.moe_maxvio
     culprit: ClassVar[str] = "layer"
     explain_stage: ClassVar[str] = "expert balance"
-    explain_signal: ClassVar[str | None] = "moe_maxvio"
+    explain_signal: ClassVar[str | None] = SM.moe_maxvio
     within: ClassVar[int] = 2
     presets: ClassVar[tuple[str, ...]] = ("moe", "full")
     layer: int = 1
@@ -77,10 +79,10 @@ class IgnoredMedia(Fault):
     projector."""
 
     name: ClassVar[str] = "ignored-media"
-    signal: ClassVar[str] = "media_scale"
+    signal: ClassVar[str] = SM.media_scale
     culprit: ClassVar[str] = "media projector"
     explain_stage: ClassVar[str] = "layers"
-    explain_signal: ClassVar[str | None] = "media_scale"
+    explain_signal: ClassVar[str | None] = SM.media_scale
     demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
     presets: ClassVar[tuple[str, ...]] = ("media", "full")
     scale: float = 0.001
@@ -115,9 +117,9 @@ class Bf16Swallow(Fault):
     name: ClassVar[str] = "bf16-swallow"
     signal: ClassVar[str] = "residual_scale"
     culprit: ClassVar[str] = "residual stream"
-    also_pages: ClassVar[tuple[str, ...]] = ("cospike",)
+    also_pages: ClassVar[tuple[str, ...]] = (SM.cospike,)
     explain_stage: ClassVar[str] = "layers"
-    explain_signal: ClassVar[str | None] = "residual_ratio_min"
+    explain_signal: ClassVar[str | None] = SM.residual_ratio_min
     demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
     scale: float = 1000.0
 

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from probewire.stream.series import StepMetrics as SM
+
 from ..data import SOURCES, Batch
 from ..model import IGNORE, PRESETS
 from .base import Fault, FaultError, _core, _scramble
@@ -57,11 +59,11 @@ class BadRank(Fault):
     ``rank {rank}`` (loss_worst_rank moved, onset ``step``)."""
 
     name: ClassVar[str] = "bad-rank"
-    signal: ClassVar[str] = "loss_worst_rank"
+    signal: ClassVar[str] = SM.loss_worst_rank
     culprit: ClassVar[str] = "rank"
-    also_pages: ClassVar[tuple[str, ...]] = ("cospike",)
+    also_pages: ClassVar[tuple[str, ...]] = (SM.cospike,)
     explain_stage: ClassVar[str] = "loss"
-    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    explain_signal: ClassVar[str | None] = SM.loss_worst_rank
     rank: int = 1
 
     def expected_culprit(self) -> str:
@@ -89,7 +91,7 @@ class SourceRegression(Fault):
     name: ClassVar[str] = "source-regression"
     signal: ClassVar[str] = "loss_by_source"
     culprit: ClassVar[str] = "source"
-    also_pages: ClassVar[tuple[str, ...]] = ("cospike",)
+    also_pages: ClassVar[tuple[str, ...]] = (SM.cospike,)
     within: ClassVar[int] = 3
     explain_stage: ClassVar[str] = "loss"
     source: str = "code"
@@ -124,9 +126,9 @@ class PoisonedBatch(Fault):
     and explain's gradient stage reports the co-spike at ``step`` (cospike_count moved)."""
 
     name: ClassVar[str] = "poisoned-batch"
-    signal: ClassVar[str] = "cospike"
+    signal: ClassVar[str] = SM.cospike
     culprit: ClassVar[str] = "step"
-    explain_signal: ClassVar[str | None] = "cospike_count"
+    explain_signal: ClassVar[str | None] = SM.cospike_count
     repeat_after: int = 0  # > 0: a second poisoned batch this many steps later
 
     def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
@@ -153,7 +155,7 @@ class EasyBatch(Fault):
     signal: ClassVar[str] = ""  # pages nothing
     culprit: ClassVar[str] = "rank"
     explain_stage: ClassVar[str] = "loss"
-    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    explain_signal: ClassVar[str | None] = SM.loss_worst_rank
     explain_moves: ClassVar[bool] = False
     rank: int = 0
     steps: int = 1
@@ -193,7 +195,7 @@ class LayerExplosion(Fault):
     it once dated the move there) is another episode."""
 
     name: ClassVar[str] = "layer-explosion"
-    signal: ClassVar[str] = "cospike"
+    signal: ClassVar[str] = SM.cospike
     culprit: ClassVar[str] = "layer"
     explain_stage: ClassVar[str] = "layers"
     demo_args: ClassVar[tuple[str, ...]] = ("--p1-every", "10")
@@ -240,7 +242,7 @@ class Straggler(Fault):
     culprit: ClassVar[str] = "rank"
     within: ClassVar[int] = 2  # stream.straggler_steps - 1: the third slow step pages
     explain_stage: ClassVar[str] = "step time"
-    explain_signal: ClassVar[str | None] = "straggler_own_ratio"
+    explain_signal: ClassVar[str | None] = SM.straggler_own_ratio
     rank: int = 1
     delay_s: float = 3.0
     duration: int = 10
@@ -289,7 +291,7 @@ class MemoryCreep(Fault):
     culprit: ClassVar[str] = "rank"
     within: ClassVar[int] = 10
     explain_stage: ClassVar[str] = "memory"
-    explain_signal: ClassVar[str | None] = "peak_memory_bytes"
+    explain_signal: ClassVar[str | None] = SM.peak_memory_bytes
     rank: int = 1
     mib_per_step: float = 8.0
     _held: list[torch.Tensor] = field(default_factory=list, repr=False)
@@ -317,10 +319,10 @@ class FlakyReplay(Fault):
     ``step``."""
 
     name: ClassVar[str] = "flaky-replay"
-    signal: ClassVar[str] = "replay_mismatch"
+    signal: ClassVar[str] = SM.replay_mismatch
     culprit: ClassVar[str] = "hardware"
     explain_stage: ClassVar[str] = "job state"
-    explain_signal: ClassVar[str | None] = "replay_mismatch"
+    explain_signal: ClassVar[str | None] = SM.replay_mismatch
 
     def expected_culprit(self) -> str:
         return "hardware"
@@ -348,11 +350,11 @@ class NanWeight(Fault):
     store with its NaN: a non-finite loss sum is a measurement, not a refused message."""
 
     name: ClassVar[str] = "nan-weight"
-    signal: ClassVar[str] = "loss"
+    signal: ClassVar[str] = SM.loss
     culprit: ClassVar[str] = "rank"
-    also_pages: ClassVar[tuple[str, ...]] = ("grad_norm", "output_absmax")
+    also_pages: ClassVar[tuple[str, ...]] = (SM.grad_norm, SM.output_absmax)
     explain_stage: ClassVar[str] = "loss"
-    explain_signal: ClassVar[str | None] = "loss_worst_rank"
+    explain_signal: ClassVar[str | None] = SM.loss_worst_rank
     rank: int = 1
     layer: int = 1
 

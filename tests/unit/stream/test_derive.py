@@ -12,14 +12,14 @@ from probewire.stream.derive import (
     compute_rate,
     expert_balance,
     global_mean_loss,
-    grad_norm,
     loss_by_group,
     mean_from_components,
     media_scale,
+    norm_from_squares,
     rms_from_components,
     shard_imbalance,
     straggler_score,
-    tokens_per_s,
+    token_rate,
     worst_rank_loss,
 )
 
@@ -125,17 +125,17 @@ def test_throughput_and_compute_rate():
     tokens = rng.integers(0, 4096, 64).astype(np.float64)  # per rank
     times = rng.uniform(0.9, 1.3, 64)  # per rank, seconds
     tau = np.max(times)  # stage 1's reduction
-    assert tokens_per_s(float(tokens.sum()), float(tau)) == pytest.approx(
+    assert token_rate(float(tokens.sum()), float(tau)) == pytest.approx(
         tokens.sum() / tau, rel=1e-15
     )
     flops = np.float64(6.0e15)
     assert compute_rate(6.0e15, 64, float(tau)) == pytest.approx(flops / (64 * tau), rel=1e-15)
     # no time (no rank reported one, or 0 s) or no FLOP estimate: not measured
-    assert tokens_per_s(100, None) is None and tokens_per_s(100, 0.0) is None
+    assert token_rate(100, None) is None and token_rate(100, 0.0) is None
     assert compute_rate(None, 8, 1.0) is None and compute_rate(1.0, 8, 0.0) is None
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError, match="tau"):
-            tokens_per_s(100, bad)
+            token_rate(100, bad)
     with pytest.raises(ValueError, match="n_devices"):
         compute_rate(1.0, 0, 1.0)
 
@@ -144,10 +144,12 @@ def test_grad_norm_from_the_owners_squared_norms():
     rng = np.random.default_rng(9)
     shards = [rng.normal(0.0, 1e-3, n) for n in (1000, 0, 4321)]  # each owner's gradients
     norm_sq = sum(float(np.sum(g * g)) for g in shards)  # what stage 1 sums
-    assert grad_norm(norm_sq) == pytest.approx(np.linalg.norm(np.concatenate(shards)), rel=1e-12)
-    assert grad_norm(None) is None
-    assert math.isnan(grad_norm(math.nan)) and math.isnan(grad_norm(-1.0))
-    assert grad_norm(math.inf) == math.inf
+    assert norm_from_squares(norm_sq) == pytest.approx(
+        np.linalg.norm(np.concatenate(shards)), rel=1e-12
+    )
+    assert norm_from_squares(None) is None
+    assert math.isnan(norm_from_squares(math.nan)) and math.isnan(norm_from_squares(-1.0))
+    assert norm_from_squares(math.inf) == math.inf
 
 
 def test_media_scale_against_embedding_rms():
