@@ -32,6 +32,7 @@ from typing import Any, TextIO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError
+from probewire.instrument.lifecycle import ATTEMPT_ENV
 
 __all__ = ["SessionError", "StackSession", "run_command", "session_env", "status_line", "up"]
 
@@ -71,6 +72,27 @@ def session_env(settings: Settings, bootstrap: str, run_id: str | None = None) -
     if run_id:
         env["PROBEWIRE_RUN_ID"] = run_id
     return env
+
+
+def record_crash(session: StackSession, run_id: str, attempt: str, reason: str) -> bool:
+    """``probewire run`` says the run crashed when its command exited non-zero or was
+    interrupted: a ``crashed`` event (``instrument.lifecycle``) of an attempt after the
+    command's own (``<attempt>:launcher``), so it wins whatever the ranks said before it.
+    Whether the broker took it within a few seconds."""
+    from probewire.instrument.export import KafkaTransport
+    from probewire.instrument.lifecycle import run_event
+    from probewire.instrument.wire import RankIdentity
+
+    identity = RankIdentity(run_id=run_id, rank=0, world_size=1)
+    body = run_event(identity, "crashed", error=reason, attempt=f"{attempt}:launcher")
+    transport = KafkaTransport(
+        {"bootstrap.servers": session.bootstrap}, session.settings.topics.runs
+    )
+    try:
+        transport.send(run_id.encode(), body)
+        return transport.flush(5.0) == 0
+    finally:
+        transport.close()
 
 
 def status_line(beat: dict[str, Any] | None) -> str:
@@ -313,11 +335,14 @@ def run_command(
         raise SessionError(f"--run-id must not contain ':', got {run_id!r}")
     session = start(settings, work_dir, evaluator=evaluator, sql_port=sql_port, reuse=True)
     proc: subprocess.Popen | None = None
+    attempt = f"probewire-run:{uuid.uuid4().hex[:12]}"
     try:
         _banner(session, out, _store_arg(session), run_id)
         print(f"probewire: run {run_id}: {shlex.join(command)}", file=out, flush=True)
         proc = subprocess.Popen(
-            command, env={**os.environ, **session.env(run_id)}, preexec_fn=_child_setup
+            command,
+            env={**os.environ, **session.env(run_id), ATTEMPT_ENV: attempt},
+            preexec_fn=_child_setup,
         )
         if session.stack is not None:
             session.stack.record("command", proc)
@@ -336,6 +361,8 @@ def run_command(
                 next_at = time.monotonic() + 5.0
             time.sleep(0.2)
         code = proc.returncode
+        if code != 0:
+            record_crash(session, run_id, attempt, f"the command exited with code {code}")
         # the run's last steps are still on their way through the stream: wait until its
         # stored step count has not moved for settle_s (bounded)
         deadline = time.monotonic() + drain_timeout_s
@@ -352,6 +379,10 @@ def run_command(
             time.sleep(0.25)
         print(f"probewire: {status_line(read_heartbeat(session.heartbeat))}", file=out)
         report(run_id)
+    except KeyboardInterrupt:
+        if proc is not None:  # Ctrl-C: the command got it too (same process group)
+            record_crash(session, run_id, attempt, "interrupted (Ctrl-C)")
+        raise
     finally:
         if proc is not None:
             stop_process_group = proc.poll() is None

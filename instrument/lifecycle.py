@@ -9,7 +9,10 @@ the stream turns them into the run's ``runs`` row (``stream.lifecycle``)::
 
 Rank 0 announces the start (with the run's configuration, the hyper-parameters given to
 ``attach``) and the end (``Monitor.close``); any rank announces a crash (an exception out
-of a step context, or ``Monitor.crashed``).
+of a step context, or ``Monitor.crashed``). Every event also carries ``attempt`` (which
+launch and restart it belongs to, the same on every rank: ``attempt_id``), ``step`` (the
+rank's step, -1 when none) and ``seq`` (this process's event counter): the stream orders
+events by those, never by the ranks' clocks.
 
 ``env_transports`` builds the metrics transport, the control listener and the event
 transports from the variables ``probewire up`` / ``probewire run`` export, so ``attach``
@@ -20,8 +23,10 @@ names the settings tree reads too).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -33,10 +38,12 @@ from .export import KafkaTransport, Transport
 from .wire import RankIdentity
 
 __all__ = [
+    "ATTEMPT_ENV",
     "BOOTSTRAP_ENV",
     "EnvTransports",
     "MAX_CONFIG_BYTES",
     "RUNS_TOPIC",
+    "attempt_id",
     "env_transports",
     "run_event",
 ]
@@ -44,6 +51,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_ENV = "PROBEWIRE_KAFKA__BOOTSTRAP"
+ATTEMPT_ENV = "PROBEWIRE_ATTEMPT"
 RUNS_TOPIC = "probewire.runs"
 MAX_CONFIG_BYTES = 64 * 1024
 EVENTS = ("started", "finished", "crashed")
@@ -53,6 +61,24 @@ _TOPICS = {
     "checkpoints": "probewire.checkpoints",
     "runs": RUNS_TOPIC,
 }
+_SEQ = itertools.count(1)  # this process's lifecycle events, in the order it sent them
+
+
+def attempt_id(env: Mapping[str, str]) -> str:
+    """The launch and restart every rank of this attempt shares: the launch is
+    ``PROBEWIRE_ATTEMPT`` (``probewire run`` sets one per command), else torchrun's
+    rendezvous id, else SLURM's job id; the restart is the launcher's restart count
+    (``TORCHELASTIC_RESTART_COUNT`` / ``SLURM_RESTART_COUNT``). "" when the launcher says
+    nothing (the stream then orders the events by their time)."""
+    launch = env.get(ATTEMPT_ENV, "")
+    if not launch and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        launch = f"torchrun:{env['TORCHELASTIC_RUN_ID']}"
+    if not launch and env.get("SLURM_JOB_ID"):
+        launch = f"slurm:{env['SLURM_JOB_ID']}"
+    if not launch:
+        return ""
+    restart = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or "0"
+    return f"{launch[:180]}:{restart[:10]}"
 
 
 def run_event(
@@ -62,9 +88,12 @@ def run_event(
     config: Mapping[str, Any] | None = None,
     error: str | None = None,
     now_ns: int | None = None,
+    step: int = -1,
+    attempt: str | None = None,
 ) -> bytes:
     """One lifecycle message. The config must be a mapping; values JSON cannot hold are
-    written as text; a config over ``MAX_CONFIG_BYTES`` is refused (ValueError)."""
+    written as text; a config over ``MAX_CONFIG_BYTES`` is refused (ValueError). The
+    attempt is ``attempt_id(os.environ)`` unless given."""
     if event not in EVENTS:
         raise ValueError(f"event must be one of {EVENTS}, got {event!r}")
     body: dict[str, Any] = {
@@ -73,6 +102,9 @@ def run_event(
         "rank": identity.rank,
         "world_size": identity.world_size,
         "time_unix_nano": time.time_ns() if now_ns is None else now_ns,
+        "attempt": attempt_id(os.environ) if attempt is None else attempt,
+        "step": max(int(step), -1),
+        "seq": next(_SEQ),
     }
     if config is not None:
         if not isinstance(config, Mapping):

@@ -269,17 +269,17 @@ class Monitor:
         self._probes.sets.append(extension)
 
     # ------------------------------------------------------------------ run lifecycle
-    def crashed(self, error: BaseException | str) -> None:
+    def crashed(self, error: BaseException | str, *, step: int = -1) -> None:
         """Mark the run crashed (any rank; once). An exception out of a step context does
-        this by itself; call it for a failure outside the steps."""
+        this by itself (with its step); call it for a failure outside the steps."""
         if self._ended:
             return
         self._ended = True
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._send_run_event(run_event(self.identity, "crashed", error=text))
+        self._send_run_event(run_event(self.identity, "crashed", error=text, step=step))
 
     def _step_failed(self, step: int | None, exc: BaseException) -> None:
-        self.crashed(f"step {step}: {type(exc).__name__}: {exc}")
+        self.crashed(f"step {step}: {type(exc).__name__}: {exc}", step=-1 if step is None else step)
 
     def _send_run_event(self, body: bytes) -> None:
         if self._runs is not None:
@@ -376,7 +376,7 @@ class NullMonitor:
     def add_extension(self, extension: Any) -> None:
         return None
 
-    def crashed(self, error: Any) -> None:
+    def crashed(self, error: Any, *, step: int = -1) -> None:
         return None
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -419,7 +419,7 @@ class Worker:
                 progress["steps_written"] += len(out.rows.get("step_metrics", []))
                 progress["last_step"] = run.last_step
                 progress["finished"] = run.finished
-                progress["status"] = run.lifecycle.status(run.finished)
+                progress["status"] = run.status()
                 progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
         self.write_heartbeat()
 
