@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
 from probewire.deploy.console import console
-from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.health import default_heartbeat_path, read_heartbeat, writer_alive
 from probewire.deploy.logs import FORMATS, logging_config
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
@@ -299,8 +301,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
         redirect_stdouts=False,
         logging_config=logging_config(args.log_format, args.loglevel, "worker"),
     )
-    worker.execute_from_commandline()
-    return 0
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    else:
+        code = 0
+    return _worker_exit(worker, app, code)
+
+
+def _worker_exit(worker: Any, app: Any, code: int) -> int:
+    """The worker's exit code: as Faust gave it when a signal stopped it; else (it stopped
+    by itself) 1 or Faust's code, with why at error level, so that it is restarted."""
+    if worker._signal_stop_time is not None:  # SIGTERM / SIGINT: asked to stop
+        return code
+    reason = app.crash_reason or worker.crash_reason
+    logging.getLogger("probewire.worker").error(
+        "probewire: the worker stopped without being asked to (%s); exiting with code %d",
+        f"{type(reason).__name__}: {reason}" if reason else "no error reported by Faust",
+        code or 1,
+    )
+    return code or 1
 
 
 def _preflight(settings: Settings, heartbeat: Path) -> None:
@@ -328,15 +349,26 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_AGE_S = {"worker": 10.0, "evaluator": 60.0}
+"""``probewire health``: the oldest heartbeat that passes, per component."""
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     path = Path(args.heartbeat) if args.heartbeat else default_heartbeat_path(args.component)
     beat = read_heartbeat(path)
     if beat is None:
         print(f"{args.component}: no heartbeat at {path}", file=sys.stderr)
         return 1
-    age = time.time() - float(beat["ts"])
-    if age > args.max_age_s:
-        print(f"{args.component}: heartbeat {age:.0f}s old (> {args.max_age_s}s)", file=sys.stderr)
+    pid = beat.get("pid")
+    if isinstance(pid, int) and not writer_alive(pid):
+        print(f"{args.component}: not running (pid {pid} of {path} is gone)", file=sys.stderr)
+        return 1
+    age, max_age = time.time() - float(beat["ts"]), args.max_age_s or MAX_AGE_S[args.component]
+    if age > max_age:
+        print(
+            f"{args.component}: heartbeat {age:.0f}s old (> {max_age:g}s): frozen or stopped",
+            file=sys.stderr,
+        )
         return 1
     if beat.get("healthy") is False:  # the worker's verdict on its own progress
         for reason in beat.get("reasons") or ["unhealthy"]:
@@ -578,7 +610,12 @@ def _parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 when a service's heartbeat is fresh")
     health.add_argument("--component", choices=["worker", "evaluator"], required=True)
     health.add_argument("--heartbeat", help="heartbeat file (default: per component)")
-    health.add_argument("--max-age-s", type=float, default=60.0)
+    health.add_argument(
+        "--max-age-s",
+        type=float,
+        help="oldest heartbeat that passes (default: worker 10, evaluator 60; the worker "
+        "writes it every second, the evaluator every 2 s between checkpoints)",
+    )
     health.set_defaults(func=cmd_health)
 
     report = sub.add_parser(

@@ -88,6 +88,7 @@ class Worker:
         self._flushing: asyncio.Task | None = None  # the background write flush_soon started
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
         self._unconfirmed: dict[asyncio.Task, tuple[int, float]] = {}  # (messages, since)
+        self._live: list[asyncio.Task] = []  # the heartbeat and the broker watch
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -100,6 +101,7 @@ class Worker:
         self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
         if self.make_gap_reader is not None:
             self.gaps = self.make_gap_reader()
+        self._live = [asyncio.ensure_future(self._beat()), asyncio.ensure_future(self._watch())]
         self.publishing.set()
         if self.config.role == "stage1":
             self.write_heartbeat("ready")
@@ -144,6 +146,28 @@ class Worker:
             self.heartbeat.beat(status, self.progress.report())
         except OSError as exc:
             log.error("probewire: cannot write the heartbeat %s: %s", self.heartbeat.path, exc)
+
+    async def _beat(self, interval_s: float = 1.0) -> None:
+        """The heartbeat, every second, from the event loop itself (not a Faust timer,
+        which waits for the group's first assignment): a loop that stops making progress
+        (frozen, stopped, killed) leaves the file to go stale."""
+        while True:
+            self.write_heartbeat()
+            await asyncio.sleep(interval_s)
+
+    async def _watch(self, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+        """Ask the broker for its metadata every second; health is not ready while it does
+        not answer (``HealthConfig.broker_s``). One line when it goes and when it is back."""
+        loop = asyncio.get_running_loop()
+        while True:
+            error = await loop.run_in_executor(None, self.publisher.reachable, timeout_s)
+            if bool(error) != bool(self.progress.broker_error):
+                if error:
+                    log.error("probewire: the broker does not answer: %s", error)
+                else:
+                    log.warning("probewire: the broker answers again")
+            self.progress.broker(error)
+            await asyncio.sleep(interval_s)
 
     async def tick(self) -> None:
         """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
@@ -408,6 +432,7 @@ class Worker:
                     delay,
                 )
                 return
+            refused = {id(row) for _, row, _ in rejected}
             for run_id, row, reason in rejected:
                 await self.dead_letter_row(run_id, row, reason)
             for ack in self.batch.written(batch):
@@ -416,7 +441,8 @@ class Worker:
             for run_id, out in batch.outputs.items():
                 run = self.runs[run_id]
                 progress = self.heartbeat.runs.setdefault(run_id, {"steps_written": 0})
-                progress["steps_written"] += len(out.rows.get("step_metrics", []))
+                stored = [r for r in out.rows.get("step_metrics", ()) if id(r) not in refused]
+                progress["steps_written"] += len(stored)  # steps stored, not attempted
                 progress["last_step"] = run.last_step
                 progress["finished"] = run.finished
                 progress["status"] = run.status()
@@ -473,6 +499,8 @@ class Worker:
         self.progress.output(table, len(rows))
 
     def close(self) -> None:
+        for task in self._live:
+            task.cancel()
         left = self.publisher.close() if self.publisher is not None else 0
         if left:
             log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)

@@ -29,3 +29,21 @@ def test_bad_setting_from_env_is_a_user_error(monkeypatch, capsys):
 def test_health_reports_missing_heartbeat(tmp_path, capsys):
     assert main(["health", "--component", "worker", "--heartbeat", str(tmp_path / "x")]) == 1
     assert "no heartbeat" in capsys.readouterr().err
+
+
+def test_a_worker_that_stops_by_itself_logs_why_at_error_level_and_exits_non_zero(caplog):
+    """Faust returned without a signal asking it to: the reason (its crash) is logged at
+    error level and the exit code is non-zero, so that an orchestrator restarts it; a
+    worker stopped by SIGTERM keeps Faust's code."""
+    import types
+
+    from probewire.deploy.cli import _worker_exit
+
+    app = types.SimpleNamespace(crash_reason=RuntimeError("topic vanished"))
+    by_itself = types.SimpleNamespace(_signal_stop_time=None, crash_reason=None)
+    with caplog.at_level("ERROR"):
+        assert _worker_exit(by_itself, app, 0) == 1
+    [record] = caplog.records
+    assert record.levelname == "ERROR" and "RuntimeError: topic vanished" in record.getMessage()
+    asked = types.SimpleNamespace(_signal_stop_time=12.0, crash_reason=None)
+    assert _worker_exit(asked, types.SimpleNamespace(crash_reason=None), 0) == 0
