@@ -69,7 +69,7 @@ class Stage2Config:
     warmup_steps: int = 100  # first steps kept
     final_steps: int = 100  # last steps kept
     max_wait_s: float = 40.0  # a gap is skipped after this (> stream.deadline_s)
-    run_idle_s: float = 120.0  # a run with no new step for this long is stalled (or finished)
+    run_idle_s: float = 600.0  # no step for this long: stalled (or finished); > a checkpoint save
 
     def __post_init__(self) -> None:
         d = self.detectors
