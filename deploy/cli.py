@@ -3,6 +3,7 @@
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
     probewire up [--store DIR] [--evaluator]                the local stack for your own run
     probewire run [--store DIR] -- CMD ...                  your command inside the stack
+    probewire sync DIR [--store DIR]                        replay offline ranks' spool files
     probewire sql [--store DIR | --clickhouse-url URL] [--format vertical] "SELECT ..."
     probewire runs                                          the runs in the store, one row each
     probewire worker [--role all|stage1]                    the stream worker (Faust)
@@ -221,6 +222,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if code != 0:
         print(f"probewire: the command exited with code {code}", file=sys.stderr)
     return code
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    """Replay offline spool files (``deploy.sync``): into the local stack of ``--store``,
+    else into the configured Kafka."""
+    from probewire.deploy.session import SessionError
+    from probewire.deploy.stack import StackError
+    from probewire.deploy.sync import sync
+
+    settings = _settings(args) if args.store else load_settings(getattr(args, "config", None))
+    try:
+        return sync(settings, Path(args.dir), _work_dir(args, settings) if args.store else None)
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
 
 
 def _vertical(columns: list[str], rows: list[tuple]) -> str:
@@ -556,6 +571,14 @@ def _parser() -> argparse.ArgumentParser:
                 help="the command, after --: torchrun --nproc-per-node 2 train.py",
             )
         cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
+
+    sync = sub.add_parser(
+        "sync", help="replay the spool files of offline ranks (PROBEWIRE_MODE=offline)"
+    )
+    sync.add_argument("dir", help="the runs' PROBEWIRE_SPOOL_DIR")
+    sync.add_argument("--store", help="chdb data directory: replay through the local stack into it")
+    sync.add_argument("--work-dir", help="the local stack's logs (default: next to the store)")
+    sync.set_defaults(func=cmd_sync)
 
     sql = sub.add_parser("sql", help="run SQL on the store")
     sql.add_argument("query")

@@ -34,7 +34,17 @@ from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError
 from probewire.instrument.lifecycle import ATTEMPT_ENV
 
-__all__ = ["SessionError", "StackSession", "run_command", "session_env", "status_line", "up"]
+__all__ = [
+    "SessionError",
+    "StackSession",
+    "run_command",
+    "session_env",
+    "start",
+    "stop_session",
+    "status_line",
+    "up",
+    "wait_stored",
+]
 
 SESSION_FILE = "session.json"
 
@@ -209,7 +219,7 @@ def _publish(session: StackSession) -> None:
     os.replace(tmp, session.work_dir / SESSION_FILE)
 
 
-def _stop(session: StackSession) -> None:
+def stop_session(session: StackSession) -> None:
     """Stop the stack this session started (a joined ``up`` session is left running)."""
     if session.stack is not None:
         (session.work_dir / SESSION_FILE).unlink(missing_ok=True)
@@ -283,7 +293,7 @@ def up(
                 last = line
             time.sleep(interval_s)
     finally:
-        _stop(session)
+        stop_session(session)
     return 0
 
 
@@ -311,6 +321,31 @@ def _child_setup() -> None:
 
 def _run_progress(beat: dict[str, Any] | None, run_id: str) -> dict[str, Any]:
     return ((beat or {}).get("runs") or {}).get(run_id) or {}
+
+
+def wait_stored(
+    session: StackSession,
+    run_ids: list[str],
+    settle_s: float = 3.0,
+    quiet_s: float = 10.0,
+    timeout_s: float = 120.0,
+) -> None:
+    """The runs' last steps are still on their way through the stream: wait until their
+    stored step counts have not moved for ``settle_s`` (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    steps, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(session.heartbeat)
+        progress = [_run_progress(beat, run_id) for run_id in run_ids]
+        stored = sum(int(p.get("steps_written", 0)) for p in progress)
+        if stored != steps:
+            steps, since = stored, time.monotonic()
+        # runs that said they ended settle fast; one that did not (no close(), or no
+        # probewire in the command at all) once nothing has arrived for quiet_s
+        ended = all(p.get("status") in ("finished", "crashed") for p in progress)
+        if time.monotonic() - since >= (settle_s if ended else quiet_s):
+            return
+        time.sleep(0.25)
 
 
 def run_command(
@@ -363,20 +398,7 @@ def run_command(
         code = proc.returncode
         if code != 0:
             record_crash(session, run_id, attempt, f"the command exited with code {code}")
-        # the run's last steps are still on their way through the stream: wait until its
-        # stored step count has not moved for settle_s (bounded)
-        deadline = time.monotonic() + drain_timeout_s
-        steps, since = -1, time.monotonic()
-        while time.monotonic() < deadline:
-            progress = _run_progress(read_heartbeat(session.heartbeat), run_id)
-            if int(progress.get("steps_written", 0)) != steps:
-                steps, since = int(progress.get("steps_written", 0)), time.monotonic()
-            # a run that said it ended settles fast; one that did not (no close(), or no
-            # probewire in the command at all) once nothing has arrived for quiet_s
-            ended = progress.get("status") in ("finished", "crashed")
-            if time.monotonic() - since >= (settle_s if ended else quiet_s):
-                break
-            time.sleep(0.25)
+        wait_stored(session, [run_id], settle_s, quiet_s, drain_timeout_s)
         print(f"probewire: {status_line(read_heartbeat(session.heartbeat))}", file=out)
         report(run_id)
     except KeyboardInterrupt:
@@ -393,5 +415,5 @@ def run_command(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5)
-        _stop(session)
+        stop_session(session)
     return code

@@ -35,6 +35,7 @@ from typing import Any
 
 from .control import ControlListener
 from .export import KafkaTransport, Transport
+from .spool import SpoolTransport, spool_file
 from .wire import RankIdentity
 
 __all__ = [
@@ -42,9 +43,13 @@ __all__ = [
     "BOOTSTRAP_ENV",
     "EnvTransports",
     "MAX_CONFIG_BYTES",
+    "MODES",
+    "MODE_ENV",
     "RUNS_TOPIC",
     "attempt_id",
     "env_transports",
+    "offline_transports",
+    "resolve_mode",
     "run_event",
 ]
 
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 
 BOOTSTRAP_ENV = "PROBEWIRE_KAFKA__BOOTSTRAP"
 ATTEMPT_ENV = "PROBEWIRE_ATTEMPT"
+MODE_ENV = "PROBEWIRE_MODE"
+MODES = ("online", "offline", "disabled")
 RUNS_TOPIC = "probewire.runs"
 MAX_CONFIG_BYTES = 64 * 1024
 EVENTS = ("started", "finished", "crashed")
@@ -123,9 +130,33 @@ def run_event(
 @dataclass(slots=True)
 class EnvTransports:
     transport: Transport
-    control: ControlListener
+    control: ControlListener | None
     checkpoints: Transport | None
     runs: Transport
+
+
+def resolve_mode(mode: str | None, env: Mapping[str, str]) -> str:
+    """``mode``, else ``PROBEWIRE_MODE``, else ``online``; a ValueError naming the choices."""
+    chosen = (mode or env.get(MODE_ENV) or "online").strip().lower()
+    if chosen not in MODES:
+        raise ValueError(
+            f"probewire mode must be one of {', '.join(MODES)} (attach(mode=...) or "
+            f"{MODE_ENV}), got {chosen!r}"
+        )
+    return chosen
+
+
+def offline_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTransports:
+    """Offline mode: every message to this process's spool file (``spool``); no control
+    listener, no socket."""
+    spool = spool_file(identity.run_id, identity.rank, env)
+    log.info("probewire: offline; messages spooled to %s", spool.path)
+    return EnvTransports(
+        transport=SpoolTransport(spool, "metrics"),
+        control=None,
+        checkpoints=SpoolTransport(spool, "checkpoints") if identity.rank == 0 else None,
+        runs=SpoolTransport(spool, "runs"),
+    )
 
 
 def topic_names(env: Mapping[str, str]) -> dict[str, str]:

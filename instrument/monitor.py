@@ -56,7 +56,7 @@ from torch import nn
 from .config import ProbeConfig
 from .control import ControlListener, checkpoint_event
 from .export import KafkaTransport, StepEmitter, Transport
-from .lifecycle import RUNS_TOPIC, env_transports, run_event
+from .lifecycle import RUNS_TOPIC, env_transports, offline_transports, resolve_mode, run_event
 from .parallel import coords_from_mesh, data_group, verify_replicas
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
@@ -403,6 +403,7 @@ def attach(
     runs: Transport | None = None,
     run_config: Mapping[str, Any] | None = None,
     mesh: Any = None,
+    mode: str | None = None,
 ) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
@@ -420,15 +421,21 @@ def attach(
     multi-rank job ``attach`` is collective when parameters are declared DDP replicas by
     hand (one all_gather checks they are): call it on every rank.
     With ``config.enabled`` False the null monitor comes back and nothing is registered.
+    ``mode`` (else ``PROBEWIRE_MODE``, else ``online``): ``online`` as above; ``disabled``:
+    the null monitor (no hook, no thread, no socket; the script runs unchanged);
+    ``offline``: without a transport, every message goes to a local spool file
+    (``spool``) that ``probewire sync DIR`` replays into a stack later.
     """
     config = config or ProbeConfig()
-    if not config.enabled:
+    mode = resolve_mode(mode, os.environ)
+    if not config.enabled or mode == "disabled":
         return NullMonitor()
     identity = identity or RankIdentity.from_env()
     if mesh is not None:
         identity = dataclasses.replace(identity, coords=coords_from_mesh(mesh))
     if transport is None:
-        built = env_transports(identity, os.environ)
+        build = offline_transports if mode == "offline" else env_transports
+        built = build(identity, os.environ)
         transport, runs = built.transport, runs or built.runs
         control = control or built.control
         events = events or built.checkpoints
