@@ -107,18 +107,22 @@ def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from probewire.deploy.demo.run import run_demo
-    from probewire.deploy.stack import StackError
+    from probewire.deploy.services import held_store
 
     if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
         raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
+    settings = _settings(args)
+    held = held_store(settings)  # at once: before the demo's imports and its worker's wait
+    if held is not None:
+        raise UserError(held)
     from probewire.deploy.demo.faults import FaultError, demo_train_args
+    from probewire.deploy.demo.run import run_demo
+    from probewire.deploy.stack import StackError
 
     try:
         train_args = demo_train_args(args.fault, args.preset)
     except FaultError as exc:
         raise UserError(str(exc)) from None
-    settings = _settings(args)
     work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
     try:
         result = run_demo(
@@ -295,7 +299,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         args.config, overrides={"stream": {"role": args.role}} if args.role else None
     )
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
-    _preflight(settings, heartbeat)  # a broker that answers, and the topics, first
+    owns_store = settings.stream.role != "stage1"
+    _preflight(settings, heartbeat, owns_store)  # a free store, a broker, the topics first
     topics = settings.topics
     check_message_limit(
         settings.stream.max_message_bytes,
@@ -339,9 +344,9 @@ def _worker_exit(worker: Any, app: Any, code: int) -> int:
     return code or 1
 
 
-def _preflight(settings: Settings, heartbeat: Path) -> None:
+def _preflight(settings: Settings, heartbeat: Path, owns_store: bool = False) -> None:
     try:
-        preflight(settings, heartbeat)
+        preflight(settings, heartbeat, owns_store=owns_store)
     except PreflightError as exc:
         raise UserError(str(exc)) from None
 

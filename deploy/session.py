@@ -125,17 +125,15 @@ def status_line(beat: dict[str, Any] | None) -> str:
 def _check_store(settings: Settings) -> Path | None:
     """The embedded store's directory (created), refused when another process holds it."""
     from probewire.deploy.reading import chdb_path
-    from probewire.sinks.readserver import store_owner
+    from probewire.deploy.services import held_store
 
     path = chdb_path(settings.clickhouse.url)
     if path is None:
         return None
     path.mkdir(parents=True, exist_ok=True)
-    owner = store_owner(path)
-    if owner is not None:
-        raise SessionError(
-            f"the store {path} is held by {owner}; stop it, or pass another --store DIR"
-        )
+    held = held_store(settings)
+    if held is not None:
+        raise SessionError(held)
     return path
 
 
