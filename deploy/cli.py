@@ -24,9 +24,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.table import Table
 
@@ -503,8 +503,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line on stderr and exit code 2 (argparse printed the whole
+    usage first); ``--help`` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (``explain --step -1`` is a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
+    parser = _Parser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
     parser.add_argument(
         "--log-format",
@@ -661,12 +695,16 @@ def _parser() -> argparse.ArgumentParser:
 
     explain = sub.add_parser("explain", help="walk the escalation order at one step of a run")
     explain.add_argument("--run", required=True, help="run id")
-    explain.add_argument("--step", type=int, required=True)
+    explain.add_argument("--step", type=_at_least(0), required=True)
     explain.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     explain.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    explain.add_argument("--window", type=int, default=50, help="history steps per baseline")
-    explain.add_argument("--lookback", type=int, default=10, help="steps scanned for the onset")
-    explain.add_argument("--z", type=float, default=6.0, help="robust z that counts as moved")
+    explain.add_argument(
+        "--window", type=_at_least(3), default=50, help="history steps per baseline"
+    )
+    explain.add_argument(
+        "--lookback", type=_at_least(1), default=10, help="steps scanned for the onset"
+    )
+    explain.add_argument("--z", type=_positive, default=6.0, help="robust z that counts as moved")
     explain.add_argument("--format", choices=["table", "json"], default="table")
     explain.set_defaults(func=cmd_explain)
     from probewire.evaluators.cli import add_evaluator_parser
@@ -708,6 +746,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _stacks_on_sigusr1()
     try:
         return args.func(args)
+    except BrokenPipeError:  # piped into `head`, which closed the pipe: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
     except (UserError, SettingsError) as exc:
         print(f"probewire: error: {exc}", file=sys.stderr)
         return 2

@@ -310,3 +310,19 @@ def test_a_failing_command_keeps_its_exit_code_and_the_run_is_crashed(scratch_di
         for p in started
         if psutil.pid_exists(p["pid"]) and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE
     ]
+
+
+def test_sql_piped_into_head_stops_quietly(scratch_dir, children):
+    """``probewire sql ... | head -1``: head closes the pipe after one line; the command
+    stops with no traceback and no BrokenPipeError on stderr."""
+    store = scratch_dir / "store"
+    assert cli("migrate", "--store", str(store)).returncode == 0
+    cmd = (
+        f"{sys.executable} -m probewire.deploy.cli sql --store {store} --format csv "
+        "'SELECT number FROM numbers(300000)' | head -1"
+    )
+    out = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() in ("number", "0"), out.stdout[:200]
+    assert out.stderr == "", out.stderr

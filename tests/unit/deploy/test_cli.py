@@ -47,3 +47,21 @@ def test_a_worker_that_stops_by_itself_logs_why_at_error_level_and_exits_non_zer
     assert record.levelname == "ERROR" and "RuntimeError: topic vanished" in record.getMessage()
     asked = types.SimpleNamespace(_signal_stop_time=12.0, crash_reason=None)
     assert _worker_exit(asked, types.SimpleNamespace(crash_reason=None), 0) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "--run", "r", "--step", "-1"], "argument --step: -1 is below 0"),
+        (["explain", "--run", "r", "--step", "x"], "argument --step: 'x' is not an integer"),
+        (["explain", "--run", "r", "--step", "3", "--window", "2"], "--window: 2 is below 3"),
+        (["explain", "--run", "r", "--step", "3", "--z", "nan"], "--z: nan is not > 0"),
+        (["health", "--component", "nope"], "argument --component: invalid choice"),
+    ],
+)
+def test_an_out_of_range_argument_is_a_one_line_usage_error(argv, message, capsys):
+    """Usage mistakes print one line (argparse printed its whole usage first), exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
