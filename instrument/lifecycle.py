@@ -177,7 +177,7 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
             "`probewire up`)"
         )
     config = {"bootstrap.servers": bootstrap}
-    _warn_if_unreachable(bootstrap)
+    _warn_if_unreachable(config)
     topics = topic_names(env)
     return EnvTransports(
         transport=KafkaTransport(config, topics["metrics"]),
@@ -189,18 +189,41 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
     )
 
 
-def _warn_if_unreachable(bootstrap: str, timeout_s: float = 1.0) -> None:
-    """Say once, at attach, when nothing listens at the first bootstrap address (a stale
-    export after ``probewire up`` stopped); training goes on, unmonitored until it does."""
+def _warn_if_unreachable(config: Mapping[str, str], timeout_s: float = 2.0) -> None:
+    """Say once, at attach, when the first bootstrap address does not answer as a Kafka
+    broker within ``timeout_s`` (nothing listens: a stale export after ``probewire up``
+    stopped; or a port that is not Kafka); training goes on, unmonitored until it does."""
+    bootstrap = config["bootstrap.servers"]
     host, _, port = bootstrap.split(",")[0].strip().rpartition(":")
     if not host or not port.isdigit():
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
     except OSError as exc:
+        reason = exc.strerror or str(exc)
+    else:
+        reason = _kafka_answer(config, timeout_s)
+    if reason:
         log.warning(
-            "probewire: no Kafka broker at %s (%s): this run's measurements are "
-            "dropped until one answers; is `probewire up` running?",
+            "probewire: no Kafka broker answers at %s (%s): this run's measurements are "
+            "dropped until one does; is `probewire up` running?",
             bootstrap,
-            exc.strerror or exc,
+            reason,
         )
+
+
+def _kafka_answer(config: Mapping[str, str], timeout_s: float) -> str:
+    """ "" when the endpoint answers a Kafka metadata request within ``timeout_s``, else why
+    not (a port that takes connections but is not Kafka times out)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from .kafkalog import kafka_log
+
+    admin = AdminClient({**config, "logger": kafka_log})
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else exc
+        return f"not a Kafka answer within {timeout_s:g}s: {getattr(error, 'str', lambda: error)()}"
+    return ""

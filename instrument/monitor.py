@@ -47,6 +47,7 @@ import dataclasses
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -300,9 +301,13 @@ class Monitor:
         e = self._emitter
         return {"sent": e.sent, "dropped": e.dropped, "errors": e.errors, "replayed": e.replayed}
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Remove every hook, restore the collectives, stop the listener, drain the emitter;
-        rank 0 marks the run finished (unless it crashed)."""
+        rank 0 marks the run finished (unless it crashed). Returns within ``timeout_s``
+        (default ``ProbeConfig.close_timeout_s``) and half a second per event transport:
+        what the broker did not take by then is counted and said in one line."""
+        budget = self.config.close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
         if not self._ended and self.identity.rank == 0:
             self._send_run_event(run_event(self.identity, "finished"))
         self._ended = True
@@ -317,12 +322,12 @@ class Monitor:
         if self._probes.optim is not None:
             self._probes.optim.remove()
         if self._control is not None:
-            self._control.close(min(timeout_s, 10.0))
-        self._emitter.close(timeout_s)
+            self._control.close(min(budget, 10.0))
+        self._emitter.close(max(0.0, deadline - time.monotonic()))
         for name in ("_events", "_runs"):
             transport = getattr(self, name)
             if transport is not None:
-                transport.flush(timeout_s)
+                transport.flush(max(0.5, deadline - time.monotonic()))
                 transport.close()
                 setattr(self, name, None)
 

@@ -26,7 +26,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    started = time.monotonic()
     monitor = attach(model, optimizer, run_config={"steps": args.steps})
+    print(f"attached in {time.monotonic() - started:.2f} s", flush=True)
     for step in range(args.steps):
         with monitor.step(step) as s:
             x = torch.randn(6, 8)
@@ -40,7 +42,9 @@ def main() -> None:
     if args.exit_code:
         monitor._emitter.close(10.0)  # the steps leave; no lifecycle event does
         os._exit(args.exit_code)
+    started = time.monotonic()
     monitor.close()
+    print(f"closed in {time.monotonic() - started:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ LAYERS = {
     "scan": 0,
     "control": 0,
     "spool": 0,
+    "kafkalog": 0,
     "structure_config": 0,
     "wire": 1,
     "config": 1,
