@@ -224,7 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (SessionError, StackError) as exc:
         raise UserError(str(exc)) from None
     if code != 0:
-        print(f"probewire: the command exited with code {code}", file=sys.stderr)
+        say_error(args, f"probewire: the command exited with code {code}")
     return code
 
 
@@ -373,8 +373,36 @@ MAX_AGE_S = {"worker": 10.0, "evaluator": 60.0}
 """``probewire health``: the oldest heartbeat that passes, per component."""
 
 
+def say_error(args: argparse.Namespace, text: str) -> None:
+    """One line on stderr: as it is, or with ``--log-format json`` one JSON object (the
+    same shape as every service's log lines, ``deploy.logs``)."""
+    if getattr(args, "log_format", "text") == "json":
+        logging.getLogger("probewire.cli").error(text)
+    else:
+        print(text, file=sys.stderr)
+
+
+def _store_heartbeat(store: Path, component: str) -> Path:
+    """The heartbeat of the ``component`` serving ``store`` (``up`` / ``run`` / ``demo``):
+    the one its live session names, else the one in the session's work dir."""
+    work_dir = store.parent / f".probewire-{store.name}"
+    try:
+        named = json.loads((work_dir / "session.json").read_text())["heartbeat"]
+    except (OSError, ValueError, KeyError, TypeError):
+        named = None
+    if component == "worker" and named:
+        return Path(named)
+    return work_dir / f"{component}.heartbeat"
+
+
 def cmd_health(args: argparse.Namespace) -> int:
-    path = Path(args.heartbeat) if args.heartbeat else default_heartbeat_path(args.component)
+    store = Path(args.store).resolve() if args.store else None
+    if args.heartbeat:
+        path = Path(args.heartbeat)
+    elif store is not None:
+        path = _store_heartbeat(store, args.component)
+    else:
+        path = default_heartbeat_path(args.component)
     beat = read_heartbeat(path)
     if beat is None:
         print(f"{args.component}: no heartbeat at {path}", file=sys.stderr)
@@ -385,16 +413,21 @@ def cmd_health(args: argparse.Namespace) -> int:
         return 1
     age, max_age = time.time() - float(beat["ts"]), args.max_age_s or MAX_AGE_S[args.component]
     if age > max_age:
-        print(
-            f"{args.component}: heartbeat {age:.0f}s old (> {max_age:g}s): frozen or stopped",
-            file=sys.stderr,
+        say_error(
+            args, f"{args.component}: heartbeat {age:.0f}s old (> {max_age:g}s): frozen or stopped"
         )
         return 1
     if beat.get("healthy") is False:  # the worker's verdict on its own progress
         for reason in beat.get("reasons") or ["unhealthy"]:
             print(f"{args.component}: {reason}", file=sys.stderr)
         return 1
-    print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago)")
+    reader = ""
+    if store is not None and args.component == "worker":
+        from probewire.sinks.readserver import find_reader
+
+        url = find_reader(store)
+        reader = f"; live reads at {url}" if url else "; no live reader for the store"
+    print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago, {path}){reader}")
     return 0
 
 
@@ -673,6 +706,9 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--component", choices=["worker", "evaluator"], required=True)
     health.add_argument("--heartbeat", help="heartbeat file (default: per component)")
     health.add_argument(
+        "--store", help="the chdb store an `up` / `run` serves: its heartbeat and reader"
+    )
+    health.add_argument(
         "--max-age-s",
         type=float,
         help="oldest heartbeat that passes (default: worker 10, evaluator 60; the worker "
@@ -750,10 +786,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 1
     except (UserError, SettingsError) as exc:
-        print(f"probewire: error: {exc}", file=sys.stderr)
+        say_error(args, f"probewire: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("probewire: interrupted; stopped every process it started", file=sys.stderr)
+        say_error(args, "probewire: interrupted; stopped every process it started")
         return 130
 
 

@@ -37,7 +37,7 @@ def worker(scratch_dir: Path) -> Iterator[LocalStack]:
         clickhouse=ClickHouseSettings(url="chdb://" + str(scratch_dir / "store")),
         stream=StreamSettings(app_id=f"pw-health-{uuid.uuid4().hex[:8]}"),
     )
-    stack = LocalStack(settings, scratch_dir / "run")
+    stack = LocalStack(settings, scratch_dir / ".probewire-store")  # where `up --store` puts it
     stack.start_broker()
     stack.start_worker()
     yield stack
@@ -67,9 +67,25 @@ def seconds_until_unhealthy(stack: LocalStack, since: float) -> tuple[float, str
     raise AssertionError("health still passes after 60 s")
 
 
-def test_a_healthy_worker_passes(worker) -> None:
+def test_a_healthy_worker_passes_and_health_store_finds_its_heartbeat_and_reader(
+    worker,
+) -> None:
+    """``probewire health --store S`` looks next to the store (where ``up`` keeps its work
+    dir), not in a fixed temp folder, and names the worker's live reader."""
     out = health(worker)
     assert out.returncode == 0, out.stderr
+    store = worker.settings.clickhouse.url.removeprefix("chdb://")
+    found = subprocess.run(
+        [sys.executable, "-m", "probewire.deploy.cli", "health", "--component", "worker"]
+        + ["--store", store],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PROBEWIRE_HEARTBEAT_DIR"},
+    )
+    assert found.returncode == 0, found.stderr
+    assert str(worker.heartbeat_path) in found.stdout
+    assert f"live reads at http://127.0.0.1:{worker.sql_port}" in found.stdout, found.stdout
 
 
 def test_a_sigkilled_worker_fails_health_at_once(worker) -> None:

@@ -65,3 +65,20 @@ def test_an_out_of_range_argument_is_a_one_line_usage_error(argv, message, capsy
         main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sql", "--store", "/nonexistent/store", "SELECT 1"], "no store at"),
+        (["demo", "--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_with_log_format_json_a_cli_error_is_one_json_object(argv, message, capsys):
+    """``--log-format json``: the error line a log collector reads is JSON, not text."""
+    import json
+
+    assert main(["--log-format", "json", *argv]) in (1, 2)
+    [line] = capsys.readouterr().err.splitlines()
+    body = json.loads(line)
+    assert body["level"] == "ERROR" and message in body["message"], body
