@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from probewire.sinks.clickhouse import ClickHouseSink
 
@@ -98,6 +99,7 @@ def create_app(
         make_gap_reader=lambda: GapReader(client_config, config.app_id),
     )
     app.probewire_worker = worker
+    worker.highwater = lambda topic, partition: _highwater(app, topic, partition)
 
     @app.agent(app.topic(topics.metrics))
     async def assemble(stream):
@@ -162,6 +164,14 @@ def create_app(
         worker.flush_soon()  # never awaits the write: the timer stays within its interval
 
     return app
+
+
+def _highwater(app: faust.App, topic: str, partition: int) -> int | None:
+    """The partition's high watermark as the consumer last saw it (None: not yet)."""
+    try:
+        return app.consumer.highwater(TP(topic, partition))
+    except AssertionError:  # aiokafka: the partition is no longer assigned to this worker
+        return None
 
 
 def _evaluation_row(payload: bytes) -> dict[str, Any] | None:

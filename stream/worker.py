@@ -34,6 +34,7 @@ from .gaps import GapReader, GapWatch
 from .health import Heartbeat, Progress
 from .kafka import TopicConfig
 from .lifecycle import EventError, parse_event
+from .metrics import WorkerMetrics
 from .publish import Publisher, PublishError
 from .records import RecordError, ReducedStep
 from .split import OversizeStep, split_step
@@ -89,6 +90,11 @@ class Worker:
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
         self._unconfirmed: dict[asyncio.Task, tuple[int, float]] = {}  # (messages, since)
         self._live: list[asyncio.Task] = []  # the heartbeat and the broker watch
+        self.read_offsets: dict[tuple[str, int], int] = {}  # next offset to read, for lag
+        self.highwater: Callable[[str, int], int | None] = lambda topic, partition: None
+        self.healthy = True  # the last heartbeat's verdict
+        self.lag: dict[tuple[str, int], int] = {}  # per partition, as of the last tick
+        self.metrics = WorkerMetrics(self.metrics_snapshot)
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -102,6 +108,7 @@ class Worker:
         if self.make_gap_reader is not None:
             self.gaps = self.make_gap_reader()
         self._live = [asyncio.ensure_future(self._beat()), asyncio.ensure_future(self._watch())]
+        self.metrics.serve(self.config.web_bind, self.config.metrics_port)
         self.publishing.set()
         if self.config.role == "stage1":
             self.write_heartbeat("ready")
@@ -142,8 +149,10 @@ class Worker:
             min([*self.waiting_since.values(), *(t for _, t in unconfirmed)], default=None),
         )
         self.progress.waiting("stage2", self.batch.waiting, self.batch.oldest_at)
+        report = self.progress.report()
+        self.healthy = report["healthy"]
         try:
-            self.heartbeat.beat(status, self.progress.report())
+            self.heartbeat.beat(status, report)
         except OSError as exc:
             log.error("probewire: cannot write the heartbeat %s: %s", self.heartbeat.path, exc)
 
@@ -169,6 +178,25 @@ class Worker:
             self.progress.broker(error)
             await asyncio.sleep(interval_s)
 
+    def metrics_snapshot(self) -> tuple[dict, dict, int, bool]:
+        """What ``/metrics`` shows (read from the metrics thread: copies only)."""
+        stored = {r: int(p.get("steps_written", 0)) for r, p in list(self.heartbeat.runs.items())}
+        return dict(self.lag), stored, self.progress.dead_letters, self.healthy
+
+    def _measure_lag(self) -> None:
+        """Each partition's high watermark less the next offset to read (on the loop)."""
+        lag = {}
+        for (topic, partition), next_offset in list(self.read_offsets.items()):
+            high = self.highwater(topic, partition)
+            if high is not None:
+                lag[(topic, partition)] = high - next_offset
+        self.lag = lag
+
+    def _read(self, event: Any) -> None:
+        """Note how far this worker has read a partition (``/metrics`` lag)."""
+        message = event.message
+        self.read_offsets[(message.topic, message.partition)] = message.offset + 1
+
     async def tick(self) -> None:
         """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
         if self.publisher is None:
@@ -183,6 +211,7 @@ class Worker:
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
         self.flush_soon()
+        self._measure_lag()
         self.write_heartbeat()
 
     # -- stage 1 ------------------------------------------------------------------------------
@@ -201,6 +230,7 @@ class Worker:
         """Read first what the consumer skipped before this message (``gaps``), then this
         message: decode, validate, gather; publish each step its message completes."""
         message = event.message
+        self._read(event)
         if self.before_event("assemble", message.partition):  # a test's fault: as if the
             event.ack()  # consumer skipped this one
             return
@@ -325,6 +355,7 @@ class Worker:
     async def on_reduced_step(self, event: Any) -> None:
         """Process a reduced step for its run; its message is acknowledged once stored."""
         self.before_event("per_run")
+        self._read(event)
         await self.publishing.wait()
         while self.sink is None or self.batch.full:
             await asyncio.sleep(0.05)
@@ -421,7 +452,9 @@ class Worker:
             if batch is None:
                 return
             try:
+                started = time.monotonic()
                 rejected = await self._in_writer(write_batch, self.sink, batch)
+                self.metrics.write_seconds.observe(time.monotonic() - started)
             except (StoreUnavailable, RejectedRows) as exc:
                 delay = self.batch.failed(batch, str(exc))
                 self.progress.failed("stage2", str(exc))

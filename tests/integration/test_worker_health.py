@@ -1,7 +1,8 @@
 """Health that tells the truth within seconds, on a real broker and worker: a SIGKILLed,
 a SIGSTOPped and a broker-less worker each fail ``probewire health`` within its stated
 bound (10 s by default), with one line that says which, and a healthy one passes; the
-heartbeat counts the steps the store took, not those it was given."""
+heartbeat counts the steps the store took, not those it was given; ``/metrics`` shows the
+consumer lag per partition and the steps stored."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from confluent_kafka import Producer
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
-from probewire.deploy.stack import LocalStack, stop_process
+from probewire.deploy.stack import LocalStack, free_port, stop_process
 from probewire.instrument.catalog import Loss
 from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
 from probewire.stream.testing import SimRun
@@ -35,7 +36,7 @@ def worker(scratch_dir: Path) -> Iterator[LocalStack]:
     """A broker of its own (the test may stop it) and a worker owning a fresh store."""
     settings = Settings(
         clickhouse=ClickHouseSettings(url="chdb://" + str(scratch_dir / "store")),
-        stream=StreamSettings(app_id=f"pw-health-{uuid.uuid4().hex[:8]}"),
+        stream=StreamSettings(app_id=f"pw-health-{uuid.uuid4().hex[:8]}", metrics_port=free_port()),
     )
     stack = LocalStack(settings, scratch_dir / ".probewire-store")  # where `up --store` puts it
     stack.start_broker()
@@ -119,23 +120,52 @@ def test_a_worker_whose_broker_is_gone_fails_health_within_its_bound(worker) -> 
     assert worker.worker.poll() is None  # still running: ready again once the broker is back
 
 
-def test_the_heartbeat_counts_steps_stored_not_steps_attempted(worker, read_store) -> None:
-    """Rank 0 sends 1e20 valid tokens at step 3 (the run's cumulative token count no longer
-    fits its column): whatever the store refuses, the heartbeat's ``steps_written`` equals
-    the steps the store holds."""
-    run = SimRun(run_id=f"poison-{uuid.uuid4().hex[:6]}", world_size=2, seed=3)
-    producer = Producer({"bootstrap.servers": worker.bootstrap})
-    for step in range(8):
-        for rank in range(2):
+def produce_run(stack: LocalStack, run: SimRun, steps: int, poison=None) -> None:
+    """Every rank's message of ``steps`` steps (``poison``: (step, rank) sends 1e20 tokens)."""
+    producer = Producer({"bootstrap.servers": stack.bootstrap})
+    for step in range(steps):
+        for rank in range(run.world_size):
             values = dict(run.components(step, rank))
-            if (step, rank) == (3, 0):
+            if (step, rank) == poison:
                 values[Loss.TOKENS] = 1e20
-            who = RankIdentity(run_id=run.run_id, rank=rank, world_size=2, coords={"dp": rank})
+            who = RankIdentity(
+                run_id=run.run_id, rank=rank, world_size=run.world_size, coords={"dp": rank}
+            )
             data = WireEncoder(who.resource_attributes()).encode(
                 step, [Point(n, v) for n, v in values.items()]
             )
             producer.produce("otlp_metrics", key=message_key(run.run_id, step), value=data)
     assert producer.flush(30) == 0
+
+
+def test_metrics_shows_lag_per_partition_and_steps_stored(worker) -> None:
+    """``curl /metrics`` (Prometheus text) after 6 steps: steps stored 6 for the run, a lag
+    of 0 for each otlp_metrics partition it read, and the store write histogram."""
+    import urllib.request
+
+    run = SimRun(run_id=f"metrics-{uuid.uuid4().hex[:6]}", world_size=2, seed=4)
+    produce_run(worker, run, 6)
+    url = f"http://127.0.0.1:{worker.settings.stream.metrics_port}/metrics"
+    deadline, page = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        stored = f'probewire_steps_stored_total{{run_id="{run.run_id}"}} 6.0' in page
+        if stored and 'probewire_consumer_lag{partition="0",topic="otlp_metrics"}' in page:
+            break  # the lag is measured once a second
+        time.sleep(0.5)
+    assert f'probewire_steps_stored_total{{run_id="{run.run_id}"}} 6.0' in page, page
+    lags = [line for line in page.splitlines() if line.startswith("probewire_consumer_lag{")]
+    assert any('topic="otlp_metrics"' in line for line in lags), page
+    assert all(line.endswith(" 0.0") for line in lags if 'topic="otlp_metrics"' in line), lags
+    assert "probewire_store_write_seconds_count" in page and "probewire_healthy 1.0" in page
+
+
+def test_the_heartbeat_counts_steps_stored_not_steps_attempted(worker, read_store) -> None:
+    """Rank 0 sends 1e20 valid tokens at step 3 (the run's cumulative token count no longer
+    fits its column): whatever the store refuses, the heartbeat's ``steps_written`` equals
+    the steps the store holds."""
+    run = SimRun(run_id=f"poison-{uuid.uuid4().hex[:6]}", world_size=2, seed=3)
+    produce_run(worker, run, 8, poison=(3, 0))
     deadline = time.monotonic() + 60
     beat: dict = {}
     while time.monotonic() < deadline:
