@@ -49,8 +49,8 @@ def _run_and_rank(record: Record) -> tuple[str, float]:
     """(run id, order within the run): started -1, a step message its step, the rest +inf."""
     kind, key, value = record
     if kind == "metrics":
-        run_id, _, step = key.decode(errors="replace").rpartition(":")
-        return run_id, float(step) if step.isdigit() else math.inf
+        run_id, _, text = key.decode(errors="replace").rpartition(":")
+        return run_id, float(text) if text.isdigit() else math.inf
     try:
         body = json.loads(value)
     except ValueError:
@@ -58,8 +58,8 @@ def _run_and_rank(record: Record) -> tuple[str, float]:
     body = body if isinstance(body, dict) else {}
     if kind == "runs" and body.get("event") == "started":
         return key.decode(errors="replace"), -1.0
-    step = body.get("step")
-    order = float(step) if kind == "checkpoints" and isinstance(step, int) else math.inf
+    at = body.get("step")
+    order = float(at) if kind == "checkpoints" and isinstance(at, int) else math.inf
     return key.decode(errors="replace"), order
 
 
@@ -79,16 +79,16 @@ def _publish(bootstrap: str, settings: Settings, records: list[Record]) -> int:
     }
     client = {**settings.kafka.client_config(), "bootstrap.servers": bootstrap}
     producer = Producer({**client, "acks": "all", "max.in.flight.requests.per.connection": 1})
-    failed = []
+    failed: list[object] = []
+
+    def delivered(error: object, _message: object) -> None:
+        if error is not None:
+            failed.append(error)
+
     for kind, key, value in records:
         while True:
             try:
-                producer.produce(
-                    topics[kind],
-                    key=key,
-                    value=value,
-                    on_delivery=lambda e, _m: e and failed.append(e),
-                )
+                producer.produce(topics[kind], key=key, value=value, on_delivery=delivered)
                 break
             except BufferError:
                 producer.poll(0.1)

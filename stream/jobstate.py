@@ -21,12 +21,12 @@ JOB_STATE = "job_state"
 
 def _ranks_text(ranks: list[int]) -> str:
     """``0-3, 7`` for ranks 0, 1, 2, 3 and 7 (runs of consecutive ranks joined)."""
-    parts: list[str] = []
+    parts: list[tuple[int, int]] = []
     for r in ranks:
         if parts and parts[-1][1] == r - 1:
             parts[-1] = (parts[-1][0], r)
         else:
-            parts.append((r, r))  # type: ignore[arg-type]
+            parts.append((r, r))
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
