@@ -3,6 +3,7 @@
     probewire demo [--ranks N] [--steps N] [--store DIR]   run the embedded pipeline
     probewire up [--store DIR] [--evaluator]                the local stack for your own run
     probewire run [--store DIR] -- CMD ...                  your command inside the stack
+    probewire sync DIR [--store DIR]                        replay offline ranks' spool files
     probewire sql [--store DIR | --clickhouse-url URL] [--format vertical] "SELECT ..."
     probewire runs                                          the runs in the store, one row each
     probewire worker [--role all|stage1]                    the stream worker (Faust)
@@ -18,17 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from rich.table import Table
 
 from probewire.deploy.console import console
-from probewire.deploy.health import default_heartbeat_path, read_heartbeat
+from probewire.deploy.health import default_heartbeat_path, read_heartbeat, writer_alive
 from probewire.deploy.logs import FORMATS, logging_config
 from probewire.deploy.services import PreflightError, open_store, preflight
 from probewire.deploy.settings import Settings, SettingsError, load_settings
@@ -113,19 +116,23 @@ def _print_table(title: str, columns: list[str], rows: list[tuple]) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from probewire.deploy.demo.run import run_demo
-    from probewire.deploy.stack import StackError
+    from probewire.deploy.services import held_store
 
     if args.ranks < 1 or args.steps < 1 or args.evaluate_every < 0:
         raise UserError("--ranks and --steps must be >= 1, --evaluate-every >= 0")
     _check_run_id(args)
+    settings = _settings(args)
+    held = held_store(settings)  # at once: before the demo's imports and its worker's wait
+    if held is not None:
+        raise UserError(held)
     from probewire.deploy.demo.faults import FaultError, demo_train_args
+    from probewire.deploy.demo.run import run_demo
+    from probewire.deploy.stack import StackError
 
     try:
         train_args = demo_train_args(args.fault, args.preset)
     except FaultError as exc:
         raise UserError(str(exc)) from None
-    settings = _settings(args)
     work_dir = Path(args.work_dir or Path(DEFAULT_STORE).resolve().parent / ".probewire-run")
     try:
         result = run_demo(
@@ -228,8 +235,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (SessionError, StackError) as exc:
         raise UserError(str(exc)) from None
     if code != 0:
-        print(f"probewire: the command exited with code {code}", file=sys.stderr)
+        say_error(args, f"probewire: the command exited with code {code}")
     return code
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    """Replay offline spool files (``deploy.sync``): into the local stack of ``--store``,
+    else into the configured Kafka."""
+    from probewire.deploy.session import SessionError
+    from probewire.deploy.stack import StackError
+    from probewire.deploy.sync import sync
+
+    settings = _settings(args) if args.store else load_settings(getattr(args, "config", None))
+    try:
+        return sync(settings, Path(args.dir), _work_dir(args, settings) if args.store else None)
+    except (SessionError, StackError) as exc:
+        raise UserError(str(exc)) from None
 
 
 def _vertical(columns: list[str], rows: list[tuple]) -> str:
@@ -289,7 +310,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         args.config, overrides={"stream": {"role": args.role}} if args.role else None
     )
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
-    _preflight(settings, heartbeat)  # a broker that answers, and the topics, first
+    owns_store = settings.stream.role != "stage1"
+    _preflight(settings, heartbeat, owns_store)  # a free store, a broker, the topics first
     topics = settings.topics
     check_message_limit(
         settings.stream.max_message_bytes,
@@ -310,13 +332,32 @@ def cmd_worker(args: argparse.Namespace) -> int:
         redirect_stdouts=False,
         logging_config=logging_config(args.log_format, args.loglevel, "worker"),
     )
-    worker.execute_from_commandline()
-    return 0
-
-
-def _preflight(settings: Settings, heartbeat: Path) -> None:
     try:
-        preflight(settings, heartbeat)
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    else:
+        code = 0
+    return _worker_exit(worker, app, code)
+
+
+def _worker_exit(worker: Any, app: Any, code: int) -> int:
+    """The worker's exit code: as Faust gave it when a signal stopped it; else (it stopped
+    by itself) 1 or Faust's code, with why at error level, so that it is restarted."""
+    if worker._signal_stop_time is not None:  # SIGTERM / SIGINT: asked to stop
+        return code
+    reason = app.crash_reason or worker.crash_reason
+    logging.getLogger("probewire.worker").error(
+        "probewire: the worker stopped without being asked to (%s); exiting with code %d",
+        f"{type(reason).__name__}: {reason}" if reason else "no error reported by Faust",
+        code or 1,
+    )
+    return code or 1
+
+
+def _preflight(settings: Settings, heartbeat: Path, owns_store: bool = False) -> None:
+    try:
+        preflight(settings, heartbeat, owns_store=owns_store)
     except PreflightError as exc:
         raise UserError(str(exc)) from None
 
@@ -339,21 +380,65 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_AGE_S = {"worker": 10.0, "evaluator": 60.0}
+"""``probewire health``: the oldest heartbeat that passes, per component."""
+
+
+def say_error(args: argparse.Namespace, text: str) -> None:
+    """One line on stderr: as it is, or with ``--log-format json`` one JSON object (the
+    same shape as every service's log lines, ``deploy.logs``)."""
+    if getattr(args, "log_format", "text") == "json":
+        logging.getLogger("probewire.cli").error(text)
+    else:
+        print(text, file=sys.stderr)
+
+
+def _store_heartbeat(store: Path, component: str) -> Path:
+    """The heartbeat of the ``component`` serving ``store`` (``up`` / ``run`` / ``demo``):
+    the one its live session names, else the one in the session's work dir."""
+    work_dir = store.parent / f".probewire-{store.name}"
+    try:
+        named = json.loads((work_dir / "session.json").read_text())["heartbeat"]
+    except (OSError, ValueError, KeyError, TypeError):
+        named = None
+    if component == "worker" and named:
+        return Path(named)
+    return work_dir / f"{component}.heartbeat"
+
+
 def cmd_health(args: argparse.Namespace) -> int:
-    path = Path(args.heartbeat) if args.heartbeat else default_heartbeat_path(args.component)
+    store = Path(args.store).resolve() if args.store else None
+    if args.heartbeat:
+        path = Path(args.heartbeat)
+    elif store is not None:
+        path = _store_heartbeat(store, args.component)
+    else:
+        path = default_heartbeat_path(args.component)
     beat = read_heartbeat(path)
     if beat is None:
         print(f"{args.component}: no heartbeat at {path}", file=sys.stderr)
         return 1
-    age = time.time() - float(beat["ts"])
-    if age > args.max_age_s:
-        print(f"{args.component}: heartbeat {age:.0f}s old (> {args.max_age_s}s)", file=sys.stderr)
+    pid = beat.get("pid")
+    if isinstance(pid, int) and not writer_alive(pid):
+        print(f"{args.component}: not running (pid {pid} of {path} is gone)", file=sys.stderr)
+        return 1
+    age, max_age = time.time() - float(beat["ts"]), args.max_age_s or MAX_AGE_S[args.component]
+    if age > max_age:
+        say_error(
+            args, f"{args.component}: heartbeat {age:.0f}s old (> {max_age:g}s): frozen or stopped"
+        )
         return 1
     if beat.get("healthy") is False:  # the worker's verdict on its own progress
         for reason in beat.get("reasons") or ["unhealthy"]:
             print(f"{args.component}: {reason}", file=sys.stderr)
         return 1
-    print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago)")
+    reader = ""
+    if store is not None and args.component == "worker":
+        from probewire.sinks.readserver import find_reader
+
+        url = find_reader(store)
+        reader = f"; live reads at {url}" if url else "; no live reader for the store"
+    print(f"{args.component}: {beat.get('status')} ({age:.1f}s ago, {path}){reader}")
     return 0
 
 
@@ -463,6 +548,40 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake is one line on stderr and exit code 2 (argparse printed the whole
+    usage first); ``--help`` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (``explain --step -1`` is a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return value
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     """``probewire demo``: the embedded pipeline on a real training run, faults optional."""
     demo = sub.add_parser("demo", help="run the embedded pipeline on a real 2-rank training run")
@@ -532,6 +651,17 @@ def _add_stack(sub: argparse._SubParsersAction) -> None:
         cmd.set_defaults(func=cmd_up if name == "up" else cmd_run)
 
 
+def _add_sync(sub: argparse._SubParsersAction) -> None:
+    """``probewire sync``: replay offline ranks' spool files."""
+    sync = sub.add_parser(
+        "sync", help="replay the spool files of offline ranks (PROBEWIRE_MODE=offline)"
+    )
+    sync.add_argument("dir", help="the runs' PROBEWIRE_SPOOL_DIR")
+    sync.add_argument("--store", help="chdb data directory: replay through the local stack into it")
+    sync.add_argument("--work-dir", help="the local stack's logs (default: next to the store)")
+    sync.set_defaults(func=cmd_sync)
+
+
 def _add_store_reads(sub: argparse._SubParsersAction) -> None:
     """``probewire sql`` and ``probewire runs``: read the store."""
     sql = sub.add_parser("sql", help="run SQL on the store")
@@ -593,7 +723,15 @@ def _add_operations(sub: argparse._SubParsersAction) -> None:
     health = sub.add_parser("health", help="exit 0 when a service's heartbeat is fresh")
     health.add_argument("--component", choices=["worker", "evaluator"], required=True)
     health.add_argument("--heartbeat", help="heartbeat file (default: per component)")
-    health.add_argument("--max-age-s", type=float, default=60.0)
+    health.add_argument(
+        "--store", help="the chdb store an `up` / `run` serves: its heartbeat and reader"
+    )
+    health.add_argument(
+        "--max-age-s",
+        type=float,
+        help="oldest heartbeat that passes (default: worker 10, evaluator 60; the worker "
+        "writes it every second, the evaluator every 2 s between checkpoints)",
+    )
     health.set_defaults(func=cmd_health)
 
 
@@ -614,18 +752,22 @@ def _add_views(sub: argparse._SubParsersAction) -> None:
 
     explain = sub.add_parser("explain", help="walk the escalation order at one step of a run")
     explain.add_argument("--run", required=True, help="run id")
-    explain.add_argument("--step", type=int, required=True)
+    explain.add_argument("--step", type=_at_least(0), required=True)
     explain.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     explain.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
-    explain.add_argument("--window", type=int, default=50, help="history steps per baseline")
-    explain.add_argument("--lookback", type=int, default=10, help="steps scanned for the onset")
-    explain.add_argument("--z", type=float, default=6.0, help="robust z that counts as moved")
+    explain.add_argument(
+        "--window", type=_at_least(3), default=50, help="history steps per baseline"
+    )
+    explain.add_argument(
+        "--lookback", type=_at_least(1), default=10, help="steps scanned for the onset"
+    )
+    explain.add_argument("--z", type=_positive, default=6.0, help="robust z that counts as moved")
     explain.add_argument("--format", choices=["table", "json"], default="table")
     explain.set_defaults(func=cmd_explain)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probewire", description="Training-health monitor.")
+    parser = _Parser(prog="probewire", description="Training-health monitor.")
     parser.add_argument("--config", help="settings file (YAML/JSON); env: PROBEWIRE_CONFIG")
     parser.add_argument(
         "--log-format",
@@ -637,6 +779,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_demo(sub)
     _add_stack(sub)
+    _add_sync(sub)
     _add_store_reads(sub)
     _add_worker(sub)
     _add_operations(sub)
@@ -680,11 +823,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _stacks_on_sigusr1()
     try:
         return args.func(args)
+    except BrokenPipeError:  # piped into `head`, which closed the pipe: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
     except (UserError, SettingsError) as exc:
-        print(f"probewire: error: {exc}", file=sys.stderr)
+        say_error(args, f"probewire: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("probewire: interrupted; stopped every process it started", file=sys.stderr)
+        say_error(args, "probewire: interrupted; stopped every process it started")
         return 130
 
 

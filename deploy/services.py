@@ -61,9 +61,29 @@ def open_store(settings: Settings, read_port: int = 0):
     return sink
 
 
-def preflight(settings: Settings, heartbeat: Path) -> None:
-    """What a service needs on a fresh machine: its heartbeat directory, a broker that
-    answers (one line after a bounded wait otherwise) and the topics it reads."""
+def held_store(settings: Settings) -> str | None:
+    """One line naming the process that holds the embedded store of ``settings`` (chdb: one
+    process per data directory), or None when it is free or not embedded."""
+    from probewire.deploy.reading import chdb_path
+    from probewire.sinks.readserver import store_owner
+
+    path = chdb_path(settings.clickhouse.url)
+    owner = store_owner(path) if path is not None else None
+    if owner is None:
+        return None
+    return (
+        f"the store {path} is held by {owner}; stop it, or pass another --store DIR "
+        "(clickhouse.url)"
+    )
+
+
+def preflight(settings: Settings, heartbeat: Path, *, owns_store: bool = False) -> None:
+    """What a service needs on a fresh machine: the store it owns free (one line naming
+    its holder otherwise, at once), its heartbeat directory, a broker that answers (one
+    line after a bounded wait otherwise) and the topics it reads."""
+    held = held_store(settings) if owns_store else None
+    if held is not None:
+        raise PreflightError(held)
     heartbeat.parent.mkdir(parents=True, exist_ok=True)
     try:
         create_topics(settings.kafka.client_config(), settings.topics.all(), timeout_s=8.0)

@@ -32,8 +32,19 @@ from typing import Any, TextIO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError
+from probewire.instrument.lifecycle import ATTEMPT_ENV
 
-__all__ = ["SessionError", "StackSession", "run_command", "session_env", "status_line", "up"]
+__all__ = [
+    "SessionError",
+    "StackSession",
+    "run_command",
+    "session_env",
+    "start",
+    "stop_session",
+    "status_line",
+    "up",
+    "wait_stored",
+]
 
 SESSION_FILE = "session.json"
 
@@ -73,6 +84,27 @@ def session_env(settings: Settings, bootstrap: str, run_id: str | None = None) -
     return env
 
 
+def record_crash(session: StackSession, run_id: str, attempt: str, reason: str) -> bool:
+    """``probewire run`` says the run crashed when its command exited non-zero or was
+    interrupted: a ``crashed`` event (``instrument.lifecycle``) of an attempt after the
+    command's own (``<attempt>:launcher``), so it wins whatever the ranks said before it.
+    Whether the broker took it within a few seconds."""
+    from probewire.instrument.export import KafkaTransport
+    from probewire.instrument.lifecycle import run_event
+    from probewire.instrument.wire import RankIdentity
+
+    identity = RankIdentity(run_id=run_id, rank=0, world_size=1)
+    body = run_event(identity, "crashed", error=reason, attempt=f"{attempt}:launcher")
+    transport = KafkaTransport(
+        {"bootstrap.servers": session.bootstrap}, session.settings.topics.runs
+    )
+    try:
+        transport.send(run_id.encode(), body)
+        return transport.flush(5.0) == 0
+    finally:
+        transport.close()
+
+
 def status_line(beat: dict[str, Any] | None) -> str:
     """``runs N · steps stored N · pages N`` from the worker's heartbeat (pure)."""
     if not beat:
@@ -93,17 +125,15 @@ def status_line(beat: dict[str, Any] | None) -> str:
 def _check_store(settings: Settings) -> Path | None:
     """The embedded store's directory (created), refused when another process holds it."""
     from probewire.deploy.reading import chdb_path
-    from probewire.sinks.readserver import store_owner
+    from probewire.deploy.services import held_store
 
     path = chdb_path(settings.clickhouse.url)
     if path is None:
         return None
     path.mkdir(parents=True, exist_ok=True)
-    owner = store_owner(path)
-    if owner is not None:
-        raise SessionError(
-            f"the store {path} is held by {owner}; stop it, or pass another --store DIR"
-        )
+    held = held_store(settings)
+    if held is not None:
+        raise SessionError(held)
     return path
 
 
@@ -187,7 +217,7 @@ def _publish(session: StackSession) -> None:
     os.replace(tmp, session.work_dir / SESSION_FILE)
 
 
-def _stop(session: StackSession) -> None:
+def stop_session(session: StackSession) -> None:
     """Stop the stack this session started (a joined ``up`` session is left running)."""
     if session.stack is not None:
         (session.work_dir / SESSION_FILE).unlink(missing_ok=True)
@@ -262,7 +292,7 @@ def up(
                 last = line
             time.sleep(interval_s)
     finally:
-        _stop(session)
+        stop_session(session)
     return 0
 
 
@@ -292,6 +322,31 @@ def _run_progress(beat: dict[str, Any] | None, run_id: str) -> dict[str, Any]:
     return ((beat or {}).get("runs") or {}).get(run_id) or {}
 
 
+def wait_stored(
+    session: StackSession,
+    run_ids: list[str],
+    settle_s: float = 3.0,
+    quiet_s: float = 10.0,
+    timeout_s: float = 120.0,
+) -> None:
+    """The runs' last steps are still on their way through the stream: wait until their
+    stored step counts have not moved for ``settle_s`` (bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    steps, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        beat = read_heartbeat(session.heartbeat)
+        progress = [_run_progress(beat, run_id) for run_id in run_ids]
+        stored = sum(int(p.get("steps_written", 0)) for p in progress)
+        if stored != steps:
+            steps, since = stored, time.monotonic()
+        # runs that said they ended settle fast; one that did not (no close(), or no
+        # probewire in the command at all) once nothing has arrived for quiet_s
+        ended = all(p.get("status") in ("finished", "crashed") for p in progress)
+        if time.monotonic() - since >= (settle_s if ended else quiet_s):
+            return
+        time.sleep(0.25)
+
+
 def run_command(
     settings: Settings,
     work_dir: Path,
@@ -314,11 +369,14 @@ def run_command(
         raise SessionError(f"--run-id must not contain ':', got {run_id!r}")
     session = start(settings, work_dir, evaluator=evaluator, sql_port=sql_port, reuse=True)
     proc: subprocess.Popen | None = None
+    attempt = f"probewire-run:{uuid.uuid4().hex[:12]}"
     try:
         _banner(session, out, _store_arg(session), run_id)
         print(f"probewire: run {run_id}: {shlex.join(command)}", file=out, flush=True)
         proc = subprocess.Popen(
-            command, env={**os.environ, **session.env(run_id)}, preexec_fn=_child_setup
+            command,
+            env={**os.environ, **session.env(run_id), ATTEMPT_ENV: attempt},
+            preexec_fn=_child_setup,
         )
         if session.stack is not None:
             session.stack.record("command", proc)
@@ -337,22 +395,15 @@ def run_command(
                 next_at = time.monotonic() + 5.0
             time.sleep(0.2)
         code = proc.returncode
-        # the run's last steps are still on their way through the stream: wait until its
-        # stored step count has not moved for settle_s (bounded)
-        deadline = time.monotonic() + drain_timeout_s
-        steps, since = -1, time.monotonic()
-        while time.monotonic() < deadline:
-            progress = _run_progress(read_heartbeat(session.heartbeat), run_id)
-            if int(progress.get("steps_written", 0)) != steps:
-                steps, since = int(progress.get("steps_written", 0)), time.monotonic()
-            # a run that said it ended settles fast; one that did not (no close(), or no
-            # probewire in the command at all) once nothing has arrived for quiet_s
-            ended = progress.get("status") in ("finished", "crashed")
-            if time.monotonic() - since >= (settle_s if ended else quiet_s):
-                break
-            time.sleep(0.25)
+        if code != 0:
+            record_crash(session, run_id, attempt, f"the command exited with code {code}")
+        wait_stored(session, [run_id], settle_s, quiet_s, drain_timeout_s)
         print(f"probewire: {status_line(read_heartbeat(session.heartbeat))}", file=out)
         report(run_id)
+    except KeyboardInterrupt:
+        if proc is not None:  # Ctrl-C: the command got it too (same process group)
+            record_crash(session, run_id, attempt, "interrupted (Ctrl-C)")
+        raise
     finally:
         if proc is not None:
             stop_process_group = proc.poll() is None
@@ -363,5 +414,5 @@ def run_command(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5)
-        _stop(session)
+        stop_session(session)
     return code

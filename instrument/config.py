@@ -92,6 +92,9 @@ class ProbeConfig:
     copy) so that ``Monitor.replay`` can judge a re-run of one of them. 0: replay off."""
     queue_size: int = 256
     """Steps the export queue holds before it drops (and counts) one."""
+    close_timeout_s: float = 5.0
+    """How long ``Monitor.close`` waits for the broker to take what is still queued (with
+    no broker, what is left is counted and said in one line; then close returns)."""
     module_names: tuple[str, ...] = DEFAULT_MODULE_NAMES
     module_types: tuple[str, ...] = DEFAULT_MODULE_TYPES
     logits_module: str = r"(.*\.)?(lm_head|head|output|output_layer)"
@@ -179,6 +182,10 @@ class ProbeConfig:
             )
         if self.queue_size < 1:
             raise ValueError(f"ProbeConfig.queue_size: must be >= 1, got {self.queue_size}")
+        if not 0 <= self.close_timeout_s < float("inf"):
+            raise ValueError(
+                f"ProbeConfig.close_timeout_s: must be >= 0, got {self.close_timeout_s!r}"
+            )
         if self.scan_backend not in ("auto", "compiled", "eager"):
             raise ValueError(
                 f"ProbeConfig.scan_backend: 'auto', 'compiled' or 'eager', got "

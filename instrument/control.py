@@ -31,6 +31,7 @@ from typing import Any
 __all__ = ["WEIGHT_STREAMS", "ControlListener", "checkpoint_event"]
 
 log = logging.getLogger(__name__)
+kafka_log = logging.getLogger("probewire.instrument.kafka")  # one line a minute (kafkalog)
 
 _STOP_CHECK_S = 0.25  # the longest a metadata request waits before the listener checks close
 
@@ -142,7 +143,7 @@ class ControlListener:
                 "enable.auto.commit": "false",
                 "auto.offset.reset": "latest",
                 "session.timeout.ms": "6000",
-                "logger": log,  # librdkafka's own messages go through logging, not stderr
+                "logger": kafka_log,  # librdkafka's lines: logging, one a minute
             }
         )
         try:
@@ -182,7 +183,7 @@ class ControlListener:
                 consumer = self._consumer()
             except Exception as exc:
                 self.errors += 1
-                log.warning("probewire: control listener cannot start (%s); retrying", exc)
+                kafka_log.warning("probewire: control listener cannot start (%s); retrying", exc)
                 self._stop.wait(self._retry_s)
                 continue
             self.ready.set()

@@ -28,9 +28,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .catalog import CATALOG, Export, Tier
+from .kafkalog import kafka_log
 from .wire import Point, RankIdentity, WireEncoder, message_key
 
-__all__ = ["KafkaTransport", "StepEmitter", "StepRecord", "Transport", "split_held"]
+__all__ = [
+    "KafkaTransport",
+    "StepEmitter",
+    "StepRecord",
+    "Transport",
+    "split_held",
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +105,15 @@ class KafkaTransport:
                 "acks": "all",
                 "enable.idempotence": "false",
                 "max.in.flight.requests.per.connection": "1",
-                "logger": log,
+                "logger": kafka_log,
             }
-        )  # librdkafka's messages: logging, not fd 2
+        )  # librdkafka's messages: logging (one line a minute), not fd 2
         self.failed = 0
 
     def _on_delivery(self, err: object, _msg: object) -> None:
         if err is not None:
             self.failed += 1
-            log.warning("probewire: delivery failed: %s", err)
+            kafka_log.warning("probewire: delivery failed: %s", err)
 
     def send(self, key: bytes, value: bytes) -> bool:
         try:
@@ -229,8 +236,9 @@ class StepEmitter:
         self._closed = True
         self._stop = True
         self._wake.set()
+        deadline = time.monotonic() + timeout_s  # the join and the flush share the wait
         self._thread.join(timeout_s)
-        self._transport.flush(timeout_s)
+        self._transport.flush(max(0.0, deadline - time.monotonic()))
         self._transport.close()
 
     # ------------------------------------------------------------------ emitter thread

@@ -47,6 +47,7 @@ import dataclasses
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +57,7 @@ from torch import nn
 from .config import ProbeConfig
 from .control import ControlListener, checkpoint_event
 from .export import KafkaTransport, StepEmitter, Transport
-from .lifecycle import RUNS_TOPIC, env_transports, run_event
+from .lifecycle import RUNS_TOPIC, env_transports, offline_transports, resolve_mode, run_event
 from .parallel import coords_from_mesh, data_group, verify_replicas
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
@@ -297,17 +298,17 @@ class Monitor:
         self._probes.sets.append(extension)
 
     # ------------------------------------------------------------------ run lifecycle
-    def crashed(self, error: BaseException | str) -> None:
+    def crashed(self, error: BaseException | str, *, step: int = -1) -> None:
         """Mark the run crashed (any rank; once). An exception out of a step context does
-        this by itself; call it for a failure outside the steps."""
+        this by itself (with its step); call it for a failure outside the steps."""
         if self._ended:
             return
         self._ended = True
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._send_run_event(run_event(self.identity, "crashed", error=text))
+        self._send_run_event(run_event(self.identity, "crashed", error=text, step=step))
 
     def _step_failed(self, step: int | None, exc: BaseException) -> None:
-        self.crashed(f"step {step}: {type(exc).__name__}: {exc}")
+        self.crashed(f"step {step}: {type(exc).__name__}: {exc}", step=-1 if step is None else step)
 
     def _send_run_event(self, body: bytes) -> None:
         if self._runs is not None:
@@ -328,9 +329,13 @@ class Monitor:
         e = self._emitter
         return {"sent": e.sent, "dropped": e.dropped, "errors": e.errors, "replayed": e.replayed}
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Remove every hook, restore the collectives, stop the listener, drain the emitter;
-        rank 0 marks the run finished (unless it crashed)."""
+        rank 0 marks the run finished (unless it crashed). Returns within ``timeout_s``
+        (default ``ProbeConfig.close_timeout_s``) and half a second per event transport:
+        what the broker did not take by then is counted and said in one line."""
+        budget = self.config.close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
         if not self._ended and self.identity.rank == 0:
             self._send_run_event(run_event(self.identity, "finished"))
         self._ended = True
@@ -345,12 +350,12 @@ class Monitor:
         if self._probes.optim is not None:
             self._probes.optim.remove()
         if self._control is not None:
-            self._control.close(min(timeout_s, 10.0))
-        self._emitter.close(timeout_s)
+            self._control.close(min(budget, 10.0))
+        self._emitter.close(max(0.0, deadline - time.monotonic()))
         for name in ("_events", "_runs"):
             transport = getattr(self, name)
             if transport is not None:
-                transport.flush(timeout_s)
+                transport.flush(max(0.5, deadline - time.monotonic()))
                 transport.close()
                 setattr(self, name, None)
 
@@ -404,7 +409,7 @@ class NullMonitor:
     def add_extension(self, extension: Any) -> None:
         return None
 
-    def crashed(self, error: Any) -> None:
+    def crashed(self, error: Any, *, step: int = -1) -> None:
         return None
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -431,6 +436,7 @@ def attach(
     runs: Transport | None = None,
     run_config: Mapping[str, Any] | None = None,
     mesh: Any = None,
+    mode: str | None = None,
 ) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
@@ -448,15 +454,21 @@ def attach(
     multi-rank job ``attach`` is collective when parameters are declared DDP replicas by
     hand (one all_gather checks they are): call it on every rank.
     With ``config.enabled`` False the null monitor comes back and nothing is registered.
+    ``mode`` (else ``PROBEWIRE_MODE``, else ``online``): ``online`` as above; ``disabled``:
+    the null monitor (no hook, no thread, no socket; the script runs unchanged);
+    ``offline``: without a transport, every message goes to a local spool file
+    (``spool``) that ``probewire sync DIR`` replays into a stack later.
     """
     config = config or ProbeConfig()
-    if not config.enabled:
+    mode = resolve_mode(mode, os.environ)
+    if not config.enabled or mode == "disabled":
         return NullMonitor()
     identity = identity or RankIdentity.from_env()
     if mesh is not None:
         identity = dataclasses.replace(identity, coords=coords_from_mesh(mesh))
     if transport is None:
-        built = env_transports(identity, os.environ)
+        build = offline_transports if mode == "offline" else env_transports
+        built = build(identity, os.environ)
         transport, runs = built.transport, runs or built.runs
         control = control or built.control
         events = events or built.checkpoints

@@ -37,6 +37,7 @@ __all__ = [
     "default_heartbeat_path",
     "read_heartbeat",
     "within",
+    "writer_alive",
 ]
 
 
@@ -189,3 +190,19 @@ def read_heartbeat(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` (the heartbeat's writer) still runs: not gone, not a zombie.
+    A process of another user or namespace that answers counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: the signal answered
+    return state not in ("Z", "X")

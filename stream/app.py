@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from probewire.instrument.plumbing import KafkaConfig, TopicConfig
 from probewire.sinks.clickhouse import ClickHouseSink
@@ -77,6 +78,7 @@ def create_app(
         make_gap_reader=lambda: GapReader(client_config, config.app_id),
     )
     app.probewire_worker = worker
+    worker.highwater = lambda topic, partition: _highwater(app, topic, partition)
 
     _stage1_agents(app, worker, topics)
     if config.role == "stage1":
@@ -181,6 +183,14 @@ def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
     async def flush_old() -> None:
         """Write a batch that has waited ``stream.batch.within_s`` with no step after it."""
         worker.flush_soon()  # never awaits the write: the timer stays within its interval
+
+
+def _highwater(app: faust.App, topic: str, partition: int) -> int | None:
+    """The partition's high watermark as the consumer last saw it (None: not yet)."""
+    try:
+        return app.consumer.highwater(TP(topic, partition))
+    except AssertionError:  # aiokafka: the partition is no longer assigned to this worker
+        return None
 
 
 def _evaluation_row(payload: bytes) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ class StreamConfig:
     max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
     alert_webhook_url: str = ""
     web_bind: str = "127.0.0.1"
+    metrics_port: int = 0  # /metrics (Prometheus text, ``metrics``) on web_bind; 0: off
     fetch_max_wait_ms: int = 50  # Tansu answers a waiting fetch only at its deadline
     stage2: Stage2Config = field(default_factory=Stage2Config)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -41,6 +42,7 @@ class StreamConfig:
         check(bool(self.app_id.strip()), "app_id", "must not be empty")
         check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
         check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        check(0 <= self.metrics_port <= 65535, "metrics_port", "must lie in [0, 65535]")
         check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")
         check(
             10_000 <= self.max_message_bytes <= 100_000_000,

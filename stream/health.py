@@ -1,10 +1,13 @@
 """Health means progress: what the worker's agents did, written to a heartbeat file.
 
-A worker is healthy when every agent runs, its input does not wait without output, and
-dead letters do not spike. ``Progress`` is told by the agents what they take in and put
-out; the heartbeat file carries its verdict and the reasons, and ``probewire health``
-exits non-zero on a stale file or an unhealthy verdict. A timer writes the file, but it
-writes what the agents did, not that the timer ran.
+A worker is healthy when every agent runs, its input does not wait without output, dead
+letters do not spike, and the broker answered within ``broker_s``. ``Progress`` is told by
+the agents what they take in and put out; the heartbeat file carries its verdict and the
+reasons, and ``probewire health`` exits non-zero on an unhealthy verdict, on a file older
+than its ``--max-age-s`` (10 s: the worker's event loop rewrites it every second, so a
+frozen or stopped worker fails within that) or when the process that wrote it is gone (a
+killed worker fails at once: ``writer_alive``). The file carries what the agents did,
+not that a timer ran.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ class HealthConfig:
     stall_s: float = 120.0  # input waiting this long with no output
     deadletter_spike: int = 1000  # dead letters within window_s
     window_s: float = 60.0
+    broker_s: float = 5.0  # the broker unanswered this long: not ready
 
     def __post_init__(self) -> None:
-        for name in ("stall_s", "window_s"):
+        for name in ("stall_s", "window_s", "broker_s"):
             check(getattr(self, name) > 0, name, "must be > 0")
         check(self.deadletter_spike >= 1, "deadletter_spike", "must be >= 1")
 
@@ -54,6 +58,8 @@ class Progress:
         self.stages: dict[str, _Stage] = {}
         self._dead_letters: deque[float] = deque()
         self.dead_letters = 0
+        self.broker_ok_at = clock()  # the broker's last answer (start: its preflight)
+        self.broker_error = ""  # why the last probe of it failed; "" when it answered
 
     # -- what the agents report -------------------------------------------------------------
     def agent_started(self, name: str) -> None:
@@ -80,6 +86,12 @@ class Progress:
 
     def failed(self, stage: str, error: str) -> None:
         self.stages.setdefault(stage, _Stage()).error = error
+
+    def broker(self, error: str) -> None:
+        """The result of one probe of the broker: "" when it answered, else why not."""
+        self.broker_error = error
+        if not error:
+            self.broker_ok_at = self.clock()
 
     def dead_letter(self, n: int = 1) -> None:
         now = self.clock()
@@ -108,6 +120,10 @@ class Progress:
                     f"{name}: {s.waiting} input(s) waiting, no output for "
                     f"{now - progress:.0f}s{error}"
                 )
+        if self.broker_error and now - self.broker_ok_at >= cfg.broker_s:
+            out.append(
+                f"broker unreachable for {now - self.broker_ok_at:.0f}s ({self.broker_error})"
+            )
         while self._dead_letters and now - self._dead_letters[0] > cfg.window_s:
             self._dead_letters.popleft()
         if len(self._dead_letters) >= cfg.deadletter_spike:

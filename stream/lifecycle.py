@@ -6,11 +6,17 @@ module checks them (``parse_event``) and folds them into the run's status
 (``RunLifecycle``), which stage 2 writes into every ``runs`` row of the run:
 
 - the status is ``running`` until an end event; a crash wins over a finish of the same
-  attempt (rank 0 may close cleanly while rank 1 died);
-- a ``started`` event newer than the end starts a new attempt (a resumed run): running
-  again, with its configuration;
-- events older than the current attempt's start are ignored, so re-delivery and the
-  order of topics cannot undo a newer state.
+  attempt (rank 0 may close cleanly while rank 1 died), in whichever order they come;
+- events carry their attempt (``attempt``: the launch and restart the ranks share, from
+  their launcher's environment), the rank's step and a per-process sequence number. The
+  order comes from those, never from the ranks' clocks: an event of a new attempt starts
+  it (a resumed or restarted run: running again), an event of an earlier attempt is
+  ignored, and within an attempt the latest ``started`` by (step, sequence) gives the
+  configuration. A rank whose clock is an hour behind still crashes its run;
+- events without an attempt (a launcher that says nothing: one host, one clock) are
+  ordered by their time as before: a ``started`` newer than the end starts a new attempt,
+  events older than the current attempt's start are ignored;
+- re-delivery of any event changes nothing.
 
 Pure: no Kafka, no store. The state serialises with the run's stage-2 state.
 """
@@ -27,6 +33,8 @@ __all__ = ["EventError", "RunEvent", "RunLifecycle", "parse_event"]
 
 EVENTS = ("started", "finished", "crashed")
 MAX_EVENT_BYTES = 128 * 1024
+MAX_ATTEMPT_CHARS = 200
+PAST_ATTEMPTS = 64  # earlier attempts remembered, so their late events are ignored
 
 
 class EventError(DecodeError):
@@ -41,6 +49,16 @@ class RunEvent:
     time_unix_nano: int
     config: dict[str, Any] | None = None
     error: str = ""
+    attempt: str = ""  # the launch and restart the event belongs to; "" when unknown
+    step: int = -1  # the rank's last step when it sent the event (-1: none yet)
+    seq: int = 0  # the sending process's event counter
+
+
+def _optional_int(body: dict[str, Any], name: str, default: int, low: int) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise EventError(f"run event: bad {name} {value!r}")
+    return value
 
 
 def parse_event(payload: bytes | None) -> RunEvent:
@@ -66,6 +84,9 @@ def parse_event(payload: bytes | None) -> RunEvent:
     if config is not None and not isinstance(config, dict):
         raise EventError("run event: config must be an object")
     error = body.get("error", "")
+    attempt = body.get("attempt", "")
+    if not isinstance(attempt, str) or len(attempt) > MAX_ATTEMPT_CHARS:
+        raise EventError(f"run event: attempt must be text of <= {MAX_ATTEMPT_CHARS} chars")
     return RunEvent(
         run_id=run_id,
         event=event,
@@ -73,6 +94,9 @@ def parse_event(payload: bytes | None) -> RunEvent:
         time_unix_nano=at,
         config=config,
         error=str(error)[:1000],
+        attempt=attempt,
+        step=_optional_int(body, "step", -1, -1),
+        seq=_optional_int(body, "seq", 0, 0),
     )
 
 
@@ -85,9 +109,19 @@ class RunLifecycle:
         self.ended: str | None = None  # "finished" or "crashed" for the current attempt
         self.ended_ns = -1
         self.error = ""
+        self.attempt = ""  # the current attempt ("" : none named yet)
+        self.past: list[str] = []  # earlier attempts, newest last (at most PAST_ATTEMPTS)
+        self.config_order = (-2, -1)  # (step, seq) of the started event behind the config
+
+    @property
+    def announced(self) -> bool:
+        """Whether the run said anything about itself (a ``started`` or an end)."""
+        return self.started_ns >= 0 or self.ended is not None or bool(self.attempt)
 
     def apply(self, event: RunEvent) -> bool:
         """Fold one event in; whether it changed anything."""
+        if event.attempt:
+            return self._apply_attempt(event)
         at = event.time_unix_nano
         if event.event == "started":
             if at < self.started_ns:
@@ -97,17 +131,45 @@ class RunLifecycle:
             if self.ended is not None and self.ended_ns < at:
                 self.ended, self.ended_ns, self.error = None, -1, ""
             return True
-        if at < self.started_ns or self.ended == "crashed":
+        if at < self.started_ns:
             return False
-        if self.ended == event.event:
+        return self._end(event)
+
+    def _apply_attempt(self, event: RunEvent) -> bool:
+        """An event that names its attempt: ordered by attempt, then (step, seq)."""
+        if event.attempt in self.past:
+            return False  # an earlier attempt's event, late or re-delivered
+        if event.attempt != self.attempt:  # the first word of a new attempt
+            if self.attempt:
+                self.past = [*self.past, self.attempt][-PAST_ATTEMPTS:]
+            self.attempt = event.attempt
+            self.ended, self.ended_ns, self.error = None, -1, ""
+            self.config_order = (-2, -1)
+        self.started_ns = max(self.started_ns, 0)
+        if event.event == "started":
+            order = (event.step, event.seq)
+            if order <= self.config_order:
+                return False
+            self.config_order = order
+            self.config = dict(event.config or {})
+            return True
+        return self._end(event)
+
+    def _end(self, event: RunEvent) -> bool:
+        """A finish or a crash of the current attempt: a crash wins, whatever came first."""
+        if self.ended == "crashed" or self.ended == event.event:
             return False
-        self.ended, self.ended_ns, self.error = event.event, at, event.error
+        self.ended, self.ended_ns, self.error = event.event, event.time_unix_nano, event.error
         return True
 
-    def status(self, idle_finished: bool) -> str:
-        """``crashed`` or ``finished`` as the run said; else ``finished`` when stage 2 ended
-        it for idleness; else ``running``."""
-        return self.ended or ("finished" if idle_finished else "running")
+    def status(self, idle_finished: bool, stalled: bool = False) -> str:
+        """``crashed`` or ``finished`` as the run said; else ``stalled`` when its ranks went
+        silent; else ``finished`` when stage 2 ended it for idleness; else ``running``."""
+        if self.ended:
+            return self.ended
+        if stalled:
+            return "stalled"
+        return "finished" if idle_finished else "running"
 
     def config_json(self) -> str:
         return json.dumps(self.config, sort_keys=True, allow_nan=False, default=str)
@@ -119,6 +181,9 @@ class RunLifecycle:
             "ended": self.ended,
             "ended_ns": self.ended_ns,
             "error": self.error,
+            "attempt": self.attempt,
+            "past": self.past,
+            "config_order": list(self.config_order),
         }
 
     @classmethod
@@ -128,4 +193,7 @@ class RunLifecycle:
             run.started_ns, run.config = int(state["started_ns"]), dict(state["config"])
             run.ended, run.ended_ns = state["ended"], int(state["ended_ns"])
             run.error = str(state.get("error", ""))
+            run.attempt, run.past = str(state.get("attempt", "")), list(state.get("past", ()))
+            step, seq = state.get("config_order", (-2, -1))  # absent: saved before attempts
+            run.config_order = (int(step), int(seq))
         return run

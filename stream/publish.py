@@ -119,6 +119,15 @@ class Publisher:
                 return exc.args[0]
         return await done
 
+    def reachable(self, timeout_s: float) -> str:
+        """Ask the broker for its metadata (blocking: call from a thread): "" when it
+        answered within ``timeout_s``, else why not."""
+        try:
+            self._producer.list_topics(timeout=timeout_s)
+        except KafkaException as exc:
+            return str(exc.args[0].str() if exc.args else exc)
+        return ""
+
     def close(self, timeout_s: float = 10.0) -> int:
         """Flush what is queued; returns how many messages are still undelivered."""
         left = self._producer.flush(timeout_s)

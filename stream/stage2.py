@@ -9,9 +9,14 @@ with no gap and no double count.
 
 Nothing a run does makes this module raise or drop a step:
 
-- a run idle for ``run_idle_s`` is finished (its final steps are retained); a step after
-  that (the run paused for a checkpoint save or an evaluation) reopens it, and is stored;
-  finishing again releases the new final steps; ``finish`` is idempotent;
+- a run idle for ``run_idle_s`` has its final steps retained, and its status says what
+  the silence means: a run that announced itself (a lifecycle event, ``lifecycle``) and
+  said neither ``finished`` nor ``crashed`` is ``stalled`` and pages ``job_state``
+  (``jobstate``: the last step, the ranks last heard from); a run that never announced
+  itself (no lifecycle events: nothing else can end it) is ``finished``. A step after
+  that (the run paused for a checkpoint save or an evaluation) reopens it as
+  ``running``, and is stored; going silent again releases the new final steps (and pages
+  again); ``finish`` is idempotent;
 - a step that arrives after the orderer skipped its gap is stored with
   ``complete_reason = "after_gap"``. Its detail is retained, and it does not feed the
   detectors, whose windows hold the run's steps in order: its row carries the P0 view but
@@ -39,6 +44,7 @@ from probewire.instrument.plumbing import check
 from .dimensions import tensor_dimensions
 from .formed import grad_group_rows, residual_rows
 from .inputs import StepInputs
+from .jobstate import stall_alert
 from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
@@ -64,7 +70,7 @@ class Stage2Config:
     warmup_steps: int = 100  # first steps kept
     final_steps: int = 100  # last steps kept
     max_wait_s: float = 40.0  # a gap is skipped after this (> stream.deadline_s)
-    run_idle_s: float = 120.0  # a run with no new step for this long is finished
+    run_idle_s: float = 600.0  # no step for this long: stalled (or finished); > a checkpoint save
 
     def __post_init__(self) -> None:
         d = self.detectors
@@ -197,10 +203,27 @@ class RunPipeline:
         self.last_control = -(10**9)
         self.lifecycle = RunLifecycle()  # what the run said: config, finished, crashed
         self.tensors: set[str] = set()  # tensor labels with a tensor_names row
+        self.said_last_step = -1  # the newest last step a lifecycle event named
+        self.heard_step = -1  # the newest step any rank sent, and the ranks that sent it
+        self.heard_ranks: set[int] = set()
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
-        return self._name_tensors(self._accept(item, now))
+        out = self._name_tensors(self._accept(item, now))
+        for row in out.rows.get("step_metrics", ()):  # stored steps: who was heard last
+            if row["step"] >= self.heard_step:
+                self.heard_step = row["step"]
+                self.heard_ranks = set(range(self.world_size)) - set(row["ranks_missing"])
+        return out
+
+    @property
+    def stalled(self) -> bool:
+        """Silent past ``run_idle_s`` without having said it finished or crashed."""
+        return self.finished and self.lifecycle.announced and self.lifecycle.ended is None
+
+    def status(self) -> str:
+        """What the ``runs`` row says now (``RunLifecycle.status``)."""
+        return self.lifecycle.status(self.finished and not self.stalled, self.stalled)
 
     def _name_tensors(self, out: Stage2Output) -> Stage2Output:
         """A ``tensor_names`` row for each tensor label the run's detail carries first here."""
@@ -254,18 +277,24 @@ class RunPipeline:
             and not self.orderer.held
             and now - self.last_arrival >= self.config.run_idle_s
         ):
-            out.extend(self.finish())
+            out.extend(self.finish(now - self.last_arrival))
         return out
 
-    def finish(self) -> Stage2Output:
-        """The run ended: release the final steps and mark the run finished (once: a
-        finished run with no step since gives an empty output)."""
+    def finish(self, silent_s: float = 0.0) -> Stage2Output:
+        """The run went silent: release the final steps and write its status, ``stalled``
+        with a ``job_state`` page when it had not ended (once: a finished run with no step
+        since gives an empty output)."""
         out = Stage2Output()
         if self.finished:
             return out
         out.promote += [s for s, _ in self.retention.finish()]
         self.finished = True
-        out.rows["runs"].append(self._run_row("finished"))
+        if self.stalled:
+            ranks = self.heard_ranks if self.heard_step == self.last_step else ()
+            out.rows["alerts"].append(
+                stall_alert(self.run_id, max(self.last_step, 0), ranks, silent_s, self.tokens)
+            )
+        out.rows["runs"].append(self._run_row())
         return out
 
     def on_event(self, event: RunEvent) -> Stage2Output:
@@ -273,7 +302,24 @@ class RunPipeline:
         event changed the run's status or configuration."""
         out = Stage2Output()
         if self.lifecycle.apply(event):
-            out.rows["runs"].append(self._run_row("running"))
+            out.rows["runs"].append(self._run_row())
+        self.said_last_step = max(self.said_last_step, event.step)
+        out.extend(self._release_final())
+        return out
+
+    def _release_final(self) -> Stage2Output:
+        """A run that said it ended (finished or crashed) keeps the detail of its final steps
+        at once, not after ``run_idle_s`` of silence: when no step is held back and the last
+        step its ranks named has been processed. A step after that (a late one, a resumed
+        run) is released the same way; ``retention.finish`` releases each step once."""
+        out = Stage2Output()
+        if (
+            self.lifecycle.ended is not None
+            and self.last_step >= 0
+            and self.last_step >= self.said_last_step
+            and not self.orderer.held
+        ):
+            out.promote += [s for s, _ in self.retention.finish()]
         return out
 
     def _process(self, items: list[ReducedStep]) -> Stage2Output:
@@ -297,7 +343,8 @@ class RunPipeline:
             self.skipped.add(self.last_step + 1, item.step - 1)
             out.extend(self._step(item, view, inputs, after_gap))
         if items:
-            out.rows["runs"].append(self._run_row("running"))
+            out.rows["runs"].append(self._run_row())
+            out.extend(self._release_final())
         return out
 
     def _step(
@@ -416,15 +463,14 @@ class RunPipeline:
             "next_steps": next_steps(f.category),
         }
 
-    def _run_row(self, status: str) -> dict[str, Any]:
-        """``status`` is what stage 2 knows (running, or finished when idle); what the run
-        said about itself wins (``RunLifecycle.status``)."""
+    def _run_row(self) -> dict[str, Any]:
+        """The run's ``runs`` row; its status is ``status()``."""
         return {
             "run_id": self.run_id,
             "world_size": self.world_size,
             "first_step": self.first_step or 0,
             "last_step": max(self.last_step, 0),
-            "status": self.lifecycle.status(status == "finished"),
+            "status": self.status(),
             "config": self.lifecycle.config_json(),
         }
 
@@ -445,6 +491,8 @@ class RunPipeline:
             "retention": self.retention.to_state(),
             "orderer": self.orderer.to_state(),
             "tensors": sorted(self.tensors),
+            "heard": [self.heard_step, sorted(self.heard_ranks)],
+            "said_last_step": self.said_last_step,
         }
 
     @classmethod
@@ -464,5 +512,8 @@ class RunPipeline:
         run.retention = RetentionPolicy.from_state(state["retention"])
         run.orderer = StepOrderer.from_state(state["orderer"], config.max_wait_s, now)
         run.tensors = set(state.get("tensors", ()))  # absent: a state saved before the names
+        run.said_last_step = int(state.get("said_last_step", -1))  # absent: saved before it
+        heard_step, heard_ranks = state.get("heard", (-1, ()))  # absent: saved before stalls
+        run.heard_step, run.heard_ranks = int(heard_step), set(heard_ranks)
         run.last_arrival = now
         return run

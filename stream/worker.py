@@ -34,6 +34,7 @@ from .config import StreamConfig
 from .gaps import GapReader, GapWatch
 from .health import Progress
 from .lifecycle import EventError, parse_event
+from .metrics import WorkerMetrics
 from .publish import Publisher, PublishError
 from .records import CompleteReason, RecordError, ReducedStep
 from .split import OversizeStep, split_step
@@ -88,6 +89,12 @@ class Worker:
         self._flushing: asyncio.Task | None = None  # the background write flush_soon started
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
         self._unconfirmed: dict[asyncio.Task, tuple[int, float]] = {}  # (messages, since)
+        self._live: list[asyncio.Task] = []  # the heartbeat and the broker watch
+        self.read_offsets: dict[tuple[str, int], int] = {}  # next offset to read, for lag
+        self.highwater: Callable[[str, int], int | None] = lambda topic, partition: None
+        self.healthy = True  # the last heartbeat's verdict
+        self.lag: dict[tuple[str, int], int] = {}  # per partition, as of the last tick
+        self.metrics = WorkerMetrics(self.metrics_snapshot)
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -100,6 +107,8 @@ class Worker:
         self.publisher.on_retry = lambda reason: self.progress.failed("publish", reason)
         if self.make_gap_reader is not None:
             self.gaps = self.make_gap_reader()
+        self._live = [asyncio.ensure_future(self._beat()), asyncio.ensure_future(self._watch())]
+        self.metrics.serve(self.config.web_bind, self.config.metrics_port)
         self.publishing.set()
         if self.config.role == "stage1":
             self.write_heartbeat("ready")
@@ -140,8 +149,10 @@ class Worker:
             min([*self.waiting_since.values(), *(t for _, t in unconfirmed)], default=None),
         )
         self.progress.waiting("stage2", self.batch.waiting, self.batch.oldest_at)
+        report = self.progress.report()
+        self.healthy = report["healthy"]
         try:
-            self.heartbeat.beat(status, self.progress.report())
+            self.heartbeat.beat(status, report)
         except OSError as exc:
             log.error("probewire: cannot write the heartbeat %s: %s", self.heartbeat.path, exc)
 
@@ -150,6 +161,47 @@ class Worker:
         if self.publisher is None:
             raise RuntimeError("the worker's publisher is used before start()")
         return self.publisher
+
+    async def _beat(self, interval_s: float = 1.0) -> None:
+        """The heartbeat, every second, from the event loop itself (not a Faust timer,
+        which waits for the group's first assignment): a loop that stops making progress
+        (frozen, stopped, killed) leaves the file to go stale."""
+        while True:
+            self.write_heartbeat()
+            await asyncio.sleep(interval_s)
+
+    async def _watch(self, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+        """Ask the broker for its metadata every second; health is not ready while it does
+        not answer (``HealthConfig.broker_s``). One line when it goes and when it is back."""
+        loop = asyncio.get_running_loop()
+        while True:
+            error = await loop.run_in_executor(None, self._started_publisher().reachable, timeout_s)
+            if bool(error) != bool(self.progress.broker_error):
+                if error:
+                    log.error("probewire: the broker does not answer: %s", error)
+                else:
+                    log.warning("probewire: the broker answers again")
+            self.progress.broker(error)
+            await asyncio.sleep(interval_s)
+
+    def metrics_snapshot(self) -> tuple[dict, dict, int, bool]:
+        """What ``/metrics`` shows (read from the metrics thread: copies only)."""
+        stored = {r: int(p.get("steps_written", 0)) for r, p in list(self.heartbeat.runs.items())}
+        return dict(self.lag), stored, self.progress.dead_letters, self.healthy
+
+    def _measure_lag(self) -> None:
+        """Each partition's high watermark less the next offset to read (on the loop)."""
+        lag = {}
+        for (topic, partition), next_offset in list(self.read_offsets.items()):
+            high = self.highwater(topic, partition)
+            if high is not None:
+                lag[(topic, partition)] = high - next_offset
+        self.lag = lag
+
+    def _read(self, event: Any) -> None:
+        """Note how far this worker has read a partition (``/metrics`` lag)."""
+        message = event.message
+        self.read_offsets[(message.topic, message.partition)] = message.offset + 1
 
     async def tick(self) -> None:
         """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
@@ -165,6 +217,7 @@ class Worker:
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
         self.flush_soon()
+        self._measure_lag()
         self.write_heartbeat()
 
     # -- stage 1 ------------------------------------------------------------------------------
@@ -183,6 +236,7 @@ class Worker:
         """Read first what the consumer skipped before this message (``gaps``), then this
         message: decode, validate, gather; publish each step its message completes."""
         message = event.message
+        self._read(event)
         if self.before_event("assemble", message.partition):  # a test's fault: as if the
             event.ack()  # consumer skipped this one
             return
@@ -312,6 +366,7 @@ class Worker:
     async def on_reduced_step(self, event: Any) -> None:
         """Process a reduced step for its run; its message is acknowledged once stored."""
         self.before_event("per_run")
+        self._read(event)
         await self.publishing.wait()
         while self.sink is None or self.batch.full:
             await asyncio.sleep(0.05)
@@ -408,7 +463,9 @@ class Worker:
             if batch is None:
                 return
             try:
+                started = time.monotonic()
                 rejected = await self._in_writer(write_batch, self.sink, batch)
+                self.metrics.write_seconds.observe(time.monotonic() - started)
             except (StoreUnavailable, RejectedRows) as exc:
                 delay = self.batch.failed(batch, str(exc))
                 self.progress.failed("stage2", str(exc))
@@ -419,6 +476,7 @@ class Worker:
                     delay,
                 )
                 return
+            refused = {id(row) for _, row, _ in rejected}
             for run_id, row, reason in rejected:
                 await self.dead_letter_row(run_id, row, reason)
             for ack in self.batch.written(batch):
@@ -427,10 +485,11 @@ class Worker:
             for run_id, out in batch.outputs.items():
                 run = self.runs[run_id]
                 progress = self.heartbeat.runs.setdefault(run_id, {"steps_written": 0})
-                progress["steps_written"] += len(out.rows.get("step_metrics", []))
+                stored = [r for r in out.rows.get("step_metrics", ()) if id(r) not in refused]
+                progress["steps_written"] += len(stored)  # steps stored, not attempted
                 progress["last_step"] = run.last_step
                 progress["finished"] = run.finished
-                progress["status"] = run.lifecycle.status(run.finished)
+                progress["status"] = run.status()
                 progress["alerts"] = progress.get("alerts", 0) + len(out.rows.get("alerts", []))
         self.write_heartbeat()
 
@@ -486,6 +545,8 @@ class Worker:
         self.progress.output(table, len(rows))
 
     def close(self) -> None:
+        for task in self._live:
+            task.cancel()
         left = self.publisher.close() if self.publisher is not None else 0
         if left:
             log.error("probewire: %d message(s) not delivered at shutdown (inputs unacked)", left)

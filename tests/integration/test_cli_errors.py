@@ -222,6 +222,50 @@ def test_a_store_held_by_another_process_or_a_busy_port(scratch_dir, children):
     assert not (scratch_dir / ".probewire-s2" / "processes.json").exists()
 
 
+def test_demo_and_worker_on_a_held_store_are_one_line_within_2_s(scratch_dir, children):
+    """``demo`` waited 90 s for its worker, ``worker`` retried forever: both now name the
+    holder's PID in one line and exit 2, spending at most 2 s of CPU more than a command
+    that exits at once (CPU, not wall time: this machine is shared; the wall time is
+    bounded too, far below the old 90 s)."""
+    store = scratch_dir / "store"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(url="chdb:///" + str(store)[1:])],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        startup, _ = timed("health", "--component", "worker", "--heartbeat", str(store / "x"))
+        env = {"PROBEWIRE_CLICKHOUSE__URL": "chdb:///" + str(store)[1:]}
+        for argv, extra in ((("demo", "--store", str(store)), {}), (("worker",), env)):
+            (cpu, wall), out = timed(*argv, env=extra, cwd=scratch_dir)
+            one_line(out, 2, f"the store {store} is held by pid {holder.pid} ")
+            assert cpu <= startup[0] + 2.0 and wall <= 20.0, (argv, cpu, wall, startup)
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def timed(*args: str, **kw) -> tuple[tuple[float, float], subprocess.CompletedProcess]:
+    """((CPU seconds, wall seconds), result) of one ``probewire`` command."""
+    import resource
+
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    out = cli(*args, **kw)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return (cpu, time.monotonic() - started), out
+
+
+HOLD = textwrap.dedent("""
+    import time
+    from probewire.sinks.clickhouse import connect
+    client = connect("{url}")  # held while referenced
+    client.command("SELECT 1")
+    print("ready", flush=True)
+    time.sleep(120)""")
+
+
 CRASHING = textwrap.dedent("""
     import torch
     from probewire.instrument import attach
@@ -266,3 +310,19 @@ def test_a_failing_command_keeps_its_exit_code_and_the_run_is_crashed(scratch_di
         for p in started
         if psutil.pid_exists(p["pid"]) and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE
     ]
+
+
+def test_sql_piped_into_head_stops_quietly(scratch_dir, children):
+    """``probewire sql ... | head -1``: head closes the pipe after one line; the command
+    stops with no traceback and no BrokenPipeError on stderr."""
+    store = scratch_dir / "store"
+    assert cli("migrate", "--store", str(store)).returncode == 0
+    cmd = (
+        f"{sys.executable} -m probewire.deploy.cli sql --store {store} --format csv "
+        "'SELECT number FROM numbers(300000)' | head -1"
+    )
+    out = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() in ("number", "0"), out.stdout[:200]
+    assert out.stderr == "", out.stderr

@@ -16,6 +16,8 @@ LAYERS = {
     "catalog": 0,
     "scan": 0,
     "control": 0,
+    "spool": 0,
+    "kafkalog": 0,
     "structure_config": 0,
     "wire": 1,
     "config": 1,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 from probewire.stream.health import HealthConfig, Progress
 
 
@@ -54,3 +58,34 @@ def test_a_dead_letter_spike_within_the_window_is_unhealthy_and_ages_out():
     assert progress.reasons() == ["5 dead letters in the last 60s (spike threshold 5)"]
     clock.now += 61.0
     assert progress.reasons() == []
+
+
+def test_a_broker_unanswered_for_broker_s_makes_the_worker_unhealthy_and_an_answer_clears_it():
+    now = [100.0]
+    progress = Progress(HealthConfig(broker_s=5.0), clock=lambda: now[0])
+    progress.broker("")
+    now[0] = 101.0
+    progress.broker("Local: Broker transport failure")
+    now[0] = 104.0
+    assert progress.reasons() == []  # 4 s without an answer: within broker_s
+    now[0] = 106.0
+    assert progress.reasons() == ["broker unreachable for 6s (Local: Broker transport failure)"]
+    progress.broker("")
+    assert progress.reasons() == []
+
+
+def test_writer_alive_tells_a_running_process_from_a_gone_or_zombie_one():
+    import subprocess
+    import sys
+
+    from probewire.instrument.plumbing import writer_alive
+
+    assert writer_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not writer_alive(child.pid)  # exited, not yet reaped: a zombie
+    child.wait()
+    assert not writer_alive(child.pid)

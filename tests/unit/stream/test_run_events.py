@@ -91,3 +91,61 @@ def test_learning_rates_per_group_and_their_maximum():
     assert view["lr_groups"] == {"0": 1e-3, "head": 5e-3} and view["lr"] == 5e-3
     view, _, _ = p0_view(step(0))
     assert view["lr"] is None and view["lr_groups"] == {}
+
+
+def attempt_event(kind: str, at: int, attempt: str, rank: int = 0, **kw):
+    ident = RankIdentity(run_id="run", rank=rank, world_size=2)
+    return parse_event(run_event(ident, kind, now_ns=at, attempt=attempt, **kw))
+
+
+HOUR_NS = 3600 * 10**9
+
+
+@pytest.mark.parametrize("crash_first", [False, True])
+def test_a_crash_from_a_rank_whose_clock_is_an_hour_behind_ends_the_attempt_crashed(crash_first):
+    """Clocks order nothing within an attempt: rank 1's crash stamped an hour before rank 0's
+    start still crashes the run, before or after rank 0's finish."""
+    life = RunLifecycle()
+    t = 10 * HOUR_NS
+    crash = attempt_event("crashed", t - HOUR_NS, "job:0", rank=1, error="OOM")
+    finish = attempt_event("finished", t + 5, "job:0")
+    life.apply(attempt_event("started", t, "job:0", config={"lr": 1}))
+    for e in (crash, finish) if crash_first else (finish, crash):
+        life.apply(e)
+    assert life.status(idle_finished=False) == "crashed" and life.error == "OOM"
+    assert life.config == {"lr": 1}
+
+
+def test_a_new_attempt_resumes_and_a_late_event_of_the_earlier_attempt_changes_nothing():
+    life = RunLifecycle()
+    life.apply(attempt_event("started", 50, "job:0", config={"a": 0}))
+    life.apply(attempt_event("crashed", 60, "job:0", rank=1))
+    resumed = attempt_event("started", 1, "job:1", config={"a": 1})  # its clock is behind
+    assert life.apply(resumed)
+    assert life.status(idle_finished=False) == "running" and life.config == {"a": 1}
+    assert not life.apply(attempt_event("crashed", 99, "job:0", rank=1))  # late, earlier
+    assert not life.apply(attempt_event("started", 99, "job:0", config={"a": 0}))
+    assert not life.apply(resumed)  # re-delivered
+    assert life.status(idle_finished=False) == "running" and life.config == {"a": 1}
+    again = RunLifecycle.from_state(json.loads(json.dumps(life.to_state())))
+    assert again.to_state() == life.to_state()
+    assert not again.apply(attempt_event("crashed", 99, "job:0", rank=1))
+
+
+def test_an_attempt_comes_from_the_launchers_environment():
+    from probewire.instrument.lifecycle import attempt_id
+
+    assert attempt_id({}) == "" and attempt_id({"TORCHELASTIC_RUN_ID": "none"}) == ""
+    assert attempt_id({"PROBEWIRE_ATTEMPT": "p", "TORCHELASTIC_RUN_ID": "j"}) == "p:0"
+    torchrun = {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert attempt_id(torchrun) == "torchrun:j:2"
+    assert attempt_id({"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}) == "slurm:77:1"
+
+
+@pytest.mark.parametrize(
+    "field, value", [("attempt", 3), ("attempt", "x" * 201), ("step", -2), ("seq", True)]
+)
+def test_a_bad_ordering_field_is_refused(field, value):
+    body = {"run_id": "r", "event": "started", "rank": 0, "time_unix_nano": 1, field: value}
+    with pytest.raises(EventError, match=field):
+        parse_event(json.dumps(body).encode())
