@@ -29,6 +29,7 @@ from ..catalog import Device, Grad, Guard, Host, Memory, Net, System, tier_of
 from ..collect import Late
 from ..state import StepState
 from ..wire import Point
+from .grads import clip_threshold
 
 __all__ = [
     "DeviceTelemetry",
@@ -332,14 +333,16 @@ class SystemProbe:
             reset_peaks(self._device)
 
     def _late_points(
-        self, step: tuple[float, int, list[int]] | None, host: HostTelemetry | None
+        self, step: tuple[float, int, list[int], float | None] | None, host: HostTelemetry | None
     ) -> list[Point]:
         """On the emitter thread: the step's bookkeeping from its numbers (elapsed, positions,
         guard counters; None when the tier is not due), memory.peak_rss and host telemetry."""
         out = [] if step is None else self._step_points(*step)
         return out + _usage_points(step is not None, host)
 
-    def _step_points(self, elapsed_s: float, positions: int, guard: list[int]) -> list[Point]:
+    def _step_points(
+        self, elapsed_s: float, positions: int, guard: list[int], clip_c: float | None
+    ) -> list[Point]:
         """The step's bookkeeping as points, made on the emitter thread from its numbers."""
         out = [Point(System.STEP_TIME, elapsed_s)]
         if positions:
@@ -353,8 +356,8 @@ class SystemProbe:
             Point(Guard.REPLAYED, replayed),
             Point(Guard.REPLAY_MISMATCH, mismatch),
         ]
-        if self._clip_threshold is not None:
-            out.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
+        if clip_c is not None:
+            out.append(Point(Grad.CLIP_THRESHOLD, clip_c))
         return out
 
     def close(
@@ -364,7 +367,8 @@ class SystemProbe:
         step = None
         if state.due[TIER]:
             points += peak_memory_points(self._device)  # the device's counters at the step's end
-            step = (elapsed_s, state.positions, state.guard)
+            c = clip_threshold(self._clip_threshold, state.max_norm)
+            step = (elapsed_s, state.positions, state.guard, c)
             state.guard = [0, 0, 0]
         if step is not None or host is not None:
             late.append(functools.partial(self._late_points, step, host))

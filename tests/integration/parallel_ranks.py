@@ -12,6 +12,7 @@ values against the ranks' own numbers and against an unsharded float64 reference
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,15 @@ V, D, H, T, B, E, K = 32, 16, 32, 8, 8, 4, 2  # vocab, width, hidden, seq, batch
 IGNORE = -100
 STEPS = 2
 WORLD = {"fsdp2": 2, "fsdp4": 4, "hsdp": 4, "dp_tp_sp": 4, "pp": 2, "ep": 2}
+# "clip": fsdp2 clipped by ``s.clip_grad_norm_(params, CLIP_MAX_NORM)`` with no
+# ProbeConfig.clip_threshold, its loss scaled so that G2 falls on both sides of 0.5 (and
+# under the stream's default c = 1.0), for CLIP_STEPS steps
+RUNS = {**WORLD, "clip": 2}
+CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS = 0.5, 0.6, 8
+
+
+def steps_of(layout: str) -> int:
+    return CLIP_STEPS if layout == "clip" else STEPS
 
 
 class Expert(nn.Module):
@@ -205,7 +215,13 @@ def train(
     )
     transport = KafkaTransport({"bootstrap.servers": bootstrap}, "otlp_metrics")
     trace = open(Path(trace_dir) / f"rank{rank}.jsonl", "w")
-    if layout == "pp":
+    if layout == "clip":
+        config = dataclasses.replace(config, clip_threshold=None)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        model, data = _fsdp(full_model(), mesh), (mesh.get_local_rank(0), world)
+        clip = (CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS)
+        _train_data_parallel(model, mesh, data, identity, config, transport, trace, clip)
+    elif layout == "pp":
         _train_pipeline(rank, identity, config, transport, trace)
     elif layout == "ep":
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
@@ -240,21 +256,26 @@ def _write(trace, step: int, **values: float) -> None:
     trace.flush()
 
 
-def _train_data_parallel(model, mesh, data, identity, config, transport, trace) -> None:
+def _train_data_parallel(
+    model, mesh, data, identity, config, transport, trace, clip=(1.0, 1.0, STEPS)
+) -> None:
+    """``clip``: (max_norm, a factor on the loss, steps)."""
     from probewire.instrument import attach
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = attach(model, opt, identity=identity, config=config, transport=transport, mesh=mesh)
     index, count = data
-    for step in range(STEPS):
+    max_norm, loss_scale, steps = clip
+    for step in range(steps):
         tokens, targets = shard_rows(step, index, count)
         n_global = int((global_batch(step)[1] != IGNORE).sum())
         with monitor.step(step) as s:
             s.micro_batch(tokens=tokens, mask=targets != IGNORE)
             losses = token_losses(model(tokens), targets)
             s.loss(losses)
-            (losses.sum() * count / n_global).backward()  # FSDP averages over dp: undo it
-            total = s.clip_grad_norm_(model.parameters(), 1.0)
+            # FSDP averages over dp: undo it
+            (losses.sum() * count / n_global * loss_scale).backward()
+            total = s.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
             opt.zero_grad()
         _write(
@@ -394,8 +415,6 @@ def _train_pipeline(rank, identity, config, transport, trace) -> None:
 
 
 def RankIdentity_with(identity, coords):  # noqa: N802 - a small constructor helper
-    import dataclasses
-
     return dataclasses.replace(identity, coords=coords)
 
 

@@ -16,12 +16,14 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import parallel_ranks as pr
 import pytest
 import torch.multiprocessing as mp
 
 from probewire.deploy.settings import ClickHouseSettings, Settings
 from probewire.deploy.stack import LocalStack
+from probewire.stream.signals import DetectorConfig
 
 pytestmark = pytest.mark.integration
 
@@ -55,16 +57,16 @@ def runs(scratch_module: Path, read_store):
     """Every layout trained once against one stack; then the stack stops and the store is read."""
     store = scratch_module / "store"
     settings = Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")))
-    run_ids = {layout: f"{layout}-{uuid.uuid4().hex[:6]}" for layout in LAYOUTS}
+    run_ids = {layout: f"{layout}-{uuid.uuid4().hex[:6]}" for layout in pr.RUNS}
     traces: dict[str, dict[int, dict[int, dict]]] = {}
     sent: dict[str, dict[int, dict]] = {}
     with LocalStack(settings, scratch_module / "stack") as stack:
         bootstrap = stack.start_broker()
         stack.start_worker()
-        for layout in LAYOUTS:
+        for layout in pr.RUNS:
             trace_dir = scratch_module / layout
             trace_dir.mkdir()
-            world = pr.WORLD[layout]
+            world = pr.RUNS[layout]
             _ranks(
                 pr.train,
                 (world, _port(), layout, run_ids[layout], bootstrap, str(trace_dir)),
@@ -84,7 +86,7 @@ def runs(scratch_module: Path, read_store):
             }
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(
-            stack.progress(run_ids[layout]) < pr.STEPS for layout in LAYOUTS
+            stack.progress(run_ids[layout]) < pr.steps_of(layout) for layout in pr.RUNS
         ):
             time.sleep(0.5)
     warnings = [
@@ -98,7 +100,7 @@ def runs(scratch_module: Path, read_store):
     ids = ", ".join(f"'{r}'" for r in run_ids.values())
     steps = read_store(
         store,
-        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, "
+        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, clip_rate, clipped, "
         f"ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
         f"({ids}) ORDER BY run_id, step",
     )
@@ -195,6 +197,25 @@ def test_expert_parallel_counts_each_expert_once(runs):
     assert got == ref and sum(got) == pr.K * sum(
         int(n) for n in [(pr.global_batch(0)[1] != pr.IGNORE).sum()]
     )
+
+
+def test_clip_rate_counts_the_steps_over_the_max_norm_the_loop_clipped_with(runs):
+    """fsdp2 clipped by ``s.clip_grad_norm_(params, 0.5)``, no ProbeConfig.clip_threshold:
+    each rank sends grad.clip_threshold = 0.5 on every step, and the stored clip_rate at step
+    t is the fraction of the window's steps (the last W of 0..t) whose clipping norm, as the
+    ranks computed it, exceeded 0.5; clipped is that step's indicator. Every G2 lies under
+    the stream's default c = 1.0 and some under 0.5, so neither default matches."""
+    run, steps = runs["clip"], pr.CLIP_STEPS
+    norms = np.array([run["traces"][0][t]["clip_norm"] for t in range(steps)], dtype=np.float64)
+    over = norms > pr.CLIP_MAX_NORM
+    assert 0 < over.sum() < steps and norms.max() < 1.0
+    window = DetectorConfig().clip_window
+    for t in range(steps):
+        row = run["steps"][t]
+        assert row["clip_rate"] == pytest.approx(over[max(0, t - window + 1) : t + 1].mean())
+        assert row["clipped"] == int(over[t])
+    sent = [r["value"] for r in run["ranks"] if r["metric"] == "grad.clip_threshold"]
+    assert sent == [pr.CLIP_MAX_NORM] * (pr.RUNS["clip"] * steps)
 
 
 @pytest.mark.parametrize("case,name", [("plain_shard", "head.weight"), ("fsdp", "embed.weight")])

@@ -602,3 +602,52 @@ def test_every_step_gradient_groups_match_a_float64_reference(monkeypatch, small
                 continue
             assert value(rec, name, **labels) == pytest.approx(want, rel=1e-5), (name, labels)
     assert ("grad.abs_sum", (("group", "expert"),)) not in rec.values
+
+
+def _clip_once(config, clip, max_norm):
+    """One step on TinyLM clipped at ``max_norm``, by the helper (``clip`` "helper") or by
+    torch with ``s.clipped(norm, max_norm=)`` ("torch"); the record and the norm."""
+    batches = make_batches(13)
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport, config=config)
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    with monitor.step(0) as s:
+        for tokens, targets, _ in batches:
+            s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+            (token_losses(model(tokens), targets).sum() / n_valid).backward()
+        if clip == "helper":
+            norm = float(s.clip_grad_norm_(model.parameters(), max_norm))
+        else:
+            s.gradients()
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            s.clipped(total, max_norm=max_norm)
+            norm = float(total)
+    monitor.close()
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    return rec, norm
+
+
+@pytest.mark.parametrize("clip", ["helper", "torch"])
+@pytest.mark.parametrize("factor", [0.5, 2.0])  # max_norm under and over the step's G2
+def test_clipped_uses_the_max_norm_the_loop_clipped_with_when_no_threshold_is_set(clip, factor):
+    """No ProbeConfig.clip_threshold: grad.clipped = 1[G2 > max_norm] for the max_norm given
+    to clip_grad_norm_ (or to clipped), and grad.clip_threshold = that max_norm."""
+    _, g2 = _clip_once(ProbeConfig(**QUIET), clip, 1e9)
+    rec, norm = _clip_once(ProbeConfig(**QUIET), clip, g2 * factor)
+    assert norm == g2
+    assert value(rec, "grad.clipped") == float(g2 > g2 * factor)
+    assert value(rec, "grad.clip_threshold") == g2 * factor
+
+
+def test_the_loops_max_norm_wins_over_a_different_clip_threshold_said_once(caplog):
+    """ProbeConfig.clip_threshold = 1e9 but the loop clips at max_norm under G2: the loop's
+    max_norm is what clipped, so grad.clipped = 1 and grad.clip_threshold = max_norm; the
+    disagreement is logged once."""
+    _, g2 = _clip_once(ProbeConfig(**QUIET), "helper", 1e9)
+    with caplog.at_level("WARNING", logger="probewire.instrument.probes.grads"):
+        rec, _ = _clip_once(ProbeConfig(clip_threshold=1e9, **QUIET), "helper", g2 / 2)
+    assert value(rec, "grad.clipped") == 1.0 and value(rec, "grad.clip_threshold") == g2 / 2
+    told = [r.getMessage() for r in caplog.records if "differs from the max_norm" in r.getMessage()]
+    assert len(told) == 1 and "clip_threshold=1000000000.0" in told[0]
