@@ -57,7 +57,15 @@ __all__ = [
 ]
 
 PER_RANK = frozenset(
-    {Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED, Memory.PEAK_RSS}
+    {
+        Loss.SUM,
+        Loss.TOKENS,
+        System.STEP_TIME,
+        Comm.WAIT,
+        Memory.PEAK_ALLOCATED,
+        Memory.PEAK_RSS,
+        Memory.CAPACITY,
+    }
 )
 """The metrics whose per-rank values the view reads (any labels); the rest of a step's
 per-rank values are detail only."""
@@ -235,6 +243,11 @@ class StepInputs:
     def memory(self) -> dict[int, float]:
         """Each rank's peak device memory, else its peak host RSS."""
         return self.per_rank(Memory.PEAK_ALLOCATED) or self.per_rank(Memory.PEAK_RSS)
+
+    @cached_property
+    def capacity(self) -> dict[int, float]:
+        """Each rank's memory capacity (memory.capacity: what its ``memory`` peak may reach)."""
+        return self.per_rank(Memory.CAPACITY)
 
     @cached_property
     def experts(self) -> Experts:

@@ -10,6 +10,9 @@ Reset boundary (001 §5, "reset peak counters only at documented boundaries"): t
 peak counters of the current device are reset when the monitor's step context opens, so
 ``memory.peak_*`` covers exactly one step (data loading, forward, backward, optimizer).
 ``memory.peak_rss_bytes`` is the kernel's process high-water mark and is never reset.
+``memory.capacity`` (``memory_capacity``: the device's total, on CPU the cgroup or system
+limit) is read once at attach and sent with every step: the stream forms the headroom
+1 - peak / capacity from it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "ProcFile",
     "SystemProbe",
     "default_flops_per_token",
+    "memory_capacity",
     "peak_memory_points",
     "peak_rss_points",
     "reset_peaks",
@@ -53,6 +57,7 @@ TIER = tier_of(
     Memory.PEAK_RESERVED,
     Memory.ALLOCATED,
     Memory.RESERVED,
+    Memory.CAPACITY,
     Guard.SKIPPED,
     Guard.REPLAYED,
     Guard.REPLAY_MISMATCH,
@@ -115,6 +120,36 @@ def peak_memory_points(device: torch.device | None) -> list[Point]:
         Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
         Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device))),
     ]
+
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _cgroup_limit(paths: tuple[str, ...]) -> float | None:
+    """The first memory limit among the cgroup files ``paths`` (v2, then v1); None when
+    there is none ("max", absent or unreadable)."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return float(text)
+    return None
+
+
+def memory_capacity(
+    device: torch.device | None, cgroup_files: tuple[str, ...] = _CGROUP_LIMITS
+) -> float:
+    """memory.capacity: what the rank's peak may reach. A CUDA device: its total bytes
+    (``mem_get_info``). CPU: the cgroup limit where one is set, never above the system's
+    physical memory (a v1 cgroup without a limit reads as ~2^63)."""
+    if device is not None:
+        return float(torch.cuda.mem_get_info(device)[1])
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    limit = _cgroup_limit(cgroup_files)
+    return physical if limit is None else min(limit, physical)
 
 
 def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
@@ -308,8 +343,8 @@ class DeviceTelemetry:
 
 
 class SystemProbe:
-    """Step bookkeeping on every step: step time, positions and FLOPs, memory peaks, the
-    guard's counters since the last emitted step and the clip threshold; telemetry
+    """Step bookkeeping on every step: step time, positions and FLOPs, memory peaks and
+    capacity, the guard's counters since the last emitted step and the clip threshold; telemetry
     samplers run on the emitter thread. The CUDA peak counters are reset when the step
     opens, so memory.peak_* covers exactly one step."""
 
@@ -325,6 +360,7 @@ class SystemProbe:
         self._device = device
         self._flops_per_token = flops_per_token
         self._clip_threshold = clip_threshold
+        self._capacity = memory_capacity(device)  # fixed for the process: read once
         self._host = HostTelemetry(read_network=read_network) if telemetry else None
         self._gpu = DeviceTelemetry(device) if telemetry else None
 
@@ -344,7 +380,7 @@ class SystemProbe:
         self, elapsed_s: float, positions: int, guard: list[int], clip_c: float | None
     ) -> list[Point]:
         """The step's bookkeeping as points, made on the emitter thread from its numbers."""
-        out = [Point(System.STEP_TIME, elapsed_s)]
+        out = [Point(System.STEP_TIME, elapsed_s), Point(Memory.CAPACITY, self._capacity)]
         if positions:
             out += [
                 Point(System.POSITIONS, float(positions)),

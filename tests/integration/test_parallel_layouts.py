@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import socket
 import time
 import uuid
@@ -101,7 +102,7 @@ def runs(scratch_module: Path, read_store):
     steps = read_store(
         store,
         f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, clip_rate, clipped, "
-        f"ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
+        f"memory_capacity_bytes, memory_headroom, ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
         f"({ids}) ORDER BY run_id, step",
     )
     ranks = read_store(
@@ -216,6 +217,36 @@ def test_clip_rate_counts_the_steps_over_the_max_norm_the_loop_clipped_with(runs
         assert row["clipped"] == int(over[t])
     sent = [r["value"] for r in run["ranks"] if r["metric"] == "grad.clip_threshold"]
     assert sent == [pr.CLIP_MAX_NORM] * (pr.RUNS["clip"] * steps)
+
+
+def _cpu_capacity() -> float:
+    """This host's memory limit as the test reads it: the cgroup's (v2, else v1), never
+    above physical memory."""
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = Path(path).read_text().strip() if Path(path).exists() else ""
+        if text.isdigit():
+            return min(float(text), physical)
+    return physical
+
+
+@pytest.mark.parametrize("layout", tuple(pr.RUNS))
+def test_memory_capacity_and_headroom_are_stored_every_step(runs, layout):
+    """CPU ranks send their capacity (cgroup or physical limit) every step: the stored
+    memory_capacity_bytes is it, and memory_headroom = min over ranks of 1 - peak_rss_r /
+    capacity, from the peaks the ranks sent (float64 NumPy)."""
+    capacity = _cpu_capacity()
+    peaks: dict[int, dict[int, float]] = {}
+    for r in runs[layout]["ranks"]:
+        if r["metric"] == "memory.peak_rss" and r["labels"] == "":
+            peaks.setdefault(r["step"], {})[r["rank"]] = r["value"]
+    assert sorted(peaks) == sorted(runs[layout]["steps"])
+    for step, row in runs[layout]["steps"].items():
+        rss = np.array(list(peaks[step].values()), dtype=np.float64)
+        assert len(rss) == pr.RUNS[layout]
+        assert row["memory_capacity_bytes"] == capacity
+        assert row["memory_headroom"] == pytest.approx(np.min(1.0 - rss / capacity), rel=1e-12)
+        assert 0.0 < row["memory_headroom"] < 1.0
 
 
 @pytest.mark.parametrize("case,name", [("plain_shard", "head.weight"), ("fsdp", "embed.weight")])
