@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +96,7 @@ class StepState:
         "grad_rows",
         "clip",
         "max_norm",
+        "scaler",
         "pending_bwd",
         "comm_waits",
         "guard",
@@ -142,6 +144,7 @@ class StepState:
         ) = None
         self.clip: torch.Tensor | float | None = None
         self.max_norm: float | None = None  # the threshold the loop clipped with, if it said
+        self.scaler: tuple[Any, torch.Tensor] | None = None  # a GradScaler, its scale then
         self.pending_bwd: dict[str, int] = {}  # forwards whose backward hook waits (recompute)
         self.comm_waits: dict[str, float] = {}  # a new dict: a late sampler may hold the last
         self.collector.clear()

@@ -48,6 +48,7 @@ from .tensors import TensorProbe, scale_scan
 
 __all__ = [
     "GradProbe",
+    "amp_skipped",
     "clip_threshold",
     "decode_clipped",
     "decode_grad_detail",
@@ -127,6 +128,21 @@ def inverse_scale(scaler: Any, scale: Any) -> Any:
             return None
     scale_tensor = getattr(scaler, "_scale", None)
     return None if scale_tensor is None else scale_tensor.detach().to(F64).reciprocal()
+
+
+def amp_skipped(scaler: Any, scale_before: torch.Tensor) -> torch.Tensor:
+    """1.0 (float64 [1], on the scale's device, no host sync) when ``scaler`` (a
+    ``torch.amp.GradScaler``) skipped this step's optimizer step for inf/NaN gradients, else
+    0.0: before ``update()``, any ``found_inf`` of the optimizers it unscaled; after it, the
+    scale fell below ``scale_before`` (``update`` backs off only after a skip)."""
+    found = [
+        flag.to(scale_before.device, F64).reshape(1)
+        for state in getattr(scaler, "_per_optimizer_states", {}).values()
+        for flag in state.get("found_inf_per_device", {}).values()
+    ]
+    if found:
+        return (torch.cat(found).sum(0, keepdim=True) > 0).to(F64)
+    return (scaler._scale.detach().to(F64).reshape(1) < scale_before).to(F64)
 
 
 def clip_threshold(configured: float | None, max_norm: float | None) -> float | None:
@@ -286,6 +302,8 @@ class GradProbe:
         if plan.present is not None:
             grads = [grads[i] for i in plan.present]
         inv = inverse_scale(scaler, scale)
+        if scaler is not None and scaler.is_enabled() and state.scaler is None:
+            state.scaler = (scaler, scaler._scale.detach().to(F64).reshape(1))  # a copy
         if notify:
             for listener in self._listeners:
                 listener.on_gradients(state, inv)

@@ -24,6 +24,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,13 +33,14 @@ from ..catalog import Device, Grad, Guard, Host, Memory, Net, System, tier_of
 from ..collect import Late
 from ..state import StepState
 from ..wire import Point
-from .grads import clip_threshold
+from .grads import amp_skipped, clip_threshold
 
 __all__ = [
     "DeviceTelemetry",
     "HostTelemetry",
     "ProcFile",
     "SystemProbe",
+    "decode_skipped",
     "default_flops_per_token",
     "memory_capacity",
     "peak_memory_points",
@@ -150,6 +152,13 @@ def memory_capacity(
     physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     limit = _cgroup_limit(cgroup_files)
     return physical if limit is None else min(limit, physical)
+
+
+def decode_skipped(parts: list[tuple[Any, Any]]) -> list[Point]:
+    """guard.skipped: the loop's own skips since the last emitted step (meta) plus 1 when the
+    GradScaler skipped this step (the part, ``grads.amp_skipped``)."""
+    values, counted = parts[0]
+    return [Point(Guard.SKIPPED, counted + float(values[0]))]
 
 
 def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
@@ -369,7 +378,9 @@ class SystemProbe:
             reset_peaks(self._device)
 
     def _late_points(
-        self, step: tuple[float, int, list[int], float | None] | None, host: HostTelemetry | None
+        self,
+        step: tuple[float, int, list[int], float | None, bool] | None,
+        host: HostTelemetry | None,
     ) -> list[Point]:
         """On the emitter thread: the step's bookkeeping from its numbers (elapsed, positions,
         guard counters; None when the tier is not due), memory.peak_rss and host telemetry."""
@@ -377,9 +388,10 @@ class SystemProbe:
         return out + _usage_points(step is not None, host)
 
     def _step_points(
-        self, elapsed_s: float, positions: int, guard: list[int], clip_c: float | None
+        self, elapsed_s: float, positions: int, guard: list[int], clip_c: float | None, amp: bool
     ) -> list[Point]:
-        """The step's bookkeeping as points, made on the emitter thread from its numbers."""
+        """The step's bookkeeping as points, made on the emitter thread from its numbers
+        (``amp``: guard.skipped comes with the GradScaler's verdict instead)."""
         out = [Point(System.STEP_TIME, elapsed_s), Point(Memory.CAPACITY, self._capacity)]
         if positions:
             out += [
@@ -387,11 +399,9 @@ class SystemProbe:
                 Point(System.FLOPS, self._flops_per_token * positions),
             ]
         skipped, replayed, mismatch = guard
-        out += [
-            Point(Guard.SKIPPED, skipped),
-            Point(Guard.REPLAYED, replayed),
-            Point(Guard.REPLAY_MISMATCH, mismatch),
-        ]
+        if not amp:  # else sent with the scaler's verdict (``decode_skipped``)
+            out.append(Point(Guard.SKIPPED, skipped))
+        out += [Point(Guard.REPLAYED, replayed), Point(Guard.REPLAY_MISMATCH, mismatch)]
         if clip_c is not None:
             out.append(Point(Grad.CLIP_THRESHOLD, clip_c))
         return out
@@ -404,7 +414,11 @@ class SystemProbe:
         if state.due[TIER]:
             points += peak_memory_points(self._device)  # the device's counters at the step's end
             c = clip_threshold(self._clip_threshold, state.max_norm)
-            step = (elapsed_s, state.positions, state.guard, c)
+            amp = state.scaler is not None
+            if state.scaler is not None:  # an AMP skip is a skipped step too
+                skip = amp_skipped(*state.scaler)
+                state.collector.add("guard.skipped", skip, decode_skipped, state.guard[0])
+            step = (elapsed_s, state.positions, state.guard, c, amp)
             state.guard = [0, 0, 0]
         if step is not None or host is not None:
             late.append(functools.partial(self._late_points, step, host))

@@ -651,3 +651,46 @@ def test_the_loops_max_norm_wins_over_a_different_clip_threshold_said_once(caplo
     assert value(rec, "grad.clipped") == 1.0 and value(rec, "grad.clip_threshold") == g2 / 2
     told = [r.getMessage() for r in caplog.records if "differs from the max_norm" in r.getMessage()]
     assert len(told) == 1 and "clip_threshold=1000000000.0" in told[0]
+
+
+@pytest.mark.parametrize("update_inside", [True, False])
+def test_a_grad_scaler_skip_is_a_skipped_step(update_inside):
+    """A real torch.amp.GradScaler on CPU, an inf gradient forced on step 2 of 4: the scaler
+    skips that optimizer step, and guard.skipped is 1 on exactly that step (0 on the others)
+    whether ``scaler.update()`` runs inside the step (the scale backs off) or after it
+    (found_inf still set); a loop's own ``s.skipped()`` on step 3 adds to it there."""
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    transport = MemoryTransport()
+    monitor = attach(
+        model, opt, identity=identity(), transport=transport, config=ProbeConfig(**QUIET)
+    )
+    scales = []
+    for step in range(4):
+        batches = make_batches(step)
+        n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+        with monitor.step(step) as s:
+            for tokens, targets, _ in batches:
+                s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+                loss = token_losses(model(tokens), targets).sum() / n_valid
+                scaler.scale(loss).backward()
+            if step == 2:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            s.gradients(scaler=scaler)
+            scaler.unscale_(opt)
+            s.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            if step == 3:
+                s.skipped()  # the loop's spike guard, on a step the scaler took
+            if update_inside:
+                scaler.update()
+        if not update_inside:
+            scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    recs = sorted((decode_rank_step(k, v) for k, v in transport.messages), key=lambda r: r.step)
+    assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the scaler skipped step 2 only
+    assert [value(r, "guard.skipped") for r in recs] == [0.0, 0.0, 1.0, 1.0]
