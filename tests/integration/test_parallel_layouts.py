@@ -102,7 +102,7 @@ def runs(scratch_module: Path, read_store):
     steps = read_store(
         store,
         f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, clip_rate, clipped, "
-        f"memory_capacity_bytes, memory_headroom, ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
+        f"memory_capacity_bytes, memory_headroom, moe_shard_imbalance, ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
         f"({ids}) ORDER BY run_id, step",
     )
     ranks = read_store(
@@ -113,8 +113,13 @@ def runs(scratch_module: Path, read_store):
     refused = read_store(store, f"SELECT key, reason FROM {db}.dead_letters")
     experts = read_store(
         store,
-        f"SELECT run_id, step, expert, tokens FROM "
+        f"SELECT run_id, step, expert, shard, tokens FROM "
         f"{db}.expert_stats_recent FINAL WHERE run_id IN ({ids})",
+    )
+    balance = read_store(
+        store,
+        f"SELECT run_id, step, layer, shard_imbalance FROM {db}.expert_balance "
+        f"WHERE run_id IN ({ids})",
     )
     by_layout = {}
     for layout, run_id in run_ids.items():
@@ -124,6 +129,10 @@ def runs(scratch_module: Path, read_store):
             "experts": {
                 (r["step"], r["expert"]): r["tokens"] for r in experts if r["run_id"] == run_id
             },
+            "shards": {
+                (r["step"], r["expert"]): r["shard"] for r in experts if r["run_id"] == run_id
+            },
+            "balance": {r["step"]: r["shard_imbalance"] for r in balance if r["run_id"] == run_id},
             "traces": traces[layout],
             # why a rank is missing: what it sent, what the worker refused or logged
             "evidence": {
@@ -217,6 +226,35 @@ def test_clip_rate_counts_the_steps_over_the_max_norm_the_loop_clipped_with(runs
         assert row["clipped"] == int(over[t])
     sent = [r["value"] for r in run["ranks"] if r["metric"] == "grad.clip_threshold"]
     assert sent == [pr.CLIP_MAX_NORM] * (pr.RUNS["clip"] * steps)
+
+
+@pytest.mark.parametrize(
+    "layout,owner", [("ep", lambda i: i // 2), ("ep_strided", lambda i: i % 2)]
+)
+def test_shard_imbalance_under_two_way_ep_follows_the_expert_placement(runs, layout, owner):
+    """Two expert-parallel ranks holding experts {0, 1} | {2, 3} (contiguous) or {0, 2} |
+    {1, 3} (strided, as ``local_expert_indices`` says): each expert is stored with the shard
+    that holds it, and step_metrics.moe_shard_imbalance and expert_balance.shard_imbalance
+    both equal max_s C_s / mean_s C_s over the true placement, from the unsharded router's
+    counts at step 0 and the stored counts after (float64 NumPy); at step 0 the two
+    placements give different values, so a contiguous assumption fails the strided run."""
+    run = runs[layout]
+    ref = np.array(pr.reference("ep")["expert_counts"], dtype=np.float64)
+    owners = np.array([owner(i) for i in range(pr.E)])
+    for step in range(pr.STEPS):
+        assert [run["shards"][(step, i)] for i in range(pr.E)] == owners.tolist()
+        counts = np.array([run["experts"][(step, i)] for i in range(pr.E)], dtype=np.float64)
+        if step == 0:
+            assert counts.tolist() == ref.tolist()
+        loads = np.bincount(owners, weights=counts)
+        want = loads.max() / loads.mean()
+        assert run["steps"][step]["moe_shard_imbalance"] == pytest.approx(want, rel=1e-12)
+        assert run["balance"][step] == pytest.approx(want, rel=1e-12)
+    contiguous, strided = (
+        np.bincount([o(i) for i in range(pr.E)], weights=ref)
+        for o in (lambda i: i // 2, lambda i: i % 2)
+    )
+    assert contiguous.max() / contiguous.mean() != pytest.approx(strided.max() / strided.mean())
 
 
 def _cpu_capacity() -> float:

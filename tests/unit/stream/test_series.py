@@ -192,3 +192,44 @@ def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_
     assert ch_client.query(
         f"SELECT step, tokens, memory_capacity_bytes, memory_headroom FROM {db}.step_metrics"
     ).result_rows == [(3, 9, None, None)]
+
+
+def _ep_ranks(counts: np.ndarray, shards: list[int] | None) -> list[RankStep]:
+    """Two expert-parallel ranks (ep 0 and 1) splitting one layer's loads; every expert
+    labelled with its shard when ``shards`` is given (as the probe sends it)."""
+    ranks = []
+    for r in range(2):
+        part = counts // 2 if r == 0 else counts - counts // 2
+        values = {}
+        for e, n in enumerate(part):
+            pairs = [(Label.EXPERT, str(e)), (Label.LAYER, "1")]
+            if shards is not None:
+                pairs.append((Label.SHARD, str(shards[e])))
+            values[(Moe.EXPERT_TOKENS, tuple(sorted(pairs)))] = float(n)
+        ranks.append(
+            RankStep(
+                run_id="ep", step=0, rank=r, world_size=2, host="h", coords={"ep": r}, values=values
+            )
+        )
+    return ranks
+
+
+def test_shard_imbalance_reads_the_placement_the_ranks_labelled():
+    """moe_shard_imbalance = max_s C_s / mean_s C_s over the shards the labels name: strided
+    labels give the strided value (float64 NumPy), unlabelled loads the contiguous one, and
+    labels that do not name shards 0..S-1 give no value instead of an error."""
+    counts = np.array([20, 12, 10, 24, 7, 30, 2, 15], dtype=np.int64)
+    strided = [i % 2 for i in range(8)]
+
+    def want(owners):
+        loads = np.bincount(owners, weights=counts.astype(np.float64))
+        return loads.max() / loads.mean()
+
+    def stored(shards):
+        step = reduce_step("ep", 0, 2, _ep_ranks(counts, shards), "all_ranks")
+        return p0_view(step).view[StepMetrics.moe_shard_imbalance]
+
+    assert want(strided) != pytest.approx(want([i // 4 for i in range(8)]))
+    assert stored(strided) == pytest.approx(want(strided), rel=1e-12)
+    assert stored(None) == pytest.approx(want([i // 4 for i in range(8)]), rel=1e-12)
+    assert stored([0, 2] * 4) is None
