@@ -1,6 +1,7 @@
 """Ranks of the layout tests: a small model trained on real torch.distributed process groups
 (gloo, CPU) under one layout — FSDP2, HSDP, 2 DP × 2 TP with sequence parallelism, two
-pipeline stages, two-way expert parallelism — with probewire attached as a user would.
+pipeline stages, two-way expert parallelism (contiguous or strided placement) — with
+probewire attached as a user would.
 
 ``train(rank, world, port, layout, run_id, bootstrap, trace_dir)`` is the function each
 process runs (``torch.multiprocessing.spawn``). Each rank writes what it computed itself to

@@ -4,7 +4,9 @@ real gloo process groups with probewire attached, through the real broker, worke
 What ClickHouse stores is held against the ranks' own numbers and an unsharded reference:
 L and L_max exactly (from the ranks' float64 loss sums and counts), G2 within float32
 rounding of ``clip_grad_norm_`` on the unsharded model, every gradient element counted once,
-the per-expert valid-token counts of the MoE layer exactly."""
+the per-expert valid-token counts of the MoE layer exactly, memory capacity and headroom.
+Two more runs on the same stack: FSDP2 clipped at max_norm 0.5 with no clip_threshold (the
+clip rate), and two-way expert parallelism with strided placement (the shard imbalance)."""
 
 from __future__ import annotations
 
