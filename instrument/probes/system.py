@@ -417,7 +417,7 @@ class SystemProbe:
             amp = state.scaler is not None
             if state.scaler is not None:  # an AMP skip is a skipped step too
                 skip = amp_skipped(*state.scaler)
-                state.collector.add("guard.skipped", skip, decode_skipped, state.guard[0])
+                state.collector.add("system.amp_skip", skip, decode_skipped, state.guard[0])
             step = (elapsed_s, state.positions, state.guard, c, amp)
             state.guard = [0, 0, 0]
         if step is not None or host is not None:
