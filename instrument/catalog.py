@@ -162,6 +162,7 @@ class Memory:
     PEAK_RSS = "memory.peak_rss"
     ALLOCATED = "memory.allocated"
     RESERVED = "memory.reserved"
+    CAPACITY = "memory.capacity"
 
 
 class Comm:
@@ -684,6 +685,20 @@ _SYSTEM = (
         point="CUDA allocator at step exit",
         doc="bytes held by the allocator, cached blocks included. Reduction: max.",
         seed="001 §5 (allocated and reserved)",
+    ),
+    _m(
+        Memory.CAPACITY,
+        P0,
+        1,
+        MIN,
+        "By",
+        point="read once at attach: the CUDA device's total (torch.cuda.mem_get_info), on "
+        "CPU the process's cgroup limit (memory.max, v1 memory.limit_in_bytes) or the "
+        "system's physical memory, whichever is smaller",
+        doc="the memory the rank's peak (memory.peak_allocated, on CPU memory.peak_rss) may "
+        "reach before it fails. Reduction: min (the smallest device); the stream also reads it "
+        "per rank for the headroom 1 - peak_r / capacity_r.",
+        seed="001 §5 (peak memory: headroom before the first out-of-memory failure)",
     ),
     _m(
         Comm.WAIT,

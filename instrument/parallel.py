@@ -36,6 +36,7 @@ __all__ = [
     "LayoutError",
     "coords_from_mesh",
     "declared_groups",
+    "expert_shards",
     "identity_from_mesh",
     "is_dtensor",
     "local",
@@ -240,3 +241,21 @@ def declared_groups(
 
 def is_dtensor(t: nn.Parameter | torch.Tensor) -> bool:
     return getattr(t, "device_mesh", None) is not None
+
+
+def expert_shards(owned: Sequence[int], n_experts: int) -> tuple[int, ...] | None:
+    """The expert-parallel shard of each of a MoE layer's ``n_experts`` experts, from the
+    global ids of the experts this rank holds (``owned``: Megatron's ``local_expert_indices``),
+    every shard holding as many: contiguous (shard s holds s·n .. s·n + n - 1) or strided
+    (shard s holds s, s + S, s + 2S, .. with S = n_experts / n shards). None when ``owned``
+    is every expert (no expert parallelism) or fits neither placement."""
+    ids = sorted(int(i) for i in owned)
+    n = len(ids)
+    if not 0 < n < n_experts or n_experts % n or len(set(ids)) != n:
+        return None
+    shards = n_experts // n
+    if ids == list(range(ids[0], ids[0] + n)) and ids[0] % n == 0:
+        return tuple(i // n for i in range(n_experts))
+    if ids == list(range(ids[0], n_experts, shards)) and ids[0] < shards:
+        return tuple(i % shards for i in range(n_experts))
+    return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,6 +95,8 @@ class StepState:
         "grad_norm",
         "grad_rows",
         "clip",
+        "max_norm",
+        "scaler",
         "pending_bwd",
         "comm_waits",
         "guard",
@@ -134,12 +137,14 @@ class StepState:
         self.entries: list[Entry] = []
         self.scan_rows: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
         # gradients: the P0 norm [1], the group rows of the detail scan (on the host, the
-        # call that reduces them off the training thread), the clipping norm
+        # call that reduces them off the training thread), the clipping norm and threshold
         self.grad_norm: torch.Tensor | None = None
         self.grad_rows: (
             tuple[torch.Tensor | Callable[[], torch.Tensor], list[int], tuple[int, ...]] | None
         ) = None
         self.clip: torch.Tensor | float | None = None
+        self.max_norm: float | None = None  # the threshold the loop clipped with, if it said
+        self.scaler: tuple[Any, torch.Tensor] | None = None  # a GradScaler, its scale then
         self.pending_bwd: dict[str, int] = {}  # forwards whose backward hook waits (recompute)
         self.comm_waits: dict[str, float] = {}  # a new dict: a late sampler may hold the last
         self.collector.clear()

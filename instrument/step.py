@@ -281,16 +281,19 @@ class StepContext:
         """``torch.nn.utils.clip_grad_norm_`` that is also the gradient probe: the gradient
         statistics are taken first (accumulated, unscaled — call it after
         ``GradScaler.unscale_`` — and not yet clipped), then the same total norm clips.
-        One norm computation serves both, so grad.norm_sq is the clipping norm squared.
-        Returns the total norm, as torch's does."""
+        One norm computation serves both, so grad.norm_sq is the clipping norm squared, and
+        ``max_norm`` is the c of grad.clipped (``grads.clip_threshold``). Returns the total
+        norm, as torch's does."""
         return self._probes.grads.clip_grad_norm_(
             self._state, parameters, max_norm, norm_type, error_if_nonfinite
         )
 
-    def clipped(self, total_norm: torch.Tensor | float) -> None:
+    def clipped(self, total_norm: torch.Tensor | float, *, max_norm: float | None = None) -> None:
         """The global norm the loop clipped with (``clip_grad_norm_``'s return value, a
-        device tensor is fine): grad.clipped = 1[total_norm > clip_threshold]."""
-        self._probes.grads.clipped(self._state, total_norm)
+        device tensor is fine) and the ``max_norm`` it clipped to:
+        grad.clipped = 1[total_norm > c], c = ``max_norm``, else ``ProbeConfig.clip_threshold``
+        (``grads.clip_threshold``); c is sent as grad.clip_threshold."""
+        self._probes.grads.clipped(self._state, total_norm, max_norm)
 
     def comm_wait(self, op: str, seconds: float) -> None:
         """This rank's exposed wait on collective ``op`` in this step, measured by the loop
@@ -414,7 +417,7 @@ class NullStepContext:
     def gradients(self, **kwargs: Any) -> None:
         return None
 
-    def clipped(self, total_norm: Any) -> None:
+    def clipped(self, total_norm: Any, *, max_norm: float | None = None) -> None:
         return None
 
     def clip_grad_norm_(

@@ -106,8 +106,10 @@ def _f(name: str, comment: str = "") -> Column:
 
 _RUN = _name("run_id")
 _STATUS_DOC = (
-    "running; finished (the run closed its monitor, or sent no step for "
-    "stream.stage2.run_idle_s); crashed (an exception left a step)"
+    "running; finished (the run closed its monitor, or, never having announced itself, sent "
+    "no step for stream.stage2.run_idle_s); crashed (an exception left a step, or the "
+    "launcher exited non-zero); stalled (announced, not ended, silent for run_idle_s: a "
+    "job_state page)"
 )
 _STEP = Column("step", "UInt64", comment="optimizer step")
 
@@ -534,7 +536,9 @@ def _migrations() -> tuple[Migration, ...]:
         columns = _add_columns(v) if v > 1 else ()
         if v in written:
             m = written[v]
-            out.append(Migration(v, m.description, (*columns, *m.statements)))
+            added = ", ".join(s.name for s in STEP_SERIES if s.since == v) if v > 6 else ""
+            description = f"{m.description}; step_metrics: {added}" if added else m.description
+            out.append(Migration(v, description, (*columns, *m.statements)))
         else:
             names = ", ".join(s.name for s in STEP_SERIES if s.since == v)
             out.append(Migration(v, f"step_metrics: {names}", columns))

@@ -33,6 +33,7 @@ __all__ = [
     "mean_from_components",
     "mean_max_violation",
     "media_scale",
+    "memory_headroom",
     "own_time_ratios",
     "ratio_from_components",
     "own_times",
@@ -491,3 +492,15 @@ def ratios_by_label(
         if value is not None:
             out[dict(labels).get(key, "")] = value
     return dict(sorted(out.items()))
+
+
+def memory_headroom(peaks: Mapping[int, float], capacities: Mapping[int, float]) -> float | None:
+    """Headroom before the first out-of-memory failure (001 §5): min over ranks of
+    1 - peak_r / capacity_r, over the ranks that sent a finite peak and a finite positive
+    capacity (memory.capacity). None when no rank did."""
+    found = [
+        1.0 - peaks[r] / c
+        for r, c in capacities.items()
+        if r in peaks and math.isfinite(peaks[r]) and math.isfinite(c) and c > 0
+    ]
+    return min(found) if found else None

@@ -60,7 +60,15 @@ __all__ = [
 ]
 
 PER_RANK = frozenset(
-    {Loss.SUM, Loss.TOKENS, System.STEP_TIME, Comm.WAIT, Memory.PEAK_ALLOCATED, Memory.PEAK_RSS}
+    {
+        Loss.SUM,
+        Loss.TOKENS,
+        System.STEP_TIME,
+        Comm.WAIT,
+        Memory.PEAK_ALLOCATED,
+        Memory.PEAK_RSS,
+        Memory.CAPACITY,
+    }
 )
 """The metrics whose per-rank values the view reads (any labels); the rest of a step's
 per-rank values are detail only."""
@@ -163,6 +171,20 @@ class Branch:
         return f"layer {self.layer} {self.branch}"
 
 
+def _shards(labelled: dict[int, int], n_experts: int, ep_size: int) -> list[int] | None:
+    """Each expert's shard: its label where every expert of the layer carries one, else
+    contiguous over ``ep_size`` shards; None when there is no expert parallelism to read (or
+    labels that do not name shards 0..S-1)."""
+    if labelled:
+        used = sorted(set(labelled.values()))
+        whole = len(labelled) == n_experts and len(used) > 1 and used == list(range(len(used)))
+        return [labelled[i] for i in range(n_experts)] if whole else None
+    if ep_size > 1 and n_experts % ep_size == 0:
+        per = n_experts // ep_size
+        return [i // per for i in range(n_experts)]
+    return None
+
+
 class StepInputs:
     """One reduced step's components for the registry's formulas, each read once."""
 
@@ -246,11 +268,23 @@ class StepInputs:
         return self.per_rank(Memory.PEAK_ALLOCATED) or self.per_rank(Memory.PEAK_RSS)
 
     @cached_property
+    def capacity(self) -> dict[int, float]:
+        """Each rank's memory capacity (memory.capacity: what its ``memory`` peak may reach)."""
+        return self.per_rank(Memory.CAPACITY)
+
+    @cached_property
     def experts(self) -> Experts:
+        """Each layer's balance and the worst shard imbalance. An expert's shard is its
+        ``shard`` label (the placement the ranks reported: contiguous or strided); a layer
+        sent without shard labels is taken as contiguous over the ``ep`` coordinates."""
         by_layer: dict[str, dict[int, float]] = defaultdict(dict)
+        shard_of: dict[str, dict[int, int]] = defaultdict(dict)
         for labels, count in self.labelled(Moe.EXPERT_TOKENS).items():
             lab = dict(labels)
-            by_layer[lab[Label.LAYER]][int(lab[Label.EXPERT])] = count
+            expert = int(lab[Label.EXPERT])
+            by_layer[lab[Label.LAYER]][expert] = count
+            if Label.SHARD in lab:
+                shard_of[lab[Label.LAYER]][expert] = int(lab[Label.SHARD])
         ep = Group.EXPERT.value
         coords = self.item.coords
         ep_size = len({r.get(ep, 0) for r in coords.values()}) if coords else 1
@@ -262,11 +296,10 @@ class StepInputs:
             if balance is None:  # no valid token reached the layer: no measurement
                 continue
             layers[layer] = balance
-            if ep_size > 1 and len(counts) % ep_size == 0:
-                per = len(counts) // ep_size
-                found = shard_imbalance(counts, [i // per for i in range(len(counts))])
-                if found is not None:
-                    shard = max(shard or 0.0, found)
+            owners = _shards(shard_of[layer], len(counts), ep_size)
+            found = None if owners is None else shard_imbalance(counts, owners)
+            if found is not None:
+                shard = max(shard or 0.0, found)
         return Experts(layers, shard)
 
     @cached_property

@@ -277,9 +277,13 @@ _001: tuple[SeedItem, ...] = (
     _part(
         "001 §1",
         "memory headroom before the first out-of-memory failure",
-        _f("step_metrics.peak_memory_bytes"),
-        "only the peak is stored: no device memory capacity is recorded, so headroom "
-        "(capacity − peak) is not formed",
+        _f(
+            "step_metrics.memory_headroom",
+            "step_metrics.memory_capacity_bytes",
+            "step_metrics.peak_memory_bytes",
+        ),
+        "not on the first screen and no rule pages low headroom yet (issue 38); on CPU the "
+        "capacity is the cgroup or host limit the node's ranks share",
         ("000 background",),
     ),
     _full(
@@ -378,9 +382,9 @@ _001: tuple[SeedItem, ...] = (
         "clip rate over the last W steps against the clip threshold c",
         _f("step_metrics.clip_rate", "step_metrics.clipped")
         + ", "
-        + _p("stream/detect.py", "ClipRateWindow"),
-        "without `ProbeConfig.clip_threshold` the stream counts G2 > 1.0 whatever `max_norm` "
-        "the loop clips with; the `grad.clip_threshold` the ranks send is never read",
+        + _p("stream/detect.py", "ClipRateWindow")
+        + " (c: the loop's max_norm, sent as `grad.clip_threshold`)",
+        "ranks that clip at different thresholds are not yet refused (dead letter)",
         ("000 gradients",),
     ),
     _full(
@@ -460,7 +464,7 @@ _001: tuple[SeedItem, ...] = (
             "step_metrics.replayed_step",
             "step_metrics.replay_mismatch_step",
         ),
-        "AMP GradScaler skips are not counted unless the loop reports them to the guard",
+        "AMP GradScaler skips are counted only when the scaler is passed to `s.gradients(scaler=)`",
         ("000 gradients",),
     ),
     _full(
@@ -640,9 +644,9 @@ _001: tuple[SeedItem, ...] = (
         "001 §7",
         "shard imbalance over expert-parallel shards",
         _f("step_metrics.moe_shard_imbalance") + ", " + _c("expert_balance.shard_imbalance"),
-        "assumes contiguous placement (a strided one gives a wrong value), NULL without an "
-        "`ep` coordinate; the probe never sets the `shard` label, so the view's value is a "
-        "constant 1.0",
+        "the placement comes from each MoE layer's `local_expert_indices`; a model without "
+        "it (fused grouped experts) falls back to contiguous placement over the `ep` "
+        "coordinate",
         ("000 experts",),
     ),
     _full(

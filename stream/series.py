@@ -967,6 +967,23 @@ class StepMetrics:
     warmup = Series(
         "warmup", "UInt8", "1 while the spike detectors warm up", kind=Kind.DETECTOR, default="0"
     )
+    memory_capacity_bytes = _f(
+        "memory_capacity_bytes",
+        "memory capacity, the smallest over ranks (device total; CPU: cgroup or system limit)",
+        since=8,
+        unit="bytes",
+        components=(Memory.CAPACITY,),
+        formula=lambda s: s.get(Memory.CAPACITY),
+        seed="001 §5 peak memory, max over ranks",
+    )
+    memory_headroom = _f(
+        "memory_headroom",
+        "1 - peak / capacity of the worst rank: min over ranks of 1 - peak_r / capacity_r",
+        since=8,
+        components=(Memory.PEAK_ALLOCATED, Memory.PEAK_RSS, Memory.CAPACITY),
+        formula=lambda s: derive.memory_headroom(s.memory, s.capacity),
+        seed="001 §5 peak memory, max over ranks",
+    )
 
 
 def step_series() -> tuple[Series, ...]:

@@ -11,6 +11,7 @@ MaxVio, I, H_norm, shard imbalance and the dead-expert ratio from the summed cou
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..catalog import Label, Moe, tier_of
 from ..discover import RouterPoint
+from ..parallel import expert_shards
 from ..state import StepState
 from ..wire import Point
 from .common import F64, labels_of, recomputing
@@ -31,11 +33,14 @@ __all__ = [
     "decode_margin",
     "decode_router_bias",
     "expert_bias_abs_sum",
+    "expert_placement",
     "expert_token_counts",
     "finish_margins",
     "router_hook",
     "topk_margin",
 ]
+
+log = logging.getLogger(__name__)
 
 COUNTS_TIER = tier_of(Moe.EXPERT_TOKENS)
 ROUTING_TIER = tier_of(
@@ -92,18 +97,48 @@ def expert_bias_abs_sum(bias: torch.Tensor) -> torch.Tensor:
     return bias.detach().to(torch.float64).abs().sum()
 
 
+def expert_placement(moe: nn.Module | None, n_experts: int) -> tuple[int, ...] | None:
+    """Each expert's expert-parallel shard, from the global ids of the experts this rank
+    holds: the MoE module's ``local_expert_indices`` (as Megatron-core names them), read once
+    at attach (``parallel.expert_shards``). None without them (no shard label: the stream
+    then assumes contiguous placement); a warning when they fit no known placement."""
+    owned = getattr(moe, "local_expert_indices", None)
+    if owned is None:
+        return None
+    shards = expert_shards(owned, n_experts)
+    if shards is None and 0 < len(owned) < n_experts:
+        log.warning(
+            "probewire: local_expert_indices %s of %d experts are neither contiguous nor "
+            "strided; moe.expert_tokens is sent without a shard",
+            list(owned),
+            n_experts,
+        )
+    return shards
+
+
 # ------------------------------------------------------------------ host decoding
 def decode_experts(parts: Parts) -> list[Point]:
-    """moe.expert_tokens{layer, expert}: every expert of a layer that saw a valid token."""
+    """moe.expert_tokens{layer, expert}: every expert of a layer that saw a valid token,
+    with its expert-parallel ``shard`` where the layer's placement is known (meta: the
+    layer and ``parallel.expert_shards`` or None)."""
     totals: dict[Any, np.ndarray] = {}
-    for values, layer in parts:
+    placement: dict[Any, tuple[int, ...] | None] = {}
+    for values, (layer, shards) in parts:
         totals[layer] = totals.get(layer, 0) + values
+        placement[layer] = shards
     out = []
     for layer, counts in sorted(totals.items()):
         if counts.sum() > 0:  # a layer that received no valid token records nothing
+            shards = placement[layer]
             out += [
                 Point(
-                    Moe.EXPERT_TOKENS, float(c), labels_of((Label.LAYER, layer), (Label.EXPERT, i))
+                    Moe.EXPERT_TOKENS,
+                    float(c),
+                    labels_of(
+                        (Label.LAYER, layer),
+                        (Label.EXPERT, i),
+                        *(() if shards is None else ((Label.SHARD, shards[i]),)),
+                    ),
                 )
                 for i, c in enumerate(counts.tolist())
             ]
@@ -175,8 +210,14 @@ def _router_output(
     return ids, scores.detach() if scores is not None else None
 
 
-def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> Callable:
-    """Expert counts of one MoE layer per micro-batch; on demand its margins and bias."""
+def router_hook(
+    state: StepState,
+    ctx: StructureState,
+    router: RouterPoint,
+    shards: tuple[int, ...] | None = None,
+) -> Callable:
+    """Expert counts of one MoE layer per micro-batch (labelled with each expert's
+    expert-parallel shard, ``shards``, where known); on demand its margins and bias."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if (
@@ -194,7 +235,8 @@ def router_hook(state: StepState, ctx: StructureState, router: RouterPoint) -> C
         valid = ctx.valid_flat(ids)
         if state.due[COUNTS_TIER]:
             counts = expert_token_counts(ids, valid, router.n_experts)
-            state.collector.add("structure.experts", counts, decode_experts, router.layer)
+            meta = (router.layer, shards)
+            state.collector.add("structure.experts", counts, decode_experts, meta)
         if state.due[ROUTING_TIER] and scores is not None and ids.shape[-1] < router.n_experts:
             margin = topk_margin(scores, ids.shape[-1])
             ctx.margins.setdefault(router.layer, []).append(

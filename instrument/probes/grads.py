@@ -25,6 +25,7 @@ On 1,000 small parameter tensors that Python, not the kernels, was most of P0's 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from .tensors import TensorProbe, scale_scan
 
 __all__ = [
     "GradProbe",
+    "amp_skipped",
+    "clip_threshold",
     "decode_clipped",
     "decode_grad_detail",
     "decode_norms",
@@ -54,6 +57,8 @@ __all__ = [
     "inverse_scale",
     "norm_kinds",
 ]
+
+log = logging.getLogger(__name__)
 
 NORM_TIER = tier_of(Grad.NORM_SQ, Grad.CLIPPED)
 DETAIL_TIER = tier_of(Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
@@ -123,6 +128,29 @@ def inverse_scale(scaler: Any, scale: Any) -> Any:
             return None
     scale_tensor = getattr(scaler, "_scale", None)
     return None if scale_tensor is None else scale_tensor.detach().to(F64).reciprocal()
+
+
+def amp_skipped(scaler: Any, scale_before: torch.Tensor) -> torch.Tensor:
+    """1.0 (float64 [1], on the scale's device, no host sync) when ``scaler`` (a
+    ``torch.amp.GradScaler``) skipped this step's optimizer step for inf/NaN gradients, else
+    0.0: before ``update()``, any ``found_inf`` of the optimizers it unscaled; after it, the
+    scale fell below ``scale_before`` (``update`` backs off only after a skip)."""
+    found = [
+        flag.to(scale_before.device, F64).reshape(1)
+        for state in getattr(scaler, "_per_optimizer_states", {}).values()
+        for flag in state.get("found_inf_per_device", {}).values()
+    ]
+    if found:
+        return (torch.cat(found).sum(0, keepdim=True) > 0).to(F64)
+    return (scaler._scale.detach().to(F64).reshape(1) < scale_before).to(F64)
+
+
+def clip_threshold(configured: float | None, max_norm: float | None) -> float | None:
+    """c behind grad.clipped and sent as grad.clip_threshold (seeds 001 §4): the ``max_norm``
+    the loop clipped with this step (``clip_grad_norm_``, or ``clipped(norm, max_norm=)``),
+    else ``ProbeConfig.clip_threshold``; None: neither is known, nothing is derived. Where
+    both are given and differ, the loop's ``max_norm`` is what clipped, so it is c."""
+    return configured if max_norm is None else max_norm
 
 
 # ------------------------------------------------------------------ host decoding
@@ -220,6 +248,7 @@ class GradProbe:
         self._tensors = tensors
         self._listeners = listeners
         self._threshold = clip_threshold
+        self._mismatch_told = False  # the config's threshold differs from the loop's: said once
         self._whole = whole_gradient
         self._plans: dict[tuple[int, ...], _Plan | None] = {}  # by the indices without a gradient
         self._clipped: _Clipped | None = None
@@ -273,6 +302,8 @@ class GradProbe:
         if plan.present is not None:
             grads = [grads[i] for i in plan.present]
         inv = inverse_scale(scaler, scale)
+        if scaler is not None and scaler.is_enabled() and state.scaler is None:
+            state.scaler = (scaler, scaler._scale.detach().to(F64).reshape(1))  # a copy
         if notify:
             for listener in self._listeners:
                 listener.on_gradients(state, inv)
@@ -358,7 +389,7 @@ class GradProbe:
         if is_dtensor(total):  # sharded gradients: the clip needs the global norm (as torchtitan)
             total = total.full_tensor()
         if state.due[NORM_TIER] and grads:
-            state.clip = total.detach()
+            state.clip, state.max_norm = total.detach(), float(max_norm)
             if same:
                 state.grad_norm = state.clip
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -367,8 +398,11 @@ class GradProbe:
     def _owned_with_grad(self) -> set[int]:
         return {id(p) for p in self._owned if p.grad is not None}
 
-    def clipped(self, state: StepState, total_norm: torch.Tensor | float) -> None:
+    def clipped(
+        self, state: StepState, total_norm: torch.Tensor | float, max_norm: float | None
+    ) -> None:
         if state.due[NORM_TIER]:
+            state.max_norm = None if max_norm is None else float(max_norm)
             if is_dtensor(total_norm):
                 if not all(p.is_replicate() for p in total_norm.placements):
                     raise LayoutError(
@@ -378,8 +412,23 @@ class GradProbe:
                 total_norm = local(total_norm)
             state.clip = total_norm.detach() if isinstance(total_norm, torch.Tensor) else total_norm
 
+    def _step_threshold(self, state: StepState) -> float | None:
+        """``clip_threshold`` for this step; a config that disagrees with the loop is logged
+        once (the loop's ``max_norm`` is what clipped, and it is what is sent)."""
+        configured, given = self._threshold, state.max_norm
+        if given is not None and configured not in (None, given) and not self._mismatch_told:
+            self._mismatch_told = True
+            log.warning(
+                "probewire: ProbeConfig.clip_threshold=%r differs from the max_norm=%r "
+                "the loop clips with; grad.clipped and grad.clip_threshold use max_norm "
+                "(set clip_threshold to it, or leave it unset)",
+                configured,
+                given,
+            )
+        return clip_threshold(configured, given)
+
     def close(self, state: StepState, points: list[Point], late: list[Late]) -> None:
-        threshold, collector = self._threshold, state.collector
+        threshold, collector = self._step_threshold(state), state.collector
         same = state.clip is state.grad_norm  # the clipping norm is the measured one
         if state.grad_norm is not None:
             derive = threshold if (same or (state.clip is None and self._whole)) else None

@@ -25,7 +25,7 @@ from ..state import StepState
 from ..structure_config import StructureConfig
 from .attention import value_hook
 from .common import recomputing
-from .experts import COUNTS_TIER, finish_margins, router_hook
+from .experts import COUNTS_TIER, expert_placement, finish_margins, router_hook
 from .layout import StructureState
 from .modality import TOKENS_TIER, EncoderShare, embedding_hook, projector_hook
 from .modules import ModuleGrads, activation_hook
@@ -96,8 +96,11 @@ class StructureProbes:
         s, state, ctx = self.structure, self._state, self._ctx
         add = self.handles.append
         add(model.register_forward_pre_hook(self._root_hook, with_kwargs=True))
+        modules = dict(model.named_modules())
         for router in s.routers:
-            add(router.module.register_forward_hook(router_hook(state, ctx, router)))
+            moe = modules.get(router.name.rpartition(".")[0])
+            shards = expert_placement(moe, router.n_experts)
+            add(router.module.register_forward_hook(router_hook(state, ctx, router, shards)))
         if s.projector is not None:
             add(s.projector.register_forward_hook(projector_hook(state, ctx), with_kwargs=True))
             if s.embedding is not None:

@@ -10,6 +10,9 @@ Reset boundary (001 §5, "reset peak counters only at documented boundaries"): t
 peak counters of the current device are reset when the monitor's step context opens, so
 ``memory.peak_*`` covers exactly one step (data loading, forward, backward, optimizer).
 ``memory.peak_rss_bytes`` is the kernel's process high-water mark and is never reset.
+``memory.capacity`` (``memory_capacity``: the device's total, on CPU the cgroup or system
+limit) is read once at attach and sent with every step: the stream forms the headroom
+1 - peak / capacity from it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,13 +33,16 @@ from ..catalog import Device, Grad, Guard, Host, Memory, Net, System, tier_of
 from ..collect import Late
 from ..state import StepState
 from ..wire import Point
+from .grads import amp_skipped, clip_threshold
 
 __all__ = [
     "DeviceTelemetry",
     "HostTelemetry",
     "ProcFile",
     "SystemProbe",
+    "decode_skipped",
     "default_flops_per_token",
+    "memory_capacity",
     "peak_memory_points",
     "peak_rss_points",
     "reset_peaks",
@@ -52,6 +59,7 @@ TIER = tier_of(
     Memory.PEAK_RESERVED,
     Memory.ALLOCATED,
     Memory.RESERVED,
+    Memory.CAPACITY,
     Guard.SKIPPED,
     Guard.REPLAYED,
     Guard.REPLAY_MISMATCH,
@@ -114,6 +122,43 @@ def peak_memory_points(device: torch.device | None) -> list[Point]:
         Point(Memory.ALLOCATED, float(torch.cuda.memory_allocated(device))),
         Point(Memory.RESERVED, float(torch.cuda.memory_reserved(device))),
     ]
+
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _cgroup_limit(paths: tuple[str, ...]) -> float | None:
+    """The first memory limit among the cgroup files ``paths`` (v2, then v1); None when
+    there is none ("max", absent or unreadable)."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return float(text)
+    return None
+
+
+def memory_capacity(
+    device: torch.device | None, cgroup_files: tuple[str, ...] = _CGROUP_LIMITS
+) -> float:
+    """memory.capacity: what the rank's peak may reach. A CUDA device: its total bytes
+    (``mem_get_info``). CPU: the cgroup limit where one is set, never above the system's
+    physical memory (a v1 cgroup without a limit reads as ~2^63)."""
+    if device is not None:
+        return float(torch.cuda.mem_get_info(device)[1])
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    limit = _cgroup_limit(cgroup_files)
+    return physical if limit is None else min(limit, physical)
+
+
+def decode_skipped(parts: list[tuple[Any, Any]]) -> list[Point]:
+    """guard.skipped: the loop's own skips since the last emitted step (meta) plus 1 when the
+    GradScaler skipped this step (the part, ``grads.amp_skipped``)."""
+    values, counted = parts[0]
+    return [Point(Guard.SKIPPED, counted + float(values[0]))]
 
 
 def peak_rss_points(usage: resource.struct_rusage | None = None) -> list[Point]:
@@ -307,8 +352,8 @@ class DeviceTelemetry:
 
 
 class SystemProbe:
-    """Step bookkeeping on every step: step time, positions and FLOPs, memory peaks, the
-    guard's counters since the last emitted step and the clip threshold; telemetry
+    """Step bookkeeping on every step: step time, positions and FLOPs, memory peaks and
+    capacity, the guard's counters since the last emitted step and the clip threshold; telemetry
     samplers run on the emitter thread. The CUDA peak counters are reset when the step
     opens, so memory.peak_* covers exactly one step."""
 
@@ -324,6 +369,7 @@ class SystemProbe:
         self._device = device
         self._flops_per_token = flops_per_token
         self._clip_threshold = clip_threshold
+        self._capacity = memory_capacity(device)  # fixed for the process: read once
         self._host = HostTelemetry(read_network=read_network) if telemetry else None
         self._gpu = DeviceTelemetry(device) if telemetry else None
 
@@ -332,29 +378,32 @@ class SystemProbe:
             reset_peaks(self._device)
 
     def _late_points(
-        self, step: tuple[float, int, list[int]] | None, host: HostTelemetry | None
+        self,
+        step: tuple[float, int, list[int], float | None, bool] | None,
+        host: HostTelemetry | None,
     ) -> list[Point]:
         """On the emitter thread: the step's bookkeeping from its numbers (elapsed, positions,
         guard counters; None when the tier is not due), memory.peak_rss and host telemetry."""
         out = [] if step is None else self._step_points(*step)
         return out + _usage_points(step is not None, host)
 
-    def _step_points(self, elapsed_s: float, positions: int, guard: list[int]) -> list[Point]:
-        """The step's bookkeeping as points, made on the emitter thread from its numbers."""
-        out = [Point(System.STEP_TIME, elapsed_s)]
+    def _step_points(
+        self, elapsed_s: float, positions: int, guard: list[int], clip_c: float | None, amp: bool
+    ) -> list[Point]:
+        """The step's bookkeeping as points, made on the emitter thread from its numbers
+        (``amp``: guard.skipped comes with the GradScaler's verdict instead)."""
+        out = [Point(System.STEP_TIME, elapsed_s), Point(Memory.CAPACITY, self._capacity)]
         if positions:
             out += [
                 Point(System.POSITIONS, float(positions)),
                 Point(System.FLOPS, self._flops_per_token * positions),
             ]
         skipped, replayed, mismatch = guard
-        out += [
-            Point(Guard.SKIPPED, skipped),
-            Point(Guard.REPLAYED, replayed),
-            Point(Guard.REPLAY_MISMATCH, mismatch),
-        ]
-        if self._clip_threshold is not None:
-            out.append(Point(Grad.CLIP_THRESHOLD, self._clip_threshold))
+        if not amp:  # else sent with the scaler's verdict (``decode_skipped``)
+            out.append(Point(Guard.SKIPPED, skipped))
+        out += [Point(Guard.REPLAYED, replayed), Point(Guard.REPLAY_MISMATCH, mismatch)]
+        if clip_c is not None:
+            out.append(Point(Grad.CLIP_THRESHOLD, clip_c))
         return out
 
     def close(
@@ -364,7 +413,12 @@ class SystemProbe:
         step = None
         if state.due[TIER]:
             points += peak_memory_points(self._device)  # the device's counters at the step's end
-            step = (elapsed_s, state.positions, state.guard)
+            c = clip_threshold(self._clip_threshold, state.max_norm)
+            amp = state.scaler is not None
+            if state.scaler is not None:  # an AMP skip is a skipped step too
+                skip = amp_skipped(*state.scaler)
+                state.collector.add("system.amp_skip", skip, decode_skipped, state.guard[0])
+            step = (elapsed_s, state.positions, state.guard, c, amp)
             state.guard = [0, 0, 0]
         if step is not None or host is not None:
             late.append(functools.partial(self._late_points, step, host))

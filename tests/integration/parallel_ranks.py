@@ -1,6 +1,7 @@
 """Ranks of the layout tests: a small model trained on real torch.distributed process groups
 (gloo, CPU) under one layout — FSDP2, HSDP, 2 DP × 2 TP with sequence parallelism, two
-pipeline stages, two-way expert parallelism — with probewire attached as a user would.
+pipeline stages, two-way expert parallelism (contiguous or strided placement) — with
+probewire attached as a user would.
 
 ``train(rank, world, port, layout, run_id, bootstrap, trace_dir)`` is the function each
 process runs (``torch.multiprocessing.spawn``). Each rank writes what it computed itself to
@@ -12,6 +13,7 @@ values against the ranks' own numbers and against an unsharded float64 reference
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -25,6 +27,16 @@ V, D, H, T, B, E, K = 32, 16, 32, 8, 8, 4, 2  # vocab, width, hidden, seq, batch
 IGNORE = -100
 STEPS = 2
 WORLD = {"fsdp2": 2, "fsdp4": 4, "hsdp": 4, "dp_tp_sp": 4, "pp": 2, "ep": 2}
+# "clip": fsdp2 clipped by ``s.clip_grad_norm_(params, CLIP_MAX_NORM)`` with no
+# ProbeConfig.clip_threshold, its loss scaled so that G2 falls on both sides of 0.5 (and
+# under the stream's default c = 1.0), for CLIP_STEPS steps
+# "ep_strided": "ep" with the experts placed round-robin (rank r holds r, r + 2, ...)
+RUNS = {**WORLD, "clip": 2, "ep_strided": 2}
+CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS = 0.5, 0.6, 8
+
+
+def steps_of(layout: str) -> int:
+    return CLIP_STEPS if layout == "clip" else STEPS
 
 
 class Expert(nn.Module):
@@ -51,15 +63,21 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """E experts, ``E // ep`` of them on this expert-parallel rank (global ids ep·E/ep + j).
-    Tokens of every rank reach every expert through an all_gather; the partial outputs of
-    each rank's experts are summed with an all_reduce (autograd through both)."""
+    """E experts, ``E // ep`` of them on this expert-parallel rank: global ids ep·E/ep + j
+    (contiguous) or ep + j·ep_size (``strided``), listed as Megatron-core lists them
+    (``local_expert_indices``). Tokens of every rank reach every expert through an
+    all_gather; the partial outputs of each rank's experts are summed with an all_reduce
+    (autograd through both)."""
 
-    def __init__(self, ep_rank: int = 0, ep_size: int = 1) -> None:
+    def __init__(self, ep_rank: int = 0, ep_size: int = 1, strided: bool = False) -> None:
         super().__init__()
         self.router = Router()
         self.ep_rank, self.ep_size = ep_rank, ep_size
-        self.experts = nn.ModuleList(Expert() for _ in range(E // ep_size))
+        n = E // ep_size
+        self.experts = nn.ModuleList(Expert() for _ in range(n))
+        self.local_expert_indices = [
+            ep_rank + j * ep_size if strided else ep_rank * n + j for j in range(n)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -75,9 +93,8 @@ class MoE(nn.Module):
         else:
             xs, ws, ids_all = x, weights, ids
         out = torch.zeros_like(xs)
-        first = self.ep_rank * len(self.experts)
-        for j, expert in enumerate(self.experts):
-            chosen = ids_all == first + j  # [N, K]
+        for expert_id, expert in zip(self.local_expert_indices, self.experts):
+            chosen = ids_all == expert_id  # [N, K]
             gate = (ws * chosen).sum(-1, keepdim=True)  # 0 where not chosen
             out = out + gate * expert(xs)
         if self.ep_size > 1:
@@ -90,20 +107,22 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, moe: bool = False, ep_rank: int = 0, ep_size: int = 1) -> None:
+    def __init__(self, moe: bool = False, ep_rank: int = 0, ep_size: int = 1, strided=False):
         super().__init__()
         self.norm = nn.LayerNorm(D)
-        self.mlp = MoE(ep_rank, ep_size) if moe else Expert()
+        self.mlp = MoE(ep_rank, ep_size, strided) if moe else Expert()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
 
 
 class Model(nn.Module):
-    def __init__(self, moe: bool = False, ep_rank: int = 0, ep_size: int = 1) -> None:
+    def __init__(self, moe: bool = False, ep_rank: int = 0, ep_size: int = 1, strided=False):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block(moe and i == 1, ep_rank, ep_size) for i in range(2))
+        self.blocks = nn.ModuleList(
+            Block(moe and i == 1, ep_rank, ep_size, strided) for i in range(2)
+        )
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)
 
@@ -175,16 +194,16 @@ def _tp(model: Model, tp_mesh) -> Model:
     return parallelize_module(model, tp_mesh, plan)
 
 
-def _expert_parallel(ep_rank: int) -> Model:
-    """This rank's part of the MoE model: dense weights as in ``full_model``, and the
-    experts ``ep_rank·E/2 .. `` of the full MoE layer."""
+def _expert_parallel(ep_rank: int, strided: bool = False) -> Model:
+    """This rank's part of the MoE model: dense weights as in ``full_model``, and its
+    experts (``MoE.local_expert_indices``) of the full MoE layer."""
     full = full_model(moe=True)
-    model = Model(moe=True, ep_rank=ep_rank, ep_size=2)
+    model = Model(moe=True, ep_rank=ep_rank, ep_size=2, strided=strided)
     state = {k: v for k, v in full.state_dict().items() if ".experts." not in k}
     model.load_state_dict(state, strict=False)
-    local = len(model.blocks[1].mlp.experts)
-    for j, expert in enumerate(model.blocks[1].mlp.experts):
-        expert.load_state_dict(full.blocks[1].mlp.experts[ep_rank * local + j].state_dict())
+    moe = model.blocks[1].mlp
+    for expert_id, expert in zip(moe.local_expert_indices, moe.experts):
+        expert.load_state_dict(full.blocks[1].mlp.experts[expert_id].state_dict())
     return model
 
 
@@ -205,11 +224,18 @@ def train(
     )
     transport = KafkaTransport({"bootstrap.servers": bootstrap}, "otlp_metrics")
     trace = open(Path(trace_dir) / f"rank{rank}.jsonl", "w")
-    if layout == "pp":
+    if layout == "clip":
+        config = dataclasses.replace(config, clip_threshold=None)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        model, data = _fsdp(full_model(), mesh), (mesh.get_local_rank(0), world)
+        clip = (CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS)
+        _train_data_parallel(model, mesh, data, identity, config, transport, trace, clip)
+    elif layout == "pp":
         _train_pipeline(rank, identity, config, transport, trace)
-    elif layout == "ep":
+    elif layout in ("ep", "ep_strided"):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-        _train_expert_parallel(rank, mesh, identity, config, transport, trace)
+        model = _expert_parallel(rank, strided=layout == "ep_strided")
+        _train_expert_parallel(model, mesh, identity, config, transport, trace)
     else:
         if layout in ("fsdp2", "fsdp4"):
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -240,21 +266,26 @@ def _write(trace, step: int, **values: float) -> None:
     trace.flush()
 
 
-def _train_data_parallel(model, mesh, data, identity, config, transport, trace) -> None:
+def _train_data_parallel(
+    model, mesh, data, identity, config, transport, trace, clip=(1.0, 1.0, STEPS)
+) -> None:
+    """``clip``: (max_norm, a factor on the loss, steps)."""
     from probewire.instrument import attach
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = attach(model, opt, identity=identity, config=config, transport=transport, mesh=mesh)
     index, count = data
-    for step in range(STEPS):
+    max_norm, loss_scale, steps = clip
+    for step in range(steps):
         tokens, targets = shard_rows(step, index, count)
         n_global = int((global_batch(step)[1] != IGNORE).sum())
         with monitor.step(step) as s:
             s.micro_batch(tokens=tokens, mask=targets != IGNORE)
             losses = token_losses(model(tokens), targets)
             s.loss(losses)
-            (losses.sum() * count / n_global).backward()  # FSDP averages over dp: undo it
-            total = s.clip_grad_norm_(model.parameters(), 1.0)
+            # FSDP averages over dp: undo it
+            (losses.sum() * count / n_global * loss_scale).backward()
+            total = s.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
             opt.zero_grad()
         _write(
@@ -267,10 +298,10 @@ def _train_data_parallel(model, mesh, data, identity, config, transport, trace) 
     _close(monitor, transport, trace)
 
 
-def _train_expert_parallel(rank, mesh, identity, config, transport, trace) -> None:
+def _train_expert_parallel(model, mesh, identity, config, transport, trace) -> None:
     from probewire.instrument import attach
 
-    model = _expert_parallel(rank)
+    rank = model.blocks[1].mlp.ep_rank
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     monitor = attach(model, opt, identity=identity, config=config, transport=transport, mesh=mesh)
     dense = [p for n, p in model.named_parameters() if ".experts." not in n]
@@ -394,8 +425,6 @@ def _train_pipeline(rank, identity, config, transport, trace) -> None:
 
 
 def RankIdentity_with(identity, coords):  # noqa: N802 - a small constructor helper
-    import dataclasses
-
     return dataclasses.replace(identity, coords=coords)
 
 

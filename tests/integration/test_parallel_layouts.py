@@ -4,24 +4,29 @@ real gloo process groups with probewire attached, through the real broker, worke
 What ClickHouse stores is held against the ranks' own numbers and an unsharded reference:
 L and L_max exactly (from the ranks' float64 loss sums and counts), G2 within float32
 rounding of ``clip_grad_norm_`` on the unsharded model, every gradient element counted once,
-the per-expert valid-token counts of the MoE layer exactly."""
+the per-expert valid-token counts of the MoE layer exactly, memory capacity and headroom.
+Two more runs on the same stack: FSDP2 clipped at max_norm 0.5 with no clip_threshold (the
+clip rate), and two-way expert parallelism with strided placement (the shard imbalance)."""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing
+import os
 import socket
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import parallel_ranks as pr
 import pytest
 import torch.multiprocessing as mp
 
 from probewire.deploy.settings import ClickHouseSettings, Settings
 from probewire.deploy.stack import LocalStack
+from probewire.stream.signals import DetectorConfig
 
 pytestmark = pytest.mark.integration
 
@@ -55,16 +60,16 @@ def runs(scratch_module: Path, read_store):
     """Every layout trained once against one stack; then the stack stops and the store is read."""
     store = scratch_module / "store"
     settings = Settings(clickhouse=ClickHouseSettings(url="chdb:///" + str(store).lstrip("/")))
-    run_ids = {layout: f"{layout}-{uuid.uuid4().hex[:6]}" for layout in LAYOUTS}
+    run_ids = {layout: f"{layout}-{uuid.uuid4().hex[:6]}" for layout in pr.RUNS}
     traces: dict[str, dict[int, dict[int, dict]]] = {}
     sent: dict[str, dict[int, dict]] = {}
     with LocalStack(settings, scratch_module / "stack") as stack:
         bootstrap = stack.start_broker()
         stack.start_worker()
-        for layout in LAYOUTS:
+        for layout in pr.RUNS:
             trace_dir = scratch_module / layout
             trace_dir.mkdir()
-            world = pr.WORLD[layout]
+            world = pr.RUNS[layout]
             _ranks(
                 pr.train,
                 (world, _port(), layout, run_ids[layout], bootstrap, str(trace_dir)),
@@ -84,7 +89,7 @@ def runs(scratch_module: Path, read_store):
             }
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(
-            stack.progress(run_ids[layout]) < pr.STEPS for layout in LAYOUTS
+            stack.progress(run_ids[layout]) < pr.steps_of(layout) for layout in pr.RUNS
         ):
             time.sleep(0.5)
     warnings = [
@@ -98,8 +103,8 @@ def runs(scratch_module: Path, read_store):
     ids = ", ".join(f"'{r}'" for r in run_ids.values())
     steps = read_store(
         store,
-        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, "
-        f"ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
+        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, clip_rate, clipped, "
+        f"memory_capacity_bytes, memory_headroom, moe_shard_imbalance, ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
         f"({ids}) ORDER BY run_id, step",
     )
     ranks = read_store(
@@ -110,8 +115,13 @@ def runs(scratch_module: Path, read_store):
     refused = read_store(store, f"SELECT key, reason FROM {db}.dead_letters")
     experts = read_store(
         store,
-        f"SELECT run_id, step, expert, tokens FROM "
+        f"SELECT run_id, step, expert, shard, tokens FROM "
         f"{db}.expert_stats_recent FINAL WHERE run_id IN ({ids})",
+    )
+    balance = read_store(
+        store,
+        f"SELECT run_id, step, layer, shard_imbalance FROM {db}.expert_balance "
+        f"WHERE run_id IN ({ids})",
     )
     by_layout = {}
     for layout, run_id in run_ids.items():
@@ -121,6 +131,10 @@ def runs(scratch_module: Path, read_store):
             "experts": {
                 (r["step"], r["expert"]): r["tokens"] for r in experts if r["run_id"] == run_id
             },
+            "shards": {
+                (r["step"], r["expert"]): r["shard"] for r in experts if r["run_id"] == run_id
+            },
+            "balance": {r["step"]: r["shard_imbalance"] for r in balance if r["run_id"] == run_id},
             "traces": traces[layout],
             # why a rank is missing: what it sent, what the worker refused or logged
             "evidence": {
@@ -195,6 +209,84 @@ def test_expert_parallel_counts_each_expert_once(runs):
     assert got == ref and sum(got) == pr.K * sum(
         int(n) for n in [(pr.global_batch(0)[1] != pr.IGNORE).sum()]
     )
+
+
+def test_clip_rate_counts_the_steps_over_the_max_norm_the_loop_clipped_with(runs):
+    """fsdp2 clipped by ``s.clip_grad_norm_(params, 0.5)``, no ProbeConfig.clip_threshold:
+    each rank sends grad.clip_threshold = 0.5 on every step, and the stored clip_rate at step
+    t is the fraction of the window's steps (the last W of 0..t) whose clipping norm, as the
+    ranks computed it, exceeded 0.5; clipped is that step's indicator. Every G2 lies under
+    the stream's default c = 1.0 and some under 0.5, so neither default matches."""
+    run, steps = runs["clip"], pr.CLIP_STEPS
+    norms = np.array([run["traces"][0][t]["clip_norm"] for t in range(steps)], dtype=np.float64)
+    over = norms > pr.CLIP_MAX_NORM
+    assert 0 < over.sum() < steps and norms.max() < 1.0
+    window = DetectorConfig().clip_window
+    for t in range(steps):
+        row = run["steps"][t]
+        assert row["clip_rate"] == pytest.approx(over[max(0, t - window + 1) : t + 1].mean())
+        assert row["clipped"] == int(over[t])
+    sent = [r["value"] for r in run["ranks"] if r["metric"] == "grad.clip_threshold"]
+    assert sent == [pr.CLIP_MAX_NORM] * (pr.RUNS["clip"] * steps)
+
+
+@pytest.mark.parametrize(
+    "layout,owner", [("ep", lambda i: i // 2), ("ep_strided", lambda i: i % 2)]
+)
+def test_shard_imbalance_under_two_way_ep_follows_the_expert_placement(runs, layout, owner):
+    """Two expert-parallel ranks holding experts {0, 1} | {2, 3} (contiguous) or {0, 2} |
+    {1, 3} (strided, as ``local_expert_indices`` says): each expert is stored with the shard
+    that holds it, and step_metrics.moe_shard_imbalance and expert_balance.shard_imbalance
+    both equal max_s C_s / mean_s C_s over the true placement, from the unsharded router's
+    counts at step 0 and the stored counts after (float64 NumPy); at step 0 the two
+    placements give different values, so a contiguous assumption fails the strided run."""
+    run = runs[layout]
+    ref = np.array(pr.reference("ep")["expert_counts"], dtype=np.float64)
+    owners = np.array([owner(i) for i in range(pr.E)])
+    for step in range(pr.STEPS):
+        assert [run["shards"][(step, i)] for i in range(pr.E)] == owners.tolist()
+        counts = np.array([run["experts"][(step, i)] for i in range(pr.E)], dtype=np.float64)
+        if step == 0:
+            assert counts.tolist() == ref.tolist()
+        loads = np.bincount(owners, weights=counts)
+        want = loads.max() / loads.mean()
+        assert run["steps"][step]["moe_shard_imbalance"] == pytest.approx(want, rel=1e-12)
+        assert run["balance"][step] == pytest.approx(want, rel=1e-12)
+    contiguous, strided = (
+        np.bincount([o(i) for i in range(pr.E)], weights=ref)
+        for o in (lambda i: i // 2, lambda i: i % 2)
+    )
+    assert contiguous.max() / contiguous.mean() != pytest.approx(strided.max() / strided.mean())
+
+
+def _cpu_capacity() -> float:
+    """This host's memory limit as the test reads it: the cgroup's (v2, else v1), never
+    above physical memory."""
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        text = Path(path).read_text().strip() if Path(path).exists() else ""
+        if text.isdigit():
+            return min(float(text), physical)
+    return physical
+
+
+@pytest.mark.parametrize("layout", tuple(pr.RUNS))
+def test_memory_capacity_and_headroom_are_stored_every_step(runs, layout):
+    """CPU ranks send their capacity (cgroup or physical limit) every step: the stored
+    memory_capacity_bytes is it, and memory_headroom = min over ranks of 1 - peak_rss_r /
+    capacity, from the peaks the ranks sent (float64 NumPy)."""
+    capacity = _cpu_capacity()
+    peaks: dict[int, dict[int, float]] = {}
+    for r in runs[layout]["ranks"]:
+        if r["metric"] == "memory.peak_rss" and r["labels"] == "":
+            peaks.setdefault(r["step"], {})[r["rank"]] = r["value"]
+    assert sorted(peaks) == sorted(runs[layout]["steps"])
+    for step, row in runs[layout]["steps"].items():
+        rss = np.array(list(peaks[step].values()), dtype=np.float64)
+        assert len(rss) == pr.RUNS[layout]
+        assert row["memory_capacity_bytes"] == capacity
+        assert row["memory_headroom"] == pytest.approx(np.min(1.0 - rss / capacity), rel=1e-12)
+        assert 0.0 < row["memory_headroom"] < 1.0
 
 
 @pytest.mark.parametrize("case,name", [("plain_shard", "head.weight"), ("fsdp", "embed.weight")])

@@ -602,3 +602,95 @@ def test_every_step_gradient_groups_match_a_float64_reference(monkeypatch, small
                 continue
             assert value(rec, name, **labels) == pytest.approx(want, rel=1e-5), (name, labels)
     assert ("grad.abs_sum", (("group", "expert"),)) not in rec.values
+
+
+def _clip_once(config, clip, max_norm):
+    """One step on TinyLM clipped at ``max_norm``, by the helper (``clip`` "helper") or by
+    torch with ``s.clipped(norm, max_norm=)`` ("torch"); the record and the norm."""
+    batches = make_batches(13)
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    transport = MemoryTransport()
+    monitor = attach(model, None, identity=identity(), transport=transport, config=config)
+    n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+    with monitor.step(0) as s:
+        for tokens, targets, _ in batches:
+            s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+            (token_losses(model(tokens), targets).sum() / n_valid).backward()
+        if clip == "helper":
+            norm = float(s.clip_grad_norm_(model.parameters(), max_norm))
+        else:
+            s.gradients()
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            s.clipped(total, max_norm=max_norm)
+            norm = float(total)
+    monitor.close()
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    return rec, norm
+
+
+@pytest.mark.parametrize("clip", ["helper", "torch"])
+@pytest.mark.parametrize("factor", [0.5, 2.0])  # max_norm under and over the step's G2
+def test_clipped_uses_the_max_norm_the_loop_clipped_with_when_no_threshold_is_set(clip, factor):
+    """No ProbeConfig.clip_threshold: grad.clipped = 1[G2 > max_norm] for the max_norm given
+    to clip_grad_norm_ (or to clipped), and grad.clip_threshold = that max_norm."""
+    _, g2 = _clip_once(ProbeConfig(**QUIET), clip, 1e9)
+    rec, norm = _clip_once(ProbeConfig(**QUIET), clip, g2 * factor)
+    assert norm == g2
+    assert value(rec, "grad.clipped") == float(g2 > g2 * factor)
+    assert value(rec, "grad.clip_threshold") == g2 * factor
+
+
+def test_the_loops_max_norm_wins_over_a_different_clip_threshold_said_once(caplog):
+    """ProbeConfig.clip_threshold = 1e9 but the loop clips at max_norm under G2: the loop's
+    max_norm is what clipped, so grad.clipped = 1 and grad.clip_threshold = max_norm; the
+    disagreement is logged once."""
+    _, g2 = _clip_once(ProbeConfig(**QUIET), "helper", 1e9)
+    with caplog.at_level("WARNING", logger="probewire.instrument.probes.grads"):
+        rec, _ = _clip_once(ProbeConfig(clip_threshold=1e9, **QUIET), "helper", g2 / 2)
+    assert value(rec, "grad.clipped") == 1.0 and value(rec, "grad.clip_threshold") == g2 / 2
+    told = [r.getMessage() for r in caplog.records if "differs from the max_norm" in r.getMessage()]
+    assert len(told) == 1 and "clip_threshold=1000000000.0" in told[0]
+
+
+@pytest.mark.parametrize("update_inside", [True, False])
+def test_a_grad_scaler_skip_is_a_skipped_step(update_inside):
+    """A real torch.amp.GradScaler on CPU, an inf gradient forced on step 2 of 4: the scaler
+    skips that optimizer step, and guard.skipped is 1 on exactly that step (0 on the others)
+    whether ``scaler.update()`` runs inside the step (the scale backs off) or after it
+    (found_inf still set); a loop's own ``s.skipped()`` on step 3 adds to it there."""
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    transport = MemoryTransport()
+    monitor = attach(
+        model, opt, identity=identity(), transport=transport, config=ProbeConfig(**QUIET)
+    )
+    scales = []
+    for step in range(4):
+        batches = make_batches(step)
+        n_valid = sum(int((t != IGNORE).sum()) for _, t, _ in batches)
+        with monitor.step(step) as s:
+            for tokens, targets, _ in batches:
+                s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+                loss = token_losses(model(tokens), targets).sum() / n_valid
+                scaler.scale(loss).backward()
+            if step == 2:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            s.gradients(scaler=scaler)
+            scaler.unscale_(opt)
+            s.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            if step == 3:
+                s.skipped()  # the loop's spike guard, on a step the scaler took
+            if update_inside:
+                scaler.update()
+        if not update_inside:
+            scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad(set_to_none=True)
+    monitor.close()
+    recs = sorted((decode_rank_step(k, v) for k, v in transport.messages), key=lambda r: r.step)
+    assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the scaler skipped step 2 only
+    assert [value(r, "guard.skipped") for r in recs] == [0.0, 0.0, 1.0, 1.0]

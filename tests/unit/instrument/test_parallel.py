@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probewire.instrument.parallel import LayoutError, coords_from_mesh, param_layout
+from probewire.instrument.parallel import (
+    LayoutError,
+    coords_from_mesh,
+    expert_shards,
+    param_layout,
+)
 from probewire.instrument.wire import RankIdentity
 
 
@@ -86,3 +91,22 @@ def test_a_plain_tensor_follows_the_hand_declaration():
     assert param_layout("w", plain, identity, {"cp"}, dp_explicit=False) == (True, False)
     assert param_layout("w", plain, identity, {"dp"}, dp_explicit=False) == (False, False)
     assert param_layout("w", plain, identity, {"tp"}, dp_explicit=False) == (False, False)
+
+
+@pytest.mark.parametrize(
+    "owned,n,want",
+    [
+        ([2, 3], 4, (0, 0, 1, 1)),  # contiguous, the second of two shards
+        ([4, 5, 6, 7], 8, (0, 0, 0, 0, 1, 1, 1, 1)),
+        ([1, 3], 4, (0, 1, 0, 1)),  # strided: rank 1 of 2 holds 1, 3
+        ([2, 6], 8, (0, 1, 2, 3, 0, 1, 2, 3)),  # strided over 4 shards
+        ([5], 8, tuple(range(8))),  # one expert per shard: both placements agree
+        ([0, 1, 2, 3], 4, None),  # every expert: no expert parallelism
+        ([0, 3], 4, None),  # neither placement
+        ([1, 2], 4, None),  # a block that does not start at a shard boundary
+        ([0, 1, 2], 4, None),  # uneven shards
+    ],
+)
+def test_expert_shards_from_the_experts_a_rank_holds(owned, n, want):
+    """Each expert's shard from the global ids the rank holds: contiguous or strided."""
+    assert expert_shards(owned, n) == want

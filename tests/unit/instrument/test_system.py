@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from probewire.instrument.probes.system import (
     HostTelemetry,
     ProcFile,
     default_flops_per_token,
+    memory_capacity,
     net_dev_totals,
     peak_memory_points,
     peak_rss_points,
@@ -176,3 +178,27 @@ def test_peak_rss_and_host_telemetry_share_one_getrusage_and_a_failing_host_keep
     with caplog.at_level(logging.ERROR):
         assert [p.name for p in system._usage_points(True, Broken())] == ["memory.peak_rss"]
     assert "host telemetry failed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "v2,v1,expect",
+    [
+        ("max\n", None, "physical"),  # v2 without a limit
+        ("1073741824\n", None, 1073741824.0),  # v2 limit: 1 GiB
+        (None, "536870912\n", 536870912.0),  # v1 limit
+        (None, "9223372036854771712\n", "physical"),  # v1 "unlimited": above physical
+        (None, None, "physical"),  # no cgroup files
+    ],
+)
+def test_cpu_memory_capacity_is_the_cgroup_limit_never_above_physical_memory(
+    tmp_path, v2, v1, expect
+):
+    """memory.capacity on CPU: the cgroup v2 memory.max, else v1 memory.limit_in_bytes,
+    capped by the system's physical memory (sysconf), which it is without a limit."""
+    files = (tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes")
+    for path, text in zip(files, (v2, v1)):
+        if text is not None:
+            path.write_text(text)
+    physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    want = physical if expect == "physical" else expect
+    assert memory_capacity(None, tuple(map(str, files))) == want

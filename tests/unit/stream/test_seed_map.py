@@ -170,12 +170,12 @@ def test_a_registry_row_joins_the_item_its_seed_names_or_becomes_a_partial_item(
 
 
 def test_issue_37_items_are_partial_with_what_is_missing():
-    """The items issue 37 found marked formed: those still open (shard imbalance a
-    constant, allocated/reserved components only) are partial and say so; the fixed ones
-    name their new columns (ρ per tensor, π formed on the first screen)."""
+    """The items issue 37 found marked formed: those still open (shard imbalance without a
+    placement to read, allocated/reserved components only) are partial and say so; the
+    fixed ones name their new columns (ρ per tensor, π formed on the first screen)."""
     by_item = {(i.seed, i.item): i for i in SEED_ITEMS}
     expect = {
-        ("001 §7", "shard imbalance over expert-parallel shards"): "constant",
+        ("001 §7", "shard imbalance over expert-parallel shards"): "falls back",
         ("001 §5", "allocated and reserved memory"): "components only",
     }
     for key, word in expect.items():
