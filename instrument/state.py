@@ -92,7 +92,7 @@ class StepState:
         "_mask_count",
         "entries",
         "scan_rows",
-        "grad_norm",
+        "g2",
         "grad_rows",
         "clip",
         "max_norm",
@@ -138,7 +138,7 @@ class StepState:
         self.scan_rows: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
         # gradients: the P0 norm [1], the group rows of the detail scan (on the host, the
         # call that reduces them off the training thread), the clipping norm and threshold
-        self.grad_norm: torch.Tensor | None = None
+        self.g2: torch.Tensor | None = None
         self.grad_rows: (
             tuple[torch.Tensor | Callable[[], torch.Tensor], list[int], tuple[int, ...]] | None
         ) = None

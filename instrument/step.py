@@ -193,7 +193,7 @@ class StepContext:
     def _kept_of(self, state: StepState) -> Kept:
         return Kept(
             state.collector.parts(LOSS_KEY),
-            state.grad_norm,
+            state.g2,
             state.due[Tier.SCAN] and not state.held,
         )
 

@@ -322,7 +322,7 @@ class GradProbe:
         detail: bool,
     ) -> None:
         if state.due[NORM_TIER] and norm:
-            state.grad_norm = grad_norms(grads, inv, plan.kinds)
+            state.g2 = grad_norms(grads, inv, plan.kinds)
         groups_due, tensors_due = detail and state.due[DETAIL_TIER], detail and state.due[SCAN_TIER]
         if tensors_due:  # a row per tensor (and fused part), combined by group too
             entries = []
@@ -391,7 +391,7 @@ class GradProbe:
         if state.due[NORM_TIER] and grads:
             state.clip, state.max_norm = total.detach(), float(max_norm)
             if same:
-                state.grad_norm = state.clip
+                state.g2 = state.clip
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
@@ -429,10 +429,10 @@ class GradProbe:
 
     def close(self, state: StepState, points: list[Point], late: list[Late]) -> None:
         threshold, collector = self._step_threshold(state), state.collector
-        same = state.clip is state.grad_norm  # the clipping norm is the measured one
-        if state.grad_norm is not None:
+        same = state.clip is state.g2  # the clipping norm is the measured one
+        if state.g2 is not None:
             derive = threshold if (same or (state.clip is None and self._whole)) else None
-            collector.add("grad.norms", state.grad_norm, decode_norms, derive)
+            collector.add("grad.norms", state.g2, decode_norms, derive)
         if state.clip is not None and threshold is not None and not same:
             if isinstance(state.clip, torch.Tensor):
                 collector.add("grad.clip", state.clip, decode_clipped, threshold)
