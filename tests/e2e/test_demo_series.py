@@ -7,8 +7,11 @@ holds equal to the schema's columns."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,7 +46,11 @@ def _sql(store: Path, query: str) -> list[dict]:
     return json.loads(out.stdout)
 
 
-def test_the_full_demo_stores_every_formed_series_at_its_cadence(scratch_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def full_demo() -> Iterator[Path]:
+    """One ``probewire demo --preset full`` run of ``STEPS`` steps: its store (in a short
+    path outside pytest's tmp tree, as ``scratch_dir``: sockets and logs)."""
+    scratch_dir = Path(tempfile.mkdtemp(prefix="pw-"))
     store = scratch_dir / "store"
     demo = subprocess.run(
         [
@@ -65,6 +72,12 @@ def test_the_full_demo_stores_every_formed_series_at_its_cadence(scratch_dir: Pa
         timeout=600,
     )
     assert demo.returncode == 0, demo.stderr[-2000:]
+    yield store
+    shutil.rmtree(scratch_dir, ignore_errors=True)
+
+
+def test_the_full_demo_stores_every_formed_series_at_its_cadence(full_demo: Path) -> None:
+    store = full_demo
     scan_every = _parse(
         [
             "--rank",
@@ -96,3 +109,32 @@ def test_the_full_demo_stores_every_formed_series_at_its_cadence(scratch_dir: Pa
             if lacking:
                 missing[f"{table}.{s.column}"] = lacking[:10]
     assert not missing, missing
+
+
+def test_the_modality_token_share_equals_the_ranks_counts(full_demo: Path) -> None:
+    """pi per modality (seeds 001 §9) on the media preset, every step: the stored map equals
+    Σ_r tokens{μ} / Σ_μ Σ_r tokens{μ} over the ranks' own counts (``rank_metrics``; every
+    step of the run is a warm-up step, so every step's ranks are retained), in float64."""
+    import numpy as np
+
+    stored = {
+        r["step"]: r["modality_token_share"]
+        for r in _sql(
+            full_demo,
+            "SELECT step, modality_token_share FROM probewire.step_metrics FINAL ORDER BY step",
+        )
+    }
+    counts: dict[int, dict[str, list[float]]] = {}
+    for r in _sql(
+        full_demo,
+        "SELECT step, labels, value FROM probewire.rank_metrics FINAL "
+        "WHERE metric = 'modality.tokens' ORDER BY step, labels, rank",
+    ):
+        modality = dict(kv.split("=", 1) for kv in r["labels"].split("|"))["modality"]
+        counts.setdefault(r["step"], {}).setdefault(modality, []).append(r["value"])
+    assert sorted(stored) == list(range(STEPS)) and sorted(counts) == list(range(STEPS))
+    for step, by_modality in counts.items():
+        total = np.sum([np.sum(v, dtype=np.float64) for v in by_modality.values()])
+        reference = {m: np.sum(v, dtype=np.float64) / total for m, v in by_modality.items()}
+        assert set(reference) == {"media", "text"}, step
+        assert stored[step] == pytest.approx(reference, rel=1e-12), step
