@@ -129,6 +129,7 @@ class Monitor:
         self.config, self.identity = config, identity
         self._runs = runs
         self._ended = False
+        self._last_step = -1  # the newest step the loop entered: named in ``finished``
         first = next(model.parameters(), None)
         device = first.device if first is not None and first.is_cuda else None
         self.scan_backend = _scan_backend(config, device)
@@ -236,6 +237,7 @@ class Monitor:
     # ------------------------------------------------------------------ the loop's API
     def step(self, step: int) -> StepContext:
         """The context of optimizer step ``step``; enter it before loading the batch."""
+        self._last_step = max(self._last_step, step)
         return self._ctx.at(step)
 
     def replay(self, step: int, *, rtol: float = 0.0) -> ReplayContext:
@@ -337,7 +339,7 @@ class Monitor:
         budget = self.config.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         if not self._ended and self.identity.rank == 0:
-            self._send_run_event(run_event(self.identity, "finished"))
+            self._send_run_event(run_event(self.identity, "finished", step=self._last_step))
         self._ended = True
         for handle in self._handles:
             handle.remove()

@@ -310,12 +310,13 @@ class RunPipeline:
     def _release_final(self) -> Stage2Output:
         """A run that said it ended (finished or crashed) keeps the detail of its final steps
         at once, not after ``run_idle_s`` of silence: when no step is held back and the last
-        step its ranks named has been processed. A step after that (a late one, a resumed
+        step its event named has been processed (an event can arrive before the steps it
+        follows; one that names no step leaves the release to the silence). A step after that (a late one, a resumed
         run) is released the same way; ``retention.finish`` releases each step once."""
         out = Stage2Output()
         if (
             self.lifecycle.ended is not None
-            and self.last_step >= 0
+            and self.said_last_step >= 0  # an event that names no step waits for the silence
             and self.last_step >= self.said_last_step
             and not self.orderer.held
         ):

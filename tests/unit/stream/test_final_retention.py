@@ -63,3 +63,14 @@ def test_steps_after_an_early_finished_event_are_kept_as_they_arrive():
     assert run.on_event(event("finished", 259)).promote == []  # 250..259 still to come
     late = promoted(run, range(250, 260))
     assert sorted(late) == [s for s in range(160, 260) if s != 200]
+
+
+def test_an_event_that_names_no_step_leaves_the_release_to_the_silence():
+    """Without the last step (an older rank), the event could come before the final steps:
+    releasing then would keep the wrong ones. The silence releases them instead."""
+    run = RunPipeline("end", Stage2Config(run_idle_s=600, max_wait_s=5))
+    run.on_event(event("started", -1))
+    promoted(run, range(255))
+    assert run.on_event(event("finished", -1)).promote == []
+    promoted(run, range(255, 260))
+    assert sorted(run.expire(now=10_000.0).promote) == [s for s in range(160, 260) if s != 200]
