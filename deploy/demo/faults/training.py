@@ -24,21 +24,16 @@ from ..model import IGNORE, PRESETS
 from .base import Fault, FaultError, _core, _scramble
 from .structure import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
-__all__ = [
+__all__ = [  # its own names; the package (``__init__``) re-exports the whole vocabulary
     "FAULTS",
     "SCENARIOS",
     "BadRank",
-    "Bf16Swallow",
     "EasyBatch",
-    "Fault",
-    "FaultError",
     "FlakyReplay",
-    "IgnoredMedia",
     "LayerExplosion",
     "MemoryCreep",
     "NanWeight",
     "PoisonedBatch",
-    "RoutingCollapse",
     "SourceRegression",
     "Straggler",
     "demo_train_args",
