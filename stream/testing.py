@@ -32,9 +32,12 @@ class SimRun:
     missing: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that stay silent
     empty: set[tuple[int, int]] = field(default_factory=set)  # (step, rank) with 0 tokens
     cospike_step: int | None = None
+    clip_threshold: float | None = None  # c every rank clips at (grad.clip_threshold), if any
+    clip_other: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, rank) -> c
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
-        """(loss sum, valid tokens, grad norm², step time) of one rank, or None if silent."""
+        """(loss sum, valid tokens, grad norm², step time; with a clip threshold c, c and
+        grad.clipped = 1[G2 > c]) of one rank, or None if silent."""
         if rank in self.missing.get(step, set()):
             return None
         rng = np.random.default_rng([self.seed, step, rank])
@@ -44,12 +47,17 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
-        return {
+        parts = {
             Loss.SUM: mean_loss * tokens,
             Loss.TOKENS: float(tokens),
             Grad.NORM_SQ: grad * grad,
             System.STEP_TIME: 0.1 + 0.001 * rank,
         }
+        c = self.clip_other.get((step, rank), self.clip_threshold)
+        if c is not None:  # as the rank's s.clip_grad_norm_(params, c) reports it
+            parts[Grad.CLIP_THRESHOLD] = c
+            parts[Grad.CLIPPED] = float(grad > c)
+        return parts
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
