@@ -549,7 +549,9 @@ _001: tuple[SeedItem, ...] = (
     _full(
         "001 §5",
         "network counters read once per node",
-        _rm(Net.RX, Net.TX) + " from local rank 0",
+        _rm(Net.RX, Net.TX)
+        + " from each node's local rank 0, summed over nodes every step in "
+        + _f("step_metrics.net_rx_bytes", "step_metrics.net_tx_bytes"),
         ("000 system",),
     ),
     # §6 tensor probes
@@ -1324,11 +1326,13 @@ _004: tuple[SeedItem, ...] = (
         _rm(Host.RSS),
         "the process RSS only; the host's available memory is not measured",
     ),
-    _part(
+    _full(
         "004 §1",
         "network bandwidth between nodes",
-        _rm(Net.RX, Net.TX),
-        f"read once per node, {_RETAINED}; the sum over nodes is not formed",
+        _f("step_metrics.net_rx_bytes", "step_metrics.net_tx_bytes")
+        + " (the bytes of the step's interval, summed over nodes; per node in "
+        + _rm(Net.RX, Net.TX)
+        + ")",
     ),
     _out(
         "004 §1",

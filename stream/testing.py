@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probewire.instrument.catalog import Grad, Group, Loss, System
+from probewire.instrument.catalog import Grad, Group, Loss, Net, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
 
-__all__ = ["SimRun", "own_topics", "send"]
+__all__ = ["RANKS_PER_NODE", "SimRun", "own_topics", "send"]
+
+RANKS_PER_NODE = 4  # the simulated hosts: ranks 0-3 on node0, 4-7 on node1, ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -34,10 +36,12 @@ class SimRun:
     cospike_step: int | None = None
     clip_threshold: float | None = None  # c every rank clips at (grad.clip_threshold), if any
     clip_other: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, rank) -> c
+    net: bool = False  # each node's local rank 0 (``send``: 4 ranks a node) sends net.rx/tx
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
         """(loss sum, valid tokens, grad norm², step time; with a clip threshold c, c and
-        grad.clipped = 1[G2 > c]) of one rank, or None if silent."""
+        grad.clipped = 1[G2 > c]; with ``net``, a node's local rank 0 sends its network
+        bytes) of one rank, or None if silent."""
         if rank in self.missing.get(step, set()):
             return None
         rng = np.random.default_rng([self.seed, step, rank])
@@ -57,6 +61,8 @@ class SimRun:
         if c is not None:  # as the rank's s.clip_grad_norm_(params, c) reports it
             parts[Grad.CLIP_THRESHOLD] = c
             parts[Grad.CLIPPED] = float(grad > c)
+        if self.net and rank % RANKS_PER_NODE == 0:
+            parts[Net.RX], parts[Net.TX] = (float(n) for n in rng.integers(1, 10**9, 2))
         return parts
 
     def expected(self, step: int) -> tuple[float, float]:
@@ -85,7 +91,7 @@ def send(
                 run_id=run.run_id,
                 rank=r,
                 world_size=run.world_size,
-                host=f"node{r // 4}",
+                host=f"node{r // RANKS_PER_NODE}",
                 coords={Group.DATA.value: r},
             ),
             transports[r],
