@@ -219,10 +219,11 @@ class RunPipeline:
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
         out = self._name_tensors(self._accept(item, now))
+        sm = StepMetrics
         for row in out.rows.get("step_metrics", ()):  # stored steps: who was heard last
-            if row["step"] >= self.heard_step:
-                self.heard_step = row["step"]
-                self.heard_ranks = set(range(self.world_size)) - set(row["ranks_missing"])
+            if row[sm.step] >= self.heard_step:
+                self.heard_step = row[sm.step]
+                self.heard_ranks = set(range(self.world_size)) - set(row[sm.ranks_missing])
         return out
 
     @property
