@@ -345,3 +345,20 @@ def test_network_bytes_are_summed_over_the_nodes_that_read_them():
     assert view[StepMetrics.net_tx_bytes] == np.sum([tx for _, tx in sent.values()])
     bare = p0_view(reduce_step("net", 1, 1, [], "all_ranks")).view
     assert bare[StepMetrics.net_rx_bytes] is None and bare[StepMetrics.net_tx_bytes] is None
+
+
+def test_the_registry_and_what_is_built_from_it_import_without_torch():
+    """The registry sits beside the torch-free catalog: the schema, the seed map and the
+    charts are built from it in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "from probewire.stream.series import STEP_SERIES, CHARTS; "
+        "from probewire.sinks.schema import MIGRATIONS; "
+        "import probewire.stream.seed_map; print(len(STEP_SERIES))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(STEP_SERIES)
