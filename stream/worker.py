@@ -557,11 +557,14 @@ class Worker:
         steps' detail (``RunPipeline.at_shutdown``), written with what the batch holds."""
         if self.sink is None:
             return
+        released = False
         for run_id, run in list(self.runs.items()):
             out = run.at_shutdown()
             if out.promote:
                 self.batch.add(run_id, out)
-        await self.flush()
+                released = True
+        if released:
+            await self.flush()
 
     def close(self) -> None:
         for task in self._live:
