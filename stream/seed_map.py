@@ -1219,12 +1219,11 @@ _003: tuple[SeedItem, ...] = (
     _part(
         "003 §4",
         "relative update Δθ/θ per layer, in its band 1e-3–1e-1",
-        _c("tensor_update_ratio.update_ratio")
-        + " (per tensor; its layer in "
-        + _c("tensor_names.layer")
-        + "), "
+        _c("tensor_update_ratio.update_ratio", "tensor_update_ratio.layer")
+        + " (per tensor with its layer and role), "
         + _f("step_metrics.update_ratio_min", "step_metrics.update_ratio_max"),
-        "no per-layer ρ series is stored (per tensor on scan steps); " + _STATIC,
+        "per layer is a GROUP BY of the per-tensor view on retained scan steps; no "
+        "per-layer ρ series is stored; " + _STATIC,
     ),
     _out(
         "003 §5",
