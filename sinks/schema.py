@@ -617,19 +617,23 @@ FROM (
 
 # Per (run, step, tensor) of a retained scan step: the update ratio rho = ||dw|| / (||w|| +
 # eps) of each tensor scanned both as its parameter and as its update (``derive.update_ratio``,
-# eps = 1e-12), with both RMS beside it (seeds 001 §6).
+# eps = 1e-12), with both RMS beside it (seeds 001 §6), and the tensor's block (layer) and
+# role from tensor_names, so that rho per layer or per role is a GROUP BY away.
 _TENSOR_UPDATE_RATIO = View(
     "tensor_update_ratio",
     """
 SELECT u.run_id AS run_id, u.step AS step, u.tensor AS tensor,
     sqrt(u.sum_sq) / (sqrt(p.sum_sq) + 1e-12) AS update_ratio,
     if(u.n > 0, sqrt(u.sum_sq / u.n), NULL) AS update_rms,
-    if(p.n > 0, sqrt(p.sum_sq / p.n), NULL) AS param_rms
+    if(p.n > 0, sqrt(p.sum_sq / p.n), NULL) AS param_rms,
+    d.layer AS layer, d.role AS role
 FROM (SELECT run_id, step, tensor, sum_sq, n FROM {db}.tensor_stats FINAL
       WHERE kind = 'update') AS u
 INNER JOIN (SELECT run_id, step, tensor, sum_sq, n FROM {db}.tensor_stats FINAL
             WHERE kind = 'param') AS p
     ON u.run_id = p.run_id AND u.step = p.step AND u.tensor = p.tensor
+LEFT JOIN (SELECT run_id, tensor, layer, role FROM {db}.tensor_names FINAL) AS d
+    ON u.run_id = d.run_id AND u.tensor = d.tensor
 WHERE u.sum_sq > 0 OR p.sum_sq > 0
 """,
 )

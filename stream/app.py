@@ -144,7 +144,10 @@ def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
     @app.service
     class Shutdown(faust.Service):
         async def on_stop(self) -> None:
-            worker.close()
+            try:
+                await worker.release_ended()
+            finally:
+                worker.close()
 
 
 def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:

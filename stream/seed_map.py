@@ -377,14 +377,14 @@ _001: tuple[SeedItem, ...] = (
         _p("instrument/step.py", "StepContext.gradients") + ", `MetricSpec.point`",
         ("000 gradients",),
     ),
-    _part(
+    _full(
         "001 §4",
         "clip rate over the last W steps against the clip threshold c",
         _f("step_metrics.clip_rate", "step_metrics.clipped")
         + ", "
         + _p("stream/detect.py", "ClipRateWindow")
-        + " (c: the loop's max_norm, sent as `grad.clip_threshold`)",
-        "ranks that clip at different thresholds are not yet refused (dead letter)",
+        + " (c: the loop's max_norm, sent as `grad.clip_threshold`; ranks that send different "
+        "c are a dead letter with the reason, " + _p("stream/view.py", "clip_disagreement") + ")",
         ("000 gradients",),
     ),
     _full(
@@ -549,7 +549,9 @@ _001: tuple[SeedItem, ...] = (
     _full(
         "001 §5",
         "network counters read once per node",
-        _rm(Net.RX, Net.TX) + " from local rank 0",
+        _rm(Net.RX, Net.TX)
+        + " from each node's local rank 0, summed over nodes every step in "
+        + _f("step_metrics.net_rx_bytes", "step_metrics.net_tx_bytes"),
         ("000 system",),
     ),
     # §6 tensor probes
@@ -911,13 +913,15 @@ _001: tuple[SeedItem, ...] = (
         _p("stream/retention.py", "RetentionPolicy") + ", `*_recent` tables",
         ("000 probe cost",),
     ),
-    _part(
+    _full(
         "001 §12",
         "retain the final steps",
-        _p("stream/retention.py", "RetentionPolicy.finish"),
-        "released only after `run_idle_s` without a step: a `finished` or `crashed` event "
-        "does not release them, and a worker that stops first keeps no detail after the "
-        "last multiple of K",
+        _p("stream/retention.py", "RetentionPolicy.finish")
+        + ", "
+        + _p("stream/stage2.py", "RunPipeline.on_event", "RunPipeline.at_shutdown")
+        + ": on the run's `finished` or `crashed` event once its last step is in, at the "
+        "latest when the worker stops; after `run_idle_s` of silence for a run that never "
+        "says",
         ("000 probe cost",),
     ),
     _full(
@@ -1080,7 +1084,8 @@ _002: tuple[SeedItem, ...] = (
         "002 §4",
         "time the anomaly (loss, pre-clip G2, AMP skips), then each layer's RMS and max",
         "`probewire explain` " + _p("deploy/explain/score.py"),
-        "AMP GradScaler skips are not counted",
+        "AMP GradScaler skips reach it (`step_metrics.skipped`) only when the scaler is "
+        "passed to `s.gradients(scaler=)`",
     ),
     _full(
         "002 §4",
@@ -1159,11 +1164,11 @@ _003: tuple[SeedItem, ...] = (
     ),
     _full("003 §3", "gradient L2 norm", _f("step_metrics.grad_norm")),
     _out("003 §3", "norm bands: healthy 0.1–10, exploding > 1000, vanishing < 1e-6", _STATIC),
-    _part(
+    _full(
         "003 §3",
         "gradient clipping at max_norm",
-        _f("step_metrics.clipped", "step_metrics.clip_rate"),
-        "the loop's `max_norm` is not read: without `ProbeConfig.clip_threshold`, c = 1.0",
+        _f("step_metrics.clipped", "step_metrics.clip_rate")
+        + " (c: the `max_norm` given to `s.clip_grad_norm_`, sent as `grad.clip_threshold`)",
     ),
     _part(
         "003 §3",
@@ -1194,8 +1199,12 @@ _003: tuple[SeedItem, ...] = (
     _part(
         "003 §4",
         "frozen parameters (no movement, LR 0, no gradient)",
-        _f("step_metrics.update_ratio", "step_metrics.lr_groups"),
-        "ρ is pooled over tensors, so one frozen tensor is hidden; no rule flags it",
+        _f("step_metrics.update_ratio_min", "step_metrics.update_ratio_min_tensor")
+        + ", "
+        + _c("tensor_update_ratio.update_ratio")
+        + ", "
+        + _f("step_metrics.lr_groups"),
+        "ρ per tensor shows a frozen tensor (ρ = 0) on scan steps; no rule flags it",
     ),
     _full(
         "003 §4",
@@ -1210,8 +1219,11 @@ _003: tuple[SeedItem, ...] = (
     _part(
         "003 §4",
         "relative update Δθ/θ per layer, in its band 1e-3–1e-1",
-        _f("step_metrics.update_ratio"),
-        "ρ is pooled over tensors, not per layer; " + _STATIC,
+        _c("tensor_update_ratio.update_ratio", "tensor_update_ratio.layer")
+        + " (per tensor with its layer and role), "
+        + _f("step_metrics.update_ratio_min", "step_metrics.update_ratio_max"),
+        "per layer is a GROUP BY of the per-tensor view on retained scan steps; no "
+        "per-layer ρ series is stored; " + _STATIC,
     ),
     _out(
         "003 §5",
@@ -1290,8 +1302,11 @@ _004: tuple[SeedItem, ...] = (
     _part(
         "004 §1",
         "GPU memory used / total, alert at 90 %",
-        _rm(Device.MEMORY_USED),
-        f"{_RETAINED}; the total is not recorded, so no share; {_STATIC}",
+        _rm(Device.MEMORY_USED)
+        + ", "
+        + _f("step_metrics.memory_headroom", "step_metrics.memory_capacity_bytes"),
+        "the share is stored as the headroom 1 − peak / capacity (the smallest over ranks); "
+        + _STATIC,
     ),
     _part(
         "004 §1",
@@ -1310,11 +1325,13 @@ _004: tuple[SeedItem, ...] = (
         _rm(Host.RSS),
         "the process RSS only; the host's available memory is not measured",
     ),
-    _part(
+    _full(
         "004 §1",
         "network bandwidth between nodes",
-        _rm(Net.RX, Net.TX),
-        f"read once per node, {_RETAINED}; the sum over nodes is not formed",
+        _f("step_metrics.net_rx_bytes", "step_metrics.net_tx_bytes")
+        + " (the bytes of the step's interval, summed over nodes; per node in "
+        + _rm(Net.RX, Net.TX)
+        + ")",
     ),
     _out(
         "004 §1",
@@ -1347,18 +1364,18 @@ _004: tuple[SeedItem, ...] = (
         "the jump is scored and recorded as an anomaly; a G2 spike alone pages only when "
         "the loss spikes too or it is non-finite",
     ),
-    _part(
+    _full(
         "004 §2",
         "clipping with clip_grad_norm_ at a threshold",
-        _f("step_metrics.clipped", "step_metrics.clip_rate"),
-        "the loop's `max_norm` is not read: without `ProbeConfig.clip_threshold`, c = 1.0",
+        _f("step_metrics.clipped", "step_metrics.clip_rate")
+        + " (c: the `max_norm` given to `s.clip_grad_norm_`, sent as `grad.clip_threshold`)",
     ),
     _part(
         "004 §2",
         "share of parameters changed beyond a threshold (under 5 %: LR too small)",
         _f("step_metrics.update_ratio"),
-        "the elements moved beyond a threshold are not counted; ρ (pooled over tensors) "
-        "measures the update's size instead",
+        "the elements moved beyond a threshold are not counted; ρ (per tensor) measures "
+        "the update's size instead",
     ),
     _full(
         "004 §2",

@@ -39,6 +39,7 @@ from probewire.instrument.catalog import (
     Memory,
     Modality,
     Moe,
+    Net,
     Optim,
     Output,
     Residual,
@@ -983,6 +984,25 @@ class StepMetrics:
         components=(Memory.PEAK_ALLOCATED, Memory.PEAK_RSS, Memory.CAPACITY),
         formula=lambda s: derive.memory_headroom(s.memory, s.capacity),
         seed="001 §5 peak memory, max over ranks",
+    )
+    net_rx_bytes = _f(
+        "net_rx_bytes",
+        "bytes the nodes received since their previous sample, summed over nodes (read by "
+        "the local rank 0 of each node)",
+        since=12,
+        unit="bytes",
+        components=(Net.RX,),
+        formula=lambda s: s.get(Net.RX),
+        seed="001 §5 network counters read once per node",
+    )
+    net_tx_bytes = _f(
+        "net_tx_bytes",
+        "bytes the nodes sent since their previous sample, summed over nodes",
+        since=12,
+        unit="bytes",
+        components=(Net.TX,),
+        formula=lambda s: s.get(Net.TX),
+        seed="001 §5 network counters read once per node",
     )
 
 

@@ -243,9 +243,11 @@ class SignalDetectors:
         if loss is not None and grad is not None:
             co = self.cospikes.update(loss, grad)
             derived.update(
-                cospike=int(co.co_spike),
-                cospike_count=co.count,
-                cospike_magnitude=co.cumulative_magnitude,
+                {
+                    SM.cospike: int(co.co_spike),
+                    SM.cospike_count: co.count,
+                    SM.cospike_magnitude: co.cumulative_magnitude,
+                }
             )
             if co.co_spike and not co.nonfinite:
                 found.append(
@@ -261,9 +263,11 @@ class SignalDetectors:
                 )
         else:
             derived.update(
-                cospike=0,
-                cospike_count=self.cospikes.count,
-                cospike_magnitude=self.cospikes.cumulative_magnitude,
+                {
+                    SM.cospike: 0,
+                    SM.cospike_count: self.cospikes.count,
+                    SM.cospike_magnitude: self.cospikes.cumulative_magnitude,
+                }
             )
         if view[SM.grad_norm] is not None:
             clip = self.clip.update(
@@ -271,9 +275,9 @@ class SignalDetectors:
                 if view.get(SM.clipped) is None
                 else (math.inf if view[SM.clipped] else 0.0)
             )
-            derived.update(clip_rate=clip.rate, clipped=int(clip.clipped))
+            derived.update({SM.clip_rate: clip.rate, SM.clipped: int(clip.clipped)})
         else:
-            derived.update(clip_rate=None, clipped=0)
+            derived.update({SM.clip_rate: None, SM.clipped: 0})
         return found
 
     def _job(self, view: dict[str, Any]) -> list[Finding]:

@@ -30,7 +30,12 @@ Nothing a run does makes this module raise or drop a step:
   (bounded by ``validate``'s ``max_label_values`` distinct tensor labels per run).
 - a step whose components break the rules of ``derive`` (which stage 1's bounds rule
   out; only another writer of the steps topic could send one) is refused before any state
-  moves: ``Stage2Output.refused`` names it and the reason, and the worker dead-letters it.
+  moves: ``Stage2Output.refused`` names it and the reason, and the worker dead-letters it;
+- a step whose ranks sent different clip thresholds (``grad.clip_threshold``) is stored,
+  and ``Stage2Output.dead_letters`` says so with the ranks of each threshold, once per
+  disagreement;
+- a run that said it ended releases its final steps' detail once the step its event named
+  is in, and at the latest when the worker stops (``at_shutdown``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from probewire.instrument.catalog import Grad
 from probewire.instrument.plumbing import check
 
 from .dimensions import tensor_dimensions
@@ -53,7 +59,7 @@ from .records import CompleteReason, ReducedStep
 from .retention import RetentionPolicy
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
-from .view import P0View, detail_rows, p0_view, rank_columns
+from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
@@ -117,14 +123,15 @@ class Stage2Config:
 class Stage2Output:
     """Rows by table (detail goes to the ``*_recent`` tables), column batches by table (the
     per-rank detail, hundreds of values a step: built and stored column-wise, no dict per
-    value), steps to promote, controls, and the steps refused with their reason (to
-    dead-letter)."""
+    value), steps to promote, controls, the steps refused with their reason, and the
+    stored steps with something the ranks disagree on (both dead-lettered with the reason)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     columns: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     promote: list[int] = field(default_factory=list)
     controls: list[dict[str, Any]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
+    dead_letters: list[tuple[int, str]] = field(default_factory=list)
 
     def add_columns(self, table: str, columns: dict[str, list[Any]]) -> None:
         """Append a column batch (the same columns as the table's earlier ones)."""
@@ -145,6 +152,7 @@ class Stage2Output:
         self.promote += other.promote
         self.controls += other.controls
         self.refused += other.refused
+        self.dead_letters += other.dead_letters
 
 
 def column_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -206,14 +214,16 @@ class RunPipeline:
         self.said_last_step = -1  # the newest last step a lifecycle event named
         self.heard_step = -1  # the newest step any rank sent, and the ranks that sent it
         self.heard_ranks: set[int] = set()
+        self.clip_disagreement: dict[float, list[int]] | None = None  # said once, until healed
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
         out = self._name_tensors(self._accept(item, now))
+        sm = StepMetrics
         for row in out.rows.get("step_metrics", ()):  # stored steps: who was heard last
-            if row["step"] >= self.heard_step:
-                self.heard_step = row["step"]
-                self.heard_ranks = set(range(self.world_size)) - set(row["ranks_missing"])
+            if row[sm.step] >= self.heard_step:
+                self.heard_step = row[sm.step]
+                self.heard_ranks = set(range(self.world_size)) - set(row[sm.ranks_missing])
         return out
 
     @property
@@ -323,6 +333,17 @@ class RunPipeline:
             out.promote += [s for s, _ in self.retention.finish()]
         return out
 
+    def at_shutdown(self) -> Stage2Output:
+        """The worker stops: a run that said it ended keeps its final steps' detail now,
+        even where the step its event named is not in yet or no step was named (the
+        release would otherwise wait for a worker that may not come back); a step that
+        comes after a restart is kept as it comes. A run that never said it ended is left
+        to ``run_idle_s`` of silence."""
+        out = Stage2Output()
+        if self.lifecycle.ended is not None:
+            out.promote += [s for s, _ in self.retention.finish()]
+        return out
+
     def _process(self, items: list[ReducedStep]) -> Stage2Output:
         out = Stage2Output()
         for item in items:
@@ -339,6 +360,7 @@ class RunPipeline:
                     )
                 )
                 continue
+            out.dead_letters += self._clip_letter(item)
             after_gap = item.step < self.last_step
             self.skipped.discard(item.step)
             self.skipped.add(self.last_step + 1, item.step - 1)
@@ -347,6 +369,26 @@ class RunPipeline:
             out.rows["runs"].append(self._run_row())
             out.extend(self._release_final())
         return out
+
+    def _clip_letter(self, item: ReducedStep) -> list[tuple[int, str]]:
+        """A dead letter when the step's ranks sent different clip thresholds (the step is
+        stored; its ``clipped`` is 1 where any rank clipped), once per disagreement: said
+        again when the ranks' thresholds change, not on every step it lasts (nor saved: a
+        restarted worker says it once more)."""
+        ranks = clip_disagreement(item)
+        if ranks is None or ranks == self.clip_disagreement:
+            self.clip_disagreement = ranks
+            return []
+        self.clip_disagreement = ranks
+        each = "; ".join(f"c={c:g} on ranks {r}" for c, r in sorted(ranks.items()))
+        return [
+            (
+                item.step,
+                f"step {item.step} of run {self.run_id!r}: {Grad.CLIP_THRESHOLD} differs "
+                f"between ranks ({each}); clipped and clip_rate count a step any rank "
+                "clipped: clip every rank at one max_norm",
+            )
+        ]
 
     def _step(
         self, item: ReducedStep, p0: P0View, inputs: StepInputs, after_gap: bool

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probewire.instrument.catalog import Grad, Group, Loss, System
+from probewire.instrument.catalog import Grad, Group, Loss, Net, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
 
-__all__ = ["SimRun", "own_topics", "send"]
+__all__ = ["RANKS_PER_NODE", "SimRun", "own_topics", "send"]
+
+RANKS_PER_NODE = 4  # the simulated hosts: ranks 0-3 on node0, 4-7 on node1, ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,9 +34,14 @@ class SimRun:
     missing: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that stay silent
     empty: set[tuple[int, int]] = field(default_factory=set)  # (step, rank) with 0 tokens
     cospike_step: int | None = None
+    clip_threshold: float | None = None  # c every rank clips at (grad.clip_threshold), if any
+    clip_other: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, rank) -> c
+    net: bool = False  # each node's local rank 0 (``send``: 4 ranks a node) sends net.rx/tx
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
-        """(loss sum, valid tokens, grad norm², step time) of one rank, or None if silent."""
+        """(loss sum, valid tokens, grad norm², step time; with a clip threshold c, c and
+        grad.clipped = 1[G2 > c]; with ``net``, a node's local rank 0 sends its network
+        bytes) of one rank, or None if silent."""
         if rank in self.missing.get(step, set()):
             return None
         rng = np.random.default_rng([self.seed, step, rank])
@@ -44,12 +51,19 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
-        return {
+        parts = {
             Loss.SUM: mean_loss * tokens,
             Loss.TOKENS: float(tokens),
             Grad.NORM_SQ: grad * grad,
             System.STEP_TIME: 0.1 + 0.001 * rank,
         }
+        c = self.clip_other.get((step, rank), self.clip_threshold)
+        if c is not None:  # as the rank's s.clip_grad_norm_(params, c) reports it
+            parts[Grad.CLIP_THRESHOLD] = c
+            parts[Grad.CLIPPED] = float(grad > c)
+        if self.net and rank % RANKS_PER_NODE == 0:
+            parts[Net.RX], parts[Net.TX] = (float(n) for n in rng.integers(1, 10**9, 2))
+        return parts
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
@@ -77,7 +91,7 @@ def send(
                 run_id=run.run_id,
                 rank=r,
                 world_size=run.world_size,
-                host=f"node{r // 4}",
+                host=f"node{r // RANKS_PER_NODE}",
                 coords={Group.DATA.value: r},
             ),
             transports[r],

@@ -12,7 +12,7 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-from probewire.instrument.catalog import TENSOR_FIELDS, Label, Loss, Moe, System, Tensor
+from probewire.instrument.catalog import TENSOR_FIELDS, Grad, Label, Loss, Moe, System, Tensor
 from probewire.instrument.wire import SeriesKey
 
 from .derive import loss_by_group, rank_means
@@ -21,7 +21,7 @@ from .records import CompleteReason, ReducedStep
 from .series import VIEW
 from .signals import RankSeries
 
-__all__ = ["P0View", "detail_rows", "p0_view", "rank_columns"]
+__all__ = ["P0View", "clip_disagreement", "detail_rows", "p0_view", "rank_columns"]
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
 
@@ -91,6 +91,22 @@ def _sources(s: StepInputs) -> dict[str, tuple[float, float, float]]:
         if source is not None and count > 0 and labels in source_sums:
             sums[source], counts[source] = [source_sums[labels]], [count]
     return loss_by_group(sums, counts, total_tokens=s.tokens)
+
+
+_CLIP_THRESHOLD = (Grad.CLIP_THRESHOLD, ())
+
+
+def clip_disagreement(item: ReducedStep) -> dict[float, list[int]] | None:
+    """The ranks of each ``grad.clip_threshold`` c they sent, when the ranks of the step
+    sent more than one c (seeds 001 §4: one global norm, clipped at one max_norm); None when
+    they agree or none sent it. ``grad.clipped`` is then the max over ranks: 1 where any
+    rank clipped."""
+    ranks: dict[float, list[int]] = {}
+    for rank in sorted(item.per_rank):
+        c = item.per_rank[rank].get(_CLIP_THRESHOLD)
+        if c is not None:
+            ranks.setdefault(c, []).append(rank)
+    return ranks if len(ranks) > 1 else None
 
 
 def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:

@@ -213,7 +213,14 @@ class Worker:
         if self.sink is not None:
             for run_id, run in list(self.runs.items()):
                 out = run.expire(now)
-                if out.rows or out.columns or out.promote or out.controls or out.refused:
+                if (
+                    out.rows
+                    or out.columns
+                    or out.promote
+                    or out.controls
+                    or out.refused
+                    or out.dead_letters
+                ):
                     self.batch.add(run_id, out)
                     await self.send_alerts(run_id, out)
         self.flush_soon()
@@ -419,8 +426,9 @@ class Worker:
 
     async def send_alerts(self, run_id: str, out: Stage2Output) -> None:
         """Alerts and control messages leave at once (a restart may repeat one, never lose);
-        steps stage 2 refused become dead letters."""
-        for _, reason in out.refused:
+        steps stage 2 refused, or stored with something their ranks disagree on, become
+        dead letters."""
+        for _, reason in out.refused + out.dead_letters:
             await self._send_dead_letter(
                 run_id.encode(),
                 {"reason": reason, **_origin("stage2", reason.encode()), "payload_b64": ""},
@@ -543,6 +551,20 @@ class Worker:
         for row, reason in refused:
             log.error("probewire: %s row refused by the store (%s): %s", table, reason, row)
         self.progress.output(table, len(rows))
+
+    async def release_ended(self) -> None:
+        """At shutdown, before ``close``: the runs that said they ended keep their final
+        steps' detail (``RunPipeline.at_shutdown``), written with what the batch holds."""
+        if self.sink is None:
+            return
+        released = False
+        for run_id, run in list(self.runs.items()):
+            out = run.at_shutdown()
+            if out.promote:
+                self.batch.add(run_id, out)
+                released = True
+        if released:
+            await self.flush()
 
     def close(self) -> None:
         for task in self._live:

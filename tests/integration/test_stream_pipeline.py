@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from confluent_kafka import Producer
 
@@ -39,6 +40,7 @@ def sim(run_id: str) -> SimRun:
         missing=MISSING,
         empty={(12, 3), (40, 0)},
         cospike_step=COSPIKE,
+        net=True,
     )
 
 
@@ -155,6 +157,17 @@ def test_missing_rank_is_reported_and_duplicate_is_not_counted(uninterrupted):
     assert by_step[29]["ranks_missing"] == [] and by_step[29]["ranks_reporting"] == 8
     tokens_20 = sum(run.components(20, r)["loss.tokens"] for r in range(8))
     assert by_step[20]["step_tokens"] == tokens_20  # rank 3's duplicate counted once
+
+
+def test_network_bytes_are_summed_over_both_nodes_every_step(uninterrupted):
+    """net.rx / net.tx come from each node's local rank 0 (ranks 0 and 4 of node0 and
+    node1): every step stores their float64 sums, not rank 0's alone."""
+    run, got = uninterrupted
+    for row in got["steps"]:
+        parts = [run.components(row["step"], r) for r in (0, 4)]
+        for column, metric in (("net_rx_bytes", "net.rx"), ("net_tx_bytes", "net.tx")):
+            sent = np.array([p[metric] for p in parts], dtype=np.float64)
+            assert row[column] == np.sum(sent) and np.all(sent > 0), (row["step"], column)
 
 
 def test_malformed_message_is_dead_lettered_with_its_reason(uninterrupted):

@@ -694,3 +694,24 @@ def test_a_grad_scaler_skip_is_a_skipped_step(update_inside):
     recs = sorted((decode_rank_step(k, v) for k, v in transport.messages), key=lambda r: r.step)
     assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the scaler skipped step 2 only
     assert [value(r, "guard.skipped") for r in recs] == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_each_nodes_local_rank_0_sends_the_network_counters(local_rank):
+    """net.* is read once per node by the node's local rank 0, whatever its global rank
+    (rank 5 of 8: the second node's first when local_rank is 0), and by no other rank."""
+    torch.manual_seed(0)
+    model = TinyLM(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    transport = MemoryTransport()
+    ident = RankIdentity(run_id="t", rank=5, world_size=8, local_rank=local_rank, coords={"dp": 5})
+    monitor = attach(
+        model, opt, identity=ident, config=ProbeConfig(comm=False), transport=transport
+    )
+    for step in range(2):
+        train_step(monitor, model, opt, step, make_batches(step))
+    monitor.close()
+    records = [decode_rank_step(k, v) for k, v in transport.messages]
+    sent = [{n for n, _ in r.values if n.startswith("net.")} for r in records]
+    assert sent == [{"net.rx", "net.tx"} if local_rank == 0 else set()] * 2
+    assert all(r.rank == 5 for r in records)

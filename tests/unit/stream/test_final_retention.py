@@ -74,3 +74,27 @@ def test_an_event_that_names_no_step_leaves_the_release_to_the_silence():
     assert run.on_event(event("finished", -1)).promote == []
     promoted(run, range(255, 260))
     assert sorted(run.expire(now=10_000.0).promote) == [s for s in range(160, 260) if s != 200]
+
+
+@pytest.mark.parametrize("said", [-1, 259, 300])
+def test_a_run_that_said_it_ended_keeps_its_final_steps_when_the_worker_stops(said):
+    """The ranks said ``finished`` naming no step (an older rank), the last step, or a step
+    that never came: the worker stops before the silence; at its shutdown the final steps
+    are kept at once (each once: the release on the event and the shutdown share it)."""
+    run = RunPipeline("end", Stage2Config(run_idle_s=600, max_wait_s=5))
+    run.on_event(event("started", -1))
+    promoted(run, range(260))
+    at_event = run.on_event(event("finished", said)).promote
+    at_stop = run.at_shutdown().promote
+    assert sorted(at_event + at_stop) == [s for s in range(160, 260) if s != 200]
+    assert run.at_shutdown().promote == []
+
+
+def test_a_run_that_never_said_it_ended_keeps_nothing_more_at_shutdown():
+    """No finished or crashed event: the run may go on (a checkpoint pause); its final
+    steps wait for ``run_idle_s`` of silence, shutdown or not."""
+    run = RunPipeline("end", Stage2Config(run_idle_s=600, max_wait_s=5))
+    run.on_event(event("started", -1))
+    promoted(run, range(260))
+    assert run.at_shutdown().promote == []
+    assert sorted(run.expire(now=10_000.0).promote) == [s for s in range(160, 260) if s != 200]

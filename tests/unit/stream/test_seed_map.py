@@ -221,3 +221,21 @@ def test_write_without_a_readme_is_one_line_and_exit_code_2(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert not out and err.count("\n") == 1 and "metric-table markers" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_issue_37_items_fixed_since_are_full_and_name_where():
+    """Clipping against the loop's own max_norm (with a dead letter when ranks disagree),
+    the final steps kept when the run says it ended or the worker stops, and the network
+    bytes summed over nodes: full, naming the code or columns that do it."""
+    by_item = {(i.seed, i.item): i for i in SEED_ITEMS}
+    expect = {
+        ("001 §4", "clip rate over the last W steps against the clip threshold c"): (
+            "clip_disagreement"
+        ),
+        ("003 §3", "gradient clipping at max_norm"): "grad.clip_threshold",
+        ("004 §2", "clipping with clip_grad_norm_ at a threshold"): "grad.clip_threshold",
+        ("001 §12", "retain the final steps"): "RunPipeline.at_shutdown",
+        ("004 §1", "network bandwidth between nodes"): "step_metrics.net_rx_bytes",
+    }
+    for key, word in expect.items():
+        assert by_item[key].status is Status.FULL and word in by_item[key].where, key

@@ -266,7 +266,7 @@ def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_
         + ", ".join(f"({v}, '')" for v in range(1, 8))
     )
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens) VALUES ('r', 3, 9)")
-    assert ClickHouseSink(ch_client, db).migrate() == 8
+    assert ClickHouseSink(ch_client, db).migrate() == 12
     names = [
         r[0]
         for r in ch_client.query(
@@ -275,7 +275,7 @@ def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_
         ).result_rows
     ]
     assert names == [c.name for c in table.columns]
-    assert names[-3:] == ["memory_capacity_bytes", "memory_headroom", "inserted_at"]
+    assert names[-5:-2] == ["memory_capacity_bytes", "memory_headroom", "net_rx_bytes"]
     assert ch_client.query(
         f"SELECT step, tokens, memory_capacity_bytes, memory_headroom FROM {db}.step_metrics"
     ).result_rows == [(3, 9, None, None)]
@@ -320,3 +320,45 @@ def test_shard_imbalance_reads_the_placement_the_ranks_labelled():
     assert stored(strided) == pytest.approx(want(strided), rel=1e-12)
     assert stored(None) == pytest.approx(want([i // 4 for i in range(8)]), rel=1e-12)
     assert stored([0, 2] * 4) is None
+
+
+def test_network_bytes_are_summed_over_the_nodes_that_read_them():
+    """net.rx / net.tx come from each node's local rank 0 (ranks 0 and 4 of two 4-rank
+    nodes): the step's columns are their float64 sums; no rank sending them gives NULL."""
+    from probewire.instrument.catalog import Net
+
+    sent = {0: (1.5e9, 2.25e8), 4: (7.0e8 + 3.0, 1.0e9)}  # rank: (rx, tx)
+    ranks = [
+        RankStep(
+            run_id="net",
+            step=0,
+            rank=r,
+            world_size=8,
+            host=f"node{r // 4}",
+            coords={"dp": r},
+            values={(Net.RX, ()): sent[r][0], (Net.TX, ()): sent[r][1]} if r in sent else {},
+        )
+        for r in range(8)
+    ]
+    view = p0_view(reduce_step("net", 0, 8, ranks, "all_ranks")).view
+    assert view[StepMetrics.net_rx_bytes] == np.sum([rx for rx, _ in sent.values()])
+    assert view[StepMetrics.net_tx_bytes] == np.sum([tx for _, tx in sent.values()])
+    bare = p0_view(reduce_step("net", 1, 1, [], "all_ranks")).view
+    assert bare[StepMetrics.net_rx_bytes] is None and bare[StepMetrics.net_tx_bytes] is None
+
+
+def test_the_registry_and_what_is_built_from_it_import_without_torch():
+    """The registry sits beside the torch-free catalog: the schema, the seed map and the
+    charts are built from it in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        "from probewire.stream.series import STEP_SERIES, CHARTS; "
+        "from probewire.sinks.schema import MIGRATIONS; "
+        "import probewire.stream.seed_map; print(len(STEP_SERIES))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(STEP_SERIES)

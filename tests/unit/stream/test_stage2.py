@@ -413,3 +413,49 @@ def test_each_tensor_label_gets_one_tensor_names_row_per_run_across_a_restart():
     assert [
         (r["tensor"], r["layer"], r["role"], r["first_step"]) for r in out.rows["tensor_names"]
     ] == [("blocks.1.attn.qkv.q", 1, "attn.qkv.q", 2)]
+
+
+def test_ranks_clipping_at_different_thresholds_are_a_dead_letter_once_per_disagreement():
+    """Every rank sends c (grad.clip_threshold) with grad.clipped = 1[G2 > c]: where the
+    ranks' c differ the step is stored (clipped: 1 where any rank clipped) and a dead letter
+    names each c with its ranks; said once while the disagreement lasts, again when it
+    changes or comes back after the ranks agreed."""
+    g2 = 0.49  # G2 = 0.7: clipped at c = 0.5, not at c = 1.0
+
+    def step(n: int, thresholds: list[float]):
+        item = records(n, [(3.0, 1.0)] * len(thresholds), g2=g2)
+        for rank, c in enumerate(thresholds):
+            item.per_rank[rank][series_key("grad.clip_threshold")] = c
+            item.per_rank[rank][series_key("grad.clipped")] = float(math.sqrt(g2) > c)
+        item.reduced[series_key("grad.clip_threshold")] = max(thresholds)
+        item.reduced[series_key("grad.clipped")] = float(math.sqrt(g2) > min(thresholds))
+        return item
+
+    run = RunPipeline("run", small_config())
+    plan = {  # step -> each rank's c
+        0: [0.5, 0.5, 0.5],
+        1: [0.5, 1.0, 0.5],
+        2: [0.5, 1.0, 0.5],
+        3: [0.5, 1.0, 1.0],
+        4: [0.5, 0.5, 0.5],
+        5: [0.5, 1.0, 0.5],
+    }
+    outs = {n: run.accept(step(n, cs), float(n)) for n, cs in plan.items()}
+    letters = {n: out.dead_letters for n, out in outs.items()}
+    assert {n: [s for s, _ in ls] for n, ls in letters.items()} == {
+        0: [],
+        1: [1],
+        2: [],
+        3: [3],
+        4: [],
+        5: [5],
+    }
+    assert (
+        "grad.clip_threshold differs between ranks (c=0.5 on ranks [0, 2]; c=1 on ranks [1])"
+        in letters[1][0][1]
+    )
+    assert "c=0.5 on ranks [0]; c=1 on ranks [1, 2]" in letters[3][0][1]
+    assert "step 1 of run 'run'" in letters[1][0][1]
+    stored = {r["step"]: r["clipped"] for out in outs.values() for r in out.rows["step_metrics"]}
+    assert stored == dict.fromkeys(range(6), 1)  # rank 0 clipped at 0.5 every step
+    assert all(not out.refused for out in outs.values())

@@ -17,7 +17,9 @@ from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, att
 from probewire.instrument.wire import decode_rank_step
 from probewire.sinks import ClickHouseSink
 from probewire.stream.assemble import reduce_step
+from probewire.stream.dimensions import tensor_dimensions
 from probewire.stream.series import StepMetrics as SM
+from probewire.stream.stage2 import RunPipeline, Stage2Config
 from probewire.stream.view import detail_rows, p0_view
 
 CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
@@ -77,14 +79,20 @@ def test_min_median_max_over_tensors_and_the_extreme_tensors(trained):
 
 
 def test_every_tensors_rho_is_in_the_store(trained, ch_client, ch_database):
+    """Every tensor's rho, with the layer and role stage 2 named it with (tensor_names),
+    so that rho per layer is a GROUP BY of the view."""
     step, reference = trained
     sink = ClickHouseSink(ch_client, ch_database)
     sink.migrate()
     sink.write("tensor_stats", detail_rows(step)["tensor_stats"])
+    names = RunPipeline("rho", Stage2Config()).accept(step, 0.0).rows["tensor_names"]
+    sink.write("tensor_names", names)
     rows = ch_client.query(
-        f"SELECT tensor, update_ratio FROM {ch_database}.tensor_update_ratio "
+        f"SELECT tensor, update_ratio, layer, role FROM {ch_database}.tensor_update_ratio "
         "WHERE run_id = 'rho' AND step = 0 ORDER BY tensor"
     ).result_rows
-    assert [t for t, _ in rows] == sorted(reference)
-    for tensor, rho in rows:
+    assert [r[0] for r in rows] == sorted(reference)
+    for tensor, rho, layer, role in rows:
         assert rho == pytest.approx(reference[tensor], rel=1e-4), tensor
+        assert (layer, role) == tensor_dimensions(tensor)[:2], tensor
+    assert {r[2] for r in rows} >= {0, 1, None}  # both blocks, and tensors outside them
