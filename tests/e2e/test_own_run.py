@@ -1,6 +1,8 @@
 """`probewire run` around a user's torchrun script (examples/train_torchrun.py, the README's
 snippet): the store answers live while it trains, and afterwards holds the finished run,
-its config, its learning rates and, at every step, L equal to the script's own float64 L."""
+its config, its learning rates and, at every step, L equal to the script's own float64 L;
+the held-out accuracy both ranks logged with ``s.log("val_acc", acc)`` is stored as the mean
+over ranks the script computed, read back with ``probewire sql`` and listed by ``runs``."""
 
 from __future__ import annotations
 
@@ -93,3 +95,22 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     for row, ref in zip(rows, own):
         assert row["loss"] == pytest.approx(ref["loss"], rel=REL, abs=0), row["step"]
         assert row["lr"] == ref["lr"] and row["lr_groups"] == {"0": ref["lr"]}
+    logged = e2e.rows(
+        store,
+        "SELECT step, value, reduction FROM probewire.user_metrics FINAL "
+        "WHERE run_id = 'own1' AND name = 'val_acc' ORDER BY step",
+    )
+    expected = [(o["step"], o["val_acc"]) for o in own if "val_acc" in o]
+    assert [o["step"] for o in own if "val_acc" in o] == list(range(0, steps, 10))
+    # (a + b) / 2 in float64 either way: the same double
+    assert [(r["step"], r["value"]) for r in logged] == expected
+    assert {r["reduction"] for r in logged} == {"mean"}
+    listed = subprocess.run(
+        e2e.probewire("runs", "--store", str(store)),
+        capture_output=True,
+        text=True,
+        cwd=e2e.REPO,
+        timeout=120,
+    )
+    assert listed.returncode == 0 and "user_metrics" in listed.stdout, listed.stderr
+    assert any("own1" in line and "val_acc" in line for line in listed.stdout.splitlines())
