@@ -133,7 +133,7 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=", html)  # nothing fetched
     assert "Plotly.newPlot" in html and len(html) > 3_000_000  # plotly.js is inlined
     charts = _charts(html)
-    assert list(charts) == [c.key for c in CHARTS]
+    assert list(charts) == [c.key for c in CHARTS if c.key != "lr"]  # lr: not stored
     for run in (RUN, OTHER):
         data = load_first_screen(client, db, run)
         [L] = [t for t in _raw(charts["loss"], run) if t["meta"]["label"] == "L"]
@@ -146,8 +146,10 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
             assert _raw(charts[key], run), (key, run)
     smooth = [t for t in charts["loss"]["data"] if t["meta"]["role"] == "smooth"]
     assert smooth and all(t["visible"] is False for t in smooth)  # smoothing starts off
-    assert charts["lr"]["layout"]["meta"]["drawn"] is False  # no learning rate stored: not measured
-    assert "not measured" in json.dumps(charts["lr"]["layout"]["annotations"])
+    # no learning rate stored: no empty tile, folded away into the note under the charts
+    assert "chart-lr" not in html and "not measured" not in html
+    [folded] = re.findall(r"<p id='pw-folded'[^>]*>(.*?)</p>", html)
+    assert folded == "Not measured, folded away: Learning rate"
     ranges = charts["cospike"]["layout"]["yaxis"]["range"]
     assert ranges[0] == 0
     marks = [t for t in charts["grad"]["data"] if t["meta"]["role"] == "anomaly"]
@@ -175,6 +177,51 @@ def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None
     config = re.search(r"<table class='pw-config'>(.*?)</table>", html, re.S).group(1)
     assert "<td>lr</td><td>yes</td><td>0.003</td><td>0.001</td>" in config
     assert "<td>seed</td><td></td><td>0</td><td>0</td>" in config
+
+
+def test_a_constant_learning_rate_reads_as_its_value_on_an_axis_from_0(store, tmp_path) -> None:
+    """The demo's constant lr 0.003: an axis from 0 to above 0.003 (never -1..1 around a
+    flat line, where it reads as 0), never smoothed, its unit the registry's."""
+    client, db = store
+    client.command(
+        f"ALTER TABLE {db}.step_metrics UPDATE lr = 0.003 WHERE 1", settings={"mutations_sync": 2}
+    )
+    html = write_report(client, db, [RUN], tmp_path)[0].read_text()
+    chart = _charts(html)["lr"]
+    axis = chart["layout"]["yaxis"]
+    assert axis["range"][0] == 0 and 0.003 < axis["range"][1] < 0.005
+    assert axis["title"]["text"] == next(c.unit for c in CHARTS if c.key == "lr")
+    assert {t["meta"]["role"] for t in chart["data"]} == {"raw"}  # no smoothed twin
+
+
+def test_user_metrics_are_drawn_as_charts_with_their_stored_values(store, tmp_path) -> None:
+    """Each user metric is one chart (every run that logged it overlaid) whose y values are
+    the stored ones at their steps, NaN a gap; the declared reduction is in its title."""
+    client, db = store
+    steps = list(range(0, 150, 10))
+    acc = [0.1 + 0.005 * s for s in steps]
+    acc[3] = float("nan")
+    ClickHouseSink(client, db).write(
+        "user_metrics",
+        [
+            {"run_id": RUN, "step": s, "name": "val_acc", "value": v, "reduction": "mean"}
+            for s, v in zip(steps, acc)
+        ]
+        + [{"run_id": OTHER, "step": 5, "name": "val_acc", "value": 0.5, "reduction": "mean"}],
+    )
+    html = write_report(client, db, [RUN, OTHER], tmp_path)[0].read_text()
+    found = re.findall(
+        r"<div class='pw-chart' id='chart-user:val_acc'[^>]*>"
+        r"<script type='application/json'>(.*?)</script></div>",
+        html,
+        re.S,
+    )
+    [chart] = [json.loads(spec.replace("<\\/", "</")) for spec in found]
+    assert "val_acc (your metric; mean over ranks)" == chart["layout"]["title"]["text"]
+    [mine] = _raw(chart, RUN)
+    assert mine["meta"]["x"]["step"] == steps
+    assert mine["y"] == [None if v != v else v for v in acc]
+    assert _raw(chart, OTHER)[0]["y"] == [0.5]
 
 
 def test_a_missing_run_is_a_clear_error_naming_the_runs_that_exist(store, tmp_path) -> None:
