@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -71,6 +72,10 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     # live: at least two different, growing, partial counts while the script trained
     partial = [n for n in counts if 0 < n < steps]
     assert len(set(partial)) >= 2 and partial == sorted(partial), counts
+    # progress on a pipe: plain lines every few seconds, growing, some while it trained
+    shown = [int(n) for n in re.findall(r"^probewire: run own1: (\d+) steps stored", stderr, re.M)]
+    assert len(shown) >= 2 and shown == sorted(shown), stderr[-3000:]
+    assert any(0 < n < steps for n in shown), shown
     # the end: pages and the next commands, with run id and store filled in
     assert "run own1: finished, 60 steps stored" in stdout
     assert f"probewire report --run own1 --store {store}" in stdout
