@@ -73,6 +73,25 @@ def test_the_figure_has_nine_panels_of_raw_values_against_tokens(store) -> None:
         assert panels[key].get_lines(), key  # every P0 signal of the recorded run is drawn
 
 
+def test_panels_with_nothing_measured_are_folded_away_with_a_note(store) -> None:
+    """A dense run without evaluations or expert layers: seven panels fill the grid, and
+    a note names the two folded away; no empty "not measured" tile."""
+    data = load_first_screen(*store, RUN)
+    data.evals = []
+    for column, _ in next(p for p in PANELS if p.key == "experts").columns:
+        data.steps[column] = np.full_like(data.steps[column], np.nan)
+    fig = render_first_screen(data)
+    panels = _panels(fig)
+    assert list(panels) == [p.key for p in PANELS if p.key not in ("experts", "eval")]
+    [note] = [t for t in fig.texts if t.get_gid() == "folded"]
+    titles = {p.key: p.title for p in PANELS}
+    assert note.get_text() == (
+        f"Not measured in this run, folded away: {titles['eval']}; {titles['experts']}"
+    )
+    assert all(ax.get_lines() for ax in panels.values())  # every panel shown draws
+    assert not [t for ax in fig.axes for t in ax.texts if "not measured" in t.get_text()]
+
+
 def test_anomalies_are_marked_on_their_panels_at_their_tokens(store) -> None:
     data = load_first_screen(*store, RUN)
     panels = _panels(render_first_screen(data))
