@@ -203,3 +203,19 @@ def test_every_charted_first_screen_series_of_the_registry_has_a_panel(dashboard
     words = set(re.findall(r"[a-z_][a-z0-9_]*", sql))
     charted = [s.name for s in STEP_SERIES if s.first_screen and s.chart in on_panels]
     assert charted and [name for name in charted if name not in words] == []
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_settings_and_counts_read_as_their_values_on_an_axis_from_0(path) -> None:
+    """A panel of the learning rate (a constant 0.003 must not sit on an axis around it)
+    or of a cumulative count has its y axis from 0; a count has whole-number ticks."""
+    found = 0
+    for panel in _panels(load(path)):
+        sql = " ".join(t["rawSql"] for t in panel.get("targets", []) if t["refId"] == "A")
+        if re.search(r"\blr\b|cospike_count", sql):
+            defaults = panel["fieldConfig"]["defaults"]
+            assert defaults.get("min") == 0, (path.name, panel["title"])
+            if "cospike_count" in sql:
+                assert defaults.get("decimals") == 0, (path.name, panel["title"])
+            found += 1
+    assert found == {"probewire-rank.json": 0}.get(path.name, 1)
