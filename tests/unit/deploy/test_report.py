@@ -380,3 +380,24 @@ def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(
         ].get_lines()
     }
     assert labels == {"a$b (50% of tokens)", "$\\frac{$ (50% of tokens)"}
+
+
+def test_runs_lists_each_runs_user_metrics(store, store_url, monkeypatch, capsys) -> None:
+    """``probewire runs`` names a run's user metrics: the first four, then how many more."""
+    client, database = store
+    monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
+    ClickHouseSink(client, database).write(
+        "user_metrics",
+        [
+            {"run_id": RUN, "step": step, "name": name, "value": 0.5, "reduction": "mean"}
+            for name in ("m5", "m1", "eval/acc", "m3", "m2", "m4")
+            for step in (0, 1)
+        ]
+        + [{"run_id": OTHER, "step": 3, "name": "val_acc", "value": 1.0, "reduction": "rank0"}],
+    )
+    assert main(["runs", "--clickhouse-url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert "user_metrics" in out
+    [mine] = [line for line in out.splitlines() if RUN in line]
+    [other] = [line for line in out.splitlines() if OTHER in line]
+    assert "eval/acc m1 m2 m3 +2" in mine and "val_acc" in other
