@@ -318,7 +318,12 @@ class StepContext:
         """A metric of the user's own (an eval accuracy, a data-loader metric) for this step:
         ``value`` a number (a one-element tensor is read with ``float``, a host sync),
         ``reduction`` over ranks "mean", "sum", "max" or "rank0" (rank 0's value only).
-        Stored in ``user_metrics``; the rules are ``userlog``'s (name, bound, step)."""
+        Stored in ``user_metrics``; the rules are ``userlog``'s (name, bound, step). In a
+        replay (``Monitor.replay``) it checks the call and sends nothing: the step's own
+        values went with the step."""
+        if self._replay is not None:
+            UserLog(rank=0).log(name, value, reduction)
+            return
         self.user.log(name, value, reduction, self._state.step)
 
     def skipped(self) -> None:

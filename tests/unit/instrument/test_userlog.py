@@ -125,3 +125,38 @@ def test_null_monitor_checks_the_same_and_sends_nothing():
         s.log("ok", 1.0)
         with pytest.raises(ValueError, match="user metric name 'bad name'"):
             s.log("bad name", 1.0)
+
+
+def test_a_replayed_step_checks_its_log_calls_and_sends_nothing_again():
+    """The loop's code runs again in ``Monitor.replay``: its ``s.log`` is not an error (the
+    step closed) and sends nothing; the step's own value went with the step."""
+    torch.manual_seed(0)
+    model = TinyLM(TinyConfig(seq_len=8, d_model=16, n_layer=1, n_head=2))
+    transport = MemoryTransport()
+    identity = RankIdentity(run_id="u", rank=0, world_size=1, coords={"dp": 0})
+    config = ProbeConfig(telemetry=False, comm=False, replay_steps=2)
+    monitor = attach(model, None, identity=identity, config=config, transport=transport)
+    tokens = torch.randint(0, 256, (2, 8))
+
+    def step_body(s, value):
+        s.micro_batch(tokens=tokens, mask=torch.ones_like(tokens, dtype=torch.bool))
+        losses = model(tokens).float().logsumexp(-1)
+        s.loss(losses)
+        losses.sum().backward()
+        s.gradients()
+        s.log("val_acc", value)
+
+    with monitor.step(0) as s:
+        step_body(s, 0.25)
+    with monitor.replay(0) as s:
+        step_body(s, 0.75)
+        with pytest.raises(ValueError, match="user metric name"):
+            s.log("bad name", 1.0)
+    monitor.close()
+    sent = [
+        (r.step, r.replay, v)
+        for r in (decode_rank_step(k, m) for k, m in transport.messages)
+        for (name, _), v in r.values.items()
+        if name == User.MEAN
+    ]
+    assert sent == [(0, False, 0.25)]
