@@ -196,7 +196,10 @@ USER_METRICS = Table(
             "Float64",
             comment="reduced over ranks by the declared reduction; NaN or inf as measured",
         ),
-        _name("reduction", "mean (over the ranks that logged it), sum, max or rank0"),
+        _name(
+            "reduction",
+            "mean (over the ranks that logged it), sum, max, rank0; mixed: ranks disagreed (value NaN)",
+        ),
         _inserted_at(),
     ),
     key=("run_id", "name", "step"),

@@ -3,7 +3,9 @@
 
 Stage 1 reduced each point by its catalog metric's rule (``User``); here the mean's two
 sums become the mean over ranks, Σ value / Σ ranks. A NaN or ±inf reduced value is stored
-as it is (a diverging evaluation is what it measures).
+as it is (a diverging evaluation is what it measures). A name the ranks sent under two
+reductions in one step (each rank keeps one reduction per name, but two ranks may differ)
+has no value: it is stored as NaN with reduction ``mixed``, so the mistake shows.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def user_values(reduced: Mapping[SeriesKey, float]) -> dict[str, tuple[float, st
             continue
         if metric == User.MEAN:
             ranks = reduced.get((User.RANKS, labels), 0.0)
-            out[name] = (value / ranks if ranks > 0 else float("nan"), "mean")
+            got = (value / ranks if ranks > 0 else float("nan"), "mean")
         else:
-            out[name] = (value, _REDUCTION[metric])
+            got = (value, _REDUCTION[metric])
+        out[name] = (float("nan"), "mixed") if name in out else got
     return dict(sorted(out.items()))
 
 

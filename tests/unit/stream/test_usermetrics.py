@@ -70,6 +70,15 @@ def test_a_mean_over_the_ranks_that_logged_it_and_nonfinite_kept():
     assert math.isnan(got["v"][0]) and got["v"][1] == "max"
 
 
+def test_a_name_sent_under_two_reductions_is_stored_as_mixed_without_a_value():
+    msgs = rank_messages({"acc": ("max", np.array([1.0, 2.0, 3.0, 4.0]))})
+    for p in points("acc", 0.5, "mean", 0):  # rank 0 declared another reduction
+        msgs[0].values.pop((User.MAX, p.labels), None)
+        msgs[0].values[(p.name, p.labels)] = p.value
+    value, reduction = user_values(reduce_step("u", 7, WORLD, msgs, "all_ranks").reduced)["acc"]
+    assert math.isnan(value) and reduction == "mixed"
+
+
 def test_a_bad_name_on_the_wire_is_refused_with_the_rule():
     record = rank_messages({"ok": ("sum", np.ones(WORLD))})[0]
     record.values[(User.SUM, ((Label.NAME, "bad name"),))] = 1.0
