@@ -198,7 +198,8 @@ USER_METRICS = Table(
         ),
         _name(
             "reduction",
-            "mean (over the ranks that logged it), sum, max, rank0; mixed: ranks disagreed (value NaN)",
+            "mean (over the ranks that logged it), sum, max, rank0; mixed: the ranks "
+            "declared different reductions (value NaN)",
         ),
         _inserted_at(),
     ),
