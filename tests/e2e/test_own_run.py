@@ -78,6 +78,7 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     assert any(0 < n < steps for n in shown), shown
     # the end: pages and the next commands, with run id and store filled in
     assert "run own1: finished, 60 steps stored" in stdout
+    assert "your metrics (user_metrics): val_acc" in stdout
     assert f"probewire report --run own1 --store {store}" in stdout
     assert "probewire explain --run own1 --step " in stdout
     e2e.assert_nothing_left(store.parent / WORK)
