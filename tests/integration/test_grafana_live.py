@@ -58,6 +58,19 @@ def live(store_url: str, ch_client):
         for row in run.tables["step_metrics"]:
             row["lr"] = 3e-4 * (1 + i) * min(1.0, (row["step"] + 1) / 20)
         write_simulated_run(sink, run)
+    sink.write(  # RUN_A logged one metric of its own (Monitor.log) every 10 steps
+        "user_metrics",
+        [
+            {
+                "run_id": RUN_A,
+                "step": step,
+                "name": "val_acc",
+                "value": step / 200,
+                "reduction": "mean",
+            }
+            for step in range(0, 150, 10)
+        ],
+    )
     server = ReadServer(Path(store_url[len("chdb://") :]))
     server.start()
     # what the data source's driver does: HTTP, Native format, gzip accepted
@@ -128,6 +141,7 @@ def test_first_screen_variables_list_ranks_sources_layers_and_every_panel_answer
     assert listed["tensor_kind"] == ["bwd", "grad"]
     assert "output" in listed["layer"] and "layers.1.mlp" in listed["layer"]
     assert listed["expert_layer"] == ["0", "1", "2", "3"]
+    assert listed["user_metric"] == ["val_acc"]
     assert not {v for vs in listed.values() for v in vs} & set(CATALOG)  # no raw components
     _check_panels(dashboard, results)
     assert results["annotation Anomalies"].row_count >= 2
@@ -136,6 +150,16 @@ def test_first_screen_variables_list_ranks_sources_layers_and_every_panel_answer
     first = dict(zip(table.column_names, table.result_rows[0]))
     assert first["rank"] == STRAGGLER and first["own_time_ratio"] > 1.5
     assert table.row_count == 4
+    # the user metric's panel: the stored values at their steps' tokens
+    mine = results["panel 19 A"]
+    tokens = dict(
+        http.query(
+            f"SELECT step, tokens FROM step_metrics FINAL WHERE run_id = '{RUN_A}'"
+        ).result_rows
+    )
+    assert [tuple(r) for r in mine.result_rows] == [
+        (tokens[step], "val_acc", step / 200) for step in range(0, 150, 10)
+    ]
 
 
 def test_one_rank_dashboard_reads_the_rank_against_the_float64_reference(live):
@@ -201,6 +225,11 @@ def long_run(live, ch_client):
         f"INSERT INTO {db}.step_metrics (run_id, step, tokens, {', '.join(columns)}) "
         f"SELECT '{LONG}', number, (number + 1) * 4096, {curve} FROM numbers({LONG_STEPS})"
     )
+    ch_client.command(  # and a user metric on every step, with its own spike
+        f"INSERT INTO {db}.user_metrics (run_id, step, name, value, reduction) "
+        f"SELECT '{LONG}', number, 'val_acc', cos(number / 777) + if(number = {SPIKE + 7}, 9, 0), "
+        f"'mean' FROM numbers({LONG_STEPS})"
+    )
     ch_client.command(
         f"INSERT INTO {db}.runs (run_id, world_size, first_step, last_step) "
         f"VALUES ('{LONG}', 1, 0, {LONG_STEPS - 1})"
@@ -262,7 +291,7 @@ def test_every_panel_downsamples_a_long_run_and_keeps_its_spike(long_run):
                         continue
                     assert max(kept) == top and min(kept) == bottom, (panel["title"], key, c)
             checked += 1
-    assert checked >= 12  # the first screen's and the compare dashboard's series panels
+    assert checked >= 13  # the first screen's and the compare dashboard's series panels
     # the spike is the stored value of a first-screen series at step SPIKE
     loss = http.query(f"SELECT max(loss) FROM first_screen WHERE run_id = '{LONG}'").result_rows[0][
         0
