@@ -320,3 +320,18 @@ def test_shard_imbalance_reads_the_placement_the_ranks_labelled():
     assert stored(strided) == pytest.approx(want(strided), rel=1e-12)
     assert stored(None) == pytest.approx(want([i // 4 for i in range(8)]), rel=1e-12)
     assert stored([0, 2] * 4) is None
+
+
+def test_every_charted_series_has_a_unit_and_its_chart_axis_names_it():
+    """Units come from the registry: each row a chart draws declares its unit (never the
+    catalog's UCUM "1" of a component), and the chart's axis names that unit (a chart that
+    divides by ``scale`` shows the scaled unit of bytes: GiB)."""
+    from probewire.stream.series import CHARTS
+
+    for chart in CHARTS:
+        for row in (s for s in STEP_SERIES if s.chart == chart.key):
+            assert row.unit and row.unit != "1", (chart.key, row.name)
+            if chart.scale == 1:
+                assert row.unit in chart.unit, (chart.key, row.name, row.unit, chart.unit)
+            else:
+                assert (row.unit, chart.scale, chart.unit) == ("bytes", float(1 << 30), "GiB")
