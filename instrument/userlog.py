@@ -19,7 +19,8 @@ A name is 1 to ``NAME_MAX`` characters of letters, digits, ``_ . - /``, starting
 letter (``eval/acc``, ``loader.wait_s``); a bad name, value or reduction is a one-line
 error where ``log`` is called. One name keeps one reduction for the run. A rank sends at
 most ``MAX_NAMES`` names per run: a new name past that is dropped and counted
-(``UserLog.dropped``, ``Monitor.stats["user_dropped"]``, one warning). A NaN or ±inf is
+(``UserLog.dropped``, ``Monitor.stats["user_dropped"]``, one warning); so is a value past
+``4 * MAX_NAMES`` held for steps not yet sent. A NaN or ±inf is
 sent as measured and stored (what a diverging evaluation measures), never dropped.
 
 A value goes with the step it is logged for: ``s.log`` inside a step context with that
@@ -126,6 +127,9 @@ class UserLog:
                 "one name keeps one reduction"
             )
         key = (name, step)
+        if key not in self._pending and len(self._pending) >= 4 * self.max_names:
+            self.dropped += 1  # values held for steps that never come: bounded too
+            return
         self._pending.pop(key, None)  # the newest value last
         self._pending[key] = number
 

@@ -62,6 +62,13 @@ def test_names_past_the_bound_are_dropped_and_counted(caplog):
     }
 
 
+def test_values_held_for_future_steps_are_bounded_too():
+    user = UserLog(rank=0, max_names=2)
+    for step in range(20):
+        user.log("a", 1.0, step=step + 100)
+    assert user.dropped == 12 and len(user.close(200, sent=True)) == 2  # 8 held: newest kept
+
+
 def test_points_carry_the_reduction_and_rank0_sends_from_rank_0_only():
     labels = ((Label.NAME, "acc"),)
     assert points("acc", 0.5, "mean", 3) == [
