@@ -171,6 +171,8 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
     assert folded == "Not measured, folded away: Learning rate"
     ranges = charts["cospike"]["layout"]["yaxis"]["range"]
     assert ranges[0] == 0
+    # a cumulative count is never smoothed: no smoothed twin (the loss has one)
+    assert "smooth" not in {t["meta"]["role"] for t in charts["cospike"]["data"]}
     marks = [t for t in charts["grad"]["data"] if t["meta"]["role"] == "anomaly"]
     assert [m["meta"]["run"] for m in marks] == [RUN] and marks[0]["meta"]["x"]["step"] == [130]
     assert "cospike at step 130" in html and "cospike cospike" not in html  # a page's message
