@@ -280,6 +280,13 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+_USER_NAMES = (
+    "if(length(u.names) > 4, concat(arrayStringConcat(arraySlice(u.names, 1, 4), ' '), "
+    "' +', toString(length(u.names) - 4)), arrayStringConcat(u.names, ' '))"
+)
+"""``probewire runs``' user metrics cell: the run's first four names, then how many more."""
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
     settings = _settings(args)
     db = settings.clickhouse.database
@@ -287,10 +294,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
         settings,
         f"""
         SELECT r.run_id AS run, r.status AS status, r.world_size AS ranks,
-               s.steps AS steps, s.tokens AS tokens, r.updated_at AS updated
+               s.steps AS steps, s.tokens AS tokens, {_USER_NAMES} AS user_metrics,
+               r.updated_at AS updated
         FROM (SELECT * FROM {db}.runs FINAL) AS r
         LEFT JOIN (SELECT run_id, count() AS steps, max(tokens) AS tokens
                    FROM {db}.step_metrics FINAL GROUP BY run_id) AS s ON r.run_id = s.run_id
+        LEFT JOIN (SELECT run_id, arraySort(groupUniqArray(name)) AS names
+                   FROM {db}.user_metrics GROUP BY run_id) AS u ON r.run_id = u.run_id
         ORDER BY r.updated_at DESC""",
     )
     _print_table(f"runs in {db} (one row per run)", columns, rows)

@@ -1,6 +1,7 @@
 """What a finished run says at the end of ``probewire demo`` and ``probewire run``: its
-status, its pages (signal, step, culprit) and the next commands, with the run id and the
-store filled in, ready to paste."""
+status, its pages (signal, step, culprit), the metrics it logged of its own
+(``user_metrics``) and the next commands, with the run id and the store filled in, ready
+to paste."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class RunResult:
     steps: int
     last_step: int
     pages: tuple[Page, ...]
+    user_metrics: tuple[str, ...] = ()  # names the run logged with Monitor.log / s.log
 
 
 def load_result(client: Any, database: str, run_id: str) -> RunResult:
@@ -45,6 +47,11 @@ def load_result(client: Any, database: str, run_id: str) -> RunResult:
         "signal",
         parameters=params,
     ).result_rows
+    names = client.query(
+        f"SELECT DISTINCT name FROM {database}.user_metrics WHERE run_id = {{run:String}} "
+        "ORDER BY name",
+        parameters=params,
+    ).result_rows
     status, last = row[0] if row else ("not seen", 0)
     return RunResult(
         run_id,
@@ -52,6 +59,7 @@ def load_result(client: Any, database: str, run_id: str) -> RunResult:
         int(steps),
         int(last),
         tuple(Page(str(s), int(t), str(c), str(m)) for s, t, c, m in pages),
+        tuple(str(n) for (n,) in names),
     )
 
 
@@ -71,6 +79,8 @@ def render_result(
             lines.append(f"  {page.signal:<18} {page.step:>7}  {page.culprit or '-'}")
         if len(result.pages) > max_pages:
             lines.append(f"  ... and {len(result.pages) - max_pages} more (table alerts)")
+    if result.user_metrics:
+        lines.append("your metrics (user_metrics): " + ", ".join(result.user_metrics))
     step = result.pages[0].step if result.pages else result.last_step
     lines += [
         "next:",
@@ -82,6 +92,15 @@ def render_result(
             f"FINAL WHERE run_id = {_sql_string(result.run_id)} ORDER BY step"
         ),
     ]
+    if result.user_metrics:
+        lines.append(
+            f"  probewire sql{where} "
+            + _shell_arg(
+                f"SELECT step, value FROM {database}.user_metrics FINAL WHERE run_id = "
+                f"{_sql_string(result.run_id)} AND name = "
+                f"{_sql_string(result.user_metrics[0])} ORDER BY step"
+            )
+        )
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from probewire.deploy.health import read_heartbeat
+from probewire.deploy.progress import StepProgress
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError
 from probewire.instrument.lifecycle import ATTEMPT_ENV
@@ -41,7 +42,9 @@ __all__ = [
     "session_env",
     "start",
     "stop_session",
+    "run_detail",
     "status_line",
+    "stored_steps",
     "up",
     "wait_stored",
 ]
@@ -120,6 +123,26 @@ def status_line(beat: dict[str, Any] | None) -> str:
     if beat.get("healthy") is False:
         parts.append("worker UNHEALTHY: " + "; ".join(beat.get("reasons") or []))
     return " · ".join(parts + live)
+
+
+def stored_steps(beat: dict[str, Any] | None, run_id: str) -> int:
+    """The steps of ``run_id`` the worker stored, from its heartbeat (pure)."""
+    return int(_run_progress(beat, run_id).get("steps_written", 0))
+
+
+def run_detail(beat: dict[str, Any] | None, run_id: str) -> str:
+    """The progress line's detail of ``run_id``: its status, latest step and pages, and a
+    worker that is not healthy (pure)."""
+    if not beat:
+        return "worker starting"
+    run = _run_progress(beat, run_id)
+    parts = [f"{run.get('status', 'waiting for its first step')}"]
+    if "last_step" in run:
+        parts[0] += f" at step {run['last_step']}"
+    parts.append(f"pages {int(run.get('alerts', 0))}")
+    if beat.get("healthy") is False:
+        parts.append("worker UNHEALTHY: " + "; ".join(beat.get("reasons") or []))
+    return " · ".join(parts)
 
 
 def _check_store(settings: Settings) -> Path | None:
@@ -380,20 +403,16 @@ def run_command(
         )
         if session.stack is not None:
             session.stack.record("command", proc)
-        last, next_at = "", 0.0
-        while proc.poll() is None:
-            if session.stack is not None and session.stack.worker.poll() is not None:
-                raise StackError(
-                    f"worker exited with code {session.stack.worker.returncode}; "
-                    f"see {work_dir / 'worker.log'}"
-                )
-            if time.monotonic() >= next_at:
-                line = status_line(read_heartbeat(session.heartbeat))
-                if line != last:
-                    print(f"probewire: {line}", file=out, flush=True)
-                    last = line
-                next_at = time.monotonic() + 5.0
-            time.sleep(0.2)
+        with StepProgress(f"run {run_id}", out=out) as progress:
+            while proc.poll() is None:
+                if session.stack is not None and session.stack.worker.poll() is not None:
+                    raise StackError(
+                        f"worker exited with code {session.stack.worker.returncode}; "
+                        f"see {work_dir / 'worker.log'}"
+                    )
+                beat = read_heartbeat(session.heartbeat)
+                progress.update(stored_steps(beat, run_id), run_detail(beat, run_id))
+                time.sleep(0.2)
         code = proc.returncode
         if code != 0:
             record_crash(session, run_id, attempt, f"the command exited with code {code}")

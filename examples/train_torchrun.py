@@ -9,7 +9,9 @@ rows of two data sources, padded so ranks see unequal valid-token counts.
 
 ``--trace FILE`` makes rank 0 write, per step, the loss this script computes itself in
 float64 (Σ over ranks of the valid-token loss sums / Σ valid tokens, all-reduced) and the
-learning rate its update used: the tests compare them with what the store holds.
+learning rate its update used, and every ``--eval-every`` steps the held-out accuracy the
+ranks logged with ``s.log("val_acc", acc)`` as the script averages it itself (a float64
+all-reduce over ranks): the tests compare them with what the store holds.
 """
 
 from __future__ import annotations
@@ -60,11 +62,19 @@ def batches(rank: int, rows: int = 4, length: int = 16):
         yield tokens, targets, source
 
 
+def accuracy(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """Top-1 next-token accuracy over the valid targets of a held-out batch (this rank's)."""
+    with torch.no_grad():
+        hit = (model(tokens).argmax(-1) == targets) & (targets != IGNORE)
+    return int(hit.sum()) / int((targets != IGNORE).sum())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--sleep-s", type=float, default=0.0, help="pause per step (to watch live)")
+    p.add_argument("--eval-every", type=int, default=10, help="held-out accuracy every N steps")
     p.add_argument("--trace", help="rank 0 writes the script's own loss and lr per step")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -75,6 +85,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
     loader = batches(rank)
+    held_out = next(batches(rank + 100))[:2]  # this rank's held-out tokens and targets
     trace = open(args.trace, "w") if args.trace and rank == 0 else None
 
     monitor = attach(
@@ -84,7 +95,11 @@ def main() -> None:
         run_config={"lr": args.lr, "steps": args.steps, "warmup": 10},
     )
     for step in range(args.steps):
+        # a metric of your own, measured outside the step (its forward is not probed)
+        acc = accuracy(model, *held_out) if step % args.eval_every == 0 else None
         with monitor.step(step) as s:  # step time includes data loading
+            if acc is not None:
+                s.log("val_acc", acc)  # one series per name; stored as the mean over ranks
             tokens, targets, source = next(loader)
             s.micro_batch(tokens=tokens, mask=targets != IGNORE, source=source)
             losses = F.cross_entropy(
@@ -101,11 +116,13 @@ def main() -> None:
         if args.trace:  # the script's own global loss, in float64 (one extra collective)
             totals = torch.stack([losses.detach().double().sum(), n_valid.double()])
             dist.all_reduce(totals)
+            row = {"step": step, "loss": (totals[0] / totals[1]).item(), "lr": lr}
+            if acc is not None:  # the mean over ranks, as the script computes it
+                mean = torch.tensor([acc], dtype=torch.float64)
+                dist.all_reduce(mean)
+                row["val_acc"] = mean.item() / dist.get_world_size()
             if trace:
-                trace.write(
-                    json.dumps({"step": step, "loss": (totals[0] / totals[1]).item(), "lr": lr})
-                    + "\n"
-                )
+                trace.write(json.dumps(row) + "\n")
                 trace.flush()
         time.sleep(args.sleep_s)
     monitor.close()  # marks the run finished

@@ -65,6 +65,7 @@ __all__ = [
     "System",
     "Tensor",
     "Tier",
+    "User",
     "describe",
     "spec",
     "tier_of",
@@ -122,6 +123,7 @@ class Label:
     DEPTH = "depth"  # MTP depth
     MODULE = "module"  # parameter role (discover.PARAM_ROLES) or activation view
     PARAM_GROUP = "param_group"  # optimizer parameter group: its index, or its "name" entry
+    NAME = "name"  # a user metric's name (``userlog.check_name``; bounded per run)
 
 
 class Loss:
@@ -290,6 +292,17 @@ class Module:
     ACT_N = "module.act_n"
 
 
+class User:
+    """A user's own metrics (``Monitor.log``, ``StepContext.log``): one series per name (label
+    ``name``); the reduction the user declared is carried by the metric it is sent as."""
+
+    MEAN = "user.mean"  # the value; with user.ranks: mean over ranks = Σ / Σ ranks
+    RANKS = "user.ranks"  # 1 per rank that sent user.mean
+    SUM = "user.sum"
+    MAX = "user.max"
+    FIRST = "user.first"  # rank 0 only
+
+
 NAMESPACES = (
     Loss,
     Grad,
@@ -309,6 +322,7 @@ NAMESPACES = (
     Attn,
     Module,
     Optim,
+    User,
 )
 """The classes above that hold metric names (``Label`` holds label keys)."""
 
@@ -1627,6 +1641,72 @@ _MODULE = (
     ),
 )
 
+_USER_POINT = "the value a script passed to log(name, value, reduction) in this step"
+_USER_SEED = "none: a user's own metric (issue 39), not a seeded signal"
+_USER = (
+    _m(
+        User.MEAN,
+        P2,
+        1,
+        SUM,
+        "1",
+        labels=(Label.NAME,),
+        point=_USER_POINT + " (reduction mean)",
+        doc="The user's value on this rank. Reduction: sum over ranks, then the stored mean "
+        "over ranks = Σ user.mean / Σ user.ranks. A NaN or ±inf is sent and kept, as a loss.",
+        seed=_USER_SEED,
+    ),
+    _m(
+        User.RANKS,
+        P2,
+        1,
+        SUM,
+        "{rank}",
+        labels=(Label.NAME,),
+        point="with each user.mean point",
+        doc="1 on each rank that logged the name with reduction mean. Reduction: sum; the "
+        "denominator of the user's mean over ranks.",
+        seed=_USER_SEED,
+    ),
+    _m(
+        User.SUM,
+        P2,
+        1,
+        SUM,
+        "1",
+        labels=(Label.NAME,),
+        point=_USER_POINT + " (reduction sum)",
+        doc="The user's value on this rank. Reduction: sum over ranks (a count or a total "
+        "the ranks split between them). A NaN makes the sum NaN.",
+        seed=_USER_SEED,
+    ),
+    _m(
+        User.MAX,
+        P2,
+        1,
+        MAX,
+        "1",
+        labels=(Label.NAME,),
+        point=_USER_POINT + " (reduction max)",
+        doc="The user's value on this rank. Reduction: max over ranks (a NaN on any rank "
+        "makes it NaN: a non-finite value stays visible).",
+        seed=_USER_SEED,
+    ),
+    _m(
+        User.FIRST,
+        P2,
+        1,
+        MAX,
+        "1",
+        labels=(Label.NAME,),
+        point=_USER_POINT + " (reduction rank0: only rank 0 sends it)",
+        doc="The value of rank 0 alone (an evaluation that rank 0 runs). Replicated over "
+        "every group, so the stream keeps the lowest rank that sent it.",
+        seed=_USER_SEED,
+        rep=_ALL,
+    ),
+)
+
 _SPECS = (
     *_LOSS,
     *_GRAD,
@@ -1641,6 +1721,7 @@ _SPECS = (
     *_MODALITY,
     *_STRUCT_OUTPUT,
     *_MODULE,
+    *_USER,
 )
 
 CATALOG: Mapping[str, MetricSpec] = MappingProxyType({s.name: s for s in _SPECS})

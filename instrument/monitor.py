@@ -70,6 +70,7 @@ from .probes.tensors import TensorProbe
 from .registry import Registry, build_registry
 from .state import Schedule, StepState
 from .step import NullReplayContext, NullStepContext, Probes, ProbeSet, ReplayContext, StepContext
+from .userlog import UserLog
 from .wire import RankIdentity
 
 __all__ = ["Monitor", "NullMonitor", "attach"]
@@ -162,6 +163,7 @@ class Monitor:
             self._emitter.submit,
             on_error=self._step_failed,
             replay_steps=config.replay_steps,
+            user=UserLog(rank=identity.rank),
         )
         self._params = list(model.parameters())  # a replay sets their gradients aside
         self._handles = _register_hooks(
@@ -326,10 +328,28 @@ class Monitor:
         (thread-safe); a second dump sends only what was held since."""
         self._emitter.dump()
 
+    def log(
+        self, name: str, value: Any, *, step: int | None = None, reduction: str = "mean"
+    ) -> None:
+        """A metric of the user's own for step ``step`` (None: the step now open, else the
+        next one the loop opens), e.g. an evaluation run between steps::
+
+            monitor.log("val_acc", acc, step=step + 1, reduction="rank0")
+
+        ``reduction`` over ranks: "mean", "sum", "max" or "rank0". Inside a step,
+        ``s.log(name, value)`` is the same. The rules are ``userlog``'s."""
+        self._ctx.user.log(name, value, reduction, step)
+
     @property
     def stats(self) -> dict[str, int]:
         e = self._emitter
-        return {"sent": e.sent, "dropped": e.dropped, "errors": e.errors, "replayed": e.replayed}
+        return {
+            "sent": e.sent,
+            "dropped": e.dropped,
+            "errors": e.errors,
+            "replayed": e.replayed,
+            "user_dropped": self._ctx.user.dropped,
+        }
 
     def close(self, timeout_s: float | None = None) -> None:
         """Remove every hook, restore the collectives, stop the listener, drain the emitter;
@@ -410,6 +430,11 @@ class NullMonitor:
 
     def add_extension(self, extension: Any) -> None:
         return None
+
+    def log(
+        self, name: str, value: Any, *, step: int | None = None, reduction: str = "mean"
+    ) -> None:
+        self._ctx.log(name, value, reduction)  # the same checks; nothing is sent
 
     def crashed(self, error: Any, *, step: int = -1) -> None:
         return None

@@ -32,6 +32,7 @@ from .probes.system import SystemProbe
 from .probes.tensors import TensorProbe
 from .replay import Kept, ReplayVerdict, judge, totals
 from .state import Schedule, StepState
+from .userlog import UserLog
 
 __all__ = [
     "NullReplayContext",
@@ -86,6 +87,7 @@ class StepContext:
         "_kept",
         "_kept_max",
         "_replay",
+        "user",
     )
 
     def __init__(
@@ -96,7 +98,9 @@ class StepContext:
         submit: Callable[[SealedStep], None],
         on_error: Callable[[int | None, BaseException], None] | None = None,
         replay_steps: int = 0,
+        user: UserLog | None = None,
     ) -> None:
+        self.user = user if user is not None else UserLog(rank=0)  # the loop's own metrics
         self._state, self._schedule, self._probes, self._submit = state, schedule, probes, submit
         self._next = 0
         self._on_error = on_error  # an exception left the step: the run crashed
@@ -167,9 +171,11 @@ class StepContext:
                 return False
             elapsed = time.perf_counter() - state.t0
             state.last_step_time_s = elapsed
+            if ok and step is not None:
+                user = self.user.close(step, state.sampled)
             if ok and state.sampled and step is not None:
                 start = time.perf_counter()
-                points: list = []
+                points: list = user
                 late: list = []
                 probes.system.close(state, elapsed, points, late)
                 if probes.optim is not None:
@@ -308,6 +314,18 @@ class StepContext:
         if state.sampled:
             state.comm_waits[op] = state.comm_waits.get(op, 0.0) + seconds
 
+    def log(self, name: str, value: Any, reduction: str = "mean") -> None:
+        """A metric of the user's own (an eval accuracy, a data-loader metric) for this step:
+        ``value`` a number (a one-element tensor is read with ``float``, a host sync),
+        ``reduction`` over ranks "mean", "sum", "max" or "rank0" (rank 0's value only).
+        Stored in ``user_metrics``; the rules are ``userlog``'s (name, bound, step). In a
+        replay (``Monitor.replay``) it checks the call and sends nothing: the step's own
+        values went with the step."""
+        if self._replay is not None:
+            UserLog(rank=0).log(name, value, reduction)
+            return
+        self.user.log(name, value, reduction, self._state.step)
+
     def skipped(self) -> None:
         """The spike guard skipped this step's update."""
         self._state.guard[0] += 1
@@ -431,6 +449,9 @@ class NullStepContext:
 
     def comm_wait(self, op: str, seconds: float) -> None:
         _check_wait(op, seconds)
+
+    def log(self, name: str, value: Any, reduction: str = "mean") -> None:
+        UserLog(rank=0).log(name, value, reduction)  # the same checks; nothing is kept
 
     def skipped(self) -> None:
         return None

@@ -184,6 +184,28 @@ SOURCE_METRICS = Table(
     key=("run_id", "source", "step"),
 )
 
+USER_METRICS = Table(
+    "user_metrics",
+    "a user's own metrics (Monitor.log, StepContext.log): one row per run, step and name",
+    (
+        _RUN,
+        _STEP,
+        _name("name", "the name the script logged (letters, digits, _ . - /)"),
+        Column(
+            "value",
+            "Float64",
+            comment="reduced over ranks by the declared reduction; NaN or inf as measured",
+        ),
+        _name(
+            "reduction",
+            "mean (over the ranks that logged it), sum, max, rank0; mixed: the ranks "
+            "declared different reductions (value NaN)",
+        ),
+        _inserted_at(),
+    ),
+    key=("run_id", "name", "step"),
+)
+
 RANK_METRICS = Table(
     "rank_metrics",
     "per-rank components of retained steps",
@@ -433,6 +455,7 @@ TABLES: tuple[Table, ...] = (
     GRAD_GROUP_STATS,
     RESIDUAL_STATS,
     TENSOR_NAMES,
+    USER_METRICS,
     ANOMALIES,
     ALERTS,
     EVALUATIONS,
@@ -522,6 +545,11 @@ _WRITTEN: tuple[Migration, ...] = (
         8,
         "residual_stats: R_b, N_s, N_b per layer and branch of the steps that measure them",
         (RESIDUAL_STATS.ddl("{db}"),),
+    ),
+    Migration(
+        10,
+        "user_metrics: a user's own metrics (Monitor.log), one row per run, step and name",
+        (USER_METRICS.ddl("{db}"),),
     ),
 )
 

@@ -59,6 +59,7 @@ from .records import CompleteReason, ReducedStep
 from .retention import RetentionPolicy
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
+from .usermetrics import user_rows
 from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
@@ -428,6 +429,7 @@ class RunPipeline:
         out.rows["step_metrics"].append(row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["residual_stats"] += residual_rows(inputs)
+        out.rows["user_metrics"] += user_rows(self.run_id, item.step, item.reduced)
         out.rows["source_metrics"] += [
             {
                 "run_id": self.run_id,

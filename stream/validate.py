@@ -14,7 +14,8 @@ plausible step of its run", with bounds from settings (``Bounds``):
   is what a diverging rank measures, and is kept); ``-0.0`` is a count of 0;
 - a loss sum comes with its token count (same labels), and is 0 where that count is 0;
 - label values at most ``max_label_length`` characters without ``|`` (the label-text
-  separator); expert and shard indices decimal integers that fit the store's UInt32;
+  separator); expert and shard indices decimal integers that fit the store's UInt32; a
+  user metric's name as ``userlog.name_problem`` allows;
 - at most ``max_label_values`` distinct values of one label key per run: points that
   would add more are dropped and reported (the rest of the message is kept).
 
@@ -39,6 +40,7 @@ from probewire.instrument.catalog import (
     System,
 )
 from probewire.instrument.plumbing import check
+from probewire.instrument.userlog import name_problem
 from probewire.instrument.wire import RankStep
 
 __all__ = ["Bounds", "Checked", "StepValidator", "count_limit"]
@@ -187,6 +189,8 @@ class StepValidator:
                         )
                     if key in _INDEX_LABELS and not (text.isdecimal() and int(text) < _UINT32):
                         return f"label {key} of {name} must be an index in 0..2^32-1, got {text!r}"
+                    if key == Label.NAME and name_problem(text) is not None:
+                        return f"label {key} of {name}: {name_problem(text)}"
                 if len(labels_ok) >= _CHECKED_MAX:
                     labels_ok.clear()
                 labels_ok.add(labels)

@@ -90,10 +90,14 @@ def render(sql: str, values: dict[str, list[str]], *, span_s: float = 7 * 86400)
 
 
 def resolve(
-    dashboard: dict, run: Callable[[str], list[tuple]], *, choose: dict[str, str] | None = None
+    dashboard: dict,
+    run: Callable[[str], list[tuple]],
+    *,
+    choose: dict[str, str | list[str]] | None = None,
 ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """(selected values, all listed values) per variable; ``run(sql)`` returns rows.
-    ``choose`` picks one listed value of a variable (a textbox's text) instead of the default."""
+    ``choose`` picks one listed value of a variable (a textbox's text), or several of a
+    multi-value variable, instead of the default."""
     choose = choose or {}
     selected: dict[str, list[str]] = {}
     listed: dict[str, list[str]] = {}
@@ -102,13 +106,18 @@ def resolve(
         if var["type"] == "datasource":
             continue
         if var["type"] == "textbox":
-            listed[name] = selected[name] = [choose.get(name, var["query"])]
+            text = choose.get(name, var["query"])
+            assert isinstance(text, str), (name, text)
+            listed[name] = selected[name] = [text]
             continue
         assert var["type"] == "query", (name, var["type"])
         listed[name] = [str(row[0]) for row in run(render(var["query"]["rawSql"], selected))]
         if name in choose:
-            assert choose[name] in listed[name], (name, listed[name])
-            selected[name] = [choose[name]]
+            chosen = choose[name]
+            picked = [chosen] if isinstance(chosen, str) else list(chosen)
+            assert set(picked) <= set(listed[name]), (name, listed[name])
+            assert len(picked) == 1 or var.get("multi"), (name, picked)
+            selected[name] = picked
         elif var.get("multi") and var.get("includeAll"):
             selected[name] = listed[name]
         else:

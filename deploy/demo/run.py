@@ -16,8 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+from probewire.deploy.progress import StepProgress
 from probewire.deploy.settings import Settings
 from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 
@@ -114,18 +113,10 @@ def train_run(
     procs: list[subprocess.Popen] = []
     try:
         procs = _start_ranks(stack, run_id, ranks, steps, trace, list(extra_train_args or []))
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            disable=not show_progress,
-            transient=True,
-        ) as bar:
-            task = bar.add_task(f"{run_id}: steps stored", total=steps)
+        with StepProgress(f"run {run_id}", steps, enabled=show_progress) as progress:
             deadline = time.monotonic() + timeout_s
             while (written := stack.progress(run_id)) < steps:
-                bar.update(task, completed=written)
+                progress.update(written)
                 failed = [p for p in procs if p.poll() not in (None, 0)]
                 if failed:
                     raise StackError(
@@ -138,7 +129,7 @@ def train_run(
                         f"{timeout_s:.0f}s; see {stack.work_dir}/worker.log"
                     )
                 time.sleep(0.25)
-            bar.update(task, completed=written)
+            progress.update(written)
         for proc in procs:
             proc.wait(60)
     finally:

@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
                     fault.on_step_start(step, args.rank, model, opt)
                 batches = _batches(args, cfg, corpus, rng, step)
                 n_valid = sum(int((b.targets != IGNORE).sum()) for b in batches)
+                # a metric of the loop's own (user_metrics): the share of this rank's
+                # target positions that padding or ignored labels leave out, mean over ranks
+                positions = sum(b.targets.numel() for b in batches)
+                s.log("data/pad_fraction", 1.0 - n_valid / max(positions, 1))
                 loss_sum = _forward_backward(model, s, batches, n_valid)
                 running_loss = _spike_guard(
                     args, model, s, batches, step, loss_sum, n_valid, running_loss

@@ -5,7 +5,9 @@ overlaid on one x axis, switchable between cumulative tokens, cumulative FLOPs a
 hovering a point shows its value with its unit. Optional smoothing (an exponential moving
 average, off by default) adds a smoothed line per series and leaves the raw series drawn.
 Anomalies are triangles on the panel of their signal, pages dashed lines across every
-panel. Below the charts: the runs' configurations side by side and their alerts and
+panel. A user metric (``Monitor.log``, ``user_metrics``) is a chart of its own after the
+registry's charts; a chart with nothing stored in the runs is folded away into one note
+under the charts (no empty tile). Below the charts: the runs' configurations side by side and their alerts and
 anomalies as tables.
 
 The page is built from Python data only; the small script at the end re-draws x values
@@ -208,6 +210,23 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
                     markers=True,
                 )
         _anomalies(fig, chart, data)
+    return _laid_out(fig, chart)
+
+
+def _user_chart(name: str, runs: list[FirstScreenData]) -> go.Figure:
+    """One chart per user metric (``Monitor.log``): each run's stored values at their
+    steps, with the reduction over ranks the script declared in the title."""
+    logged = [(i, d, d.users[name]) for i, d in enumerate(runs) if name in d.users]
+    reductions = ", ".join(sorted({reduction for _, _, (reduction, _, _) in logged}))
+    chart = Chart(f"user:{name}", f"{name} (your metric; {reductions} over ranks)", "as logged")
+    fig = go.Figure()
+    for i, data, (_, step, value) in logged:
+        _series(fig, i, data, name, chart.unit, _at(data, step), value, markers=step.size <= 200)
+    return _laid_out(fig, chart)
+
+
+def _laid_out(fig: go.Figure, chart: Chart) -> go.Figure:
+    """The chart's layout: title, axes, and whether anything was drawn."""
     drawn = any(t.meta["role"] == "raw" for t in fig.data)
     yaxis = _yaxis(
         chart, [np.array(t.y, dtype=np.float64) for t in fig.data if t.meta["role"] == "raw"]
@@ -220,20 +239,7 @@ def _chart(chart: Chart, runs: list[FirstScreenData]) -> go.Figure:
         xaxis={"title": {"text": AXES["tokens"]}, "exponentformat": "SI"},
         yaxis=yaxis,
         legend={"font": {"size": 10}},
-        meta={"chart": chart.key, "drawn": drawn},
-        annotations=[]
-        if drawn
-        else [
-            {
-                "text": "not measured",
-                "showarrow": False,
-                "xref": "paper",
-                "yref": "paper",
-                "x": 0.5,
-                "y": 0.5,
-                "font": {"color": "gray", "size": 16},
-            }
-        ],
+        meta={"chart": chart.key, "drawn": drawn},  # not drawn: folded away (``_grid``)
     )
     return fig
 
@@ -255,8 +261,31 @@ def _yaxis(chart: Chart, raw: list[np.ndarray]) -> dict[str, Any]:
 
 
 def build_figures(runs: list[FirstScreenData]) -> list[go.Figure]:
-    """One figure per chart of ``CHARTS``, every run overlaid."""
-    return [_chart(chart, runs) for chart in CHARTS]
+    """One figure per chart of ``CHARTS``, then one per user metric, every run overlaid."""
+    names = sorted({name for data in runs for name in data.users})
+    return [_chart(chart, runs) for chart in CHARTS] + [_user_chart(n, runs) for n in names]
+
+
+def _grid(figures: list[go.Figure]) -> tuple[str, str]:
+    """The drawn charts' divs, and the note naming the charts folded away (nothing of
+    theirs is stored in these runs): no empty tile."""
+    divs = "\n".join(
+        f"<div class='pw-chart' id='chart-{html.escape(fig.layout.meta['chart'])}' "
+        f"data-chart='{html.escape(fig.layout.meta['chart'])}'><script type='application/json'>"
+        + fig.to_json().replace("</", "<\\/")
+        + "</script></div>"
+        for fig in figures
+        if fig.layout.meta["drawn"]
+    )
+    folded = [fig.layout.title.text for fig in figures if not fig.layout.meta["drawn"]]
+    note = (
+        "<p id='pw-folded' class='none'>Not measured, folded away: "
+        + html.escape("; ".join(folded))
+        + "</p>"
+        if folded
+        else ""
+    )
+    return divs, note
 
 
 def _cell(value: Any) -> str:
@@ -405,13 +434,7 @@ def render_html(runs: list[FirstScreenData], figures: list[go.Figure] | None = N
     names = ", ".join(d.run_id for d in runs)
     title = f"probewire report: {names}"
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    divs = "\n".join(
-        f"<div class='pw-chart' id='chart-{fig.layout.meta['chart']}' "
-        f"data-chart='{fig.layout.meta['chart']}'><script type='application/json'>"
-        + fig.to_json().replace("</", "<\\/")
-        + "</script></div>"
-        for fig in figures
-    )
+    divs, folded = _grid(figures)
     options = "".join(f"<option value='{k}'>{html.escape(v)}</option>" for k, v in AXES.items())
     config_rows = _config_rows(runs)
     tables = _run_tables(runs)
@@ -443,6 +466,7 @@ th {{ background: #f3f3f3; }} .none {{ color: #777; }}
 <div id="pw-grid">
 {divs}
 </div>
+{folded}
 <h2>Configuration</h2>
 {_table(config_rows, ("key", "differs", *(d.run_id for d in runs)), "No run recorded a configuration.", "pw-config")}
 <h2>Alerts and anomalies</h2>

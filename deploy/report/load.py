@@ -47,7 +47,8 @@ class EvalSeries:
 class FirstScreenData:
     """What the panels and the tables need, read from the store.
 
-    ``sources`` maps a source to (step, loss, source tokens) per step.
+    ``sources`` maps a source to (step, loss, source tokens) per step; ``users`` a user
+    metric's name (``user_metrics``) to (its reduction, step, value).
     """
 
     run_id: str
@@ -57,6 +58,7 @@ class FirstScreenData:
     evals: list[EvalSeries] = field(default_factory=list)
     anomalies: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)
+    users: dict[str, tuple[str, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -130,21 +132,7 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
         source: tuple(_floats(list(col)) for col in zip(*values))
         for source, values in by_source.items()
     }
-    by_eval: dict[tuple[str, str, str, int], list[tuple]] = {}
-    for suite, metric, stream, reference, *point in _query(
-        client,
-        f"SELECT suite, metric, weights_stream, reference, step, tokens, flops, "
-        f"value FROM {db}.evaluations FINAL WHERE run_id = {{run:String}} "
-        "ORDER BY suite, metric, weights_stream, step",
-        run_id,
-    )[1]:
-        by_eval.setdefault((suite, metric, stream, reference), []).append(tuple(point))
-    evals = [
-        EvalSeries(
-            suite, metric, stream, bool(reference), *(_floats(list(col)) for col in zip(*points))
-        )
-        for (suite, metric, stream, reference), points in by_eval.items()
-    ]
+    evals = _evals(client, db, run_id)
     anomalies = _dicts(
         client,
         f"""
@@ -171,8 +159,52 @@ def load_first_screen(client: Any, database: str, run_id: str) -> FirstScreenDat
         run_id,
     )
     return FirstScreenData(
-        run_id, runs[0] if runs else None, steps, sources, evals, anomalies, alerts
+        run_id,
+        runs[0] if runs else None,
+        steps,
+        sources,
+        evals,
+        anomalies,
+        alerts,
+        _user_metrics(client, db, run_id),
     )
+
+
+def _evals(client: Any, db: str, run_id: str) -> list[EvalSeries]:
+    """The run's evaluation curves, one per suite, metric, weight stream and reference."""
+    by_eval: dict[tuple[str, str, str, int], list[tuple]] = {}
+    for suite, metric, stream, reference, *point in _query(
+        client,
+        f"SELECT suite, metric, weights_stream, reference, step, tokens, flops, "
+        f"value FROM {db}.evaluations FINAL WHERE run_id = {{run:String}} "
+        "ORDER BY suite, metric, weights_stream, step",
+        run_id,
+    )[1]:
+        by_eval.setdefault((suite, metric, stream, reference), []).append(tuple(point))
+    return [
+        EvalSeries(
+            suite, metric, stream, bool(reference), *(_floats(list(col)) for col in zip(*points))
+        )
+        for (suite, metric, stream, reference), points in by_eval.items()
+    ]
+
+
+def _user_metrics(
+    client: Any, db: str, run_id: str
+) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
+    """The run's user metrics: name -> (reduction, step, value), steps in order."""
+    by_name: dict[str, list[tuple]] = {}
+    for name, reduction, step, value in _query(
+        client,
+        f"SELECT name, reduction, step, value FROM {db}.user_metrics FINAL "
+        "WHERE run_id = {run:String} ORDER BY name, step",
+        run_id,
+    )[1]:
+        by_name.setdefault(name, []).append((reduction, step, value))
+    return {
+        name: (rows[-1][0], _floats([r[1] for r in rows]), _floats([r[2] for r in rows]))
+        for name, rows in by_name.items()
+    }
 
 
 def load_runs(client: Any, database: str, run_ids: list[str]) -> list[FirstScreenData]:

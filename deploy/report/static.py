@@ -4,12 +4,15 @@ Nine panels, one per P0 signal of the first screen (seeds 001 §1), drawn from t
 ``first_screen`` and ``loss_by_source`` views and the ``evaluations`` table: raw values,
 never smoothed, against cumulative tokens (runs are compared by tokens, not steps).
 Anomalies from the ``anomalies`` table are red triangles on the panel of their signal;
-pages from the ``alerts`` table are dashed red lines across every panel.
+pages from the ``alerts`` table are dashed red lines across every panel. A panel with
+nothing measured in the run (no evaluation, no expert layer) is folded away: the panels
+with data fill the grid and a note under it names the others (no empty tile).
 """
 
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,12 +90,10 @@ def _tokens_at(data: FirstScreenData, steps: np.ndarray) -> np.ndarray:
     return np.array([lookup.get(s, np.nan) for s in steps.tolist()], dtype=np.float64)
 
 
-def _draw(ax: Any, x: np.ndarray, y: np.ndarray, label: str, **style: Any) -> bool:
+def _draw(ax: Any, x: np.ndarray, y: np.ndarray, label: str, **style: Any) -> None:
     keep = np.isfinite(x) & np.isfinite(y)
-    if not keep.any():
-        return False
-    ax.plot(x[keep], y[keep], label=label, linewidth=1.0, **style)
-    return True
+    if keep.any():
+        ax.plot(x[keep], y[keep], label=label, linewidth=1.0, **style)
 
 
 def render_first_screen(data: FirstScreenData) -> Figure:
@@ -103,33 +104,46 @@ def render_first_screen(data: FirstScreenData) -> Figure:
         return _render(data)
 
 
+def _measured(panel: Panel, data: FirstScreenData) -> bool:
+    """Whether the run measured anything the panel draws (else it is folded away)."""
+    if any(np.isfinite(data.steps[c]).any() for c, _ in (*panel.columns, *panel.right)):
+        return True
+    if panel.key == "source":
+        return any(np.isfinite(loss).any() for _, loss, _ in data.sources.values())
+    if panel.key == "eval":
+        return any(ev.metric == "bpb" and np.isfinite(ev.value).any() for ev in data.evals)
+    return False
+
+
 def _render(data: FirstScreenData) -> Figure:
-    fig = Figure(figsize=(16, 11), dpi=100, layout="constrained")
+    shown = [p for p in PANELS if _measured(p, data)]
+    folded = [p.title for p in PANELS if p not in shown]
+    rows = max(1, math.ceil(len(shown) / 3))
+    fig = Figure(figsize=(16, 11 * rows / 3 + 0.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 3).ravel()
+    axes = fig.subplots(rows, 3, squeeze=False).ravel()
     pages = sorted({(a["step"], a["tokens"]) for a in data.alerts if a["severity"] == "page"})
-    for ax, panel in zip(axes, PANELS):
+    for ax, panel in zip(axes, shown):
         ax.set_label(f"panel:{panel.key}")
         ax.set_title(panel.title, fontsize=11)
         ax.set_xlabel("tokens")
         ax.set_ylabel(panel.ylabel)
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.grid(True, alpha=0.3)
-        if not _draw_panel(ax, panel, data):
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.text(
-                0.5,
-                0.5,
-                "not measured",
-                transform=ax.transAxes,
-                ha="center",
-                va="center",
-                color="gray",
-                gid="not-measured",
-            )
-            continue
+        _draw_panel(ax, panel, data)
         _mark(ax, panel, data, pages)
+    for ax in axes[len(shown) :]:
+        ax.set_visible(False)
+    if folded:
+        fig.text(
+            0.5,
+            0.0,
+            "Not measured in this run, folded away: " + "; ".join(folded),
+            ha="center",
+            va="bottom",
+            color="gray",
+            gid="folded",
+        )
     run = data.run or {}
     status = f", {run['status']}" if run.get("status") else ""
     fig.suptitle(
@@ -140,24 +154,22 @@ def _render(data: FirstScreenData) -> Figure:
     return fig
 
 
-def _draw_panel(ax: Any, panel: Panel, data: FirstScreenData) -> bool:
-    """The panel's curves (its columns, sources, evaluations, right axis); False when it
-    has nothing measured to draw."""
+def _draw_panel(ax: Any, panel: Panel, data: FirstScreenData) -> None:
+    """The panel's curves (its columns, sources, evaluations, right axis)."""
     tokens = data.steps["tokens"]
-    drawn = False
     for column, label in panel.columns:
         style = "steps-post" if panel.count else "default"
-        drawn |= _draw(ax, tokens, data.steps[column] / panel.scale, label, drawstyle=style)
+        _draw(ax, tokens, data.steps[column] / panel.scale, label, drawstyle=style)
     if panel.key == "source":
         shares = source_shares(data.sources)
         for source, (step, loss, _) in sorted(data.sources.items()):
             share = shares[source]
             share_text = f" ({100 * share:.0f}% of tokens)" if np.isfinite(share) else ""
-            drawn |= _draw(ax, _tokens_at(data, step), loss, f"{source}{share_text}")
+            _draw(ax, _tokens_at(data, step), loss, f"{source}{share_text}")
     if panel.key == "eval":
         for ev in sorted(data.evals, key=lambda e: e.name):
             if ev.metric == "bpb":
-                drawn |= _draw(
+                _draw(
                     ax,
                     ev.tokens,
                     ev.value,
@@ -171,9 +183,8 @@ def _draw_panel(ax: Any, panel: Panel, data: FirstScreenData) -> bool:
         twin = ax.twinx()
         twin.set_ylabel(panel.right_label)
         for column, label in right:
-            drawn |= _draw(twin, tokens, data.steps[column], label, color="tab:gray", alpha=0.7)
+            _draw(twin, tokens, data.steps[column], label, color="tab:gray", alpha=0.7)
         twin.legend(loc="upper right", fontsize=8)
-    return drawn
 
 
 def _mark(ax: Any, panel: Panel, data: FirstScreenData, pages: list[tuple]) -> None:

@@ -72,6 +72,7 @@ def full_demo() -> Iterator[Path]:
         timeout=600,
     )
     assert demo.returncode == 0, demo.stderr[-2000:]
+    (scratch_dir / "demo.stderr").write_text(demo.stderr)
     yield store
     shutil.rmtree(scratch_dir, ignore_errors=True)
 
@@ -138,3 +139,38 @@ def test_the_modality_token_share_equals_the_ranks_counts(full_demo: Path) -> No
         reference = {m: np.sum(v, dtype=np.float64) / total for m, v in by_modality.items()}
         assert set(reference) == {"media", "text"}, step
         assert stored[step] == pytest.approx(reference, rel=1e-12), step
+
+
+def test_the_demo_logs_its_own_metric_and_shows_progress_while_it_trains(full_demo: Path):
+    """The demo's loop logs ``data/pad_fraction`` with ``s.log`` (reduction mean): stored
+    on every step as the float64 mean of the two ranks' logged values (their user.mean
+    points, retained per rank), in (0, 1); and its stderr (a pipe) showed the steps stored
+    growing while it trained."""
+    import re
+
+    import numpy as np
+
+    name = "data/pad_fraction"
+    stored = _sql(
+        full_demo,
+        "SELECT step, value, reduction FROM probewire.user_metrics FINAL "
+        f"WHERE name = '{name}' ORDER BY step",
+    )
+    assert [r["step"] for r in stored] == list(range(STEPS))
+    ranks: dict[int, list[float]] = {}
+    for r in _sql(
+        full_demo,
+        "SELECT step, value FROM probewire.rank_metrics FINAL "
+        f"WHERE metric = 'user.mean' AND labels = 'name={name}' ORDER BY step, rank",
+    ):
+        ranks.setdefault(r["step"], []).append(r["value"])
+    for row in stored:
+        values = ranks[row["step"]]
+        assert len(values) == 2 and row["reduction"] == "mean"
+        assert row["value"] == pytest.approx(np.mean(values, dtype=np.float64), rel=1e-15)
+        assert 0 < row["value"] < 1
+    stderr = (full_demo.parent / "demo.stderr").read_text()
+    shown = [
+        int(n) for n in re.findall(r"^probewire: run \S+: (\d+)/60 steps stored", stderr, re.M)
+    ]
+    assert len(shown) >= 2 and shown == sorted(shown) and shown[-1] == STEPS, stderr[-2000:]

@@ -1,11 +1,14 @@
 """`probewire run` around a user's torchrun script (examples/train_torchrun.py, the README's
 snippet): the store answers live while it trains, and afterwards holds the finished run,
-its config, its learning rates and, at every step, L equal to the script's own float64 L."""
+its config, its learning rates and, at every step, L equal to the script's own float64 L;
+the held-out accuracy both ranks logged with ``s.log("val_acc", acc)`` is stored as the mean
+over ranks the script computed, read back with ``probewire sql`` and listed by ``runs``."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -69,8 +72,13 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     # live: at least two different, growing, partial counts while the script trained
     partial = [n for n in counts if 0 < n < steps]
     assert len(set(partial)) >= 2 and partial == sorted(partial), counts
+    # progress on a pipe: plain lines every few seconds, growing, some while it trained
+    shown = [int(n) for n in re.findall(r"^probewire: run own1: (\d+) steps stored", stderr, re.M)]
+    assert len(shown) >= 2 and shown == sorted(shown), stderr[-3000:]
+    assert any(0 < n < steps for n in shown), shown
     # the end: pages and the next commands, with run id and store filled in
     assert "run own1: finished, 60 steps stored" in stdout
+    assert "your metrics (user_metrics): val_acc" in stdout
     assert f"probewire report --run own1 --store {store}" in stdout
     assert "probewire explain --run own1 --step " in stdout
     e2e.assert_nothing_left(store.parent / WORK)
@@ -93,3 +101,22 @@ def test_run_wraps_torchrun_with_live_reads_and_exact_loss(scratch_dir: Path, e2
     for row, ref in zip(rows, own):
         assert row["loss"] == pytest.approx(ref["loss"], rel=REL, abs=0), row["step"]
         assert row["lr"] == ref["lr"] and row["lr_groups"] == {"0": ref["lr"]}
+    logged = e2e.rows(
+        store,
+        "SELECT step, value, reduction FROM probewire.user_metrics FINAL "
+        "WHERE run_id = 'own1' AND name = 'val_acc' ORDER BY step",
+    )
+    expected = [(o["step"], o["val_acc"]) for o in own if "val_acc" in o]
+    assert [o["step"] for o in own if "val_acc" in o] == list(range(0, steps, 10))
+    # (a + b) / 2 in float64 either way: the same double
+    assert [(r["step"], r["value"]) for r in logged] == expected
+    assert {r["reduction"] for r in logged} == {"mean"}
+    listed = subprocess.run(
+        e2e.probewire("runs", "--store", str(store)),
+        capture_output=True,
+        text=True,
+        cwd=e2e.REPO,
+        timeout=120,
+    )
+    assert listed.returncode == 0 and "user_metrics" in listed.stdout, listed.stderr
+    assert any("own1" in line and "val_acc" in line for line in listed.stdout.splitlines())

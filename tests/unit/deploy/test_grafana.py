@@ -203,3 +203,80 @@ def test_every_charted_first_screen_series_of_the_registry_has_a_panel(dashboard
     words = set(re.findall(r"[a-z_][a-z0-9_]*", sql))
     charted = [s.name for s in STEP_SERIES if s.first_screen and s.chart in on_panels]
     assert charted and [name for name in charted if name not in words] == []
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_settings_and_counts_read_as_their_values_on_an_axis_from_0(path) -> None:
+    """A panel of the learning rate (a constant 0.003 must not sit on an axis around it)
+    or of a cumulative count has its y axis from 0; a count has whole-number ticks."""
+    found = 0
+    for panel in _panels(load(path)):
+        sql = " ".join(t["rawSql"] for t in panel.get("targets", []) if t["refId"] == "A")
+        if re.search(r"\blr\b|cospike_count", sql):
+            defaults = panel["fieldConfig"]["defaults"]
+            assert defaults.get("min") == 0, (path.name, panel["title"])
+            if "cospike_count" in sql:
+                assert defaults.get("decimals") == 0, (path.name, panel["title"])
+            found += 1
+    assert found == {"probewire-rank.json": 0}.get(path.name, 1)
+
+
+# A registry unit (stream.series) as a Grafana unit id: dimensionless values plain
+GRAFANA_UNITS = {
+    "nats/token": "suffix: nats/token",
+    "L2 norm": "none",
+    "count": "none",
+    "ratio": "none",
+    "lr": "none",
+    "logit": "suffix: logit",
+    "s": "s",
+    "bytes": "bytes",
+    "tokens/s": "suffix: tokens/s",
+    "fraction of steps": "percentunit",
+}
+
+
+def _drawn_columns(sql: str) -> dict[str, str]:
+    """{output column: the stored column it reads} of a series query's plain part (a
+    ``name`` or ``t.name`` with or without ``AS alias``; expressions are left out)."""
+    inner = sql.split("WITH src AS (\n", 1)[1]
+    select = inner[len("SELECT ") : inner.index("FROM")]
+    out = {}
+    for item in re.split(r",\s*(?![^()]*\))", select):
+        m = re.fullmatch(r"\s*(?:\w+\.)?(\w+)(?:\s+AS\s+(\w+))?\s*", item)
+        if m:
+            out[m.group(2) or m.group(1)] = m.group(1)
+    return out
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_panel_units_are_the_registrys(path) -> None:
+    """A series panel's unit is its first value's registry unit (G2 has none: a plain
+    number, never "short" SI suffixes or the catalog's "1"; a loss reads nats/token), and a
+    right-axis override of a stored column carries that column's unit."""
+    from probewire.stream.series import STEP_SERIES
+
+    units = {s.name: s.unit for s in STEP_SERIES}
+    checked = 0
+    for panel in _panels(load(path)):
+        if panel["type"] != "trend":
+            continue
+        [sql] = [t["rawSql"] for t in panel["targets"] if t["refId"] == "A"]
+        drawn = _drawn_columns(sql)
+        split = {
+            f
+            for t in panel["transformations"]
+            if t["id"] == "partitionByValues"
+            for f in t["options"]["fields"]
+        }
+        values = [c for c in drawn if c != "tokens" and c not in split]
+        if values and drawn[values[0]] in units:
+            want = GRAFANA_UNITS[units[drawn[values[0]]]]
+            assert panel["fieldConfig"]["defaults"]["unit"] == want, (path.name, panel["title"])
+            checked += 1
+        for override in panel["fieldConfig"].get("overrides", []):
+            column = drawn.get(override["matcher"].get("options"))
+            for prop in override["properties"]:
+                if prop["id"] == "unit" and column in units and column != "tokens":
+                    assert prop["value"] == GRAFANA_UNITS[units[column]], (path.name, column)
+    assert checked >= 5, path.name

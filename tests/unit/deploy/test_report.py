@@ -73,6 +73,25 @@ def test_the_figure_has_nine_panels_of_raw_values_against_tokens(store) -> None:
         assert panels[key].get_lines(), key  # every P0 signal of the recorded run is drawn
 
 
+def test_panels_with_nothing_measured_are_folded_away_with_a_note(store) -> None:
+    """A dense run without evaluations or expert layers: seven panels fill the grid, and
+    a note names the two folded away; no empty "not measured" tile."""
+    data = load_first_screen(*store, RUN)
+    data.evals = []
+    for column, _ in next(p for p in PANELS if p.key == "experts").columns:
+        data.steps[column] = np.full_like(data.steps[column], np.nan)
+    fig = render_first_screen(data)
+    panels = _panels(fig)
+    assert list(panels) == [p.key for p in PANELS if p.key not in ("experts", "eval")]
+    [note] = [t for t in fig.texts if t.get_gid() == "folded"]
+    titles = {p.key: p.title for p in PANELS}
+    assert note.get_text() == (
+        f"Not measured in this run, folded away: {titles['eval']}; {titles['experts']}"
+    )
+    assert all(ax.get_lines() for ax in panels.values())  # every panel shown draws
+    assert not [t for ax in fig.axes for t in ax.texts if "not measured" in t.get_text()]
+
+
 def test_anomalies_are_marked_on_their_panels_at_their_tokens(store) -> None:
     data = load_first_screen(*store, RUN)
     panels = _panels(render_first_screen(data))
@@ -133,7 +152,7 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=", html)  # nothing fetched
     assert "Plotly.newPlot" in html and len(html) > 3_000_000  # plotly.js is inlined
     charts = _charts(html)
-    assert list(charts) == [c.key for c in CHARTS]
+    assert list(charts) == [c.key for c in CHARTS if c.key != "lr"]  # lr: not stored
     for run in (RUN, OTHER):
         data = load_first_screen(client, db, run)
         [L] = [t for t in _raw(charts["loss"], run) if t["meta"]["label"] == "L"]
@@ -146,10 +165,14 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
             assert _raw(charts[key], run), (key, run)
     smooth = [t for t in charts["loss"]["data"] if t["meta"]["role"] == "smooth"]
     assert smooth and all(t["visible"] is False for t in smooth)  # smoothing starts off
-    assert charts["lr"]["layout"]["meta"]["drawn"] is False  # no learning rate stored: not measured
-    assert "not measured" in json.dumps(charts["lr"]["layout"]["annotations"])
+    # no learning rate stored: no empty tile, folded away into the note under the charts
+    assert "chart-lr" not in html and "not measured" not in html
+    [folded] = re.findall(r"<p id='pw-folded'[^>]*>(.*?)</p>", html)
+    assert folded == "Not measured, folded away: Learning rate"
     ranges = charts["cospike"]["layout"]["yaxis"]["range"]
     assert ranges[0] == 0
+    # a cumulative count is never smoothed: no smoothed twin (the loss has one)
+    assert "smooth" not in {t["meta"]["role"] for t in charts["cospike"]["data"]}
     marks = [t for t in charts["grad"]["data"] if t["meta"]["role"] == "anomaly"]
     assert [m["meta"]["run"] for m in marks] == [RUN] and marks[0]["meta"]["x"]["step"] == [130]
     assert "cospike at step 130" in html and "cospike cospike" not in html  # a page's message
@@ -175,6 +198,51 @@ def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None
     config = re.search(r"<table class='pw-config'>(.*?)</table>", html, re.S).group(1)
     assert "<td>lr</td><td>yes</td><td>0.003</td><td>0.001</td>" in config
     assert "<td>seed</td><td></td><td>0</td><td>0</td>" in config
+
+
+def test_a_constant_learning_rate_reads_as_its_value_on_an_axis_from_0(store, tmp_path) -> None:
+    """The demo's constant lr 0.003: an axis from 0 to above 0.003 (never -1..1 around a
+    flat line, where it reads as 0), never smoothed, its unit the registry's."""
+    client, db = store
+    client.command(
+        f"ALTER TABLE {db}.step_metrics UPDATE lr = 0.003 WHERE 1", settings={"mutations_sync": 2}
+    )
+    html = write_report(client, db, [RUN], tmp_path)[0].read_text()
+    chart = _charts(html)["lr"]
+    axis = chart["layout"]["yaxis"]
+    assert axis["range"][0] == 0 and 0.003 < axis["range"][1] < 0.005
+    assert axis["title"]["text"] == next(c.unit for c in CHARTS if c.key == "lr")
+    assert {t["meta"]["role"] for t in chart["data"]} == {"raw"}  # no smoothed twin
+
+
+def test_user_metrics_are_drawn_as_charts_with_their_stored_values(store, tmp_path) -> None:
+    """Each user metric is one chart (every run that logged it overlaid) whose y values are
+    the stored ones at their steps, NaN a gap; the declared reduction is in its title."""
+    client, db = store
+    steps = list(range(0, 150, 10))
+    acc = [0.1 + 0.005 * s for s in steps]
+    acc[3] = float("nan")
+    ClickHouseSink(client, db).write(
+        "user_metrics",
+        [
+            {"run_id": RUN, "step": s, "name": "val_acc", "value": v, "reduction": "mean"}
+            for s, v in zip(steps, acc)
+        ]
+        + [{"run_id": OTHER, "step": 5, "name": "val_acc", "value": 0.5, "reduction": "mean"}],
+    )
+    html = write_report(client, db, [RUN, OTHER], tmp_path)[0].read_text()
+    found = re.findall(
+        r"<div class='pw-chart' id='chart-user:val_acc'[^>]*>"
+        r"<script type='application/json'>(.*?)</script></div>",
+        html,
+        re.S,
+    )
+    [chart] = [json.loads(spec.replace("<\\/", "</")) for spec in found]
+    assert "val_acc (your metric; mean over ranks)" == chart["layout"]["title"]["text"]
+    [mine] = _raw(chart, RUN)
+    assert mine["meta"]["x"]["step"] == steps
+    assert mine["y"] == [None if v != v else v for v in acc]
+    assert _raw(chart, OTHER)[0]["y"] == [0.5]
 
 
 def test_a_missing_run_is_a_clear_error_naming_the_runs_that_exist(store, tmp_path) -> None:
@@ -314,3 +382,24 @@ def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(
         ].get_lines()
     }
     assert labels == {"a$b (50% of tokens)", "$\\frac{$ (50% of tokens)"}
+
+
+def test_runs_lists_each_runs_user_metrics(store, store_url, monkeypatch, capsys) -> None:
+    """``probewire runs`` names a run's user metrics: the first four, then how many more."""
+    client, database = store
+    monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
+    ClickHouseSink(client, database).write(
+        "user_metrics",
+        [
+            {"run_id": RUN, "step": step, "name": name, "value": 0.5, "reduction": "mean"}
+            for name in ("m5", "m1", "eval/acc", "m3", "m2", "m4")
+            for step in (0, 1)
+        ]
+        + [{"run_id": OTHER, "step": 3, "name": "val_acc", "value": 1.0, "reduction": "rank0"}],
+    )
+    assert main(["runs", "--clickhouse-url", store_url]) == 0
+    out = capsys.readouterr().out
+    assert "user_metrics" in out
+    [mine] = [line for line in out.splitlines() if RUN in line]
+    [other] = [line for line in out.splitlines() if OTHER in line]
+    assert "eval/acc m1 m2 m3 +2" in mine and "val_acc" in other

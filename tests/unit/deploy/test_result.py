@@ -32,6 +32,17 @@ def test_pages_and_next_commands_name_the_run_the_store_and_the_first_page():
     assert any(line.startswith('  probewire sql --store /data/s "SELECT') for line in lines)
 
 
+def test_a_run_that_logged_its_own_metrics_names_them_and_how_to_read_one():
+    result = RunResult("r", "finished", 60, 59, (), ("data/pad_fraction", "val_acc"))
+    lines = render_result(result, "--store S").splitlines()
+    assert "your metrics (user_metrics): data/pad_fraction, val_acc" in lines
+    assert lines[-1] == (
+        '  probewire sql --store S "SELECT step, value FROM probewire.user_metrics FINAL '
+        "WHERE run_id = 'r' AND name = 'data/pad_fraction' ORDER BY step\""
+    )
+    assert "user_metrics" not in render_result(RunResult("r", "finished", 1, 0, ()), "")
+
+
 def test_a_run_without_pages_points_explain_at_its_last_step():
     text = render_result(RunResult("r", "crashed", 3, 2, ()), "")
     assert "run r: crashed, 3 steps stored (last step 2), 0 page(s)" in text

@@ -139,6 +139,8 @@ def test_every_name_every_probe_emits_is_in_the_catalog_and_every_entry_is_emitt
             s.comm_wait("ddp_allreduce", 0.01)
             s.skipped()
             s.replayed(reproduced=False)
+            for reduction in ("mean", "sum", "max", "rank0"):
+                s.log(f"own_{reduction}", float(step), reduction)
             s.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()

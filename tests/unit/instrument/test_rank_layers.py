@@ -1,5 +1,5 @@
 """The rank side reads in one direction: each module imports only modules below it,
-monitor → step → probes → state → collect → wire → catalog, with the attach-time tables
+monitor → step → probes → state → collect (userlog) → wire → catalog, with the attach-time tables
 (config, registry, discover) and the pure math (scan, batchscan) beside that chain. No
 cycle, and no TYPE_CHECKING import that would hide one."""
 
@@ -23,6 +23,7 @@ LAYERS = {
     "config": 1,
     "batchscan": 1,
     "collect": 2,
+    "userlog": 2,
     "parallel": 2,
     "export": 2,
     "testing": 2,

@@ -17,6 +17,7 @@ from probewire.sinks.schema import (
     GRAD_GROUP_STATS,
     RESIDUAL_STATS,
     TENSOR_NAMES,
+    USER_METRICS,
 )
 from probewire.stream import derive
 from probewire.stream.series import STEP_SERIES
@@ -58,10 +59,10 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 12
+    assert sink.migrate() == 11
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
-    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (12,)]
+    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (10,), (11,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
@@ -114,12 +115,12 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client, c
     )
     ch_client.command(f"INSERT INTO {db}.schema_migrations (version, description) VALUES (1, 'v1')")
     for t in TABLES:
-        if t not in (GRAD_GROUP_STATS, TENSOR_NAMES, RESIDUAL_STATS):
+        if t not in (GRAD_GROUP_STATS, TENSOR_NAMES, RESIDUAL_STATS, USER_METRICS):
             ch_client.command((old if t is table else t).ddl(db))
     ch_client.command(
         f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) VALUES ('r', 7, 10, 2.5)"
     )
-    assert ClickHouseSink(ch_client, db).migrate() == 12
+    assert ClickHouseSink(ch_client, db).migrate() == 11
     got = _rows(
         ch_client,
         f"SELECT name, type FROM system.columns WHERE database = '{db}' "

@@ -266,7 +266,7 @@ def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_
         + ", ".join(f"({v}, '')" for v in range(1, 8))
     )
     ch_client.command(f"INSERT INTO {db}.step_metrics (run_id, step, tokens) VALUES ('r', 3, 9)")
-    assert ClickHouseSink(ch_client, db).migrate() == 12
+    assert ClickHouseSink(ch_client, db).migrate() == max(m.version for m in MIGRATIONS)
     names = [
         r[0]
         for r in ch_client.query(
@@ -362,3 +362,18 @@ def test_the_registry_and_what_is_built_from_it_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == len(STEP_SERIES)
+
+
+def test_every_charted_series_has_a_unit_and_its_chart_axis_names_it():
+    """Units come from the registry: each row a chart draws declares its unit (never the
+    catalog's UCUM "1" of a component), and the chart's axis names that unit (a chart that
+    divides by ``scale`` shows the scaled unit of bytes: GiB)."""
+    from probewire.stream.series import CHARTS
+
+    for chart in CHARTS:
+        for row in (s for s in STEP_SERIES if s.chart == chart.key):
+            assert row.unit and row.unit != "1", (chart.key, row.name)
+            if chart.scale == 1:
+                assert row.unit in chart.unit, (chart.key, row.name, row.unit, chart.unit)
+            else:
+                assert (row.unit, chart.scale, chart.unit) == ("bytes", float(1 << 30), "GiB")
