@@ -235,11 +235,13 @@ def test_a_worker_stopped_while_it_holds_a_partial_step_exits_and_the_step_is_no
     assert rows[5]["complete_reason"] == rows[0]["complete_reason"]  # complete, not late
 
 
-def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
+def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_its_cospike_pages(
     stack, kafka_bootstrap, read_store, scratch_dir
 ):
+    """Step 10, a co-spike, comes after max_wait_s skipped its gap: it is stored flagged
+    and still pages, its page saying it is late (issue 40: it paged nothing)."""
     s = stack()
-    run = SimRun(run_id=f"gap-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=2)
+    run = SimRun(run_id=f"gap-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=2, cospike_step=10)
     produce(
         kafka_bootstrap, [m for step in [*range(10), *range(11, 30)] for m in encode(run, step)]
     )
@@ -249,6 +251,42 @@ def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
     s.stop()
     rows = assert_exact(read_store, scratch_dir / "store", run, list(range(30)))
     assert [r["step"] for r in rows if r["complete_reason"] == "after_gap"] == [10]
+    alerts = read_store(
+        scratch_dir / "store",
+        "SELECT step, signal, message FROM probewire.alerts FINAL "
+        f"WHERE run_id = '{run.run_id}' AND signal = 'cospike'",
+    )
+    assert [(a["step"], a["signal"]) for a in alerts] == [(10, "cospike")]
+    assert "late: this step arrived after stream.stage2.max_wait_s" in alerts[0]["message"]
+
+
+def test_rank_messages_out_of_order_never_reduce_a_step_without_a_rank(
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
+    """Rank 1 sends step s+1 before step s (for every even s): the later step completes
+    first, and the earlier one still waits for rank 1, well within the deadline. Every step
+    is stored with all 4 ranks and the reference's values, and no ranks_missing anomaly or
+    page is recorded (issue 40: a later step completing in the same partition closed the
+    earlier one without rank 1: 181 of 200 steps, and a false ranks_missing page)."""
+    s = stack(deadline_s=20.0, max_wait_s=25.0)
+    run = SimRun(run_id=f"order-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
+    others = range(0, 1), range(2, RANKS)
+    messages = []
+    for step in range(0, 40, 2):  # 20 pairs over 4 partitions: some share one
+        messages += [m for ranks in others for m in encode(run, step, ranks=ranks)]
+        messages += encode(run, step + 1)
+        messages += encode(run, step, ranks=range(1, 2))
+    produce(kafka_bootstrap, messages)
+    wait_for(s, run.run_id, 40, timeout_s=60)
+    s.stop()
+    rows = assert_exact(read_store, scratch_dir / "store", run, list(range(40)))
+    assert {r["complete_reason"] for r in rows} == {"all_ranks"}
+    missing = read_store(
+        scratch_dir / "store",
+        "SELECT step, signal FROM probewire.anomalies FINAL "
+        f"WHERE run_id = '{run.run_id}' AND signal = 'ranks_missing'",
+    )
+    assert missing == []
 
 
 def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(
