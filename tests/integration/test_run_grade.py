@@ -263,19 +263,21 @@ def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_its_cospike_page
 def test_rank_messages_out_of_order_never_reduce_a_step_without_a_rank(
     stack, kafka_bootstrap, read_store, scratch_dir
 ):
-    """Rank 1 sends step s+1 before step s (for every even s): the later step completes
-    first, and the earlier one still waits for rank 1, well within the deadline. Every step
-    is stored with all 4 ranks and the reference's values, and no ranks_missing anomaly or
-    page is recorded (issue 40: a later step completing in the same partition closed the
-    earlier one without rank 1: 181 of 200 steps, and a false ranks_missing page)."""
+    """Ranks 0, 2 and 3 send steps 0-39, then rank 1 sends them newest first: each later
+    step completes before the earlier ones (some of them in its partition), which still
+    wait for rank 1, well within the deadline. Every step is stored with all 4 ranks and the
+    reference's values, and no ranks_missing anomaly or page is recorded (issue 40: a later
+    step completing in the same partition closed the earlier ones without rank 1: 181 of
+    200 steps, and a false ranks_missing page)."""
     s = stack(deadline_s=20.0, max_wait_s=25.0)
     run = SimRun(run_id=f"order-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
-    others = range(0, 1), range(2, RANKS)
-    messages = []
-    for step in range(0, 40, 2):  # 20 pairs over 4 partitions: some share one
-        messages += [m for ranks in others for m in encode(run, step, ranks=ranks)]
-        messages += encode(run, step + 1)
-        messages += encode(run, step, ranks=range(1, 2))
+    messages = [
+        m
+        for step in range(40)
+        for ranks in (range(1), range(2, RANKS))
+        for m in encode(run, step, ranks=ranks)
+    ]
+    messages += [m for step in reversed(range(40)) for m in encode(run, step, ranks=range(1, 2))]
     produce(kafka_bootstrap, messages)
     wait_for(s, run.run_id, 40, timeout_s=60)
     s.stop()
