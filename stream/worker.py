@@ -284,7 +284,11 @@ class Worker:
         now = time.monotonic()
         result = self.assembler.add(record, now, event.message.partition)
         if result.duplicate:
-            event.ack()
+            held = self.waiting.get(_wait_key(record.run_id, record.step, record.replay))
+            if held is None:
+                event.ack()
+            else:  # its step is still gathering: acknowledged with it, so that no commit
+                held.append(event)  # passes this offset (the same one, re-read) before then
             return
         if result.late is not None:
             log.warning(
