@@ -176,6 +176,7 @@ class StepAssembler:
         # keys (run, step) of the steps' own messages, (run, step, "replay") of replays
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
+        self._refused: OrderedDict[tuple, set[int]] = OrderedDict()  # before their step
         self._remember = remember_steps
 
     @property
@@ -191,7 +192,10 @@ class StepAssembler:
             if record.rank in done:
                 return AddResult(completed=[], duplicate=True)
             return AddResult(completed=[], late=record)
-        pending = self._pending.setdefault(key, _Pending(record.world_size, now, partition))
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(record.world_size, now, partition)
+            pending.refused = self._refused.pop(key, pending.refused)
         if record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)
         pending.records[record.rank] = record
@@ -199,14 +203,21 @@ class StepAssembler:
             return AddResult(completed=[])
         return AddResult(completed=[self._emit(key, CompleteReason.ALL_RANKS)])
 
-    def refused(self, record: RankStep, now: float, partition: int = 0) -> list[ReducedStep]:
+    def refused(self, record: RankStep) -> list[ReducedStep]:
         """``record``'s message was refused (a dead letter): its step does not wait for that
-        rank (it is reduced without it, ``ranks_missing`` names it). A rank outside the
-        step's world, a replay, or a step already reduced changes nothing."""
+        rank (it is reduced without it, ``ranks_missing`` names it). A refusal never starts
+        a step: before the step's first accepted message it is remembered (the newest
+        ``remember_steps`` refused steps). A rank outside the step's world, a replay, or a
+        step already reduced changes nothing."""
         key = (record.run_id, record.step)
         if record.replay or key in self._done or not 0 <= record.rank < record.world_size:
             return []
-        pending = self._pending.setdefault(key, _Pending(record.world_size, now, partition))
+        pending = self._pending.get(key)
+        if pending is None:
+            self._refused.setdefault(key, set()).add(record.rank)
+            while len(self._refused) > self._remember:
+                self._refused.popitem(last=False)
+            return []
         if record.rank >= pending.world_size:
             return []
         pending.refused.add(record.rank)

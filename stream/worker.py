@@ -276,9 +276,7 @@ class Worker:
             event.ack()
             if self.validator.world_size(record.run_id) == record.world_size:
                 # its step does not wait for this rank: reduced without it (ranks_missing)
-                for reduced in self.assembler.refused(
-                    record, time.monotonic(), event.message.partition
-                ):
+                for reduced in self.assembler.refused(record):
                     await self.publish_step(reduced)
             return
         now = time.monotonic()

@@ -147,16 +147,29 @@ def test_a_refused_rank_does_not_hold_its_step_and_is_named_missing():
     the world, of a replay or of a step already reduced changes nothing."""
     asm = StepAssembler(deadline_s=30)
     asm.add(rec(0, step=3, world=3, tok=1.0), now=0)
-    assert asm.refused(rec(5, step=3, world=3, tok=1.0), now=0) == []
-    assert asm.refused(rec(1, step=3, world=3, tok=1e30), now=0) == []
+    assert asm.refused(rec(5, step=3, world=3, tok=1.0)) == []
+    assert asm.refused(rec(1, step=3, world=3, tok=1e30)) == []
     (done,) = asm.add(rec(2, step=3, world=3, tok=2.0), now=1).completed
     assert (done.ranks_reporting, done.ranks_missing, done.reduced[TOK]) == ([0, 2], [1], 3.0)
-    assert asm.refused(rec(1, step=3, world=3, tok=1e30), now=2) == [] and asm.pending == 0
-    # a refusal first, then the rank's genuine message: counted once, with its values
-    assert asm.refused(rec(0, step=4, world=2, tok=1e30), now=3) == []
-    assert asm.add(rec(0, step=4, world=2, tok=5.0), now=3).completed == []
-    (done,) = asm.add(rec(1, step=4, world=2, tok=1.0), now=3).completed
-    assert (done.ranks_missing, done.reduced[TOK]) == ([], 6.0)
+    assert asm.refused(rec(1, step=3, world=3, tok=1e30)) == [] and asm.pending == 0
+
+
+def test_a_refusal_before_its_step_starts_nothing_and_is_counted_when_the_step_comes():
+    """A refused message that comes first (a poison rank ahead of the others, or a hostile
+    one naming a future step) starts no step: nothing is reduced at its deadline, so no
+    empty step reaches stage 2 before the real one. The step's ranks, when they come,
+    complete it without waiting for the refused rank; its genuine message, if it then
+    comes, still counts, once."""
+    asm = StepAssembler(deadline_s=5)
+    assert asm.refused(rec(1, step=4, world=2, tok=1e30)) == []
+    assert asm.refused(rec(0, step=90, world=2, tok=1e30)) == []
+    assert asm.pending == 0 and asm.expire(now=100) == []
+    (done,) = asm.add(rec(0, step=4, world=2, tok=5.0), now=101).completed
+    assert (done.ranks_missing, done.reduced[TOK]) == ([1], 5.0)
+    assert asm.refused(rec(1, step=6, world=2, tok=1e30)) == []
+    assert asm.add(rec(1, step=6, world=2, tok=2.0), now=102).completed == []
+    (done,) = asm.add(rec(0, step=6, world=2, tok=1.0), now=102).completed
+    assert (done.ranks_missing, done.reduced[TOK]) == ([], 3.0)
 
 
 def test_a_rebalance_drops_every_pending_step_and_its_messages_assemble_again():
