@@ -1,9 +1,16 @@
 """Stage 1: gather per-rank messages of one (run, step) and reduce them across ranks.
 
-A step is complete when every rank of the world reported, when its deadline passes, or
-when a later step of the same run completes in the same partition, whichever is first.
-(One rank's messages are ordered within a partition, so a rank that reported a later step
-there will not report the earlier one; across partitions there is no such order.)
+A step is complete when every rank of the world is accounted for (it reported, or its
+message was refused: a dead letter, ``refused``) or when its deadline passes, whichever is
+first. Nothing else closes a step: the order in which steps arrive says nothing about a
+rank still to come (a rank's messages can reach a partition out of order, and Tansu can
+make a later offset readable first), so a later step completing never reduces an earlier
+one without a rank that is still within its deadline. At a rebalance the worker drops
+every pending step (``drop_pending``): their messages are unacknowledged, and the consumer
+reads each assigned partition again from the group's committed offset (Faust seeks there
+after every assignment), here or at the partition's new owner. Kept and reduced at the
+deadline instead, a step of a partition that moved reached stage 2 twice, the copy here
+without the ranks its new owner read after the rebalance.
 The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
 representatives. Means and ratios are formed later from the reduced components. A
@@ -144,6 +151,12 @@ class _Pending:
     first_seen: float
     partition: int
     records: dict[int, RankStep] = field(default_factory=dict)
+    refused: set[int] = field(default_factory=set)  # ranks whose message was dead-lettered
+
+    def complete(self) -> bool:
+        if not self.refused:  # the usual step: no set built per message
+            return len(self.records) >= self.world_size
+        return len(self.records) + len(self.refused - self.records.keys()) >= self.world_size
 
 
 @dataclass(slots=True, kw_only=True)
@@ -163,6 +176,7 @@ class StepAssembler:
         # keys (run, step) of the steps' own messages, (run, step, "replay") of replays
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
+        self._refused: OrderedDict[tuple, set[int]] = OrderedDict()  # before their step
         self._remember = remember_steps
 
     @property
@@ -178,23 +192,43 @@ class StepAssembler:
             if record.rank in done:
                 return AddResult(completed=[], duplicate=True)
             return AddResult(completed=[], late=record)
-        pending = self._pending.setdefault(key, _Pending(record.world_size, now, partition))
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(record.world_size, now, partition)
+            pending.refused = self._refused.pop(key, pending.refused)
         if record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)
         pending.records[record.rank] = record
-        if len(pending.records) < pending.world_size:
+        if not pending.complete():
             return AddResult(completed=[])
-        completed = [self._emit(key, CompleteReason.ALL_RANKS)]
-        earlier = sorted(
-            k
-            for k, p in self._pending.items()
-            if k[0] == record.run_id
-            and len(k) == 2
-            and k[1] < record.step
-            and p.partition == pending.partition
-        )
-        completed = [self._emit(k, CompleteReason.LATER_STEP) for k in earlier] + completed
-        return AddResult(completed=completed)
+        return AddResult(completed=[self._emit(key, CompleteReason.ALL_RANKS)])
+
+    def refused(self, record: RankStep) -> list[ReducedStep]:
+        """``record``'s message was refused (a dead letter): its step does not wait for that
+        rank (it is reduced without it, ``ranks_missing`` names it). A refusal never starts
+        a step: before the step's first accepted message it is remembered (the newest
+        ``remember_steps`` refused steps). A rank outside the step's world, a replay, or a
+        step already reduced changes nothing."""
+        key = (record.run_id, record.step)
+        if record.replay or key in self._done or not 0 <= record.rank < record.world_size:
+            return []
+        pending = self._pending.get(key)
+        if pending is None:
+            self._refused.setdefault(key, set()).add(record.rank)
+            while len(self._refused) > self._remember:
+                self._refused.popitem(last=False)
+            return []
+        if record.rank >= pending.world_size:
+            return []
+        pending.refused.add(record.rank)
+        return [self._emit(key, CompleteReason.ALL_RANKS)] if pending.complete() else []
+
+    def drop_pending(self) -> list[tuple]:
+        """Forget every pending step (a rebalance: their messages are read again, by this
+        worker or a partition's new owner); their keys."""
+        dropped = list(self._pending)
+        self._pending.clear()
+        return dropped
 
     def _add_replay(self, record: RankStep, now: float, partition: int) -> AddResult:
         key = (record.run_id, record.step, CompleteReason.REPLAY)

@@ -78,9 +78,9 @@ class CompleteReason(StrEnum):
     """Why a reduced step was emitted: the ``complete_reason`` that stage 2 branches on and
     ClickHouse stores (the values are stored: never change one)."""
 
-    ALL_RANKS = "all_ranks"  # every rank of the step reported
+    ALL_RANKS = "all_ranks"  # every rank of the step reported (or its message was refused)
     DEADLINE = "deadline"  # its deadline passed with ranks missing (or the worker stopped)
-    LATER_STEP = "later_step"  # a later step of the run completed on the same partition
+    LATER_STEP = "later_step"  # stored by older workers: closed by a later step (no more)
     LATE = "late"  # a rank's data after its step was emitted: kept as detail
     REPLAY = "replay"  # the ranks' ring buffers, sent on a dump: a past step's detail
     DETAIL = "detail"  # a detail part of a step split for the broker's message limit

@@ -18,9 +18,11 @@ Nothing a run does makes this module raise or drop a step:
   ``running``, and is stored; going silent again releases the new final steps (and pages
   again); ``finish`` is idempotent;
 - a step that arrives after the orderer skipped its gap is stored with
-  ``complete_reason = "after_gap"``. Its detail is retained, and it does not feed the
-  detectors, whose windows hold the run's steps in order: its row carries the P0 view but
-  no detector fields. It counts in the run's cumulative tokens and FLOPs from then on.
+  ``complete_reason = "after_gap"``. Its detail is retained, and it is scored and pages
+  as it arrives (its page says it is late, ``LATE_NOTE``): the detectors score it against
+  their windows as they stand, on a copy, since those windows hold the run's steps in
+  order and it is not added to them. It counts in the run's cumulative tokens and FLOPs
+  from then on.
   A re-delivered step (at or below the newest, and not skipped) is dropped.
 - a replay (``complete_reason = "replay"``: the ranks' ring buffers sent on a dump, the
   scan-tier detail of a past step) writes that detail to the look-back tables and
@@ -64,7 +66,11 @@ from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_columns
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
 
-"""Per-step guard flag -> its cumulative column (seeds 001 §4: skip and replay counters)."""
+LATE_NOTE = (
+    " | late: this step arrived after stream.stage2.max_wait_s, after later steps; scored "
+    "against the detectors' windows as they stood then"
+)
+"""What a page of a step that came after its gap was skipped adds to its message."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -404,16 +410,17 @@ class RunPipeline:
         for flag, total in GUARD_TOTAL.items():
             self.guard[total] += view[flag]
         self.last_step = max(self.last_step, item.step)
-        if after_gap:  # the detectors' windows hold the run's steps in order
-            derived: dict[str, Any] = {}
-            findings: list[Finding] = []
-            clipped = view[sm.clipped]
-            view[sm.clipped] = int(clipped is not None and clipped > 0)  # NaN: not clipped
-        else:
-            derived, findings = self.detectors.observe(
-                item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks
-            )
-            view[sm.clipped] = derived.pop(sm.clipped)
+        # the detectors' windows hold the run's steps in order: a step after its gap is
+        # scored against them as they stand, on a copy, and is not added to them
+        detectors = (
+            SignalDetectors.from_state(self.config.detectors, self.detectors.to_state())
+            if after_gap
+            else self.detectors
+        )
+        derived, findings = detectors.observe(
+            item.step, view, {s: loss for s, (loss, _, _) in sources.items()}, p0.ranks
+        )
+        view[sm.clipped] = derived.pop(sm.clipped)
         view.pop("moe_maxvio_layer")
         row = {
             sm.run_id.name: self.run_id,
@@ -444,7 +451,7 @@ class RunPipeline:
         _add_detail(out, item)
         for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
-            alert = self._page(item.step, finding) if finding.page else None
+            alert = self._page(item.step, finding, after_gap) if finding.page else None
             if alert is not None:
                 out.rows["alerts"].append(alert)
         offer = (
@@ -480,9 +487,10 @@ class RunPipeline:
             "culprit": f.culprit,
         }
 
-    def _page(self, step: int, f: Finding) -> dict[str, Any] | None:
+    def _page(self, step: int, f: Finding, late: bool = False) -> dict[str, Any] | None:
         """The page record to send: a new page, the updated record of the page whose
-        episode this finding is a new event of, or None (the same event continues)."""
+        episode this finding is a new event of, or None (the same event continues). A
+        ``late`` step's page (it came after its gap was skipped) says so."""
         episode = self.detectors.pages.admit(step, f)
         if not episode.new_event:
             return None
@@ -490,6 +498,8 @@ class RunPipeline:
             episode.record = self._alert_row(step, f)
         else:
             episode.record = _episode_update(episode, step, f)
+        if late:
+            return {**episode.record, "message": episode.record["message"] + LATE_NOTE}
         return episode.record
 
     def _alert_row(self, step: int, f: Finding) -> dict[str, Any]:

@@ -125,6 +125,11 @@ class StepValidator:
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._labels_ok: set = set()  # label sets that passed the length and index rules
 
+    def world_size(self, run_id: str) -> int | None:
+        """The world size of ``run_id`` as its first accepted message said (None: unseen)."""
+        run = self._runs.get(run_id)
+        return None if run is None else run.world_size
+
     def check(self, record: RankStep) -> Checked:
         reason = self._refusal(record)
         if reason is not None:

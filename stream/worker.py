@@ -229,12 +229,19 @@ class Worker:
 
     # -- stage 1 ------------------------------------------------------------------------------
     async def on_assigned(self, partitions: Iterable[int]) -> None:
-        """Partitions of the rank topic were assigned (still paused): the offset the
-        consumer reads each from, so a message skipped first is a gap too (``gaps``)."""
+        """Partitions of the rank topic were assigned (still paused): every pending step
+        is dropped, its messages left unacknowledged, since the consumer reads every
+        assigned partition again from the group's committed offset, here or at a
+        partition's new owner (``StepAssembler.drop_pending``); the offset the consumer
+        reads each from, so a message skipped first is a gap too (``gaps``)."""
+        assigned = sorted(partitions)
+        for key in self.assembler.drop_pending():
+            self.waiting.pop(key, None)
+            self.waiting_since.pop(key, None)
         if self.gaps is None:
             return
         starts = await asyncio.get_running_loop().run_in_executor(
-            None, self.gaps.starts, self.topics.metrics, sorted(partitions)
+            None, self.gaps.starts, self.topics.metrics, assigned
         )
         for partition, offset in starts.items():
             self.gap_watch.begin(partition, offset)
@@ -274,11 +281,19 @@ class Worker:
             await self.dead_letter(event, checked.reason)
         if checked.record is None:
             event.ack()
+            if self.validator.world_size(record.run_id) == record.world_size:
+                # its step does not wait for this rank: reduced without it (ranks_missing)
+                for reduced in self.assembler.refused(record):
+                    await self.publish_step(reduced)
             return
         now = time.monotonic()
         result = self.assembler.add(record, now, event.message.partition)
         if result.duplicate:
-            event.ack()
+            held = self.waiting.get(_wait_key(record.run_id, record.step, record.replay))
+            if held is None:
+                event.ack()
+            else:  # its step is still gathering: acknowledged with it, so that no commit
+                held.append(event)  # passes this offset (the same one, re-read) before then
             return
         if result.late is not None:
             log.warning(

@@ -2,7 +2,8 @@
 instrumented script (``job_script.py``) as the rank: ranks SIGKILLed mid-run leave the run
 ``stalled`` with a ``job_state`` page within the configured silence; a pause longer than
 the silence (a checkpoint save) pages, returns the run to ``running`` and stores every
-step; a ``probewire run`` whose command exits 1 ends ``crashed``."""
+step; a ``probewire run`` whose command exits 1 ends ``crashed``; a ``crashed`` event from a
+rank whose clock is an hour behind ends the run ``crashed`` after rank 0's clean finish."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import pytest
 from probewire.deploy.session import session_env
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
+from probewire.instrument.lifecycle import run_event
+from probewire.instrument.wire import RankIdentity
 from probewire.stream.stage2 import Stage2Config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -180,3 +183,36 @@ def test_probewire_run_whose_command_exits_1_ends_crashed(tmp_path: Path) -> Non
         ).stdout
     )
     assert run["status"] == "crashed"
+
+
+def test_a_crash_from_a_rank_an_hour_behind_ends_the_run_crashed(live) -> None:
+    """Rank 0 starts and finishes the attempt by its clock; rank 1, whose clock is an hour
+    behind, crashed at step 4: the worker stores the run ``crashed`` with rank 1's error
+    (issue 40: the crash, older than the start by its time, was ignored: ``finished``)."""
+    from confluent_kafka import Producer
+
+    run_id, attempt = f"skew-{uuid.uuid4().hex[:6]}", f"skew-{uuid.uuid4().hex[:6]}"
+    now, hour = time.time_ns(), 3600 * 10**9
+
+    def who(r: int) -> RankIdentity:
+        return RankIdentity(run_id=run_id, rank=r, world_size=2, host=f"h{r}", coords={})
+
+    events = [
+        run_event(who(0), "started", config={"lr": 1e-3}, now_ns=now, attempt=attempt),
+        run_event(who(0), "finished", now_ns=now + 10**9, step=5, attempt=attempt),
+        run_event(who(1), "crashed", error="boom", now_ns=now - hour, step=4, attempt=attempt),
+    ]
+    producer = Producer({"bootstrap.servers": live.bootstrap})
+    for body in events:
+        producer.produce(live.settings.topics.runs, key=run_id.encode(), value=body)
+    assert producer.flush(30) == 0
+    deadline = time.monotonic() + 60
+    rows: list[dict] = []
+    while time.monotonic() < deadline:
+        rows = store_rows(
+            live, f"SELECT status FROM probewire.runs FINAL WHERE run_id = '{run_id}'"
+        )
+        if rows and rows[0]["status"] == "crashed":
+            break
+        time.sleep(0.5)
+    assert rows == [{"status": "crashed"}]

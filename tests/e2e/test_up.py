@@ -95,6 +95,16 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
         )
         assert explain.returncode == 0, explain.stderr
         assert json.loads(explain.stdout)["step"] == 10
+        # `health --store` finds the worker `up` started and its live reader (issue 36)
+        health = subprocess.run(
+            e2e.probewire("health", "--component", "worker", "--store", str(store)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PROBEWIRE_HEARTBEAT_DIR"},
+        )
+        assert health.returncode == 0, health.stderr
+        assert "live reads at http://127.0.0.1:" in health.stdout, health.stdout
         report = subprocess.run(
             e2e.probewire(
                 "report",

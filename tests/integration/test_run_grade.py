@@ -39,7 +39,7 @@ from probewire.stream.health import HealthConfig
 from probewire.stream.records import ReducedStep
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
-from probewire.stream.testing import SimRun
+from probewire.stream.testing import SimRun, own_topics
 from probewire.stream.validate import Bounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -235,11 +235,13 @@ def test_a_worker_stopped_while_it_holds_a_partial_step_exits_and_the_step_is_no
     assert rows[5]["complete_reason"] == rows[0]["complete_reason"]  # complete, not late
 
 
-def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
+def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_its_cospike_pages(
     stack, kafka_bootstrap, read_store, scratch_dir
 ):
+    """Step 10, a co-spike, comes after max_wait_s skipped its gap: it is stored flagged
+    and still pages, its page saying it is late (issue 40: it paged nothing)."""
     s = stack()
-    run = SimRun(run_id=f"gap-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=2)
+    run = SimRun(run_id=f"gap-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=2, cospike_step=10)
     produce(
         kafka_bootstrap, [m for step in [*range(10), *range(11, 30)] for m in encode(run, step)]
     )
@@ -249,6 +251,84 @@ def test_a_step_after_its_gap_was_skipped_is_stored_and_flagged(
     s.stop()
     rows = assert_exact(read_store, scratch_dir / "store", run, list(range(30)))
     assert [r["step"] for r in rows if r["complete_reason"] == "after_gap"] == [10]
+    alerts = read_store(
+        scratch_dir / "store",
+        "SELECT step, signal, message FROM probewire.alerts FINAL "
+        f"WHERE run_id = '{run.run_id}' AND signal = 'cospike'",
+    )
+    assert [(a["step"], a["signal"]) for a in alerts] == [(10, "cospike")]
+    assert "late: this step arrived after stream.stage2.max_wait_s" in alerts[0]["message"]
+
+
+def test_a_restart_reads_again_a_held_rank_message_that_later_acknowledged_steps_follow(
+    kafka_bootstrap, read_store, scratch_dir
+):
+    """One partition of fresh topics: step 0's rank 0 message (offset 0) waits for its
+    step while steps 1-5 after it complete and are acknowledged; the worker stops and a
+    new one starts in the same group; rank 1-3's step 0 messages then come. Step 0 is
+    stored with all 4 ranks: the commit stopped at offset 0. (Faust committed offset 21
+    past the held message, the restarted worker never read it, and step 0 was reduced
+    without rank 0: the loss of test_stage1_workers when a rebalance moved a partition.)"""
+    base = settings_for(scratch_dir / "store", deadline_s=8.0, max_wait_s=10.0)
+    topics = own_topics(uuid.uuid4().hex[:8])
+    s = LocalStack(dataclasses.replace(base, topics=topics), scratch_dir / "run")
+    run = SimRun(run_id=f"commit-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=6)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+
+    def to_partition_0(messages) -> None:
+        for key, value in messages:
+            producer.produce(topics.metrics, key=key, value=value, partition=0)
+        assert producer.flush(30) == 0
+
+    try:
+        s.use_broker(kafka_bootstrap)
+        s.start_worker()
+        to_partition_0(encode(run, 0, ranks=range(1)))
+        to_partition_0([m for step in range(1, 6) for m in encode(run, step)])
+        time.sleep(6.0)  # steps 1-5 published and acknowledged; Faust commits every 2.8 s
+        os.killpg(s.worker.pid, signal.SIGTERM)
+        assert s.worker.wait(timeout=20) in (0, -15, 143)
+        s.start_worker()  # the same group: resumes at its committed offsets
+        to_partition_0(encode(run, 0, ranks=range(1, RANKS)))
+        deadline = time.monotonic() + 90
+        while s.progress(run.run_id, "last_step") < 5 and time.monotonic() < deadline:
+            assert s.worker.poll() is None, "the worker exited"
+            time.sleep(0.2)
+    finally:
+        s.stop()
+    rows = assert_exact(read_store, scratch_dir / "store", run, list(range(6)))
+    assert rows[0]["complete_reason"] == "all_ranks"
+
+
+def test_rank_messages_out_of_order_never_reduce_a_step_without_a_rank(
+    stack, kafka_bootstrap, read_store, scratch_dir
+):
+    """Ranks 0, 2 and 3 send steps 0-39, then rank 1 sends them newest first: each later
+    step completes before the earlier ones (some of them in its partition), which still
+    wait for rank 1, well within the deadline. Every step is stored with all 4 ranks and the
+    reference's values, and no ranks_missing anomaly or page is recorded (issue 40: a later
+    step completing in the same partition closed the earlier ones without rank 1: 181 of
+    200 steps, and a false ranks_missing page)."""
+    s = stack(deadline_s=20.0, max_wait_s=25.0)
+    run = SimRun(run_id=f"order-{uuid.uuid4().hex[:6]}", world_size=RANKS, seed=5)
+    messages = [
+        m
+        for step in range(40)
+        for ranks in (range(1), range(2, RANKS))
+        for m in encode(run, step, ranks=ranks)
+    ]
+    messages += [m for step in reversed(range(40)) for m in encode(run, step, ranks=range(1, 2))]
+    produce(kafka_bootstrap, messages)
+    wait_for(s, run.run_id, 40, timeout_s=60)
+    s.stop()
+    rows = assert_exact(read_store, scratch_dir / "store", run, list(range(40)))
+    assert {r["complete_reason"] for r in rows} == {"all_ranks"}
+    missing = read_store(
+        scratch_dir / "store",
+        "SELECT step, signal FROM probewire.anomalies FINAL "
+        f"WHERE run_id = '{run.run_id}' AND signal = 'ranks_missing'",
+    )
+    assert missing == []
 
 
 def test_poison_values_are_one_dead_letter_each_and_the_run_is_stored_exactly(

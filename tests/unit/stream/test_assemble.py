@@ -127,14 +127,63 @@ def test_deadline_emits_with_missing_ranks_and_later_arrival_is_late():
     assert late.late is not None and late.late.rank == 2 and late.completed == []
 
 
-def test_later_step_completing_in_same_partition_closes_earlier_step():
+def test_a_later_step_never_closes_an_earlier_one_whose_rank_comes_within_the_deadline():
+    """Rank 1 sends step 7 before step 5 (out of order in one partition): step 7 completes,
+    step 5 waits for rank 1 and is reduced with both ranks (issue 40: a later step closed
+    it without rank 1, whose message then came as late data)."""
     asm = StepAssembler(deadline_s=30)
     asm.add(rec(0, step=5, world=2, tok=1.0), now=0, partition=1)
-    asm.add(rec(0, step=6, world=2, tok=1.0), now=0, partition=2)  # other partition
     asm.add(rec(0, step=7, world=2, tok=1.0), now=0, partition=1)
-    done = asm.add(rec(1, step=7, world=2, tok=1.0), now=0, partition=1).completed
-    assert [(d.step, d.complete_reason) for d in done] == [(5, "later_step"), (7, "all_ranks")]
-    assert asm.pending == 1  # step 6 lives in another partition: only its deadline closes it
+    done = asm.add(rec(1, step=7, world=2, tok=1.0), now=1, partition=1).completed
+    assert [(d.step, d.complete_reason) for d in done] == [(7, "all_ranks")]
+    result = asm.add(rec(1, step=5, world=2, tok=2.0), now=29, partition=1)
+    assert result.late is None
+    assert [(d.step, d.ranks_missing, d.reduced[TOK]) for d in result.completed] == [(5, [], 3.0)]
+
+
+def test_a_refused_rank_does_not_hold_its_step_and_is_named_missing():
+    """A rank whose message is dead-lettered is accounted for: its step is reduced without
+    it at once (ranks_missing names it), not at the deadline; a refusal of a rank outside
+    the world, of a replay or of a step already reduced changes nothing."""
+    asm = StepAssembler(deadline_s=30)
+    asm.add(rec(0, step=3, world=3, tok=1.0), now=0)
+    assert asm.refused(rec(5, step=3, world=3, tok=1.0)) == []
+    assert asm.refused(rec(1, step=3, world=3, tok=1e30)) == []
+    (done,) = asm.add(rec(2, step=3, world=3, tok=2.0), now=1).completed
+    assert (done.ranks_reporting, done.ranks_missing, done.reduced[TOK]) == ([0, 2], [1], 3.0)
+    assert asm.refused(rec(1, step=3, world=3, tok=1e30)) == [] and asm.pending == 0
+
+
+def test_a_refusal_before_its_step_starts_nothing_and_is_counted_when_the_step_comes():
+    """A refused message that comes first (a poison rank ahead of the others, or a hostile
+    one naming a future step) starts no step: nothing is reduced at its deadline, so no
+    empty step reaches stage 2 before the real one. The step's ranks, when they come,
+    complete it without waiting for the refused rank; its genuine message, if it then
+    comes, still counts, once."""
+    asm = StepAssembler(deadline_s=5)
+    assert asm.refused(rec(1, step=4, world=2, tok=1e30)) == []
+    assert asm.refused(rec(0, step=90, world=2, tok=1e30)) == []
+    assert asm.pending == 0 and asm.expire(now=100) == []
+    (done,) = asm.add(rec(0, step=4, world=2, tok=5.0), now=101).completed
+    assert (done.ranks_missing, done.reduced[TOK]) == ([1], 5.0)
+    assert asm.refused(rec(1, step=6, world=2, tok=1e30)) == []
+    assert asm.add(rec(1, step=6, world=2, tok=2.0), now=102).completed == []
+    (done,) = asm.add(rec(0, step=6, world=2, tok=1.0), now=102).completed
+    assert (done.ranks_missing, done.reduced[TOK]) == ([], 3.0)
+
+
+def test_a_rebalance_drops_every_pending_step_and_its_messages_assemble_again():
+    """At a rebalance the pending steps are forgotten (the consumer reads their messages
+    again from the committed offset): none is reduced here at its deadline without the
+    ranks read after the rebalance, and the re-read messages complete the step once."""
+    asm = StepAssembler(deadline_s=5)
+    asm.add(rec(0, step=4, world=2, tok=1.0), now=0, partition=1)
+    asm.add(rec(0, step=5, world=2, tok=1.0), now=0, partition=2)
+    assert sorted(asm.drop_pending()) == [("r", 4), ("r", 5)]
+    assert asm.expire(now=10) == []
+    assert asm.add(rec(0, step=4, world=2, tok=1.0), now=11, partition=1).completed == []
+    (done,) = asm.add(rec(1, step=4, world=2, tok=2.0), now=11, partition=1).completed
+    assert (done.ranks_missing, done.reduced[TOK]) == ([], 3.0)
 
 
 def test_reduced_step_wire_round_trip_keeps_nonfinite():

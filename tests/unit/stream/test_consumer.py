@@ -109,3 +109,50 @@ def test_an_error_in_delivery_propagates_and_leaves_nothing_unawaited(new_consum
         return waiting
 
     assert _closed(asyncio.run(main()))
+
+
+def _message(offset: int):
+    from faust.types import TP, Message
+
+    return Message("t", 0, offset, 0.0, 0, {}, b"k", b"v", None, tp=TP("t", 0))
+
+
+def test_a_commit_never_passes_the_unacknowledged_message_at_the_committed_offset(new_consumer):
+    """The message at the committed offset (a pending step's first rank message) is not
+    acknowledged while later ones are: nothing is committed (Faust committed 18, and the
+    partition's next reader never saw offset 10); once it is, the run through 17 is."""
+    from faust.types import TP
+
+    consumer, tp = new_consumer(), TP("t", 0)
+    consumer._committed_offset[tp] = 10
+    consumer._acked[tp] = list(range(11, 18))
+    consumer._acked_index[tp] = set(range(11, 18))
+    assert consumer._new_offset(tp) is None
+    consumer._acked[tp].append(10)
+    consumer._acked_index[tp].add(10)
+    assert consumer._new_offset(tp) == 18 and consumer._acked[tp] == []
+
+
+def test_with_no_committed_offset_a_commit_starts_at_the_first_offset_read(new_consumer):
+    """A new group (no committed offset, or 0, which Faust keeps as None): offsets 1-2 are
+    acknowledged, offset 0 (the first read) is not: nothing is committed, then 3."""
+    from faust.types import TP
+
+    consumer, tp = new_consumer(), TP("t", 0)
+    for offset in range(3):
+        consumer.track_message(_message(offset))
+    consumer._acked[tp] = [1, 2]
+    consumer._acked_index[tp] = {1, 2}
+    assert consumer._new_offset(tp) is None
+    consumer._acked[tp].append(0)
+    assert consumer._new_offset(tp) == 3
+
+
+@pytest.mark.parametrize(
+    "acked, start, n",
+    [([], 0, 0), ([3, 4], None, 0), ([4, 5], 3, 0), ([3, 4, 6], 3, 2), ([1, 2, 3], 3, 3)],
+)
+def test_committable_is_the_run_of_consecutive_offsets_from_the_start(acked, start, n):
+    from probewire.stream.consumer import committable
+
+    assert committable(acked, start) == n

@@ -239,7 +239,7 @@ def test_a_step_after_its_gap_was_skipped_is_stored_flagged_and_kept():
     out = run.accept(records(10, [(33.0, 10.0)]), now=11.0)
     (row,) = out.rows["step_metrics"]
     assert row["step"] == 10 and row["complete_reason"] == "after_gap"
-    assert row["loss"] == pytest.approx(3.3) and "loss_z" not in row
+    assert row["loss"] == pytest.approx(3.3) and row["loss_z"] is not None  # scored
     assert out.promote == [10]  # after-gap detail is retained
     assert json.dumps(run.detectors.to_state()) == detectors  # detectors not fed
     assert run.accept(records(10, [(33.0, 10.0)]), now=12.0).rows.get("step_metrics") is None
