@@ -1,0 +1,137 @@
+"""``probewire ui`` over HTTP, a real process reading the embedded store through a live
+reader: the runs table in the server's HTML, the JSON the charts read (downsampled in SQL:
+a 200,000-step run's every panel at most 2,000 points a series, its one-step spike kept),
+a live update, the step and anomalies pages of a simulated run."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from ui_support import LR, get, ui_server, write_run
+
+from probewire.deploy.demo.faults import LayerExplosion
+from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.sinks import ClickHouseSink
+from probewire.sinks.downsample import MAX_POINTS
+from probewire.stream.series import CHARTS
+
+pytestmark = pytest.mark.integration
+LONG, SIM = "long-200k", "sim-run"
+SPIKE = 123_457
+
+
+@pytest.fixture()
+def chdb_path(store_url: str) -> Path:
+    if not store_url.startswith("chdb:///"):
+        pytest.skip("the UI test serves an embedded (chdb) store through a live reader")
+    return Path(store_url[len("chdb://") :])
+
+
+@pytest.fixture()
+def ui(chdb_path, ch_client, ch_database):
+    sink = ClickHouseSink(ch_client, ch_database)
+    sink.migrate()
+    write_run(sink, LONG, 200_000, spike=SPIKE, tags=("long", "baseline"), status="finished")
+    write_simulated_run(
+        sink,
+        simulated_run(
+            SIM, steps=160, seed=0, faults=(LayerExplosion(layer=2, step=130, scale=50.0),)
+        ),
+    )
+    with ui_server(chdb_path, ch_database) as url:
+        yield url, sink
+
+
+def _charts(url: str, **params) -> dict:
+    query = urllib.parse.urlencode({"run": LONG, **params})
+    status, body = get(f"{url}/api/charts?{query}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def test_200k_step_run_every_panel_bounded_spike_kept(ui):
+    url, _ = ui
+    started = time.monotonic()
+    data = _charts(url)
+    elapsed = time.monotonic() - started
+    assert data["last_step"] == 199_999
+    drawn = {key: lines for key, lines in data["charts"].items() if lines}
+    assert {"loss", "lr", "grad", "cospike", "time", "throughput", "memory"} <= set(drawn)
+    for key, lines in drawn.items():
+        for line in lines:
+            assert 0 < len(line["x"]) <= MAX_POINTS, (key, line["label"], len(line["x"]))
+            assert line["x"] == sorted(line["x"])
+    (grad,) = drawn["grad"]
+    peak = max(range(len(grad["y"])), key=grad["y"].__getitem__)
+    assert (grad["x"][peak], grad["y"][peak]) == (SPIKE, 1e4)  # the spike, at its step
+    (lr,) = drawn["lr"]
+    assert set(lr["y"]) == {LR}  # drawn as the value it is (never smoothed, never 0)
+    (memory,) = drawn["memory"]
+    assert 55 < max(memory["y"]) < 65  # GiB: the registry's scale
+    for x in ("tokens", "flops"):  # every x axis is downsampled
+        other = _charts(url, x=x)
+        (g,) = other["charts"]["grad"]
+        assert len(g["x"]) <= MAX_POINTS and max(g["y"]) == 1e4
+    print(f"\n/api/charts of the 200,000-step run, all {len(CHARTS)} panels: {elapsed:.2f}s")
+
+
+def test_zoomed_window_reads_finer_buckets(ui):
+    url, _ = ui
+    data = _charts(url, lo=SPIKE - 500, hi=SPIKE + 500)
+    (grad,) = data["charts"]["grad"]
+    assert data["window"]["width"] == 2.0  # 1001 steps over 666 buckets
+    assert min(grad["x"]) >= SPIKE - 500 and max(grad["x"]) <= SPIKE + 500
+    assert max(grad["y"]) == 1e4
+    (loss,) = [line for line in data["charts"]["loss"] if line["label"] != "loss_worst_rank"][:1]
+    assert len(loss["x"]) > 600  # finer than the whole run's width of 301 steps
+
+
+def test_live_update_returns_only_new_steps(ui):
+    url, sink = ui
+    full = _charts(url)
+    write_run(sink, LONG, 200_050, start=200_000, status="running")
+    window = full["window"]
+    update = _charts(url, after=full["last_step"], lo=window["lo"], width=window["width"])
+    assert update["last_step"] == 200_049
+    (grad,) = update["charts"]["grad"]
+    assert min(grad["x"]) > 199_999 and max(grad["x"]) == 200_049
+
+
+def test_runs_table_is_in_the_html_and_filters(ui):
+    url, _ = ui
+    status, page = get(url + "/")
+    assert status == 200
+    assert f"href='/run/{LONG}'" in page and f"href='/run/{SIM}'" in page
+    assert "<script" not in page  # the table needs no script
+    _, only = get(url + "/?q=tag%3Along")
+    assert f"/run/{LONG}'" in only and f"/run/{SIM}'" not in only
+    _, by_text = get(url + "/?q=sim")
+    assert f"/run/{SIM}'" in by_text and f"/run/{LONG}'" not in by_text
+    _, runs = get(url + "/api/runs")
+    rows = {r["run_id"]: r for r in json.loads(runs)}
+    assert rows[LONG]["steps"] == 200_000 and rows[LONG]["tags"] == ["long", "baseline"]
+    assert rows[LONG]["pages"] == 1 and rows[LONG]["world_size"] == 8
+
+
+def test_step_anomalies_and_errors(ui):
+    url, _ = ui
+    status, page = get(f"{url}/run/{SIM}/anomalies")
+    assert status == 200 and f"/run/{SIM}/step/" in page
+    _, marks = get(f"{url}/api/marks?run={SIM}")
+    anomalies = json.loads(marks)["anomalies"]
+    assert anomalies, "the simulated explosion is flagged"
+    step = anomalies[0]["step"]
+    status, page = get(f"{url}/run/{SIM}/step/{step}")
+    assert status == 200 and "What moved (explain)" in page and "Per tensor" in page
+    status, page = get(f"{url}/run/{SIM}/step/130")  # a retained step of the explosion
+    assert status == 200 and "not retained" not in page
+    assert get(f"{url}/run/nope")[0] == 404
+    assert get(f"{url}/api/charts?run={LONG}&x=time")[0] == 400
+    assert get(f"{url}/api/charts")[0] == 400
+    status, page = get(f"{url}/run/{LONG}")
+    assert status == 200 and "/static/ui.js" in page
+    assert get(f"{url}/static/plotly.min.js")[0] == 200
