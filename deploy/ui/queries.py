@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from probewire.sinks.downsample import MAX_POINTS, Window, downsample_sql, points, window
-from probewire.stream.series import CHARTS, Chart, chart_columns
+from probewire.stream.series import CHARTS, chart_columns
 
 __all__ = [
     "AXES",
@@ -110,54 +110,59 @@ _EVAL_SQL = """SELECT run_id, step, toFloat64(tokens) AS tokens, flops, suite, m
     weights_stream, value FROM {db}.evaluations FINAL WHERE run_id IN {{runs:Array(String)}}"""
 
 
-def _chart_sql(db: str, chart: Chart, x: str, live: bool) -> tuple[str, list[str], list[str]]:
-    """(query, value columns, their labels) of one chart."""
-    if chart.key == "source":
-        sql = downsample_sql(
-            "t", ["loss"], x=x, live=live, group="source", subquery=_SOURCE_SQL.format(db=db)
-        )
-        return sql, ["loss"], ["loss"]
-    if chart.key == "eval":
-        sql = downsample_sql(
-            "t",
-            ["value"],
-            x=x,
-            live=live,
-            group="concat(suite, ' ', metric, ' (', weights_stream, ')')",
-            subquery=_EVAL_SQL.format(db=db),
-        )
-        return sql, ["value"], ["value"]
-    pairs = chart_columns(chart)
-    columns = [c for c, _ in pairs]
-    sql = downsample_sql(
-        f"{db}.step_metrics",
-        columns,
-        x=x,
-        live=live,
-        final=False,
-        scale=[chart.scale] * len(columns),
-    )
-    return sql, columns, [label for _, label in pairs]
+_LONG = {  # the charts read from a long table: (query, value column, series expression)
+    "source": (_SOURCE_SQL, "loss", "source"),
+    "eval": (_EVAL_SQL, "value", "concat(suite, ' ', metric, ' (', weights_stream, ')')"),
+}
 
 
-def chart_series(
-    client: Any, db: str, chart: Chart, run_ids: list[str], x: str, win: Window, after: float | None
-) -> list[ChartSeries]:
-    """One chart's lines for the runs, downsampled over ``win`` (only x > ``after`` when
-    given: a live update)."""
-    sql, columns, labels = _chart_sql(db, chart, x, after is not None)
+def _lines(
+    rows: list[dict[str, Any]], columns: list[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[list[float], list[float]]]:
+    """(run, label) -> (x, y) of the points of each (column, label) in the bucket rows; a
+    row's ``series`` (a long table's) is the label."""
+    lines: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for row in rows:
+        for column, label in columns:
+            drawn = points(row, column)
+            if not drawn:
+                continue
+            xs, ys = lines.setdefault((row["run_id"], str(row.get("series", label))), ([], []))
+            for px, py in drawn:
+                xs.append(px)
+                ys.append(py)
+    return lines
+
+
+def _read_charts(
+    client: Any, db: str, run_ids: list[str], x: str, win: Window, after: float | None
+) -> dict[str, list[ChartSeries]]:
+    """Every chart's lines: the step_metrics charts in one downsampled query (one scan of
+    the runs' rows), each long-table chart in one of its own."""
     params: dict[str, Any] = {"runs": run_ids, **win.parameters()}
     if after is not None:
         params["after"] = after
-    lines: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
-    for row in _rows(client, sql, params):
-        for column, label in zip(columns, labels):
-            name = f"{row['series']}" if "series" in row else label
-            xs, ys = lines.setdefault((row["run_id"], name), ([], []))
-            for px, py in points(row, column):
-                xs.append(px)
-                ys.append(py)
-    return [ChartSeries(run, label, xs, ys) for (run, label), (xs, ys) in lines.items()]
+    live = after is not None
+    wide = {c.key: list(chart_columns(c)) for c in CHARTS if c.key not in _LONG}
+    columns = [col for pairs in wide.values() for col, _ in pairs]
+    scales = [c.scale for c in CHARTS if c.key in wide for _ in wide[c.key]]
+    rows = _rows(
+        client,
+        downsample_sql(f"{db}.step_metrics", columns, x=x, live=live, final=False, scale=scales),
+        params,
+    )
+    out = {}
+    for key, pairs in wide.items():
+        out[key] = [ChartSeries(r, lb, xs, ys) for (r, lb), (xs, ys) in _lines(rows, pairs).items()]
+    for key, (sql, column, group) in _LONG.items():
+        long_rows = _rows(
+            client,
+            downsample_sql("t", [column], x=x, live=live, group=group, subquery=sql.format(db=db)),
+            params,
+        )
+        lines = _lines(long_rows, [(column, column)])
+        out[key] = [ChartSeries(r, lb, xs, ys) for (r, lb), (xs, ys) in lines.items()]
+    return out
 
 
 def chart_data(
@@ -187,12 +192,10 @@ def chart_data(
         win = window(
             full[0] if lo is None else lo, full[1] if hi is None else hi, integer=x == "step"
         )
-    charts = {}
-    for chart in CHARTS:
-        lines = chart_series(client, db, chart, run_ids, x, win, after)
-        charts[chart.key] = [
-            {"run": s.run_id, "label": s.label, "x": s.x, "y": s.y} for s in lines if s.x
-        ]
+    charts = {
+        key: [{"run": s.run_id, "label": s.label, "x": s.x, "y": s.y} for s in lines]
+        for key, lines in _read_charts(client, db, run_ids, x, win, after).items()
+    }
     last = full[1] if x == "step" else (extent(client, db, run_ids, "step") or full)[1]
     return {
         "x": x,

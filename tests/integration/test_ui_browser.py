@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ui_support import ui_server, write_run
+from ui_support import LR, ui_server, write_run
 
 from probewire.sinks import ClickHouseSink
 
@@ -112,6 +112,16 @@ def test_runs_table_filters_by_tag(store, browser):
         _wait(browser, "return location.search.includes('sweep')")
         ids = {a.text for a in browser.find_elements("css selector", "a.run")}
         assert ids == set(OVERLAID)
+        # a run's pages, then the step of its page: explain's findings there
+        browser.find_element(
+            "css selector", f"tr[data-run='{OVERLAID[0]}'] a[href$='/anomalies']"
+        ).click()
+        _wait(browser, "return location.pathname.endsWith('/anomalies')")
+        _shot(browser, "anomalies")
+        browser.find_element("css selector", "a[href$='/step/1000']").click()
+        _wait(browser, "return location.pathname.endsWith('/step/1000')")
+        assert "What moved (explain)" in browser.page_source
+        _shot(browser, "step")
 
 
 def test_live_run_grows_without_reload(store, browser):
@@ -213,5 +223,46 @@ def test_first_paint_of_200k_step_run(store, browser):
             f"all panels drawn {drawn_ms:.0f} ms"
         )
         assert paint is not None and paint < 2000
+        # the constant lr reads as 0.003 on its axis (plotly's own range put it at 0 of -1..1)
+        lr_range = browser.execute_script(
+            "return document.querySelector('#panel-lr .plot')._fullLayout.yaxis.range"
+        )
+        assert lr_range[0] == 0 and lr_range[1] == pytest.approx(2 * LR)
+        ticks = browser.execute_script(
+            "return [...document.querySelectorAll('#panel-lr .ytick text')].map(t => t.textContent)"
+        )
+        values = [float(t.replace("\u2212", "-")) for t in ticks]
+        assert min(values) == 0 and 0 < max(values) <= 2 * LR, ticks  # e.g. 0, 0.002, ..0.006
+        assert any(v < LR for v in values[1:]) and any(v > LR for v in values), ticks
         assert drawn_ms < 10_000  # a loaded shared CI host; the number is in the output
+        # panels without data are folded away, with a note
+        folded = browser.execute_script(
+            "return [...document.querySelectorAll('#folded li')].map(li => li.dataset.chart)"
+        )
+        assert {"source", "eval"} <= set(folded)
+        for chart in folded:
+            assert (
+                browser.execute_script(
+                    f"return document.getElementById('panel-{chart}').style.display"
+                )
+                == "none"
+            )
+        # the page at the spike's step is marked on every drawn panel
+        marked = browser.execute_script(
+            "return [...document.querySelectorAll('.panel')].filter(p => p.style.display !== "
+            "'none').map(p => p.querySelector('.plot').layout.shapes.some(s => s.x0 === 123457))"
+        )
+        assert marked and all(marked)
+        # log / linear per panel
+        browser.find_element("css selector", "#panel-loss button.log").click()
+        _wait(
+            browser,
+            "return document.querySelector('#panel-loss .plot')._fullLayout.yaxis.type === 'log'",
+        )
+        assert (
+            browser.execute_script(
+                "return document.querySelector('#panel-grad .plot')._fullLayout.yaxis.type"
+            )
+            == "log"
+        )  # G2's own default, untouched
         _shot(browser, "run-200k")

@@ -76,14 +76,30 @@
     return out;
   }
 
-  function layout(chart) {
+  // A flat series (a constant lr) gets an axis around its value, never plotly's -1..1
+  // around it, where 0.003 reads as 0.
+  function flatRange(lines, log) {
+    let lo = Infinity, hi = -Infinity;
+    lines.forEach((l) => l.y.forEach((v) => {
+      if (v !== null && isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    }));
+    if (!isFinite(lo) || hi - lo > 1e-9 * Math.max(Math.abs(hi), 1e-300)) return null;
+    if (log && lo > 0) return [Math.log10(lo) - 0.5, Math.log10(lo) + 0.5];
+    if (lo === 0) return [0, 1];
+    return lo > 0 ? [0, 2 * lo] : [2 * lo, 0];
+  }
+
+  function layout(chart, lines) {
     const xaxis = { title: { text: AXIS_TITLE[state.x] }, exponentformat: "SI" };
     if (state.range) xaxis.range = state.range.slice();
     else xaxis.autorange = true;
+    const log = state.log[chart.key] ?? chart.log;
+    const yaxis = { title: { text: chart.unit }, type: log ? "log" : "linear",
+      rangemode: chart.count ? "tozero" : "normal", exponentformat: "e" };
+    const flat = flatRange(lines, log);
+    if (flat) yaxis.range = flat;
     return {
-      margin: { l: 60, r: 10, t: 10, b: 40 }, hovermode: "x unified", xaxis: xaxis,
-      yaxis: { title: { text: chart.unit }, type: state.log[chart.key] ?? chart.log ? "log" : "linear",
-        rangemode: chart.count ? "tozero" : "normal", exponentformat: "e" },
+      margin: { l: 60, r: 10, t: 10, b: 40 }, hovermode: "x unified", xaxis: xaxis, yaxis: yaxis,
       shapes: shapes(chart), showlegend: true,
       legend: { orientation: "h", y: -0.25, font: { size: 10 } },
     };
@@ -123,7 +139,7 @@
     }
     panel.style.display = "";
     controls(chart, panel);
-    Plotly.react(plot, traces(chart, lines), layout(chart), { displaylogo: false, responsive: true });
+    Plotly.react(plot, traces(chart, lines), layout(chart, lines), { displaylogo: false, responsive: true });
     if (!state.bound[chart.key]) {
       plot.on("plotly_relayout", (ev) => onRelayout(chart.key, ev));
       state.bound[chart.key] = true;
