@@ -335,8 +335,14 @@ class LocalStack:
         """``probewire ui`` on 127.0.0.1:``port`` (0: a free one), reading the store
         through the worker's reader; returns its URL."""
         self.ui_port = port or free_port()
+        url = self.settings.clickhouse.url
+        store = ["--store", url[len("chdb://") :]] if url.startswith("chdb:///") else []
         self.ui = spawn(
-            [sys.executable, "-m", "probewire.deploy.cli", "ui", "--port", str(self.ui_port)],
+            [
+                *(sys.executable, "-m", "probewire.deploy.cli", "ui"),
+                *(store or ["--clickhouse-url", split_credentials(url)[0]]),
+                *("--port", str(self.ui_port)),
+            ],
             self._log("ui"),
             self._child_env(self.work_dir / "ui.heartbeat"),
         )

@@ -169,7 +169,6 @@ async def api_marks(request: web.Request) -> web.Response:
         {
             "anomalies": await _read(request, queries.anomalies, runs),
             "pages": await _read(request, queries.pages, runs),
-            "runs": [r for r in await _read(request, queries.runs) if r["run_id"] in runs],
         }
     )
 

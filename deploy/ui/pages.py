@@ -135,7 +135,7 @@ def runs_page(rows: list[dict[str, Any]], q: str, sort: str, desc: bool, total: 
     return _page(
         "runs",
         f"<h1>Runs</h1>{form}<p class='muted'>{len(rows)} of {total} runs · tick runs, then "
-        "compare · tags come from the run configuration's <code>tags</code> list</p>"
+        "compare · tags: the <code>tags</code> list of <code>attach(run_config=...)</code></p>"
         "<form method='get' action='/compare'><table id='runs'><thead><tr><th></th>"
         f"{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
         "<button id='compare'>compare the ticked runs</button></form>",

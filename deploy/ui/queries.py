@@ -39,7 +39,7 @@ def _rows(client: Any, sql: str, params: dict[str, Any] | None = None) -> list[d
 
 
 def _tags(config: str) -> list[str]:
-    """The run's tags: the ``tags`` list of its configuration (``attach(config=...)``)."""
+    """The run's tags: the ``tags`` list of its configuration (``attach(run_config=...)``)."""
     try:
         value = json.loads(config or "{}")
     except ValueError:

@@ -118,7 +118,7 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
             assert "href='/run/up1'" in page.read().decode()
         with urllib.request.urlopen(f"{url}/api/charts?run=up1", timeout=60) as charts:
             lr = json.loads(charts.read())["charts"]["lr"]
-        assert [set(line["y"]) for line in lr] == [{3e-3}]  # the lr as it was set
+        assert [max(line["y"]) for line in lr] == [3e-3]  # the lr as SQL reads it, above
         # `probewire run` on the same store joins the session instead of starting a stack
         joined = e2e.run_script(store, "up2", "examples/train_torchrun.py", "--steps", "5")
         assert joined.returncode == 0, joined.stderr[-3000:]

@@ -159,6 +159,9 @@ def test_live_run_grows_without_reload(store, browser):
             stop.set()
             writer.join(timeout=30)
         assert grown >= first_x + 60
+        # appended in order, each step once, as the server has it
+        xs = browser.execute_script("return document.querySelector('#panel-loss .plot').data[0].x")
+        assert all(b > a for a, b in zip(xs, xs[1:]))
         assert browser.execute_script("return window.pwMarker") == "same page"  # no reload
         _shot(browser, "run-live")
 
@@ -253,6 +256,19 @@ def test_first_paint_of_200k_step_run(store, browser):
             "'none').map(p => p.querySelector('.plot').layout.shapes.some(s => s.x0 === 123457))"
         )
         assert marked and all(marked)
+        # smoothing offered per panel, never on counters or the lr; one hover for all traces
+        smoothable = browser.execute_script(
+            "return Object.fromEntries([...document.querySelectorAll('.panel')].map("
+            "p => [p.dataset.chart, !!p.querySelector('input.smooth')]))"
+        )
+        assert smoothable["loss"] and smoothable["grad"] and smoothable["time"]
+        assert not smoothable["lr"] and not smoothable["cospike"]
+        assert (
+            browser.execute_script(
+                "return document.querySelector('#panel-loss .plot')._fullLayout.hovermode"
+            )
+            == "x unified"
+        )
         # log / linear per panel
         browser.find_element("css selector", "#panel-loss button.log").click()
         _wait(

@@ -50,7 +50,7 @@
     lines.forEach((line) => {
       const name = boot.runs.length > 1 ? line.run + " · " + line.label : line.label;
       const hover = "%{y:.5g} " + chart.unit + "<extra>" + name + "</extra>";
-      out.push({ x: line.x, y: line.y, name: name, mode: "lines", type: "scatter",
+      out.push({ x: line.x.slice(), y: line.y.slice(), name: name, mode: "lines", type: "scatter",
         line: lineStyle(line, labels), hovertemplate: hover, meta: { key: line.run + "|" + line.label } });
       if (chart.smooth && state.smooth[chart.key]) {
         out.push({ x: line.x, y: ema(line.y, 0.1), name: name + " (smoothed)", mode: "lines",
@@ -173,10 +173,10 @@
       state.lastStep === null ? "-" : String(state.lastStep);
   }
 
-  async function drawAll() {
+  async function drawAll(pending) {
     const lo = state.range ? state.range[0] : null;
     const hi = state.range ? state.range[1] : null;
-    state.data = await getJSON("/api/charts?" + query({ x: state.x, lo: lo, hi: hi }));
+    state.data = await (pending || getJSON("/api/charts?" + query({ x: state.x, lo: lo, hi: hi })));
     state.window = state.data.window;
     state.lastStep = state.data.last_step;
     state.lastX = null;
@@ -274,5 +274,8 @@
     setTimeout(loop, 1500);
   }
 
-  loadMarks().then(drawAll).then(() => { if (boot.live) setTimeout(loop, 1500); }).catch(report);
+  // the marks and the charts are read together; the charts are drawn once both are in
+  const first = getJSON("/api/charts?" + query({ x: state.x }));
+  loadMarks().then(() => drawAll(first)).then(() => { if (boot.live) setTimeout(loop, 1500); })
+    .catch(report);
 })();
