@@ -162,6 +162,7 @@ def chart_specs() -> list[dict[str, Any]]:
 def charts_page(title: str, heading: str, run_ids: list[str], x: str, live: bool) -> str:
     """The run page (one run, live) and the compare page (N runs overlaid)."""
     boot = json.dumps({"runs": run_ids, "x": x, "live": live, "charts": chart_specs()})
+    runs_q = urlencode([("run", r) for r in run_ids])
     axes = "".join(
         f"<option value='{k}'{' selected' if k == x else ''}>{html.escape(v)}</option>"
         for k, v in AXES.items()
@@ -185,7 +186,11 @@ def charts_page(title: str, heading: str, run_ids: list[str], x: str, live: bool
         "charts need scripts</span> · drag a panel to zoom all, double-click to reset</p>"
         f"<div class='grid' id='panels'>{panels}</div>"
         "<h2>Panels without data</h2><ul id='folded' class='folded'></ul>"
-        f"<script id='boot' type='application/json'>{_script_json(boot)}</script>",
+        f"<script id='boot' type='application/json'>{_script_json(boot)}</script>"
+        # the data is on its way while plotly.js (4.6 MB) is parsed
+        f"<script>window.pwFirst = [{_script_json(json.dumps('/api/charts?' + runs_q + '&x=' + x))},"
+        f" {_script_json(json.dumps('/api/marks?' + runs_q))}].map(u => fetch(u).then(r => "
+        "r.ok ? r.json() : Promise.reject(new Error(u + ': ' + r.status))));</script>",
         ["/static/plotly.min.js", "/static/ui.js"],
     )
 

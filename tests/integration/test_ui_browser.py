@@ -221,6 +221,12 @@ def test_first_paint_of_200k_step_run(store, browser):
             "const e = performance.getEntriesByName('first-contentful-paint');"
             "return e.length ? e[0].startTime : null"
         )
+        loads = browser.execute_script(
+            "return performance.getEntriesByType('resource').filter(e => /api|plotly/.test(e.name))"
+            ".map(e => [e.name.split('/').pop().split('?')[0], Math.round(e.startTime), "
+            "Math.round(e.responseEnd)])"
+        )
+        print(f"\nresources [name, start ms, end ms]: {loads}")
         print(
             f"\n200,000-step run page: first contentful paint {paint:.0f} ms, "
             f"all panels drawn {drawn_ms:.0f} ms"

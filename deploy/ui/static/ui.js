@@ -274,8 +274,9 @@
     setTimeout(loop, 1500);
   }
 
-  // the marks and the charts are read together; the charts are drawn once both are in
-  const first = getJSON("/api/charts?" + query({ x: state.x }));
-  loadMarks().then(() => drawAll(first)).then(() => { if (boot.live) setTimeout(loop, 1500); })
-    .catch(report);
+  // the page asked for the charts and the marks before plotly.js was parsed (pwFirst)
+  const [first, marks] = window.pwFirst ||
+    [getJSON("/api/charts?" + query({ x: state.x })), getJSON("/api/marks?" + query({}))];
+  marks.then((m) => { state.marks = m; }).then(() => drawAll(first))
+    .then(() => { if (boot.live) setTimeout(loop, 1500); }).catch(report);
 })();
