@@ -264,7 +264,9 @@ def step_page(run_id: str, step: int, explanation: Any, detail: dict[str, list[d
             else "<p class='muted'>this step's detail was not retained (only "
             "retained steps keep per-rank and per-tensor rows)</p>"
         )
-        + "<h2>Depth profile</h2><div id='depth' style='height:300px'></div>"
+        + "<h2>Depth profile</h2><p class='muted'>per layer: R_b of each branch "
+        "(<code>residual_stats</code>), and per kind the mean RMS and the largest |x| of the "
+        "layer's tensors (<code>tensor_view</code>)</p><div id='depth' style='height:300px'></div>"
         + _table(detail["residual"], ("layer", "branch", "ratio", "stream_norm", "branch_norm"))
         + _table(detail["depth"], ("layer", "kind", "rms", "abs_max"))
         + f"<h2>Per rank ({len(detail['ranks'])} rows)</h2>"

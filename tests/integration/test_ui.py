@@ -10,6 +10,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ui_support import LR, get, ui_server, write_run
 
@@ -135,3 +136,31 @@ def test_step_anomalies_and_errors(ui):
     status, page = get(f"{url}/run/{LONG}")
     assert status == 200 and "/static/ui.js" in page
     assert get(f"{url}/static/plotly.min.js")[0] == 200
+
+
+def test_step_detail_depth_profile_matches_numpy(ch_client, ch_database):
+    from probewire.deploy.ui import queries
+
+    sink = ClickHouseSink(ch_client, ch_database)
+    sink.migrate()
+    run = simulated_run(
+        SIM, steps=160, seed=0, faults=(LayerExplosion(layer=2, step=130, scale=50.0),)
+    )
+    write_simulated_run(sink, run)
+    detail = queries.step_rows(ch_client, ch_database, SIM, 130)
+    assert len(detail["tensors"]) == 20 and detail["ranks"]
+    layer_of = dict(
+        ch_client.query(
+            f"SELECT tensor, layer FROM {ch_database}.tensor_names FINAL WHERE run_id = '{SIM}'"
+        ).result_rows
+    )
+    expected: dict[tuple[int, str], list[float]] = {}
+    for row in detail["tensors"]:
+        if layer_of.get(row["tensor"]) is not None:
+            expected.setdefault((layer_of[row["tensor"]], row["kind"]), []).append(row["rms"])
+    got = {(r["layer"], r["kind"]): r["rms"] for r in detail["depth"]}
+    assert set(got) == set(expected)
+    for key, values in expected.items():
+        assert got[key] == pytest.approx(
+            float(np.mean(np.array(values, dtype=np.float64))), rel=1e-12
+        )

@@ -9,7 +9,7 @@
       name: "R_b " + branch }));
   Object.entries(by(data.depth, "kind")).forEach(([kind, rows]) =>
     traces.push({ x: rows.map((r) => r.layer), y: rows.map((r) => r.rms), mode: "lines+markers",
-      name: "RMS " + kind, yaxis: "y2" }));
+      name: "mean RMS " + kind, yaxis: "y2" }));
   const div = document.getElementById("depth");
   if (!traces.length) {
     div.textContent = "no depth profile at this step (not retained, or not measured)";
