@@ -472,13 +472,16 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from probewire.deploy.ui import Store, serve
+    import secrets
+
+    from probewire.deploy.ui import UI_TOKEN_ENV, Store, serve
 
     settings = _settings(args)
     store = Store(lambda: _open_store(settings), settings.clickhouse.database)
     store.read(lambda client, db: None)  # an unreadable store is a one-line error now
+    token = os.environ.get(UI_TOKEN_ENV) or secrets.token_urlsafe(24)
     try:
-        serve(store, args.port, lambda url: print(f"probewire ui: {url}", flush=True))
+        serve(store, args.port, token, lambda url: print(f"probewire ui: {url}", flush=True))
     except OSError as exc:
         raise UserError(f"cannot serve on 127.0.0.1:{args.port}: {exc.strerror}") from None
     return 0

@@ -333,8 +333,12 @@ class LocalStack:
 
     def start_ui(self, port: int = 0, timeout_s: float = 60.0) -> str:
         """``probewire ui`` on 127.0.0.1:``port`` (0: a free one), reading the store
-        through the worker's reader; returns its URL."""
+        through the worker's reader; returns its URL (with the token it answers to)."""
+        from probewire.deploy.ui.app import UI_TOKEN_ENV
+
         self.ui_port = port or free_port()
+        token = secrets.token_urlsafe(24)  # in the environment: argv is visible to every user
+        env = {**self._child_env(self.work_dir / "ui.heartbeat"), UI_TOKEN_ENV: token}
         url = self.settings.clickhouse.url
         store = ["--store", url[len("chdb://") :]] if url.startswith("chdb:///") else []
         self.ui = spawn(
@@ -344,11 +348,11 @@ class LocalStack:
                 *("--port", str(self.ui_port)),
             ],
             self._log("ui"),
-            self._child_env(self.work_dir / "ui.heartbeat"),
+            env,
         )
         self.record("ui", self.ui, self.ui_port)
         _wait_port(self.ui_port, self.ui, timeout_s, "ui")
-        return f"http://127.0.0.1:{self.ui_port}/"
+        return f"http://127.0.0.1:{self.ui_port}/?token={token}"
 
     def start_stage1_workers(self, n: int, timeout_s: float = 90.0) -> None:
         """``n`` more workers with ``--role stage1`` in the same consumer group (started

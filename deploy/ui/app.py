@@ -11,11 +11,17 @@ runs overlaid; ``/run/{id}/step/{n}`` a step's detail; ``/run/{id}/anomalies`` i
 and anomalies; JSON: ``/api/runs``, ``/api/charts?run=..&x=&lo=&hi=`` (``after`` and
 ``width``: a live update), ``/api/marks?run=..``; ``/static/plotly.min.js`` (the plotly
 package's own bundle) and the scripts of ``static/``.
+
+Access: like the worker's reader (whose token is in a 0600 file), the UI answers only who
+holds its token (other local users share the loopback): the URL it prints carries
+``?token=``, which sets a same-site, HTTP-only cookie for the rest of the visit; without
+it every route is a 403 that says where the URL is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
 from collections.abc import Callable
 from importlib import resources
@@ -27,7 +33,7 @@ from probewire.deploy.reading import json_value
 
 from . import pages, queries
 
-__all__ = ["Store", "make_app", "serve"]
+__all__ = ["UI_TOKEN_ENV", "Store", "make_app", "serve"]
 
 
 class Store:
@@ -191,12 +197,40 @@ async def static(request: web.Request) -> web.Response:
     )
 
 
-def make_app(store: Store) -> web.Application:
-    """The application over ``store``."""
+UI_TOKEN_ENV = "PROBEWIRE_UI_TOKEN"  # the UI's token, set by the launcher (`probewire up`)
+_DENIED = (
+    "this probewire ui needs its token: open the URL `probewire ui` (or `probewire up`) "
+    "printed, with its ?token=...\n"
+)
+
+
+def _cookie(request: web.Request) -> str:
+    """The cookie name of this UI (cookies are per host, not per port)."""
+    return f"probewire_ui_{request.url.port}"
+
+
+@web.middleware
+async def _gate(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    """Only who holds the token reads: the printed URL's ``?token=`` sets a cookie that
+    the pages, scripts and JSON requests of the same origin then carry."""
+    token: str = request.app["token"]
+    given = request.cookies.get(_cookie(request)) or request.query.get("token", "")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return web.Response(status=403, text=_DENIED)
+    response = await handler(request)
+    if request.query.get("token"):
+        response.set_cookie(_cookie(request), token, httponly=True, samesite="Strict", path="/")
+    return response
+
+
+def make_app(store: Store, token: str) -> web.Application:
+    """The application over ``store``, open to requests that carry ``token``."""
     from plotly.offline import get_plotlyjs
 
-    app = web.Application()
-    app["store"], app["plotly"] = store, get_plotlyjs()
+    if not token:
+        raise ValueError("the UI needs a token")
+    app = web.Application(middlewares=[_gate])
+    app["store"], app["plotly"], app["token"] = store, get_plotlyjs(), token
     app.router.add_get("/", index)
     app.router.add_get("/compare", compare_page)
     app.router.add_get("/run/{run}", run_page)
@@ -209,16 +243,17 @@ def make_app(store: Store) -> web.Application:
     return app
 
 
-def serve(store: Store, port: int, ready: Callable[[str], None] = print) -> None:
-    """Serve on 127.0.0.1:``port`` (0: a free one) until interrupted; ``ready`` gets the URL."""
+def serve(store: Store, port: int, token: str, ready: Callable[[str], None] = print) -> None:
+    """Serve on 127.0.0.1:``port`` (0: a free one) until interrupted; ``ready`` gets the URL
+    to open (with the token)."""
 
     async def main() -> None:
-        runner = web.AppRunner(make_app(store), access_log=None)
+        runner = web.AppRunner(make_app(store, token), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         bound = runner.addresses[0][1]
-        ready(f"http://127.0.0.1:{bound}/")
+        ready(f"http://127.0.0.1:{bound}/?token={token}")
         try:
             await asyncio.Event().wait()
         finally:

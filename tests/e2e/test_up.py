@@ -113,10 +113,12 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
         assert report.returncode == 0, report.stderr
         # the web UI `up` started (its URL printed) reads the same store live
         ui = next(line for line in seen if "probewire: web UI http://127.0.0.1:" in line)
-        url = ui.split("web UI ", 1)[1].split()[0].rstrip("/")
-        with urllib.request.urlopen(url + "/", timeout=60) as page:
+        url = ui.split("web UI ", 1)[1].split()[0]  # http://127.0.0.1:PORT/?token=...
+        with urllib.request.urlopen(url, timeout=60) as page:
             assert "href='/run/up1'" in page.read().decode()
-        with urllib.request.urlopen(f"{url}/api/charts?run=up1", timeout=60) as charts:
+        base, token = url.split("/?token=")
+        charts_url = f"{base}/api/charts?run=up1&token={token}"
+        with urllib.request.urlopen(charts_url, timeout=60) as charts:
             lr = json.loads(charts.read())["charts"]["lr"]
         assert [max(line["y"]) for line in lr] == [3e-3]  # the lr as SQL reads it, above
         # `probewire run` on the same store joins the session instead of starting a stack

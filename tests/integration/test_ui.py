@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ui_support import LR, get, ui_server, write_run
+from ui_support import LR, UI, get, ui_server, write_run
 
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
@@ -47,9 +48,9 @@ def ui(chdb_path, ch_client, ch_database):
         yield url, sink
 
 
-def _charts(url: str, **params) -> dict:
+def _charts(url: UI, **params) -> dict:
     query = urllib.parse.urlencode({"run": LONG, **params})
-    status, body = get(f"{url}/api/charts?{query}")
+    status, body = get(url.url(f"/api/charts?{query}"))
     assert status == 200, body
     return json.loads(body)
 
@@ -104,15 +105,15 @@ def test_live_update_returns_only_new_steps(ui):
 
 def test_runs_table_is_in_the_html_and_filters(ui):
     url, _ = ui
-    status, page = get(url + "/")
+    status, page = get(url.url("/"))
     assert status == 200
     assert f"href='/run/{LONG}'" in page and f"href='/run/{SIM}'" in page
     assert "<script" not in page  # the table needs no script
-    _, only = get(url + "/?q=tag%3Along")
+    _, only = get(url.url("/?q=tag%3Along"))
     assert f"/run/{LONG}'" in only and f"/run/{SIM}'" not in only
-    _, by_text = get(url + "/?q=sim")
+    _, by_text = get(url.url("/?q=sim"))
     assert f"/run/{SIM}'" in by_text and f"/run/{LONG}'" not in by_text
-    _, runs = get(url + "/api/runs")
+    _, runs = get(url.url("/api/runs"))
     rows = {r["run_id"]: r for r in json.loads(runs)}
     assert rows[LONG]["steps"] == 200_000 and rows[LONG]["tags"] == ["long", "baseline"]
     assert rows[LONG]["pages"] == 1 and rows[LONG]["world_size"] == 8
@@ -120,22 +121,39 @@ def test_runs_table_is_in_the_html_and_filters(ui):
 
 def test_step_anomalies_and_errors(ui):
     url, _ = ui
-    status, page = get(f"{url}/run/{SIM}/anomalies")
+    status, page = get(url.url(f"/run/{SIM}/anomalies"))
     assert status == 200 and f"/run/{SIM}/step/" in page
-    _, marks = get(f"{url}/api/marks?run={SIM}")
+    _, marks = get(url.url(f"/api/marks?run={SIM}"))
     anomalies = json.loads(marks)["anomalies"]
     assert anomalies, "the simulated explosion is flagged"
     step = anomalies[0]["step"]
-    status, page = get(f"{url}/run/{SIM}/step/{step}")
+    status, page = get(url.url(f"/run/{SIM}/step/{step}"))
     assert status == 200 and "What moved (explain)" in page and "Per tensor" in page
-    status, page = get(f"{url}/run/{SIM}/step/130")  # a retained step of the explosion
+    status, page = get(url.url(f"/run/{SIM}/step/130"))  # a retained step of the explosion
     assert status == 200 and "not retained" not in page
-    assert get(f"{url}/run/nope")[0] == 404
-    assert get(f"{url}/api/charts?run={LONG}&x=time")[0] == 400
-    assert get(f"{url}/api/charts")[0] == 400
-    status, page = get(f"{url}/run/{LONG}")
+    assert get(url.url("/run/nope"))[0] == 404
+    assert get(url.url(f"/api/charts?run={LONG}&x=time"))[0] == 400
+    assert get(url.url("/api/charts"))[0] == 400
+    status, page = get(url.url(f"/run/{LONG}"))
     assert status == 200 and "/static/ui.js" in page
-    assert get(f"{url}/static/plotly.min.js")[0] == 200
+    assert get(url.url("/static/plotly.min.js"))[0] == 200
+
+
+def test_without_its_token_the_ui_answers_nothing(ui):
+    url, _ = ui
+    for path in ("/", f"/run/{LONG}", "/api/runs", f"/api/charts?run={LONG}", "/static/ui.js"):
+        status, body = get(url.base + path)
+        assert status == 403 and "needs its token" in body and LONG not in body
+    assert get(url.base + "/api/runs?token=" + "x" * len(url.token))[0] == 403
+    # the printed URL's token sets a cookie the same origin's requests then carry
+    with urllib.request.urlopen(url.url("/"), timeout=60) as response:
+        cookie = response.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    request = urllib.request.Request(
+        url.base + "/api/runs", headers={"Cookie": cookie.split(";")[0]}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert LONG in response.read().decode()
 
 
 def test_step_detail_depth_profile_matches_numpy(ch_client, ch_database):

@@ -101,8 +101,8 @@ def _x_range(driver, chart: str):
 
 def test_runs_table_filters_by_tag(store, browser):
     path, db, _ = store
-    with ui_server(path, db) as url:
-        browser.get(url + "/")
+    with ui_server(path, db) as ui:
+        browser.get(ui.url("/"))
         ids = {a.text for a in browser.find_elements("css selector", "a.run")}
         assert ids == {LONG, LIVE, *OVERLAID}
         _shot(browser, "runs")
@@ -135,8 +135,8 @@ def test_live_run_grows_without_reload(store, browser):
             step += 20
             stop.wait(0.5)
 
-    with ui_server(path, db) as url:
-        browser.get(f"{url}/run/{LIVE}")
+    with ui_server(path, db) as ui:
+        browser.get(ui.url(f"/run/{LIVE}"))
         _wait(browser, DRAWN)
         browser.execute_script("window.pwMarker = 'same page'")
         first = int(_wait(browser, "return document.getElementById('last-step').textContent"))
@@ -170,8 +170,8 @@ def test_zoom_one_panel_moves_every_panel(store, browser):
     from selenium.webdriver.common.action_chains import ActionChains
 
     path, db, _ = store
-    with ui_server(path, db) as url:
-        browser.get(f"{url}/run/{OVERLAID[0]}")
+    with ui_server(path, db) as ui:
+        browser.get(ui.url(f"/run/{OVERLAID[0]}"))
         _wait(browser, DRAWN)
         before = _x_range(browser, "time")
         drag = browser.find_element("css selector", "#panel-loss .plot .nsewdrag")
@@ -195,9 +195,9 @@ def test_zoom_one_panel_moves_every_panel(store, browser):
 
 def test_compare_overlays_three_runs(store, browser):
     path, db, _ = store
-    with ui_server(path, db) as url:
+    with ui_server(path, db) as ui:
         query = "&".join(f"run={r}" for r in OVERLAID)
-        browser.get(f"{url}/compare?{query}&x=tokens")
+        browser.get(ui.url(f"/compare?{query}&x=tokens"))
         _wait(browser, DRAWN)
         names = browser.execute_script(
             "return document.querySelector('#panel-loss .plot').data.map(t => t.name)"
@@ -213,9 +213,9 @@ def test_compare_overlays_three_runs(store, browser):
 
 def test_first_paint_of_200k_step_run(store, browser):
     path, db, _ = store
-    with ui_server(path, db) as url:
-        browser.get(url + "/")  # plotly.js cached, as a user arriving from the runs table
-        browser.get(f"{url}/run/{LONG}")
+    with ui_server(path, db) as ui:
+        browser.get(ui.url("/"))  # the cookie set, as a user arriving from the runs table
+        browser.get(f"{ui.base}/run/{LONG}")
         drawn_ms = float(_wait(browser, DRAWN))
         paint = browser.execute_script(
             "const e = performance.getEntriesByName('first-contentful-paint');"

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,8 +114,21 @@ def write_run(
         )
 
 
+@dataclass(frozen=True)
+class UI:
+    """A running UI: its base URL and its token."""
+
+    base: str
+    token: str
+
+    def url(self, path: str) -> str:
+        """``path`` (with its query) on this UI, carrying the token."""
+        joiner = "&" if "?" in path else "?"
+        return f"{self.base}{path}{joiner}token={self.token}"
+
+
 @contextmanager
-def ui_server(store: Path, database: str) -> Iterator[str]:
+def ui_server(store: Path, database: str) -> Iterator[UI]:
     """A live reader of this process over ``store`` (published, as a worker's), and a
     ``probewire ui --port 0`` process reading through it; yields the UI's URL."""
     reader = ReadServer(store, token=secrets.token_urlsafe(24))
@@ -131,15 +146,16 @@ def ui_server(store: Path, database: str) -> Iterator[str]:
         if not line.startswith("probewire ui: http://127.0.0.1:"):
             rest = proc.stdout.read() if proc.stdout and proc.poll() is not None else ""
             raise AssertionError(f"probewire ui did not start: {line!r} {rest[-2000:]}")
-        url = line.split(": ", 1)[1].strip().rstrip("/")
+        printed = urllib.parse.urlsplit(line.split(": ", 1)[1].strip())
+        ui = UI(f"http://{printed.netloc}", urllib.parse.parse_qs(printed.query)["token"][0])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(url + "/api/runs", timeout=10).read()
+                urllib.request.urlopen(ui.url("/api/runs"), timeout=10).read()
                 break
             except OSError:
                 time.sleep(0.2)
-        yield url
+        yield ui
     finally:
         proc.terminate()
         try:
