@@ -121,7 +121,6 @@ def test_runs_table_filters_by_tag(store, browser):
         browser.find_element("css selector", "a[href$='/step/1000']").click()
         _wait(browser, "return location.pathname.endsWith('/step/1000')")
         assert "What moved (explain)" in browser.page_source
-        _shot(browser, "step")
 
 
 def test_live_run_grows_without_reload(store, browser):
@@ -288,3 +287,26 @@ def test_first_paint_of_200k_step_run(store, browser):
             == "log"
         )  # G2's own default, untouched
         _shot(browser, "run-200k")
+
+
+def test_step_page_of_a_retained_step_draws_its_depth_profile(store, browser):
+    from probewire.deploy.demo.faults import LayerExplosion
+    from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+
+    path, db, sink = store
+    write_simulated_run(
+        sink,
+        simulated_run(
+            "sim", steps=160, seed=0, faults=(LayerExplosion(layer=2, step=130, scale=50.0),)
+        ),
+    )
+    with ui_server(path, db) as ui:
+        browser.get(ui.url("/run/sim/step/130"))
+        names = _wait(
+            browser,
+            "const d = document.getElementById('depth');"
+            "return d.data && d.data.length && d.data.map(t => t.name)",
+        )
+        assert {"mean RMS bwd", "mean RMS grad"} <= set(names), names
+        assert "Per tensor (20 rows)" in browser.page_source
+        _shot(browser, "step")
