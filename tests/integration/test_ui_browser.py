@@ -112,6 +112,18 @@ def test_runs_table_filters_by_tag(store, browser):
         _wait(browser, "return location.search.includes('sweep')")
         ids = {a.text for a in browser.find_elements("css selector", "a.run")}
         assert ids == set(OVERLAID)
+        # tick two runs, compare them (a plain form: no script needed)
+        for run in OVERLAID[:2]:
+            browser.find_element("css selector", f"input[name='run'][value='{run}']").click()
+        browser.find_element("id", "compare").click()
+        _wait(browser, "return location.pathname === '/compare'")
+        _wait(browser, DRAWN)
+        names = browser.execute_script(
+            "return document.querySelector('#panel-grad .plot').data.map(t => t.name)"
+        )
+        assert names == [f"{OVERLAID[0]} · G2", f"{OVERLAID[1]} · G2"]
+        browser.back()
+        _wait(browser, "return location.search.includes('sweep')")
         # a run's pages, then the step of its page: explain's findings there
         browser.find_element(
             "css selector", f"tr[data-run='{OVERLAID[0]}'] a[href$='/anomalies']"
