@@ -106,13 +106,11 @@ async def index(request: web.Request) -> web.Response:
 
 async def run_page(request: web.Request) -> web.Response:
     run_id = request.match_info["run"]
-    row = await _read(request, queries.run_rows, run_id)
-    if row is None:
+    status = await _read(request, queries.run_status, run_id)
+    if status is None:
         raise web.HTTPNotFound(text=f"no run {run_id!r} in the store")
     return web.Response(
-        text=pages.charts_page(
-            run_id, f"Run {run_id} ({row['status']})", [run_id], _x(request), True
-        ),
+        text=pages.charts_page(run_id, f"Run {run_id} ({status})", [run_id], _x(request), True),
         content_type="text/html",
     )
 
@@ -217,7 +215,13 @@ async def _gate(request: web.Request, handler: Callable[..., Any]) -> web.Stream
     given = request.cookies.get(_cookie(request)) or request.query.get("token", "")
     if not hmac.compare_digest(given.encode(), token.encode()):
         return web.Response(status=403, text=_DENIED)
-    response = await handler(request)
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    try:
+        response = await handler(request)
+    except DatabaseError as exc:  # an unmigrated store, say: one line, not a traceback
+        text = str(exc).strip().split("server response: ")[-1]
+        return web.Response(status=500, text=f"the store refused the query: {text[:300]}\n")
     if request.query.get("token"):
         response.set_cookie(_cookie(request), token, httponly=True, samesite="Strict", path="/")
     return response

@@ -23,7 +23,7 @@ __all__ = [
     "chart_data",
     "extent",
     "pages",
-    "run_rows",
+    "run_status",
     "runs",
     "step_rows",
 ]
@@ -72,9 +72,14 @@ def runs(client: Any, db: str) -> list[dict[str, Any]]:
     return rows
 
 
-def run_rows(client: Any, db: str, run_id: str) -> dict[str, Any] | None:
-    """The run's row of ``runs`` (None: no such run)."""
-    return next((r for r in runs(client, db) if r["run_id"] == run_id), None)
+def run_status(client: Any, db: str, run_id: str) -> str | None:
+    """The run's status (None: no such run)."""
+    rows = _rows(
+        client,
+        f"SELECT status FROM {db}.runs FINAL WHERE run_id = {{run:String}}",
+        {"run": run_id},
+    )
+    return rows[0]["status"] if rows else None
 
 
 def extent(client: Any, db: str, run_ids: list[str], x: str) -> tuple[float, float] | None:

@@ -182,3 +182,10 @@ def test_step_detail_depth_profile_matches_numpy(ch_client, ch_database):
         assert got[key] == pytest.approx(
             float(np.mean(np.array(values, dtype=np.float64))), rel=1e-12
         )
+
+
+def test_an_unmigrated_store_is_one_line_not_a_traceback(chdb_path, ch_client, ch_database):
+    with ui_server(chdb_path, ch_database) as url:
+        status, body = get(url.url("/"))
+    assert status == 500 and body.startswith("the store refused the query: ")
+    assert body.count("\n") == 1 and "Traceback" not in body

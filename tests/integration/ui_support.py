@@ -153,6 +153,8 @@ def ui_server(store: Path, database: str) -> Iterator[UI]:
             try:
                 urllib.request.urlopen(ui.url("/api/runs"), timeout=10).read()
                 break
+            except urllib.error.HTTPError:
+                break  # it answers (an unmigrated store's error is an answer)
             except OSError:
                 time.sleep(0.2)
         yield ui
