@@ -103,12 +103,17 @@ class ChartSeries:
     y: list[float]
 
 
-_SOURCE_SQL = """SELECT s.run_id AS run_id, s.step AS step, m.tokens AS tokens,
+_SOURCE_SQL = """SELECT run_id, step, source, loss FROM {db}.source_metrics FINAL
+    WHERE run_id IN {{runs:Array(String)}}"""
+# on a tokens or FLOPs axis, each source step's x from its step_metrics row (only those rows)
+_SOURCE_ON_X_SQL = """SELECT s.run_id AS run_id, s.step AS step, m.tokens AS tokens,
     m.flops AS flops, s.source AS source, s.loss AS loss
     FROM (SELECT run_id, step, source, loss FROM {db}.source_metrics FINAL
           WHERE run_id IN {{runs:Array(String)}}) AS s
-    LEFT JOIN (SELECT run_id, step, tokens, flops FROM {db}.step_metrics
-               WHERE run_id IN {{runs:Array(String)}}) AS m
+    INNER JOIN (SELECT run_id, step, tokens, flops FROM {db}.step_metrics
+                WHERE run_id IN {{runs:Array(String)}} AND (run_id, step) IN (
+                    SELECT run_id, step FROM {db}.source_metrics
+                    WHERE run_id IN {{runs:Array(String)}})) AS m
     ON s.run_id = m.run_id AND s.step = m.step"""
 
 _EVAL_SQL = """SELECT run_id, step, toFloat64(tokens) AS tokens, flops, suite, metric,
@@ -160,6 +165,8 @@ def _read_charts(
     for key, pairs in wide.items():
         out[key] = [ChartSeries(r, lb, xs, ys) for (r, lb), (xs, ys) in _lines(rows, pairs).items()]
     for key, (sql, column, group) in _LONG.items():
+        if key == "source" and x != "step":
+            sql = _SOURCE_ON_X_SQL
         long_rows = _rows(
             client,
             downsample_sql("t", [column], x=x, live=live, group=group, subquery=sql.format(db=db)),

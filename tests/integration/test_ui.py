@@ -189,3 +189,18 @@ def test_an_unmigrated_store_is_one_line_not_a_traceback(chdb_path, ch_client, c
         status, body = get(url.url("/"))
     assert status == 500 and body.startswith("the store refused the query: ")
     assert body.count("\n") == 1 and "Traceback" not in body
+
+
+def test_loss_by_source_on_every_x_axis(ui):
+    url, _ = ui
+    by_axis = {}
+    for x in ("step", "tokens", "flops"):
+        status, body = get(url.url(f"/api/charts?run={SIM}&x={x}"))
+        assert status == 200, body
+        by_axis[x] = {line["label"]: line for line in json.loads(body)["charts"]["source"]}
+    assert set(by_axis["step"]) == {"web", "code", "math"}
+    for source, line in by_axis["step"].items():
+        for x in ("tokens", "flops"):  # the same points, each at its step's tokens / FLOPs
+            assert by_axis[x][source]["y"] == line["y"]
+            assert len(by_axis[x][source]["x"]) == len(line["x"])
+            assert by_axis[x][source]["x"] == sorted(by_axis[x][source]["x"])
