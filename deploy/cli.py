@@ -202,10 +202,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.sql_port < 0 or args.sql_port > 65535:
         raise UserError("--sql-port must lie in [0, 65535] (0: a free port)")
+    if args.ui_port < -1 or args.ui_port > 65535:
+        raise UserError("--ui-port must lie in [0, 65535] (0: a free port) or be -1 (no UI)")
     settings = _settings(args)
     try:
         return up(
-            settings, _work_dir(args, settings), evaluator=args.evaluator, sql_port=args.sql_port
+            settings,
+            _work_dir(args, settings),
+            evaluator=args.evaluator,
+            sql_port=args.sql_port,
+            ui_port=args.ui_port,
         )
     except (SessionError, StackError) as exc:
         raise UserError(str(exc)) from None
@@ -475,6 +481,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    import secrets
+
+    from probewire.deploy.ui import UI_TOKEN_ENV, Store, serve
+
+    settings = _settings(args)
+    store = Store(lambda: _open_store(settings), settings.clickhouse.database)
+    store.read(lambda client, db: None)  # an unreadable store is a one-line error now
+    token = os.environ.get(UI_TOKEN_ENV) or secrets.token_urlsafe(24)
+    try:
+        serve(store, args.port, token, lambda url: print(f"probewire ui: {url}", flush=True))
+    except OSError as exc:
+        raise UserError(f"cannot serve on 127.0.0.1:{args.port}: {exc.strerror}") from None
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
@@ -649,6 +671,13 @@ def _add_stack(sub: argparse._SubParsersAction) -> None:
             help="logs, heartbeats and the session file (default: "
             ".probewire-<store name> next to the store)",
         )
+        if name == "up":
+            cmd.add_argument(
+                "--ui-port",
+                type=int,
+                default=0,
+                help="loopback port of the web UI (`probewire ui`; 0: a free port, -1: none)",
+            )
         if name == "run":
             cmd.add_argument(
                 "--run-id", help="run id (default: run-<random>); exported as PROBEWIRE_RUN_ID"
@@ -759,6 +788,14 @@ def _add_views(sub: argparse._SubParsersAction) -> None:
     report.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     report.add_argument("--out", default="probewire-report", help="output directory")
     report.set_defaults(func=cmd_report)
+
+    ui = sub.add_parser(
+        "ui", help="serve the web pages (runs, a live run, compare, a step) on 127.0.0.1"
+    )
+    ui.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
+    ui.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
+    ui.add_argument("--port", type=_at_least(0), default=8765, help="loopback port (0: a free one)")
+    ui.set_defaults(func=cmd_ui)
 
     explain = sub.add_parser("explain", help="walk the escalation order at one step of a run")
     explain.add_argument("--run", required=True, help="run id")

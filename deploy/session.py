@@ -286,20 +286,26 @@ def up(
     *,
     evaluator: bool,
     sql_port: int,
+    ui_port: int = 0,
     out: TextIO = sys.stdout,
     interval_s: float = 2.0,
     until: Callable[[], bool] = lambda: False,
 ) -> int:
-    """``probewire up`` (see the module doc); returns when interrupted (or ``until()``)."""
+    """``probewire up`` (see the module doc); returns when interrupted (or ``until()``).
+    ``ui_port``: the web UI's loopback port (0: a free one, -1: no UI)."""
     session = start(settings, work_dir, evaluator=evaluator, sql_port=sql_port)
     try:
         _publish(session)
         _banner(session, out, _store_arg(session))
+        if ui_port >= 0:
+            url = session.stack.start_ui(ui_port)
+            print(f"probewire: web UI {url} (`probewire ui` pages, live)", file=out, flush=True)
         print("probewire: running; Ctrl-C stops everything", file=out, flush=True)
         last = ""
         while not until():
             stack = session.stack
             for what, proc in (
+                ("ui", stack.ui),
                 ("worker", stack.worker),
                 ("evaluator", stack.evaluator),
                 ("broker", stack.broker),

@@ -72,17 +72,17 @@ def tansu_binary() -> Path:
     return path
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, what: str = "broker") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise StackError(f"broker exited with code {proc.returncode} before listening")
+            raise StackError(f"{what} exited with code {proc.returncode} before listening")
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise StackError(f"broker did not listen on 127.0.0.1:{port} within {timeout_s}s")
+    raise StackError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
 
 
 def check_broker(client_config: dict[str, str], timeout_s: float = 8.0) -> set[str]:
@@ -177,9 +177,11 @@ class LocalStack:
     broker: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
     evaluator: subprocess.Popen | None = None
+    ui: subprocess.Popen | None = None
     stage1_workers: list[subprocess.Popen] = field(default_factory=list)
     bootstrap: str = ""
     sql_port: int = 0  # the worker's read-only SQL endpoint (embedded store)
+    ui_port: int = 0  # the web UI's (``probewire ui``), once started
     logs: list[IO] = field(default_factory=list)
     started: list[dict] = field(default_factory=list)
 
@@ -329,6 +331,29 @@ class LocalStack:
         self.record("worker", self.worker, self.sql_port)
         self._wait_ready(self.worker, self.heartbeat_path, "worker", timeout_s)
 
+    def start_ui(self, port: int = 0, timeout_s: float = 60.0) -> str:
+        """``probewire ui`` on 127.0.0.1:``port`` (0: a free one), reading the store
+        through the worker's reader; returns its URL (with the token it answers to)."""
+        from probewire.deploy.ui.app import UI_TOKEN_ENV
+
+        self.ui_port = port or free_port()
+        token = secrets.token_urlsafe(24)  # in the environment: argv is visible to every user
+        env = {**self._child_env(self.work_dir / "ui.heartbeat"), UI_TOKEN_ENV: token}
+        url = self.settings.clickhouse.url
+        store = ["--store", url[len("chdb://") :]] if url.startswith("chdb:///") else []
+        self.ui = spawn(
+            [
+                *(sys.executable, "-m", "probewire.deploy.cli", "ui"),
+                *(store or ["--clickhouse-url", split_credentials(url)[0]]),
+                *("--port", str(self.ui_port)),
+            ],
+            self._log("ui"),
+            env,
+        )
+        self.record("ui", self.ui, self.ui_port)
+        _wait_port(self.ui_port, self.ui, timeout_s, "ui")
+        return f"http://127.0.0.1:{self.ui_port}/?token={token}"
+
     def start_stage1_workers(self, n: int, timeout_s: float = 90.0) -> None:
         """``n`` more workers with ``--role stage1`` in the same consumer group (started
         together, then each waited for): they share ``otlp_metrics`` with the store owner."""
@@ -361,6 +386,7 @@ class LocalStack:
 
     def stop(self) -> None:
         """Services first (the worker flushes), then the broker. Safe to call twice."""
+        stop_process(self.ui, signal.SIGTERM, 10.0)
         stop_process(self.evaluator, signal.SIGTERM, 30.0)
         for proc in self.stage1_workers:
             stop_process(proc, signal.SIGTERM, 30.0)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -120,6 +121,16 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
             timeout=120,
         )
         assert report.returncode == 0, report.stderr
+        # the web UI `up` started (its URL printed) reads the same store live
+        ui = next(line for line in seen if "probewire: web UI http://127.0.0.1:" in line)
+        url = ui.split("web UI ", 1)[1].split()[0]  # http://127.0.0.1:PORT/?token=...
+        with urllib.request.urlopen(url, timeout=60) as page:
+            assert "href='/run/up1'" in page.read().decode()
+        base, token = url.split("/?token=")
+        charts_url = f"{base}/api/charts?run=up1&token={token}"
+        with urllib.request.urlopen(charts_url, timeout=60) as charts:
+            lr = json.loads(charts.read())["charts"]["lr"]
+        assert [max(line["y"]) for line in lr] == [3e-3]  # the lr as SQL reads it, above
         # `probewire run` on the same store joins the session instead of starting a stack
         joined = e2e.run_script(store, "up2", "examples/train_torchrun.py", "--steps", "5")
         assert joined.returncode == 0, joined.stderr[-3000:]
@@ -130,7 +141,7 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
         _, err = finish(up, 120)
     assert up.returncode == 130 and "interrupted" in err and "Traceback" not in err
     started = json.loads((scratch_dir / ".probewire-store" / "processes.json").read_text())
-    assert {p["what"] for p in started} == {"broker", "worker"}
+    assert {p["what"] for p in started} == {"broker", "worker", "ui"}
     assert not [
         p
         for p in started

@@ -326,3 +326,19 @@ def test_sql_piped_into_head_stops_quietly(scratch_dir, children):
     )
     assert out.stdout.strip() in ("number", "0"), out.stdout[:200]
     assert out.stderr == "", out.stderr
+
+
+def test_ui_on_a_missing_store_or_a_busy_port_is_one_line(scratch_dir, children):
+    one_line(cli("ui", "--store", str(scratch_dir / "nothing")), 2, "no store at", "--store")
+    store = scratch_dir / "s-ui"
+    migrated = cli("migrate", "--store", str(store))
+    assert migrated.returncode == 0, migrated.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        one_line(
+            cli("ui", "--store", str(store), "--port", str(port)),
+            2,
+            f"cannot serve on 127.0.0.1:{port}",
+        )
