@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from pathlib import Path
 
 from probewire.deploy.settings import Settings, split_credentials
@@ -61,14 +62,43 @@ def open_store(settings: Settings, read_port: int = 0):
     return sink
 
 
-def held_store(settings: Settings) -> str | None:
+READ_COMMANDS = frozenset({"sql", "runs", "report", "explain", "calibrate"})
+"""The CLI's read commands that open an idle embedded store for one query and exit."""
+
+READ_WAIT_S = 5.0
+"""How long a service waits for one of ``READ_COMMANDS`` to let go of the store: it holds
+the store for its query only (a second or two), so a service starting beside a person's
+``probewire sql`` is not refused for it; any other holder is refused at once."""
+
+
+def _read_command(pid: int) -> bool:
+    """Whether process ``pid`` is a probewire read command (``probewire sql ...``)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    for before, word in zip(argv, argv[1:]):
+        if before.endswith(("probewire", "probewire.deploy.cli")):
+            return word in READ_COMMANDS
+    return False
+
+
+def held_store(settings: Settings, read_wait_s: float = READ_WAIT_S) -> str | None:
     """One line naming the process that holds the embedded store of ``settings`` (chdb: one
-    process per data directory), or None when it is free or not embedded."""
+    process per data directory), or None when it is free or not embedded. A read command
+    that holds it is waited for, up to ``read_wait_s``."""
     from probewire.deploy.reading import chdb_path
-    from probewire.sinks.readserver import store_owner
+    from probewire.sinks.readserver import owner_pid, store_owner
 
     path = chdb_path(settings.clickhouse.url)
-    owner = store_owner(path) if path is not None else None
+    if path is None:
+        return None
+    deadline = time.monotonic() + read_wait_s
+    while (pid := owner_pid(path)) is not None and _read_command(pid):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    owner = store_owner(path)
     if owner is None:
         return None
     return (

@@ -52,6 +52,7 @@ __all__ = [
     "READER_TOKEN_ENV",
     "ReadServer",
     "find_reader",
+    "owner_pid",
     "reader_info",
     "store_owner",
 ]
@@ -342,7 +343,8 @@ def find_reader(path: str | os.PathLike[str]) -> str | None:
 
 
 def _owner_pid(path: str | os.PathLike[str]) -> int | None:
-    """The PID the engine wrote into the store's ``status`` file (``PID: N``), or None."""
+    """The PID the engine wrote into the store's ``status`` file (``PID: N``), or None
+    (the PID of a process that has ended too: ``owner_pid`` is the live one)."""
     try:
         first = (Path(path) / "status").read_text().splitlines()[0]
         return int(first.removeprefix("PID:").strip())
@@ -350,11 +352,17 @@ def _owner_pid(path: str | os.PathLike[str]) -> int | None:
         return None
 
 
+def owner_pid(path: str | os.PathLike[str]) -> int | None:
+    """The PID of the live process holding the chdb store at ``path``, or None."""
+    pid = _owner_pid(path)
+    return pid if pid is not None and _alive(pid) else None
+
+
 def store_owner(path: str | os.PathLike[str]) -> str | None:
     """``pid N (command line)`` of the process holding the chdb store at ``path``, or None
     when no live process holds it (the engine writes ``PID: N`` into its ``status`` file)."""
-    pid = _owner_pid(path)
-    if pid is None or not _alive(pid):
+    pid = owner_pid(path)
+    if pid is None:
         return None
     try:
         cmd = " ".join(
