@@ -527,6 +527,8 @@ class RunPipeline:
             "last_step": max(self.last_step, 0),
             "status": self.status(),
             "config": self.lifecycle.config_json(),
+            "note": self.lifecycle.note,
+            "tags": list(self.lifecycle.tags),
         }
 
     # -- persistence ------------------------------------------------------------------------

@@ -52,14 +52,16 @@ def _tags(config: str) -> list[str]:
 
 
 def runs(client: Any, db: str) -> list[dict[str, Any]]:
-    """One row per run: status, world size, steps, tokens, last loss, pages, anomalies."""
+    """One row per run: status, world size, steps, tokens, last loss, pages, anomalies, the
+    note and tags a user set (``user_tags``), ``tags`` the config's and those together."""
     rows = _rows(
         client,
         f"""
         SELECT r.run_id AS run_id, r.status AS status, r.world_size AS world_size,
                s.steps AS steps, s.last_step AS last_step, s.tokens AS tokens,
                s.loss AS loss, p.pages AS pages, a.anomalies AS anomalies,
-               r.updated_at AS updated_at, r.config AS config
+               r.updated_at AS updated_at, r.config AS config, r.note AS note,
+               r.tags AS user_tags
         FROM (SELECT * FROM {db}.runs FINAL) AS r
         LEFT JOIN (SELECT run_id, uniqExact(step) AS steps, max(step) AS last_step,
                           max(tokens) AS tokens, argMaxIf(loss, step, isNotNull(loss)) AS loss
@@ -71,7 +73,8 @@ def runs(client: Any, db: str) -> list[dict[str, Any]]:
         ORDER BY r.updated_at DESC, r.run_id""",
     )
     for row in rows:
-        row["tags"] = _tags(row.pop("config"))
+        row["user_tags"] = list(row["user_tags"])
+        row["tags"] = list(dict.fromkeys([*_tags(row.pop("config")), *row["user_tags"]]))
     return rows
 
 

@@ -5,8 +5,10 @@ a live update, the step and anomalies pages of a simulated run."""
 
 from __future__ import annotations
 
+import html
 import json
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -17,6 +19,7 @@ from ui_support import LR, UI, get, ui_server, write_run, write_user_metric
 
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.deploy.ui.app import NO_BROKER
 from probewire.sinks import ClickHouseSink
 from probewire.sinks.downsample import MAX_POINTS
 from probewire.stream.series import CHARTS
@@ -109,6 +112,13 @@ def test_runs_table_is_in_the_html_and_filters(ui):
     assert status == 200
     assert f"href='/run/{LONG}'" in page and f"href='/run/{SIM}'" in page
     assert "<script" not in page  # the table needs no script
+    # no broker (started without --broker): notes read-only, the reason in one line
+    assert f"<p class='muted' id='notes-read-only'>{html.escape(NO_BROKER)}</p>" in page
+    assert "method='post'" not in page
+    request = urllib.request.Request(url.url(f"/run/{LONG}/note"), data=b"note=n")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 409 and refused.value.read().decode() == NO_BROKER + "\n"
     _, only = get(url.url("/?q=tag%3Along"))
     assert f"/run/{LONG}'" in only and f"/run/{SIM}'" not in only
     _, by_text = get(url.url("/?q=sim"))
