@@ -186,3 +186,9 @@ def test_a_note_alone_does_not_announce_the_run():
     life = RunLifecycle()
     assert life.apply(parse_event(note_event("run", "n", ["t"], now_ns=1)))
     assert not life.announced and life.status(idle_finished=False) == "running"
+    # a run the worker never heard of (written outside the stream): no runs row that would
+    # blank the stored one; the note is kept for when the run is heard
+    run = RunPipeline("run", Stage2Config())
+    assert run.on_event(parse_event(note_event("run", "n", ["t"], now_ns=1))).rows == {}
+    [row] = run.on_event(event("started", 10, config={"lr": 0.1})).rows["runs"]
+    assert (row["note"], row["tags"]) == ("n", ["t"])
