@@ -364,6 +364,7 @@ def test_user_metric_is_a_panel_live_and_on_compare(store, browser):
         [(_, xs, ys)] = _trace(browser, "user:val_acc")
         assert xs == [*steps, 210, 220] and ys == [*stored.tolist(), *more.tolist()]
         assert browser.execute_script("return window.pwMarker") == "same page"
+        browser.execute_script("document.getElementById('panel-user:val_acc').scrollIntoView()")
         _shot(browser, "run-user-metric")
         browser.get(ui.url(f"/compare?run={LIVE}&run={OVERLAID[0]}"))
         _wait(browser, DRAWN)
