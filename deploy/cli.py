@@ -484,14 +484,21 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_ui(args: argparse.Namespace) -> int:
     import secrets
 
-    from probewire.deploy.ui import UI_TOKEN_ENV, Store, serve
+    from probewire.deploy.ui import UI_TOKEN_ENV, Notes, Store, serve
 
     settings = _settings(args)
     store = Store(lambda: _open_store(settings), settings.clickhouse.database)
     store.read(lambda client, db: None)  # an unreadable store is a one-line error now
     token = os.environ.get(UI_TOKEN_ENV) or secrets.token_urlsafe(24)
+    notes = Notes({"bootstrap.servers": args.broker}, settings.topics.runs) if args.broker else None
     try:
-        serve(store, args.port, token, lambda url: print(f"probewire ui: {url}", flush=True))
+        serve(
+            store,
+            args.port,
+            token,
+            lambda url: print(f"probewire ui: {url}", flush=True),
+            notes,
+        )
     except OSError as exc:
         raise UserError(f"cannot serve on 127.0.0.1:{args.port}: {exc.strerror}") from None
     return 0
@@ -795,6 +802,11 @@ def _add_views(sub: argparse._SubParsersAction) -> None:
     ui.add_argument("--store", help=f"chdb data directory (default ./{DEFAULT_STORE})")
     ui.add_argument("--clickhouse-url", help="http(s):// server instead (env: CLICKHOUSE_URL)")
     ui.add_argument("--port", type=_at_least(0), default=8765, help="loopback port (0: a free one)")
+    ui.add_argument(
+        "--broker",
+        help="Kafka bootstrap HOST:PORT the runs' notes are sent to (`probewire up` passes its "
+        "own); without it notes are read-only",
+    )
     ui.set_defaults(func=cmd_ui)
 
     explain = sub.add_parser("explain", help="walk the escalation order at one step of a run")

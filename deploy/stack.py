@@ -333,7 +333,8 @@ class LocalStack:
 
     def start_ui(self, port: int = 0, timeout_s: float = 60.0) -> str:
         """``probewire ui`` on 127.0.0.1:``port`` (0: a free one), reading the store
-        through the worker's reader; returns its URL (with the token it answers to)."""
+        through the worker's reader and sending the runs' notes to this stack's broker;
+        returns its URL (with the token it answers to)."""
         from probewire.deploy.ui.app import UI_TOKEN_ENV
 
         self.ui_port = port or free_port()
@@ -346,6 +347,7 @@ class LocalStack:
                 *(sys.executable, "-m", "probewire.deploy.cli", "ui"),
                 *(store or ["--clickhouse-url", split_credentials(url)[0]]),
                 *("--port", str(self.ui_port)),
+                *(("--broker", self.bootstrap) if self.bootstrap else ()),
             ],
             self._log("ui"),
             env,

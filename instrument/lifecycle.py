@@ -6,10 +6,12 @@ the stream turns them into the run's ``runs`` row (``stream.lifecycle``)::
     {"run_id", "event": "started",  "rank": 0, "world_size", "time_unix_nano", "config": {...}}
     {"run_id", "event": "finished", "rank": 0, "world_size", "time_unix_nano"}
     {"run_id", "event": "crashed",  "rank": r, "world_size", "time_unix_nano", "error": "..."}
+    {"run_id", "event": "note", "time_unix_nano", "note": "...", "tags": [...]}
 
 Rank 0 announces the start (with the run's configuration, the hyper-parameters given to
 ``attach``) and the end (``Monitor.close``); any rank announces a crash (an exception out
-of a step context, or ``Monitor.crashed``). Every event also carries ``attempt`` (which
+of a step context, or ``Monitor.crashed``); ``probewire ui`` sends a ``note`` (the run's
+note and tags, ``note_event``: the UI never writes the store itself). Every rank event also carries ``attempt`` (which
 launch and restart it belongs to, the same on every rank: ``attempt_id``), ``step`` (the
 rank's step, -1 when none) and ``seq`` (this process's event counter): the stream orders
 events by those, never by the ranks' clocks.
@@ -48,6 +50,7 @@ __all__ = [
     "RUNS_TOPIC",
     "attempt_id",
     "env_transports",
+    "note_event",
     "offline_transports",
     "resolve_mode",
     "run_event",
@@ -125,6 +128,19 @@ def run_event(
     if error is not None:
         body["error"] = error[:1000]
     return json.dumps(body, allow_nan=False, default=str).encode()
+
+
+def note_event(run_id: str, note: str, tags: list[str], now_ns: int | None = None) -> bytes:
+    """The ``note`` message that sets a run's note and tags (``stream.lifecycle`` checks
+    it: the newest note of a run wins)."""
+    body = {
+        "run_id": run_id,
+        "event": "note",
+        "time_unix_nano": time.time_ns() if now_ns is None else now_ns,
+        "note": note,
+        "tags": tags,
+    }
+    return json.dumps(body).encode()
 
 
 @dataclass(slots=True)

@@ -113,6 +113,16 @@ _STATUS_DOC = (
 )
 _STEP = Column("step", "UInt64", comment="optimizer step")
 
+_NOTE_COLUMNS = (  # migration 12
+    Column("note", "String", "''", "a note a user set in probewire ui (a note event)"),
+    Column(
+        "tags",
+        "Array(String)",
+        "[]",
+        "tags a user set in probewire ui (a note event); the config's tags are apart",
+    ),
+)
+
 RUNS = Table(
     "runs",
     "one row per training run, replaced as the run progresses",
@@ -126,6 +136,7 @@ RUNS = Table(
         Column("status", "LowCardinality(String)", "'running'", _STATUS_DOC),
         Column("config", "String", "'{}'", "the run configuration as JSON"),
         Column("planned_tokens", "Nullable(UInt64)", "NULL", "tokens the run plans to train on"),
+        *_NOTE_COLUMNS,
     ),
     key=("run_id",),
     version="updated_at",
@@ -550,6 +561,14 @@ _WRITTEN: tuple[Migration, ...] = (
         10,
         "user_metrics: a user's own metrics (Monitor.log), one row per run, step and name",
         (USER_METRICS.ddl("{db}"),),
+    ),
+    Migration(
+        12,
+        "runs: note and tags a user sets in probewire ui",
+        tuple(
+            f"ALTER TABLE {{db}}.runs ADD COLUMN IF NOT EXISTS {c.ddl()} AFTER {after}"
+            for c, after in zip(_NOTE_COLUMNS, ("planned_tokens", "note"))
+        ),
     ),
 )
 

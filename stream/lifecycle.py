@@ -18,6 +18,10 @@ module checks them (``parse_event``) and folds them into the run's status
   events older than the current attempt's start are ignored;
 - re-delivery of any event changes nothing.
 
+A ``note`` event (``instrument.lifecycle.note_event``: the web UI's, never a rank's) sets
+the run's note and tags (``runs.note``, ``runs.tags``) and nothing else: the newest by its
+``time_unix_nano`` wins (one UI's clock), whatever the attempt.
+
 Pure: no Kafka, no store. The state serialises with the run's stage-2 state.
 """
 
@@ -31,8 +35,10 @@ from probewire.instrument.wire import DecodeError
 
 __all__ = ["EventError", "RunEvent", "RunLifecycle", "parse_event"]
 
-EVENTS = ("started", "finished", "crashed")
+EVENTS = ("started", "finished", "crashed", "note")
 MAX_EVENT_BYTES = 128 * 1024
+MAX_NOTE_CHARS = 2000
+MAX_TAGS, MAX_TAG_CHARS = 32, 64
 MAX_ATTEMPT_CHARS = 200
 PAST_ATTEMPTS = 64  # earlier attempts remembered, so their late events are ignored
 
@@ -52,6 +58,8 @@ class RunEvent:
     attempt: str = ""  # the launch and restart the event belongs to; "" when unknown
     step: int = -1  # the rank's last step when it sent the event (-1: none yet)
     seq: int = 0  # the sending process's event counter
+    note: str = ""  # a note event's note and tags
+    tags: tuple[str, ...] = ()
 
 
 def _optional_int(body: dict[str, Any], name: str, default: int, low: int) -> int:
@@ -71,7 +79,8 @@ def parse_event(payload: bytes | None) -> RunEvent:
         raise EventError(f"run event is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise EventError("run event is not a JSON object")
-    run_id, event, rank, at = (body.get(k) for k in ("run_id", "event", "rank", "time_unix_nano"))
+    run_id, event, at = (body.get(k) for k in ("run_id", "event", "time_unix_nano"))
+    rank = body.get("rank", 0 if event == "note" else None)  # a note is no rank's
     if not isinstance(run_id, str) or not run_id or ":" in run_id:
         raise EventError(f"run event: bad run_id {run_id!r}")
     if event not in EVENTS:
@@ -97,11 +106,28 @@ def parse_event(payload: bytes | None) -> RunEvent:
         attempt=attempt,
         step=_optional_int(body, "step", -1, -1),
         seq=_optional_int(body, "seq", 0, 0),
+        **(_note(body) if event == "note" else {}),
     )
 
 
+def _note(body: dict[str, Any]) -> dict[str, Any]:
+    """A note event's note (text) and tags (distinct texts, in their order)."""
+    note, tags = body.get("note", ""), body.get("tags", [])
+    if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+        raise EventError(f"run event: note must be text of <= {MAX_NOTE_CHARS} chars")
+    if (
+        not isinstance(tags, list)
+        or len(tags) > MAX_TAGS
+        or not all(isinstance(t, str) and 0 < len(t) <= MAX_TAG_CHARS for t in tags)
+    ):
+        raise EventError(
+            f"run event: tags must be a list of <= {MAX_TAGS} texts of 1-{MAX_TAG_CHARS} chars"
+        )
+    return {"note": note, "tags": tuple(dict.fromkeys(tags))}
+
+
 class RunLifecycle:
-    """The run's status and configuration from its events (see the module docstring)."""
+    """The run's status, configuration, note and tags from its events (module docstring)."""
 
     def __init__(self) -> None:
         self.started_ns = -1
@@ -112,6 +138,9 @@ class RunLifecycle:
         self.attempt = ""  # the current attempt ("" : none named yet)
         self.past: list[str] = []  # earlier attempts, newest last (at most PAST_ATTEMPTS)
         self.config_order = (-2, -1)  # (step, seq) of the started event behind the config
+        self.note = ""  # the UI's note and tags (a note event), and the event's time
+        self.tags: tuple[str, ...] = ()
+        self.note_ns = -1
 
     @property
     def announced(self) -> bool:
@@ -120,6 +149,12 @@ class RunLifecycle:
 
     def apply(self, event: RunEvent) -> bool:
         """Fold one event in; whether it changed anything."""
+        if event.event == "note":
+            if event.time_unix_nano <= self.note_ns:
+                return False
+            self.note, self.tags = event.note, event.tags
+            self.note_ns = event.time_unix_nano
+            return True
         if event.attempt:
             return self._apply_attempt(event)
         at = event.time_unix_nano
@@ -184,6 +219,7 @@ class RunLifecycle:
             "attempt": self.attempt,
             "past": self.past,
             "config_order": list(self.config_order),
+            "note": [self.note, list(self.tags), self.note_ns],
         }
 
     @classmethod
@@ -196,4 +232,6 @@ class RunLifecycle:
             run.attempt, run.past = str(state.get("attempt", "")), list(state.get("past", ()))
             step, seq = state.get("config_order", (-2, -1))  # absent: saved before attempts
             run.config_order = (int(step), int(seq))
+            note, tags, at = state.get("note", ("", (), -1))  # absent: saved before notes
+            run.note, run.tags, run.note_ns = str(note), tuple(tags), int(at)
         return run

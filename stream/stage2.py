@@ -318,7 +318,10 @@ class RunPipeline:
         """A lifecycle event of the run (``stream.lifecycle``): its ``runs`` row, when the
         event changed the run's status or configuration."""
         out = Stage2Output()
-        if self.lifecycle.apply(event):
+        # a note on a run this worker never heard of (one written outside the stream, a
+        # simulated run): kept, but no runs row, which would blank the one stored
+        unknown = self.world_size == 0 and self.last_step < 0 and not self.lifecycle.announced
+        if self.lifecycle.apply(event) and not (event.event == "note" and unknown):
             out.rows["runs"].append(self._run_row())
         self.said_last_step = max(self.said_last_step, event.step)
         out.extend(self._release_final())
@@ -527,6 +530,8 @@ class RunPipeline:
             "last_step": max(self.last_step, 0),
             "status": self.status(),
             "config": self.lifecycle.config_json(),
+            "note": self.lifecycle.note,
+            "tags": list(self.lifecycle.tags),
         }
 
     # -- persistence ------------------------------------------------------------------------

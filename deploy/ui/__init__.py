@@ -4,6 +4,6 @@
 on the server, ``app`` serves both and the JSON the charts of ``static/ui.js`` poll.
 """
 
-from .app import UI_TOKEN_ENV, Store, make_app, serve
+from .app import UI_TOKEN_ENV, Notes, Store, make_app, serve
 
-__all__ = ["UI_TOKEN_ENV", "Store", "make_app", "serve"]
+__all__ = ["UI_TOKEN_ENV", "Notes", "Store", "make_app", "serve"]

@@ -12,6 +12,12 @@ and anomalies; JSON: ``/api/runs``, ``/api/charts?run=..&x=&lo=&hi=`` (``after``
 ``width``: a live update), ``/api/marks?run=..``; ``/static/plotly.min.js`` (the plotly
 package's own bundle) and the scripts of ``static/``.
 
+Notes: ``POST /run/{id}/note`` (the runs table's form: a note and tags) never writes the
+store either: it publishes a ``note`` event on the runs topic (``instrument.lifecycle.
+note_event``), which the stream worker stores in ``runs.note`` / ``runs.tags`` as it
+stores the ranks' events. That needs the broker (``--broker``, which ``probewire up``
+passes); a UI without one shows the notes read-only and says why.
+
 Access: like the worker's reader (whose token is in a 0600 file), the UI answers only who
 holds its token (other local users share the loopback): the URL it prints carries
 ``?token=``, which sets a same-site, HTTP-only cookie for the rest of the visit; without
@@ -26,6 +32,7 @@ import threading
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 
@@ -33,7 +40,7 @@ from probewire.deploy.reading import json_value
 
 from . import pages, queries
 
-__all__ = ["UI_TOKEN_ENV", "Store", "make_app", "serve"]
+__all__ = ["NO_BROKER", "UI_TOKEN_ENV", "Notes", "Store", "make_app", "serve"]
 
 
 class Store:
@@ -57,6 +64,30 @@ class Store:
             except (OSError, OperationalError):
                 self._client = self._opener()
                 return fn(self._client, self.database, *args, **kwargs)
+
+
+NO_BROKER = (
+    "notes are read-only: this UI has no broker to send them to (`probewire up` gives it "
+    "one; or `probewire ui --broker HOST:PORT`)"
+)
+
+
+class Notes:
+    """Sends a run's note and tags as a ``note`` event on the runs topic."""
+
+    def __init__(self, client_config: dict[str, str], topic: str) -> None:
+        self.client_config, self.topic = client_config, topic
+
+    def send(self, run_id: str, body: bytes, timeout_s: float = 5.0) -> bool:
+        """Whether the broker took it within ``timeout_s``."""
+        from probewire.instrument.export import KafkaTransport
+
+        transport = KafkaTransport(self.client_config, self.topic)
+        try:
+            sent = transport.send(run_id.encode(), body)
+            return sent and transport.flush(timeout_s) == 0 and not transport.failed
+        finally:
+            transport.close()
 
 
 async def _read(request: web.Request, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -99,9 +130,37 @@ async def index(request: web.Request) -> web.Response:
     q, sort = request.query.get("q", ""), request.query.get("sort", "updated_at")
     desc = request.query.get("desc", "1") != "0"
     shown = pages.sort_runs(pages.filter_runs(rows, q), sort, desc)
-    return web.Response(
-        text=pages.runs_page(shown, q, sort, desc, len(rows)), content_type="text/html"
+    read_only = "" if request.app["notes"] else NO_BROKER
+    page = pages.runs_page(
+        shown, q, sort, desc, len(rows), read_only, request.query.get("noted", "")
     )
+    return web.Response(text=page, content_type="text/html")
+
+
+async def set_note(request: web.Request) -> web.Response:
+    """The runs table's note form: a ``note`` event on the runs topic, then back to ``/``."""
+    from probewire.instrument.lifecycle import note_event
+    from probewire.stream.lifecycle import EventError, parse_event
+
+    notes: Notes | None = request.app["notes"]
+    if notes is None:
+        raise web.HTTPConflict(text=NO_BROKER + "\n")
+    run_id = request.match_info["run"]
+    form = await request.post()
+    body = note_event(run_id, str(form.get("note", "")).strip(), pages.tag_list(form.get("tags")))
+    try:
+        parse_event(body)  # the worker's own checks: a refused note is one line here
+    except EventError as exc:
+        raise web.HTTPBadRequest(text=str(exc).replace("run event: ", "") + "\n") from None
+    if await _read(request, queries.run_status, run_id) is None:
+        raise web.HTTPNotFound(text=f"no run {run_id!r} in the store\n")
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, notes.send, run_id, body):
+        raise web.HTTPServiceUnavailable(
+            text=f"the broker ({notes.client_config.get('bootstrap.servers')}) did not take "
+            "the note within 5 s: is `probewire up` still running? Try again.\n"
+        )
+    raise web.HTTPSeeOther(f"/?{urlencode({'noted': run_id})}")
 
 
 async def run_page(request: web.Request) -> web.Response:
@@ -227,17 +286,20 @@ async def _gate(request: web.Request, handler: Callable[..., Any]) -> web.Stream
     return response
 
 
-def make_app(store: Store, token: str) -> web.Application:
-    """The application over ``store``, open to requests that carry ``token``."""
+def make_app(store: Store, token: str, notes: Notes | None = None) -> web.Application:
+    """The application over ``store``, open to requests that carry ``token``; ``notes``
+    sends the runs' notes (None: they are read-only)."""
     from plotly.offline import get_plotlyjs
 
     if not token:
         raise ValueError("the UI needs a token")
     app = web.Application(middlewares=[_gate])
     app["store"], app["plotly"], app["token"] = store, get_plotlyjs(), token
+    app["notes"] = notes
     app.router.add_get("/", index)
     app.router.add_get("/compare", compare_page)
     app.router.add_get("/run/{run}", run_page)
+    app.router.add_post("/run/{run}/note", set_note)
     app.router.add_get("/run/{run}/anomalies", anomalies_page)
     app.router.add_get("/run/{run}/step/{step}", step_page)
     app.router.add_get("/api/runs", api_runs)
@@ -247,12 +309,18 @@ def make_app(store: Store, token: str) -> web.Application:
     return app
 
 
-def serve(store: Store, port: int, token: str, ready: Callable[[str], None] = print) -> None:
+def serve(
+    store: Store,
+    port: int,
+    token: str,
+    ready: Callable[[str], None] = print,
+    notes: Notes | None = None,
+) -> None:
     """Serve on 127.0.0.1:``port`` (0: a free one) until interrupted; ``ready`` gets the URL
     to open (with the token)."""
 
     async def main() -> None:
-        runner = web.AppRunner(make_app(store, token), access_log=None)
+        runner = web.AppRunner(make_app(store, token, notes), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()

@@ -10,9 +10,10 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from probewire.stream.series import CHARTS
 
@@ -27,6 +28,7 @@ __all__ = [
     "runs_page",
     "sort_runs",
     "step_page",
+    "tag_list",
 ]
 
 _STYLE = """
@@ -76,8 +78,14 @@ RUN_COLUMNS = (
     ("pages", "pages"),
     ("anomalies", "anomalies"),
     ("tags", "tags"),
+    ("note", "note"),
     ("updated_at", "updated"),
 )
+
+
+def tag_list(text: object) -> list[str]:
+    """The tags of the note form's field: words separated by spaces or commas."""
+    return [t for t in re.split(r"[\s,]+", str(text or "")) if t]
 
 
 def filter_runs(rows: list[dict[str, Any]], q: str) -> list[dict[str, Any]]:
@@ -102,43 +110,86 @@ def sort_runs(rows: list[dict[str, Any]], key: str, desc: bool) -> list[dict[str
     return sorted(present, key=lambda r: r[key], reverse=desc) + missing
 
 
-def runs_page(rows: list[dict[str, Any]], q: str, sort: str, desc: bool, total: int) -> str:
-    """``GET /``: the runs table, filtered and sorted on the server."""
+def _note_cell(row: dict[str, Any], i: int, read_only: str) -> str:
+    """The note and the user's tags: a form of the row's own (outside the compare form,
+    its fields tied to it by ``form=``) when notes can be sent, else the note as text."""
+    note = html.escape(str(row.get("note") or ""))
+    if read_only:
+        return f"<td class='l note'>{note}</td>"
+    tags = html.escape(" ".join(row.get("user_tags", ())))
+    f = f"note-{i}"
+    return (
+        f"<td class='l note'><input name='note' form='{f}' value='{note}' size='28' "
+        f"placeholder='note'> <input name='tags' form='{f}' value='{tags}' size='14' "
+        f"placeholder='tags'> <button form='{f}'>save</button></td>"
+    )
+
+
+def runs_page(
+    rows: list[dict[str, Any]],
+    q: str,
+    sort: str,
+    desc: bool,
+    total: int,
+    read_only: str = "",
+    noted: str = "",
+) -> str:
+    """``GET /``: the runs table, filtered and sorted on the server; ``read_only``: why
+    notes cannot be set (empty: each row has a note form); ``noted``: the run whose note
+    was just sent."""
     head = "".join(
-        f"<th class='{'l' if key in ('run_id', 'status', 'tags') else ''}'>"
+        f"<th class='{'l' if key in ('run_id', 'status', 'tags', 'note') else ''}'>"
         f"<a href='/?{urlencode({'q': q, 'sort': key, 'desc': int(key != sort or not desc)})}'>"
         f"{html.escape(label)}{(' ▼' if desc else ' ▲') if key == sort else ''}</a></th>"
         for key, label in RUN_COLUMNS
     )
-    body = []
-    for row in rows:
+    body, forms = [], []
+    for i, row in enumerate(rows):
         rid = html.escape(row["run_id"])
         cells = [
             f"<td><input type='checkbox' name='run' value='{rid}'></td>",
             f"<td class='l'><a class='run' href='/run/{rid}'>{rid}</a></td>",
             f"<td class='l'>{html.escape(str(row['status']))}</td>",
         ]
-        for key, _ in RUN_COLUMNS[2:-2]:
+        for key, _ in RUN_COLUMNS[2:-3]:
             value = row.get(key)
             if key == "pages" and value:
                 cells.append(f"<td><a href='/run/{rid}/anomalies'>{value}</a></td>")
             else:
                 cells.append(f"<td>{_fmt(value)}</td>")
         tags = "".join(f"<span class='tag'>{html.escape(t)}</span>" for t in row["tags"])
-        cells.append(f"<td class='l'>{tags}</td><td>{_fmt(row.get('updated_at'))}</td>")
+        cells.append(f"<td class='l'>{tags}</td>{_note_cell(row, i, read_only)}")
+        cells.append(f"<td>{_fmt(row.get('updated_at'))}</td>")
         body.append(f"<tr data-run='{rid}'>{''.join(cells)}</tr>")
+        if not read_only:
+            action = html.escape(f"/run/{quote(row['run_id'], safe='')}/note")
+            forms.append(f"<form id='note-{i}' method='post' action='{action}'></form>")
     form = (
         "<form method='get' action='/'><input name='q' id='q' placeholder='filter: words, "
         f"tag:name' value='{html.escape(q)}' size='40'><input type='hidden' name='sort' "
         f"value='{html.escape(sort)}'><button>filter</button></form>"
     )
+    notes = (
+        f"<p class='muted' id='notes-read-only'>{html.escape(read_only)}</p>"
+        if read_only
+        else "<p class='muted'>a note and tags (spaces or commas between them) are sent to "
+        "the stream worker, which stores them in <code>runs.note</code> and "
+        "<code>runs.tags</code></p>"
+    )
+    sent = (
+        f"<p id='noted'>the note of {html.escape(noted)} was sent; it shows here once the "
+        "worker has stored it (reload in a second)</p>"
+        if noted
+        else ""
+    )
     return _page(
         "runs",
-        f"<h1>Runs</h1>{form}<p class='muted'>{len(rows)} of {total} runs · tick runs, then "
-        "compare · tags: the <code>tags</code> list of <code>attach(run_config=...)</code></p>"
+        f"<h1>Runs</h1>{sent}{form}<p class='muted'>{len(rows)} of {total} runs · tick runs, "
+        "then compare · tags: the <code>tags</code> list of "
+        "<code>attach(run_config=...)</code> and those set here</p>"
         "<form method='get' action='/compare'><table id='runs'><thead><tr><th></th>"
         f"{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-        "<button id='compare'>compare the ticked runs</button></form>",
+        f"<button id='compare'>compare the ticked runs</button></form>{notes}{''.join(forms)}",
     )
 
 

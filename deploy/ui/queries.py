@@ -4,7 +4,9 @@ Every chart's series is read downsampled in SQL (``sinks.downsample``): per buck
 visible x range its min, max and last, so a panel of any run length returns at most
 ``MAX_POINTS`` points and a one-step spike stays drawn. The charts and their series are
 the registry's (``stream.series.CHARTS`` / ``chart_columns``); loss by source and the
-evaluations are long tables, one series per source or per suite and metric.
+evaluations are long tables, one series per source or per suite and metric. A user's own
+metrics (``Monitor.log``, the long ``user_metrics`` table) are one panel per name
+(``user:NAME``), their specs (title with the declared reduction) in ``user_panels``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "run_status",
     "runs",
     "step_rows",
+    "user_panels",
 ]
 
 _NO_END, _NO_END_BUCKETS = 1e300, 1 << 62  # a live update's window: open to the right
@@ -49,14 +52,16 @@ def _tags(config: str) -> list[str]:
 
 
 def runs(client: Any, db: str) -> list[dict[str, Any]]:
-    """One row per run: status, world size, steps, tokens, last loss, pages, anomalies."""
+    """One row per run: status, world size, steps, tokens, last loss, pages, anomalies, the
+    note and tags a user set (``user_tags``), ``tags`` the config's and those together."""
     rows = _rows(
         client,
         f"""
         SELECT r.run_id AS run_id, r.status AS status, r.world_size AS world_size,
                s.steps AS steps, s.last_step AS last_step, s.tokens AS tokens,
                s.loss AS loss, p.pages AS pages, a.anomalies AS anomalies,
-               r.updated_at AS updated_at, r.config AS config
+               r.updated_at AS updated_at, r.config AS config, r.note AS note,
+               r.tags AS user_tags
         FROM (SELECT * FROM {db}.runs FINAL) AS r
         LEFT JOIN (SELECT run_id, uniqExact(step) AS steps, max(step) AS last_step,
                           max(tokens) AS tokens, argMaxIf(loss, step, isNotNull(loss)) AS loss
@@ -68,7 +73,8 @@ def runs(client: Any, db: str) -> list[dict[str, Any]]:
         ORDER BY r.updated_at DESC, r.run_id""",
     )
     for row in rows:
-        row["tags"] = _tags(row.pop("config"))
+        row["user_tags"] = list(row["user_tags"])
+        row["tags"] = list(dict.fromkeys([*_tags(row.pop("config")), *row["user_tags"]]))
     return rows
 
 
@@ -120,10 +126,24 @@ _EVAL_SQL = """SELECT run_id, step, toFloat64(tokens) AS tokens, flops, suite, m
     weights_stream, value FROM {db}.evaluations FINAL WHERE run_id IN {{runs:Array(String)}}"""
 
 
+_USER_SQL = """SELECT run_id, step, name, value FROM {db}.user_metrics FINAL
+    WHERE run_id IN {{runs:Array(String)}}"""
+# on a tokens or FLOPs axis, each user metric's step at its step_metrics row's x
+_USER_ON_X_SQL = """SELECT u.run_id AS run_id, u.step AS step, m.tokens AS tokens,
+    m.flops AS flops, u.name AS name, u.value AS value
+    FROM (SELECT run_id, step, name, value FROM {db}.user_metrics FINAL
+          WHERE run_id IN {{runs:Array(String)}}) AS u
+    INNER JOIN (SELECT run_id, step, tokens, flops FROM {db}.step_metrics
+                WHERE run_id IN {{runs:Array(String)}}) AS m
+    ON u.run_id = m.run_id AND u.step = m.step"""
+
 _LONG = {  # the charts read from a long table: (query, value column, series expression)
     "source": (_SOURCE_SQL, "loss", "source"),
     "eval": (_EVAL_SQL, "value", "concat(suite, ' ', metric, ' (', weights_stream, ')')"),
+    "user": (_USER_SQL, "value", "name"),  # split: one panel per name (USER_PREFIX + name)
 }
+_ON_X = {"source": _SOURCE_ON_X_SQL, "user": _USER_ON_X_SQL}  # a long table's on tokens/FLOPs
+USER_PREFIX = "user:"
 
 
 def _lines(
@@ -165,16 +185,44 @@ def _read_charts(
     for key, pairs in wide.items():
         out[key] = [ChartSeries(r, lb, xs, ys) for (r, lb), (xs, ys) in _lines(rows, pairs).items()]
     for key, (sql, column, group) in _LONG.items():
-        if key == "source" and x != "step":
-            sql = _SOURCE_ON_X_SQL
+        if key in _ON_X and x != "step":
+            sql = _ON_X[key]
         long_rows = _rows(
             client,
             downsample_sql("t", [column], x=x, live=live, group=group, subquery=sql.format(db=db)),
             params,
         )
         lines = _lines(long_rows, [(column, column)])
-        out[key] = [ChartSeries(r, lb, xs, ys) for (r, lb), (xs, ys) in lines.items()]
+        for (r, lb), (xs, ys) in lines.items():
+            panel = USER_PREFIX + lb if key == "user" else key
+            out.setdefault(panel, []).append(ChartSeries(r, lb, xs, ys))
+        out.setdefault(key, [])
+    out.pop("user")
     return out
+
+
+def user_panels(client: Any, db: str, run_ids: list[str]) -> list[dict[str, Any]]:
+    """One panel spec per name the runs logged (``Monitor.log``), in name order: its title
+    carries the reduction over ranks the script declared (each one, if runs differ)."""
+    rows = _rows(
+        client,
+        f"SELECT name, arraySort(groupUniqArray(reduction)) AS reductions "
+        f"FROM {db}.user_metrics WHERE run_id IN {{runs:Array(String)}} "
+        "GROUP BY name ORDER BY name",
+        {"runs": run_ids},
+    )
+    return [
+        {
+            "key": USER_PREFIX + r["name"],
+            "title": f"{r['name']} (your metric; {', '.join(r['reductions'])} over ranks)",
+            "unit": "as logged",
+            "log": False,
+            "count": False,
+            "smooth": True,
+            "signals": [],
+        }
+        for r in rows
+    ]
 
 
 def chart_data(
@@ -195,7 +243,7 @@ def chart_data(
         raise ValueError(f"x must be one of {', '.join(AXES)}, got {x!r}")
     full = extent(client, db, run_ids, x)
     if full is None:
-        return {"x": x, "last_step": None, "window": None, "charts": {}}
+        return {"x": x, "last_step": None, "window": None, "charts": {}, "user_panels": []}
     if after is not None:
         if width is None or lo is None or not width > 0:
             raise ValueError("a live update (after) needs lo and a positive width")
@@ -215,6 +263,7 @@ def chart_data(
         "window": {"lo": win.lo, "hi": win.hi, "width": win.width, "full": list(full)},
         "max_points": MAX_POINTS,
         "charts": charts,
+        "user_panels": user_panels(client, db, run_ids),
     }
 
 

@@ -125,7 +125,10 @@ def test_up_serves_a_users_torchrun_script_and_stops_on_ctrl_c(scratch_dir: Path
         ui = next(line for line in seen if "probewire: web UI http://127.0.0.1:" in line)
         url = ui.split("web UI ", 1)[1].split()[0]  # http://127.0.0.1:PORT/?token=...
         with urllib.request.urlopen(url, timeout=60) as page:
-            assert "href='/run/up1'" in page.read().decode()
+            html = page.read().decode()
+        assert "href='/run/up1'" in html
+        # up gave it the broker: each run's note can be set (issue 39), never read-only
+        assert "<form id='note-0' method='post'" in html and "notes-read-only" not in html
         base, token = url.split("/?token=")
         charts_url = f"{base}/api/charts?run=up1&token={token}"
         with urllib.request.urlopen(charts_url, timeout=60) as charts:

@@ -5,18 +5,21 @@ a live update, the step and anomalies pages of a simulated run."""
 
 from __future__ import annotations
 
+import html
 import json
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ui_support import LR, UI, get, ui_server, write_run
+from ui_support import LR, UI, get, ui_server, write_run, write_user_metric
 
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
+from probewire.deploy.ui.app import NO_BROKER
 from probewire.sinks import ClickHouseSink
 from probewire.sinks.downsample import MAX_POINTS
 from probewire.stream.series import CHARTS
@@ -109,6 +112,13 @@ def test_runs_table_is_in_the_html_and_filters(ui):
     assert status == 200
     assert f"href='/run/{LONG}'" in page and f"href='/run/{SIM}'" in page
     assert "<script" not in page  # the table needs no script
+    # no broker (started without --broker): notes read-only, the reason in one line
+    assert f"<p class='muted' id='notes-read-only'>{html.escape(NO_BROKER)}</p>" in page
+    assert "method='post'" not in page
+    request = urllib.request.Request(url.url(f"/run/{LONG}/note"), data=b"note=n")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 409 and refused.value.read().decode() == NO_BROKER + "\n"
     _, only = get(url.url("/?q=tag%3Along"))
     assert f"/run/{LONG}'" in only and f"/run/{SIM}'" not in only
     _, by_text = get(url.url("/?q=sim"))
@@ -204,3 +214,54 @@ def test_loss_by_source_on_every_x_axis(ui):
             assert by_axis[x][source]["y"] == line["y"]
             assert len(by_axis[x][source]["x"]) == len(line["x"])
             assert by_axis[x][source]["x"] == sorted(by_axis[x][source]["x"])
+
+
+def test_user_metric_is_a_panel_of_its_stored_values(ui):
+    """A run's ``s.log('val_acc', ...)`` (mean over 8 ranks) is the panel ``user:val_acc``:
+    on every x axis, the stored values at their steps (a NaN not drawn), the reduction in
+    the panel's title; a live update returns only its new steps."""
+    url, sink = ui
+    steps = list(range(0, 150, 10))
+    per_rank = np.random.default_rng(3).uniform(0.1, 0.9, (len(steps), 8))
+    per_rank[4, 2] = np.nan  # one rank's NaN: the step's mean is NaN, stored, not drawn
+    stored = write_user_metric(sink, SIM, "val_acc", per_rank, steps)
+    expected = per_rank.astype(np.float64).mean(axis=1)
+    assert np.array_equal(stored, expected, equal_nan=True)
+    kept = [i for i, v in enumerate(expected) if np.isfinite(v)]
+    step_x = {}
+    for x in ("step", "tokens", "flops"):
+        status, body = get(url.url(f"/api/charts?run={SIM}&x={x}"))
+        assert status == 200, body
+        data = json.loads(body)
+        assert data["user_panels"] == [
+            {
+                "key": "user:val_acc",
+                "title": "val_acc (your metric; mean over ranks)",
+                "unit": "as logged",
+                "log": False,
+                "count": False,
+                "smooth": True,
+                "signals": [],
+            }
+        ]
+        (line,) = data["charts"]["user:val_acc"]
+        assert (line["run"], line["label"]) == (SIM, "val_acc")
+        assert line["y"] == [float(expected[i]) for i in kept]
+        step_x[x] = line["x"]
+        assert "user" not in data["charts"]
+    assert step_x["step"] == [float(steps[i]) for i in kept]
+    rows = {
+        s: (t, f)
+        for s, t, f in sink.client.query(
+            f"SELECT step, tokens, flops FROM {sink.database}.step_metrics "
+            "WHERE run_id = {run:String}",
+            parameters={"run": SIM},
+        ).result_rows
+    }
+    assert step_x["tokens"] == [float(rows[steps[i]][0]) for i in kept]
+    assert step_x["flops"] == [float(rows[steps[i]][1]) for i in kept]
+    # live: only what came after
+    later = write_user_metric(sink, SIM, "val_acc", np.full((1, 8), 0.25), [155])
+    status, body = get(url.url(f"/api/charts?run={SIM}&after=150&lo=0&width=1"))
+    (line,) = json.loads(body)["charts"]["user:val_acc"]
+    assert line["x"] == [155.0] and line["y"] == [float(later[0])]

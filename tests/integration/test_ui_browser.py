@@ -1,7 +1,7 @@
 """``probewire ui`` in headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven
 by selenium): the runs table filters by tag, a run being written grows on its page without a
 reload, a drag-zoom on one panel moves every panel's x range, the compare page overlays 3
-runs, and the first paint of a 200,000-step run's page is measured.
+runs, a metric the ranks logged with ``s.log`` is a panel of its stored values, and the first paint of a 200,000-step run's page is measured.
 
 ``PROBEWIRE_UI_SCREENSHOTS=DIR`` keeps a screenshot of each page there (docs/ holds them)."""
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ui_support import LR, ui_server, write_run
+from ui_support import LR, ui_server, write_run, write_user_metric
 
 from probewire.sinks import ClickHouseSink
 
@@ -322,3 +322,52 @@ def test_step_page_of_a_retained_step_draws_its_depth_profile(store, browser):
         assert {"mean RMS bwd", "mean RMS grad"} <= set(names), names
         assert "Per tensor (20 rows)" in browser.page_source
         _shot(browser, "step")
+
+
+def _trace(driver, chart: str):
+    return driver.execute_script(
+        f"const p = document.getElementById('panel-{chart}');"
+        "const d = p && p.querySelector('.plot').data;"
+        "return d && d.map(t => [t.name, t.x, t.y])"
+    )
+
+
+def test_user_metric_is_a_panel_live_and_on_compare(store, browser):
+    import numpy as np
+
+    path, db, sink = store
+    steps = list(range(0, 200, 10))
+    rng = np.random.default_rng(5)
+    stored = write_user_metric(sink, LIVE, "val_acc", rng.uniform(0.2, 0.8, (20, 8)), steps)
+    other = write_user_metric(sink, OVERLAID[0], "val_acc", rng.uniform(0, 1, (3, 8)), [0, 5, 9])
+    with ui_server(path, db) as ui:
+        browser.get(ui.url(f"/run/{LIVE}"))
+        _wait(browser, DRAWN)
+        title = _wait(
+            browser,
+            "const p = document.getElementById('panel-user:val_acc');"
+            "return p && p.style.display !== 'none' && p.querySelector('.bar b').textContent",
+        )
+        assert title == "val_acc (your metric; mean over ranks)"
+        [(name, xs, ys)] = _trace(browser, "user:val_acc")
+        assert name == "val_acc" and xs == steps and ys == stored.tolist()
+        # live: the run goes on and logs again; the panel grows without a reload
+        browser.execute_script("window.pwMarker = 'same page'")
+        write_run(sink, LIVE, 230, start=200, seed=9)
+        more = write_user_metric(sink, LIVE, "val_acc", rng.uniform(0.2, 0.8, (2, 8)), [210, 220])
+        _wait(
+            browser,
+            "const p = document.getElementById('panel-user:val_acc').querySelector('.plot');"
+            "return p.data[0].x.includes(220)",
+            timeout_s=30,
+        )
+        [(_, xs, ys)] = _trace(browser, "user:val_acc")
+        assert xs == [*steps, 210, 220] and ys == [*stored.tolist(), *more.tolist()]
+        assert browser.execute_script("return window.pwMarker") == "same page"
+        browser.execute_script("document.getElementById('panel-user:val_acc').scrollIntoView()")
+        _shot(browser, "run-user-metric")
+        browser.get(ui.url(f"/compare?run={LIVE}&run={OVERLAID[0]}"))
+        _wait(browser, DRAWN)
+        lines = {name: (xs, ys) for name, xs, ys in _trace(browser, "user:val_acc")}
+        assert lines[f"{LIVE} · val_acc"][1] == [*stored.tolist(), *more.tolist()]
+        assert lines[f"{OVERLAID[0]} · val_acc"] == ([0, 5, 9], other.tolist())

@@ -114,6 +114,25 @@ def write_run(
         )
 
 
+def write_user_metric(
+    sink: ClickHouseSink, run_id: str, name: str, per_rank: np.ndarray, steps: list[int]
+) -> np.ndarray:
+    """A user metric the run's ranks logged with ``s.log(name, value)`` (mean over ranks):
+    ``per_rank[i, r]`` is rank r's value at ``steps[i]``; each step's reduced points (Σ of
+    the values, 1 per rank) become ``user_metrics`` rows as stage 2 writes them
+    (``stream.usermetrics.user_rows``). Returns the stored values (float64)."""
+    from probewire.instrument.catalog import Label, User
+    from probewire.stream.usermetrics import user_rows
+
+    labels = ((Label.NAME, name),)
+    rows = []
+    for step, values in zip(steps, per_rank):
+        reduced = {(User.MEAN, labels): float(np.sum(values)), (User.RANKS, labels): 8.0}
+        rows += user_rows(run_id, step, reduced)
+    sink.write("user_metrics", rows)
+    return np.array([r["value"] for r in rows], dtype=np.float64)
+
+
 @dataclass(frozen=True)
 class UI:
     """A running UI: its base URL and its token."""

@@ -107,6 +107,31 @@
 
   function panelOf(key) { return document.getElementById("panel-" + key); }
 
+  // A user's own metrics (Monitor.log) are one panel per name, known from the data: a
+  // name first seen (on load or in a live update) gets its panel after the registry's.
+  function addPanels(specs) {
+    (specs || []).forEach((spec) => {
+      if (boot.charts.some((c) => c.key === spec.key)) return;
+      boot.charts.push(spec);
+      const section = document.createElement("section");
+      section.className = "panel";
+      section.id = "panel-" + spec.key;
+      section.dataset.chart = spec.key;
+      const bar = document.createElement("div");
+      bar.className = "bar";
+      const title = document.createElement("b");
+      title.textContent = spec.title;
+      const unit = document.createElement("span");
+      unit.className = "muted";
+      unit.textContent = "[" + spec.unit + "]";
+      const plot = document.createElement("div");
+      plot.className = "plot";
+      bar.append(title, " ", unit);
+      section.append(bar, plot);
+      document.getElementById("panels").append(section);
+    });
+  }
+
   function controls(chart, panel) {
     if (panel.querySelector(".log")) return;
     const bar = panel.querySelector(".bar");
@@ -180,6 +205,7 @@
     state.window = state.data.window;
     state.lastStep = state.data.last_step;
     state.lastX = null;
+    addPanels(state.data.user_panels);
     const folded = [];
     boot.charts.forEach((c) => { if (!drawPanel(c)) folded.push(c); });
     foldedNote(folded);
@@ -211,6 +237,7 @@
 
   function extend(update) {
     let added = 0;
+    addPanels(update.user_panels);
     boot.charts.forEach((chart) => {
       const lines = update.charts[chart.key] || [];
       if (!lines.length) return;
@@ -222,8 +249,11 @@
         added += line.x.length;
       });
       state.data.charts[chart.key] = have;
-      if (panel.style.display === "none" || state.smooth[chart.key]) { drawPanel(chart); return; }
       const plot = panel.querySelector(".plot");
+      if (panel.style.display === "none" || state.smooth[chart.key] || !plot.data) {
+        drawPanel(chart);
+        return;
+      }
       lines.forEach((line) => {
         const index = plot.data.findIndex((t) => t.meta && t.meta.key === line.run + "|" + line.label);
         if (index >= 0) Plotly.extendTraces(plot, { x: [line.x], y: [line.y] }, [index]);

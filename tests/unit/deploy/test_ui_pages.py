@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from probewire.deploy.ui.pages import charts_page, filter_runs, runs_page, sort_runs
+from probewire.deploy.ui.pages import charts_page, filter_runs, runs_page, sort_runs, tag_list
 from probewire.stream.series import CHARTS
 
 ROWS = [
@@ -58,3 +58,16 @@ def test_boot_data_cannot_close_its_script():
     assert [c["key"] for c in data["charts"]] == [c.key for c in CHARTS]
     smooth = {c["key"]: c["smooth"] for c in data["charts"]}
     assert smooth["lr"] is False and smooth["cospike"] is False and smooth["loss"] is True
+
+
+def test_notes_are_a_form_per_row_or_read_only_with_the_reason():
+    row = {**ROWS[0], "note": "<b>lr</b> too high", "user_tags": ["bad"], "run_id": "a/b"}
+    page = runs_page([row], "", "updated_at", True, 1)
+    assert "<form id='note-0' method='post' action='/run/a%2Fb/note'></form>" in page
+    assert "name='note' form='note-0' value='&lt;b&gt;lr&lt;/b&gt; too high'" in page
+    assert "name='tags' form='note-0' value='bad'" in page and "<b>lr" not in page
+    ro = runs_page([row], "", "updated_at", True, 1, read_only="notes are read-only: why")
+    assert "method='post'" not in ro and "name='note'" not in ro
+    assert "<td class='l note'>&lt;b&gt;lr&lt;/b&gt; too high</td>" in ro
+    assert "<p class='muted' id='notes-read-only'>notes are read-only: why</p>" in ro
+    assert tag_list(" a, b,,c  a ") == ["a", "b", "c", "a"]

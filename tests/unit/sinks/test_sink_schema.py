@@ -59,10 +59,10 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 11
+    assert sink.migrate() == 12
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
-    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (10,), (11,)]
+    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (10,), (11,), (12,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
@@ -120,7 +120,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client, c
     ch_client.command(
         f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) VALUES ('r', 7, 10, 2.5)"
     )
-    assert ClickHouseSink(ch_client, db).migrate() == 11
+    assert ClickHouseSink(ch_client, db).migrate() == 12
     got = _rows(
         ch_client,
         f"SELECT name, type FROM system.columns WHERE database = '{db}' "
@@ -362,3 +362,28 @@ def test_stage2s_tensor_names_rows_are_stored_once_per_run_and_tensor(ch_client,
         ".tensor_names FINAL WHERE run_id = 'names' ORDER BY tensor",
     )
     assert got == sorted((r["tensor"], r["layer"], r["role"], r["expert"]) for r in rows)
+
+
+def test_a_version_11_runs_table_gets_the_note_and_tags_of_version_12(ch_client, ch_database):
+    """Migration 12: a store's ``runs`` of before (no note, no tags) gets both, after
+    ``planned_tokens`` in the declared order, and keeps its rows (note '', no tags)."""
+    db = ch_database + "_v11"
+    runs = next(t for t in TABLES if t.name == "runs")
+    old = dataclasses.replace(
+        runs, columns=tuple(c for c in runs.columns if c.name not in ("note", "tags"))
+    )
+    ClickHouseSink(ch_client, db).migrate()
+    ch_client.command(f"DROP TABLE {db}.runs")
+    ch_client.command(old.ddl(db))
+    ch_client.command(f"ALTER TABLE {db}.schema_migrations DELETE WHERE version = 12")
+    ch_client.command(f"INSERT INTO {db}.runs (run_id, world_size) VALUES ('r', 4)")
+    assert ClickHouseSink(ch_client, db).migrate() == 12
+    got = _rows(
+        ch_client,
+        f"SELECT name, type FROM system.columns WHERE database = '{db}' "
+        "AND table = 'runs' ORDER BY position",
+    )
+    assert got == [(c.name, c.type) for c in runs.columns]
+    assert _rows(ch_client, f"SELECT run_id, world_size, note, tags FROM {db}.runs") == [
+        ("r", 4, "", [])
+    ]

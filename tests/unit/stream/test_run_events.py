@@ -149,3 +149,46 @@ def test_a_bad_ordering_field_is_refused(field, value):
     body = {"run_id": "r", "event": "started", "rank": 0, "time_unix_nano": 1, field: value}
     with pytest.raises(EventError, match=field):
         parse_event(json.dumps(body).encode())
+
+
+def test_a_note_event_sets_the_note_and_tags_and_nothing_else():
+    """The UI's note (``note_event``): the newest by its time wins, whatever the attempt;
+    status and config stay; re-delivery or an older note changes nothing; the state keeps
+    it; a bad note is refused with its reason."""
+    from probewire.instrument.lifecycle import note_event
+
+    run = RunPipeline("run", Stage2Config())
+    run.on_event(event("started", 10, config={"lr": 0.1}, attempt="a1"))
+    run.on_event(event("finished", 20, attempt="a1"))
+    note = parse_event(note_event("run", "lr too high?", ["sweep", "bad", "sweep"], now_ns=5))
+    [row] = run.on_event(note).rows["runs"]
+    assert (row["note"], row["tags"]) == ("lr too high?", ["sweep", "bad"])
+    assert (row["status"], json.loads(row["config"])) == ("finished", {"lr": 0.1})
+    assert run.on_event(note).rows == {}  # re-delivery
+    assert run.on_event(parse_event(note_event("run", "older", [], now_ns=4))).rows == {}
+    [row] = run.on_event(parse_event(note_event("run", "", ["kept"], now_ns=6))).rows["runs"]
+    assert (row["note"], row["tags"]) == ("", ["kept"])
+    resumed = RunPipeline.from_state("run", Stage2Config(), run.to_state(), 0.0)
+    [row] = resumed.on_event(event("crashed", 30, attempt="a2")).rows["runs"]
+    assert (row["note"], row["tags"], row["status"]) == ("", ["kept"], "crashed")
+    for bad, reason in (
+        (note_event("run", "x" * 2001, []), "note must be text"),
+        (note_event("run", "", ["t" * 65]), "tags must be a list"),
+        (note_event("run", "", [""]), "tags must be a list"),
+    ):
+        with pytest.raises(EventError, match=reason):
+            parse_event(bad)
+
+
+def test_a_note_alone_does_not_announce_the_run():
+    from probewire.instrument.lifecycle import note_event
+
+    life = RunLifecycle()
+    assert life.apply(parse_event(note_event("run", "n", ["t"], now_ns=1)))
+    assert not life.announced and life.status(idle_finished=False) == "running"
+    # a run the worker never heard of (written outside the stream): no runs row that would
+    # blank the stored one; the note is kept for when the run is heard
+    run = RunPipeline("run", Stage2Config())
+    assert run.on_event(parse_event(note_event("run", "n", ["t"], now_ns=1))).rows == {}
+    [row] = run.on_event(event("started", 10, config={"lr": 0.1})).rows["runs"]
+    assert (row["note"], row["tags"]) == ("n", ["t"])
