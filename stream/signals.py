@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from .derive import own_time_ratios
 from .detect import (
     MIN_SPREAD,
     ClipRateWindow,
@@ -33,8 +34,17 @@ from .detect import (
 )
 from .pages import PageGate
 from .series import StepMetrics as SM
+from .shifts import PeerShift
 
-__all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors", "next_steps"]
+__all__ = [
+    "Category",
+    "DetectorConfig",
+    "Finding",
+    "RankSeries",
+    "SignalDetectors",
+    "next_steps",
+    "norm_mismatch",
+]
 
 PACE_RATIO = 1.5
 """A step-time spike names the rank whose own-time ratio held at least this far above its
@@ -91,6 +101,8 @@ class DetectorConfig:
     """Thresholds are configuration; ``probewire calibrate`` derives z thresholds."""
 
     window: int = 100
+    early_history: int = 10  # L, G2 and the loss culprits are scored from this many values...
+    early_z_factor: float = 2.0  # ...against this x their threshold until the window is full
     loss_z: float = 6.0
     grad_z: float = 6.0
     signal_z: float = 8.0  # single-signal pages (worst rank, source, step time...)
@@ -100,6 +112,19 @@ class DetectorConfig:
     straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
     straggler_held_steps: int = 40  # ...of this many consecutive steps
     straggler_held_quantile: float = 0.1
+    # a one-sided CUSUM per rank on its own-time ratio against its own baseline (at least
+    # parity) in scales s = max(min_scale, its own spread, its peers' joint spread of the
+    # last steps): min(x / s, cap) - k a step, reset at parity, a page at h (``shifts``)
+    straggler_cusum_k: float = 2.0
+    straggler_cusum_cap: float = 4.0
+    straggler_cusum_h: float = 16.0
+    straggler_cusum_scale: float = 0.05
+    # the same on each rank's own loss L_r over the other ranks' median (3+ ranks)
+    loss_shift_k: float = 2.0
+    loss_shift_cap: float = 4.0
+    loss_shift_h: float = 16.0
+    loss_shift_scale: float = 0.01
+    shift_history: int = 20  # values of a rank's history before its CUSUMs score
     clip_threshold: float = 1.0
     clip_window: int = 100
     memory_growth: float = 0.2  # page when peak memory exceeds its baseline by 20%
@@ -107,6 +132,7 @@ class DetectorConfig:
     maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
     media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
     residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
+    grad_audit_tolerance: float = 0.01  # |loop's norm - G2| / G2 above this: a page
     rearm_steps: int = 50
 
 
@@ -153,15 +179,26 @@ class SignalDetectors:
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
         self.spikes = {
-            SM.loss: self._detector(config.loss_z),
-            SM.grad_norm: self._detector(config.grad_z),
-            **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[2:]},
+            SM.loss: self._detector(config.loss_z, early=True),
+            SM.grad_norm: self._detector(config.grad_z, early=True),
+            "worst_rank_ratio": self._detector(config.signal_z, early=True),
+            **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[3:]},
         }
         self.sources: dict[str, RobustSpikeDetector] = {}  # L_source / L, per source
         self.source_loss: dict[str, RobustSpikeDetector] = {}  # L_source, per source
         self.rank_loss: dict[int, RobustSpikeDetector] = {}  # L_r, per rank
         self.levels = RankLevels(
             window=config.window, recent=max(config.straggler_steps, config.straggler_held_steps)
+        )
+        self.slow = self._shift(
+            config.straggler_cusum_k,
+            config.straggler_cusum_cap,
+            config.straggler_cusum_h,
+            config.straggler_cusum_scale,
+            floor=1.0,
+        )
+        self.loss_shift = self._shift(
+            config.loss_shift_k, config.loss_shift_cap, config.loss_shift_h, config.loss_shift_scale
         )
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
@@ -172,9 +209,32 @@ class SignalDetectors:
         self.missing_run: dict[int, int] = {}  # rank -> consecutive steps it was missing
         self.pages = PageGate(config.rearm_steps)
 
-    def _detector(self, threshold: float) -> RobustSpikeDetector:
+    def _detector(self, threshold: float, early: bool = False) -> RobustSpikeDetector:
+        """A robust spike detector on the run's window; ``early``: scored from
+        ``early_history`` values on, at ``early_z_factor`` x ``threshold`` until the window
+        is full (a spike in a run's first steps pages)."""
+        cfg = self.config
+        early_history = min(cfg.early_history, cfg.window) if early else None
         return RobustSpikeDetector(
-            window=self.config.window, threshold=threshold, min_spread=self.config.min_spread
+            window=cfg.window,
+            threshold=threshold,
+            min_spread=cfg.min_spread,
+            early_history=early_history,
+            early_threshold=threshold * cfg.early_z_factor if early else None,
+        )
+
+    def _shift(
+        self, k: float, cap: float, h: float, scale: float, floor: float | None = None
+    ) -> PeerShift:
+        cfg = self.config
+        return PeerShift(
+            window=cfg.window,
+            min_history=min(cfg.shift_history, cfg.window),
+            k=k,
+            cap=cap,
+            h=h,
+            min_scale=scale,
+            floor=floor,
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -208,6 +268,7 @@ class SignalDetectors:
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
+        found += self._audit(view)
         return derived, [f for f in found if f is not None]
 
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
@@ -382,10 +443,11 @@ class SignalDetectors:
                 own = det.update(value)
             else:
                 det.push(value)
+        found = self._rank_shift(losses)
         if not (view[SM.loss] and view[SM.loss_worst_rank] is not None and view[SM.loss] > 0):
-            return []
+            return found
         gap = self.spikes["worst_rank_ratio"].update(view[SM.loss_worst_rank] / view[SM.loss])
-        return [
+        return found + [
             self._culprit_move(
                 SM.loss_worst_rank,
                 f"rank {rank}",
@@ -395,6 +457,31 @@ class SignalDetectors:
                 own,
             )
         ]
+
+    def _rank_shift(self, losses: Mapping[int, float]) -> list[Finding | None]:
+        """A persistent shift of one rank's own loss: L_r over the other ranks' median
+        (the trend and a batch every rank sees cancel) against that ratio's own history,
+        a CUSUM per rank (``shifts.PeerShift``); pages ``loss_rank_shift`` naming it, with
+        its loss and the loss its usual ratio to the others puts it at."""
+        valid = {r: v for r, v in losses.items() if math.isfinite(v) and v > 0}
+        found: list[Finding | None] = []
+        for res in self.loss_shift.update(own_time_ratios(valid)):
+            if res.shift:
+                loss = valid[res.key]
+                found.append(
+                    Finding(
+                        signal="loss_rank_shift",
+                        kind="shift",
+                        value=loss,
+                        baseline=loss / res.ratio * res.baseline,
+                        z=math.log(res.ratio / res.baseline) / res.scale,
+                        category=Category.LOSS,
+                        page=True,
+                        culprit=f"rank {res.key}",
+                        ranks=[res.key],
+                    )
+                )
+        return found
 
     def _sources(
         self,
@@ -442,6 +529,11 @@ class SignalDetectors:
         host shares cancels) stands above that rank's own baseline (its history, at least
         parity):
 
+        * with 3 or more ranks, when its CUSUM (``shifts.PeerShift``: min(x / s, cap) - k a
+          step on x = log rho_r - its baseline, reset at parity) reaches h: a rank 1.3x
+          slower than steady peers pages on its 4th slow step, while bursts every rank
+          shares widen the scale s (the peers' joint spread of the last steps);
+
         * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross
           straggler, seen in a few steps;
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
@@ -458,6 +550,22 @@ class SignalDetectors:
         healthy 5,000-step run, hence the 3-rank condition)."""
         cfg = self.config
         self.levels.update(step, ratios)
+        slow = [r for r in self.slow.update(ratios) if r.shift]
+        if slow:  # the CUSUM: the rank that moved furthest above its baseline
+            res = max(slow, key=lambda r: (r.ratio / r.baseline, -r.key))
+            return [
+                Finding(
+                    signal="step_time",
+                    kind="straggler",
+                    value=res.ratio,
+                    baseline=res.baseline,
+                    z=math.log(res.ratio / res.baseline) / res.scale,
+                    category=Category.TIME,
+                    page=True,
+                    culprit=f"rank {res.key}",
+                    ranks=[res.key],
+                )
+            ]
         tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
         if len(ratios) >= 3:
             tiers.append(
@@ -624,6 +732,29 @@ class SignalDetectors:
             )
         ]
 
+    def _audit(self, view: dict[str, Any]) -> list[Finding]:
+        """grad_norm_audit: the norm the loop clipped with (its own computation, when it
+        reports one) against G2 from the owners' squared sums, every step. A mismatch above
+        ``grad_audit_tolerance`` (1%: bf16 per-tensor norms round by ~0.4%) is a wrong norm
+        (a loop that norms only its local shard reports G2 / sqrt(shards) or so), and its
+        clipping is wrong with it."""
+        reported, g2 = view.get(SM.grad_clip_norm), view[SM.grad_norm]
+        mismatch = norm_mismatch(reported, g2)
+        if mismatch is None or mismatch <= self.config.grad_audit_tolerance:
+            return []
+        return [
+            Finding(
+                signal="grad_norm_audit",
+                kind="mismatch",
+                value=float(reported),  # type: ignore[arg-type]  # not None: mismatch is
+                baseline=g2,
+                z=None,
+                category=Category.GRAD,
+                page=True,
+                culprit="the loop's gradient norm",
+            )
+        ]
+
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {
@@ -632,6 +763,8 @@ class SignalDetectors:
             "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
             "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
             "levels": self.levels.to_state(),
+            "slow": self.slow.to_state(),
+            "loss_shift": self.loss_shift.to_state(),
             "cospikes": self.cospikes.to_state(),
             "clip": self.clip.to_state(),
             "memory_baseline": self.memory_baseline,
@@ -659,6 +792,9 @@ class SignalDetectors:
         }
         if "levels" in state:
             det.levels = RankLevels.from_state(state["levels"])
+        if "slow" in state:  # absent in states saved before the CUSUMs
+            det.slow = PeerShift.from_state(state["slow"])
+            det.loss_shift = PeerShift.from_state(state["loss_shift"])
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
         det.clip = ClipRateWindow.from_state(state["clip"])
         det.memory_baseline = state["memory_baseline"]
@@ -670,6 +806,18 @@ class SignalDetectors:
             config.rearm_steps, state.get("pages", state.get("last_page", {}))
         )
         return det
+
+
+def norm_mismatch(reported: float | None, measured: float | None) -> float | None:
+    """|reported - measured| / measured (0 when both are 0); None when either is missing
+    or not finite (a non-finite G2 pages on its own)."""
+    if reported is None or measured is None:
+        return None
+    if not (math.isfinite(reported) and math.isfinite(measured)):
+        return None
+    if measured == 0.0:
+        return 0.0 if reported == 0.0 else math.inf
+    return abs(reported - measured) / abs(measured)
 
 
 def _exp(u: float | None) -> float | None:

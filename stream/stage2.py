@@ -85,8 +85,23 @@ class Stage2Config:
             "maxvio_threshold",
             "media_scale_min",
             "residual_ratio_min",
+            "early_z_factor",
+            "grad_audit_tolerance",
+            "straggler_cusum_k",
+            "straggler_cusum_h",
+            "straggler_cusum_scale",
+            "loss_shift_k",
+            "loss_shift_h",
+            "loss_shift_scale",
         ):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
+        check(d.early_history >= 3, "detectors.early_history", "must be >= 3")
+        check(d.shift_history >= 3, "detectors.shift_history", "must be >= 3")
+        for cap, k in (
+            ("straggler_cusum_cap", "straggler_cusum_k"),
+            ("loss_shift_cap", "loss_shift_k"),
+        ):
+            check(getattr(d, cap) > getattr(d, k), f"detectors.{cap}", f"must exceed {k}")
         check(
             d.straggler_ratio > 1,
             "detectors.straggler_ratio",

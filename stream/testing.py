@@ -2,7 +2,9 @@
 
 ``SimRun`` decides every rank's components for every step from a seed, with the edge
 cases the seeds name: uneven valid-token counts, a rank with no valid token, ranks that
-miss steps, an injected co-spike. ``send`` publishes them as real OTLP messages through
+miss steps, an injected co-spike; and, for the detectors, synchronous DDP timing (a
+straggler, a host-wide bursty load), a persistent shift of one rank's loss, and the
+loop's own clipping norm (global, or only each rank's local shard). ``send`` publishes them as real OTLP messages through
 the same emitter the ranks use; ``expected`` gives the float64 reference for L and L_max.
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from probewire.instrument.catalog import Grad, Group, Loss, System
+from probewire.instrument.catalog import Comm, Grad, Group, Label, Loss, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
@@ -32,6 +34,11 @@ class SimRun:
     missing: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that stay silent
     empty: set[tuple[int, int]] = field(default_factory=set)  # (step, rank) with 0 tokens
     cospike_step: int | None = None
+    ddp: bool = False  # DDP timing: every rank waits for the slowest in the all-reduce
+    slow: tuple[int, int, int, float] | None = None  # (rank, from step, steps, factor)
+    burner: bool = False  # host-wide load: every rank 1.3x, and 2x in random bursts
+    shift: tuple[int, int, float] | None = None  # (rank, from step, factor on its loss)
+    clip_norm: str | None = None  # "global": the loop reports G2; "local": its shard's
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
         """(loss sum, valid tokens, grad norm², step time) of one rank, or None if silent."""
@@ -44,12 +51,47 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
-        return {
+        if self.shift is not None and rank == self.shift[0] and step >= self.shift[1]:
+            mean_loss *= self.shift[2]
+        out = {
             Loss.SUM: mean_loss * tokens,
             Loss.TOKENS: float(tokens),
             Grad.NORM_SQ: grad * grad,
             System.STEP_TIME: 0.1 + 0.001 * rank,
         }
+        if self.clip_norm is not None:  # the local shard's norm: G2 / sqrt(ranks), or so
+            share = 1.0 if self.clip_norm == "global" else math.sqrt(1.0 / self.world_size)
+            out[Grad.CLIP_NORM] = grad * share
+        if self.ddp:
+            out[System.STEP_TIME], _ = self.timing(step, rank)
+        return out
+
+    def timing(self, step: int, rank: int) -> tuple[float, float]:
+        """(step time, all-reduce wait) of one rank under synchronous DDP: each rank computes
+        for ~0.1 s (the straggler ``factor`` x, a loaded host 1.3x and 2x in bursts), then
+        waits for the slowest one; the wait is its exposed collective time."""
+        rng = np.random.default_rng([self.seed, step, 10_000])
+        compute = 0.1 * np.exp(rng.normal(0, 0.02, self.world_size))
+        if self.burner:
+            compute *= 1.3 * np.where(rng.random(self.world_size) < 0.3, 2.0, 1.0)
+        if self.slow is not None:
+            r, first, steps, factor = self.slow
+            if first <= step < first + steps:
+                compute[r] *= factor
+        done, comm = float(compute.max()), 0.01
+        return done + comm, done - float(compute[rank]) + comm
+
+    def points(self, step: int, rank: int) -> list[Point] | None:
+        """The rank's points of one step (``components``, and the all-reduce wait under
+        DDP timing), or None if silent."""
+        parts = self.components(step, rank)
+        if parts is None:
+            return None
+        points = [Point(name, value) for name, value in parts.items()]
+        if self.ddp:
+            wait = self.timing(step, rank)[1]
+            points.append(Point(Comm.WAIT, wait, ((Label.OP, "ddp_allreduce"),)))
+        return points
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
@@ -87,10 +129,9 @@ def send(
     sent, dup = 0, set(duplicates)
     for step in steps:
         for rank in range(run.world_size):
-            parts = run.components(step, rank)
-            if parts is None:
+            points = run.points(step, rank)
+            if points is None:
                 continue
-            points = [Point(name, value) for name, value in parts.items()]
             for _ in range(2 if (step, rank) in dup else 1):
                 emitters[rank].emit(step, points)
                 sent += 1
