@@ -74,6 +74,7 @@ class PeerShift:
     _sorted: dict[int, list[float]] = field(init=False, repr=False, compare=False)
     _recent: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
     _score: dict[int, float] = field(init=False, repr=False, compare=False)
+    _latest: dict[int, bool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 3 <= self.min_history <= self.window:
@@ -89,6 +90,7 @@ class PeerShift:
         if self.joint_steps < 1:
             raise ValueError(f"joint_steps must be >= 1, got {self.joint_steps!r}")
         self._history, self._sorted, self._recent, self._score = {}, {}, {}, {}
+        self._latest = {}  # key -> scored at the latest update
 
     def baseline(self, key: int) -> float | None:
         """b of the key (log units), None while its history is shorter than min_history."""
@@ -97,6 +99,14 @@ class PeerShift:
             return None
         b = sorted_median(ordered)
         return b if self.floor is None else max(b, math.log(self.floor))
+
+    def held(self, key: int, steps: int) -> float | None:
+        """exp(min x) over the key's last ``steps`` scored values: the ratio to its baseline
+        it held on each of them; None while it has fewer (or none at the latest update)."""
+        recent = self._recent.get(key)
+        if recent is None or len(recent) < steps or not self._latest.get(key, False):
+            return None
+        return math.exp(min(list(recent)[-steps:]))
 
     def _joint_scales(self) -> dict[int, float]:
         """Per key: the root mean square of the positive deviations max(x, 0) over the other
@@ -116,6 +126,7 @@ class PeerShift:
         key's history, then add them to it. Keys in warm-up give no result; with fewer than
         3 keys scored nothing is (two keys: which one moved is not known)."""
         scored: dict[int, tuple[float, float, float]] = {}  # key -> (u, x, own scale)
+        self._latest = dict.fromkeys(self._latest, False)
         for key, r in ratios.items():
             if not (math.isfinite(r) and r > 0):
                 continue
@@ -125,6 +136,7 @@ class PeerShift:
                 own = MAD_SIGMA * sorted_median_mad(self._sorted[key])[1]
                 self._recent.setdefault(key, deque(maxlen=self.joint_steps)).append(u - b)
                 scored[key] = (u, u - b, own)
+                self._latest[key] = True
             self._add(key, u)
         if len(scored) < 3:
             return []
@@ -167,6 +179,7 @@ class PeerShift:
                     "history": list(self._history[key]),
                     "recent": list(self._recent.get(key, ())),
                     "score": self._score.get(key, 0.0),
+                    "latest": self._latest.get(key, False),
                 }
                 for key in self._history
             },
@@ -183,4 +196,5 @@ class PeerShift:
                     (float(x) for x in saved["recent"]), maxlen=shift.joint_steps
                 )
             shift._score[int(key)] = float(saved["score"])
+            shift._latest[int(key)] = bool(saved.get("latest", False))
         return shift

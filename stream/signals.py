@@ -46,9 +46,9 @@ __all__ = [
     "norm_mismatch",
 ]
 
-PACE_RATIO = 1.5
+PACE_RATIO = 1.2
 """A step-time spike names the rank whose own-time ratio held at least this far above its
-baseline over the spike's steps (one rank 1.5x the others' pace); else the whole job."""
+baseline over the spike's steps (one rank 1.2x the others' pace); else the whole job."""
 
 
 class Category(IntEnum):
@@ -649,13 +649,17 @@ class SignalDetectors:
 
     def _pace_setter(self) -> int | None:
         """The rank whose own-time ratio held highest above its baseline over the last
-        ``straggler_steps`` steps, when that is at least ``PACE_RATIO``: the rank a
-        step-time rise is carried by; None when the whole job slowed together."""
+        ``straggler_steps`` steps (its long baseline, or early in a run its CUSUM's), when
+        that is at least ``PACE_RATIO``: the rank a step-time rise is carried by; None when
+        the whole job slowed together."""
+        steps = self.config.straggler_steps
         best: tuple[float, int] | None = None
         for rank in self.levels.ranks:
-            level = self.levels.held(rank, self.config.straggler_steps, 0.0)
-            if level is not None and (best is None or level > best[0]):
-                best = (level, rank)
+            level = self.levels.held(rank, steps, 0.0)
+            early = self.slow.held(rank, steps)
+            for value in (level, early):
+                if value is not None and (best is None or value > best[0]):
+                    best = (value, rank)
         return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:

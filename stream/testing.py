@@ -59,8 +59,9 @@ class SimRun:
             Grad.NORM_SQ: grad * grad,
             System.STEP_TIME: 0.1 + 0.001 * rank,
         }
-        if self.clip_norm is not None:  # the local shard's norm: G2 / sqrt(ranks), or so
-            share = 1.0 if self.clip_norm == "global" else math.sqrt(1.0 / self.world_size)
+        if self.clip_norm is not None:  # each rank owns a shard of squared sum grad²: the
+            # global norm is grad sqrt(ranks), the shard's own grad
+            share = math.sqrt(self.world_size) if self.clip_norm == "global" else 1.0
             out[Grad.CLIP_NORM] = grad * share
         if self.ddp:
             out[System.STEP_TIME], _ = self.timing(step, rank)
