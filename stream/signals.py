@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
-from .derive import own_time_ratios
 from .detect import (
-    MIN_SPREAD,
     ClipRateWindow,
     CoSpikeTracker,
     RankLevels,
     RobustSpikeDetector,
     SpikeResult,
 )
+from .directions import DirectionalRules
+from .findings import Category, DetectorConfig, Finding, RankSeries, next_steps
 from .pages import PageGate
 from .series import StepMetrics as SM
 from .shifts import PeerShift
@@ -43,108 +41,11 @@ __all__ = [
     "RankSeries",
     "SignalDetectors",
     "next_steps",
-    "norm_mismatch",
 ]
 
 PACE_RATIO = 1.2
 """A step-time spike names the rank whose own-time ratio held at least this far above its
 baseline over the spike's steps (one rank 1.2x the others' pace); else the whole job."""
-
-
-class Category(IntEnum):
-    """The escalation order of seeds 001 §1, then the layer-level views."""
-
-    JOB = 0
-    LOSS = 1
-    GRAD = 2
-    TIME = 3
-    MEMORY = 4
-    EXPERTS = 5
-    LAYERS = 6
-
-
-_WHAT_TO_OPEN = {
-    Category.JOB: "job state: ranks_missing / late data in step_metrics and rank_metrics",
-    Category.LOSS: "loss: loss_worst_rank and its rank, loss_by_source against each source's "
-    "own history",
-    Category.GRAD: "gradient norm and spikes: grad_norm, loss_z/grad_z, clip_rate, co-spikes",
-    Category.TIME: "step time: step_time_s per rank, straggler_score and straggler_own_ratio, "
-    "exposed collective wait",
-    Category.MEMORY: "memory: peak_memory_bytes per rank and its growth",
-    Category.EXPERTS: "expert balance: moe_maxvio, H_norm and per-expert load in expert_stats",
-    Category.LAYERS: "layer views: tensor_view backward abs max walking inward from the output",
-}
-
-
-def next_steps(category: Category) -> list[str]:
-    """What to open next, in escalation order, starting at the category that moved."""
-    return [_WHAT_TO_OPEN[c] for c in Category if c >= category]
-
-
-@dataclass(slots=True, kw_only=True)
-class Finding:
-    """One anomaly at one step; ``page`` marks the P0 conditions that become alerts."""
-
-    signal: str
-    kind: str  # spike | cospike | nonfinite | threshold | drift | straggler
-    value: float
-    baseline: float | None
-    z: float | None
-    category: Category
-    page: bool
-    culprit: str = ""  # "rank 3", "source code", "layer 2", ...
-    ranks: list[int] = field(default_factory=list)
-
-
-@dataclass(kw_only=True, slots=True)
-class DetectorConfig:
-    """Thresholds are configuration; ``probewire calibrate`` derives z thresholds."""
-
-    window: int = 100
-    early_history: int = 10  # L, G2 and the loss culprits are scored from this many values...
-    early_z_factor: float = 2.0  # ...against this x their threshold until the window is full
-    loss_z: float = 6.0
-    grad_z: float = 6.0
-    signal_z: float = 8.0  # single-signal pages (worst rank, source, step time...)
-    min_spread: float = MIN_SPREAD  # floor under every robust score's spread (log units)
-    straggler_ratio: float = 5.0  # one rank's own-time ratio over its own baseline...
-    straggler_steps: int = 3  # ...on every one of this many consecutive steps: a page
-    straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
-    straggler_held_steps: int = 40  # ...of this many consecutive steps
-    straggler_held_quantile: float = 0.1
-    # a one-sided CUSUM per rank on its own-time ratio against its own baseline (at least
-    # parity) in scales s = max(min_scale, its own spread, its peers' joint spread of the
-    # last steps): min(x / s, cap) - k a step, reset at parity, a page at h (``shifts``)
-    straggler_cusum_k: float = 2.0
-    straggler_cusum_cap: float = 4.0
-    straggler_cusum_h: float = 16.0
-    straggler_cusum_scale: float = 0.05
-    # the same on each rank's own loss L_r over the other ranks' median (3+ ranks)
-    loss_shift_k: float = 2.0
-    loss_shift_cap: float = 4.0
-    loss_shift_h: float = 16.0
-    loss_shift_scale: float = 0.01
-    shift_history: int = 20  # values of a rank's history before its CUSUMs score
-    clip_threshold: float = 1.0
-    clip_window: int = 100
-    memory_growth: float = 0.2  # page when peak memory exceeds its baseline by 20%
-    maxvio_threshold: float = 2.0  # busiest expert carries 3x the mean load
-    maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
-    media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
-    residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
-    grad_audit_tolerance: float = 0.01  # |loop's norm - G2| / G2 above this: a page
-    rearm_steps: int = 50
-
-
-@dataclass(slots=True)
-class RankSeries:
-    """Per-rank values of one step the culprit rules score against each rank's history:
-    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
-    each source's loss over the ranks other than the worst one."""
-
-    loss: Mapping[int, float] = field(default_factory=dict)
-    own_ratio: Mapping[int, float] = field(default_factory=dict)
-    source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
 
 
 def _spike_finding(
@@ -197,9 +98,7 @@ class SignalDetectors:
             config.straggler_cusum_scale,
             floor=1.0,
         )
-        self.loss_shift = self._shift(
-            config.loss_shift_k, config.loss_shift_cap, config.loss_shift_h, config.loss_shift_scale
-        )
+        self.directions = DirectionalRules(config)
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
         self.memory_baseline: float | None = None
@@ -268,7 +167,7 @@ class SignalDetectors:
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
-        found += self._audit(view)
+        found += self.directions.observe(view, derived, ranks.loss, warm=not derived[SM.warmup])
         return derived, [f for f in found if f is not None]
 
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
@@ -443,7 +342,7 @@ class SignalDetectors:
                 own = det.update(value)
             else:
                 det.push(value)
-        found = self._rank_shift(losses)
+        found: list[Finding | None] = []
         if not (view[SM.loss] and view[SM.loss_worst_rank] is not None and view[SM.loss] > 0):
             return found
         gap = self.spikes["worst_rank_ratio"].update(view[SM.loss_worst_rank] / view[SM.loss])
@@ -457,31 +356,6 @@ class SignalDetectors:
                 own,
             )
         ]
-
-    def _rank_shift(self, losses: Mapping[int, float]) -> list[Finding | None]:
-        """A persistent shift of one rank's own loss: L_r over the other ranks' median
-        (the trend and a batch every rank sees cancel) against that ratio's own history,
-        a CUSUM per rank (``shifts.PeerShift``); pages ``loss_rank_shift`` naming it, with
-        its loss and the loss its usual ratio to the others puts it at."""
-        valid = {r: v for r, v in losses.items() if math.isfinite(v) and v > 0}
-        found: list[Finding | None] = []
-        for res in self.loss_shift.update(own_time_ratios(valid)):
-            if res.shift:
-                loss = valid[res.key]
-                found.append(
-                    Finding(
-                        signal="loss_rank_shift",
-                        kind="shift",
-                        value=loss,
-                        baseline=loss / res.ratio * res.baseline,
-                        z=math.log(res.ratio / res.baseline) / res.scale,
-                        category=Category.LOSS,
-                        page=True,
-                        culprit=f"rank {res.key}",
-                        ranks=[res.key],
-                    )
-                )
-        return found
 
     def _sources(
         self,
@@ -736,29 +610,6 @@ class SignalDetectors:
             )
         ]
 
-    def _audit(self, view: dict[str, Any]) -> list[Finding]:
-        """grad_norm_audit: the norm the loop clipped with (its own computation, when it
-        reports one) against G2 from the owners' squared sums, every step. A mismatch above
-        ``grad_audit_tolerance`` (1%: bf16 per-tensor norms round by ~0.4%) is a wrong norm
-        (a loop that norms only its local shard reports G2 / sqrt(shards) or so), and its
-        clipping is wrong with it."""
-        reported, g2 = view.get(SM.grad_clip_norm), view[SM.grad_norm]
-        mismatch = norm_mismatch(reported, g2)
-        if mismatch is None or mismatch <= self.config.grad_audit_tolerance:
-            return []
-        return [
-            Finding(
-                signal="grad_norm_audit",
-                kind="mismatch",
-                value=float(reported),  # type: ignore[arg-type]  # not None: mismatch is
-                baseline=g2,
-                z=None,
-                category=Category.GRAD,
-                page=True,
-                culprit="the loop's gradient norm",
-            )
-        ]
-
     # -- persistence ------------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         return {
@@ -768,7 +619,7 @@ class SignalDetectors:
             "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
             "levels": self.levels.to_state(),
             "slow": self.slow.to_state(),
-            "loss_shift": self.loss_shift.to_state(),
+            "directions": self.directions.to_state(),
             "cospikes": self.cospikes.to_state(),
             "clip": self.clip.to_state(),
             "memory_baseline": self.memory_baseline,
@@ -798,7 +649,7 @@ class SignalDetectors:
             det.levels = RankLevels.from_state(state["levels"])
         if "slow" in state:  # absent in states saved before the CUSUMs
             det.slow = PeerShift.from_state(state["slow"])
-            det.loss_shift = PeerShift.from_state(state["loss_shift"])
+        det.directions = DirectionalRules.from_state(config, state.get("directions"))
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
         det.clip = ClipRateWindow.from_state(state["clip"])
         det.memory_baseline = state["memory_baseline"]
@@ -810,18 +661,6 @@ class SignalDetectors:
             config.rearm_steps, state.get("pages", state.get("last_page", {}))
         )
         return det
-
-
-def norm_mismatch(reported: float | None, measured: float | None) -> float | None:
-    """|reported - measured| / measured (0 when both are 0); None when either is missing
-    or not finite (a non-finite G2 pages on its own)."""
-    if reported is None or measured is None:
-        return None
-    if not (math.isfinite(reported) and math.isfinite(measured)):
-        return None
-    if measured == 0.0:
-        return 0.0 if reported == 0.0 else math.inf
-    return abs(reported - measured) / abs(measured)
 
 
 def _exp(u: float | None) -> float | None:

@@ -14,7 +14,8 @@ import pytest
 
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.assemble import reduce_step
-from probewire.stream.signals import DetectorConfig, SignalDetectors, norm_mismatch
+from probewire.stream.directions import norm_mismatch
+from probewire.stream.signals import DetectorConfig, SignalDetectors
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 from probewire.stream.testing import SimRun
 
