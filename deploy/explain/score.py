@@ -65,6 +65,13 @@ PAGE_FINDINGS = {
     SM.moe_maxvio: ("expert balance", SM.moe_maxvio),
     SM.media_scale: ("layers", SM.media_scale),
     "residual_scale": ("layers", SM.residual_ratio_min),
+    SM.clip_rate: ("gradient", SM.clip_rate),
+    "vanishing_gradients": ("gradient", SM.grad_norm),
+    SM.compute_rate: ("step time", SM.compute_rate),
+    SM.memory_headroom: ("memory", SM.peak_memory_bytes),
+    SM.moe_shard_imbalance: ("expert balance", SM.moe_shard_imbalance),
+    SM.moe_h_norm: ("expert balance", SM.moe_h_norm),
+    SM.modality_token_share: ("layers", SM.modality_token_share),
 }
 _NON_PAGING_KINDS = {"gap", "via_rank"}  # anomalies of a paging signal that never page
 
