@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
 
-__all__ = ["SimRun", "own_topics", "send"]
+__all__ = ["SimRun", "own_topics", "send", "stage2_in_process"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -101,6 +102,36 @@ class SimRun:
         counts = np.array([c[Loss.TOKENS] for c in parts], dtype=np.float64)
         valid = counts > 0
         return float(sums.sum() / counts.sum()), float(np.max(sums[valid] / counts[valid]))
+
+
+def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]]]:
+    """``run`` through stage 1's reduction and stage 2 (``config``: a ``Stage2Config``) in
+    this process, no broker: the rows stage 2 produced, by table (a benchmark's or a unit
+    test's quick path; the integration tests send through the broker)."""
+    from probewire.instrument.wire import RankStep, series_key
+
+    from .assemble import reduce_step
+    from .stage2 import RunPipeline
+
+    pipeline = RunPipeline(run.run_id, config)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for step in range(run.steps):
+        records = [
+            RankStep(
+                run_id=run.run_id,
+                step=step,
+                rank=r,
+                world_size=run.world_size,
+                host="h",
+                coords={"dp": r},
+                values={series_key(p.name, p.labels): p.value for p in run.points(step, r) or ()},
+            )
+            for r in range(run.world_size)
+        ]
+        reduced = reduce_step(run.run_id, step, run.world_size, records, "all_ranks")
+        for table, out in pipeline.accept(reduced, float(step)).rows.items():
+            rows.setdefault(table, []).extend(out)
+    return rows
 
 
 def send(

@@ -694,3 +694,21 @@ def test_a_grad_scaler_skip_is_a_skipped_step(update_inside):
     recs = sorted((decode_rank_step(k, v) for k, v in transport.messages), key=lambda r: r.step)
     assert scales == [2.0**10, 2.0**10, 2.0**9, 2.0**9]  # the scaler skipped step 2 only
     assert [value(r, "guard.skipped") for r in recs] == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("clip", ["helper", "torch"])
+def test_the_loops_own_clipping_norm_is_sent_for_the_audit_and_the_helpers_is_not(clip):
+    """``s.clipped(total)`` with a norm the loop computed itself sends it as grad.clip_norm
+    (the stream audits it against G2); through ``s.clip_grad_norm_`` the clipping norm is the
+    measurement itself and nothing more is sent."""
+    rec, norm = _clip_once(ProbeConfig(**QUIET), clip, 1e9)
+    sent = value(rec, "grad.clip_norm") if clip == "torch" else None
+    assert (
+        ("grad.clip_norm", ()) in rec.values
+        if clip == "torch"
+        else (("grad.clip_norm", ()) not in rec.values)
+    )
+    if sent is not None:
+        assert sent == norm and sent == pytest.approx(
+            math.sqrt(value(rec, "grad.norm_sq")), rel=1e-6
+        )

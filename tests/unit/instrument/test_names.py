@@ -139,7 +139,11 @@ def test_every_name_every_probe_emits_is_in_the_catalog_and_every_entry_is_emitt
             s.comm_wait("ddp_allreduce", 0.01)
             s.skipped()
             s.replayed(reproduced=False)
-            s.clip_grad_norm_(model.parameters(), 1.0)
+            if step == 0:
+                s.clip_grad_norm_(model.parameters(), 1.0)
+            else:  # the loop's own clipping norm: sent for the stream's audit
+                s.gradients()
+                s.clipped(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             opt.zero_grad()
     monitor.close()

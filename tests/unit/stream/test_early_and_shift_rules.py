@@ -12,44 +12,22 @@ import math
 import numpy as np
 import pytest
 
-from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.directions import norm_mismatch
 from probewire.stream.signals import DetectorConfig, SignalDetectors
-from probewire.stream.stage2 import RunPipeline, Stage2Config
-from probewire.stream.testing import SimRun
+from probewire.stream.stage2 import Stage2Config
+from probewire.stream.testing import SimRun, stage2_in_process
 
 
 def alerts_of(run: SimRun, window: int = 50, **detectors) -> list[tuple[int, str, str]]:
-    pipeline = RunPipeline(
-        run.run_id,
-        Stage2Config(
-            detectors=DetectorConfig(window=window, **detectors),
-            retention_every_k=10,
-            retention_halo=5,
-            warmup_steps=5,
-            final_steps=5,
-        ),
+    config = Stage2Config(
+        detectors=DetectorConfig(window=window, **detectors),
+        retention_every_k=10,
+        retention_halo=5,
+        warmup_steps=5,
+        final_steps=5,
     )
-    pages = []
-    for step in range(run.steps):
-        records = [
-            RankStep(
-                run_id=run.run_id,
-                step=step,
-                rank=r,
-                world_size=run.world_size,
-                host="h",
-                coords={"dp": r},
-                values={series_key(p.name, p.labels): p.value for p in run.points(step, r) or ()},
-            )
-            for r in range(run.world_size)
-        ]
-        out = pipeline.accept(
-            reduce_step(run.run_id, step, run.world_size, records, "all_ranks"), step
-        )
-        pages += [(a["step"], a["signal"], a["culprit"]) for a in out.rows["alerts"]]
-    return pages
+    alerts = stage2_in_process(run, config).get("alerts", [])
+    return [(a["step"], a["signal"], a["culprit"]) for a in alerts]
 
 
 BASE = SimRun(run_id="r", world_size=4, steps=100, seed=3, ddp=True)
