@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .detect import calibrate
+from .series import Series
 from .series import StepMetrics as SM
 
 __all__ = [
@@ -54,7 +55,7 @@ HELD = {
 # drift setting -> (step_metrics column, direction: +1 a rise is bad, -1 a drop, the k
 # setting): margin x quantile of the move the stable run held for k steps over its own
 # baseline (the median of the window before), the rules of ``directions``
-DRIFT = {
+DRIFT: dict[str, tuple[Series, int, str | None]] = {
     "clip_rate_rise": (SM.clip_rate, 1, None),
     "h_norm_drop": (SM.moe_h_norm, -1, "maxvio_steps"),
 }
@@ -188,16 +189,15 @@ def calibrate_run(
         if level is not None:
             n = sum(v is not None for v in held_values[window:])
             out.append(Calibration(setting, column, level, n))
-    for setting, (column, direction, k_setting) in DRIFT.items():
-        held_values = list(series.get(column, []))
-        k = (held_steps or {}).get(k_setting, 3) if k_setting else 1
-        level = drift_level(held_values, window, k, direction, quantile, margin)
+    for drift, (column, direction, k_of) in DRIFT.items():
+        moved = list(series.get(column, []))
+        k = (held_steps or {}).get(k_of, 3) if k_of else 1
+        level = drift_level(moved, window, k, direction, quantile, margin)
         if level is not None and level > 0:
-            n = sum(v is not None for v in held_values)
-            out.append(Calibration(setting, column, level, n))
-    setting, reported, measured = AUDIT
+            out.append(Calibration(drift, column, level, sum(v is not None for v in moved)))
+    audit, reported, measured = AUDIT
     level = audit_level(series.get(reported, []), series.get(measured, []), quantile, margin)
     if level is not None and level > 0:
         n = sum(v is not None for v in series.get(reported, []))
-        out.append(Calibration(setting, reported, level, n))
+        out.append(Calibration(audit, reported, level, n))
     return out

@@ -111,6 +111,7 @@ def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]
     from probewire.instrument.wire import RankStep, series_key
 
     from .assemble import reduce_step
+    from .records import CompleteReason
     from .stage2 import RunPipeline
 
     pipeline = RunPipeline(run.run_id, config)
@@ -128,7 +129,7 @@ def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]
             )
             for r in range(run.world_size)
         ]
-        reduced = reduce_step(run.run_id, step, run.world_size, records, "all_ranks")
+        reduced = reduce_step(run.run_id, step, run.world_size, records, CompleteReason.ALL_RANKS)
         for table, out in pipeline.accept(reduced, float(step)).rows.items():
             rows.setdefault(table, []).extend(out)
     return rows
