@@ -98,7 +98,8 @@ class DetectorConfig:
     shard_imbalance_max: float = 1.5  # busiest EP shard / mean shard load (maxvio_steps)
     h_norm_drop: float = 0.1  # router entropy H_norm below its baseline by this
     pi_shift: float = 0.1  # a modality's token share this far from its baseline
-    media_scale_max: float = 10.0  # gamma above this: media tokens swamp the backbone
+    media_scale_max: float = 100.0  # gamma above this: media swamp the backbone (the full
+    # demo preset, healthy, reaches 17 in its first 100 steps)
     vanish_ratio: float = 1e-3  # G2 below this x its baseline (straggler_steps steps)
     headroom_min: float = 0.05  # 1 - peak / capacity of the worst rank below this
     rearm_steps: int = 50

@@ -77,7 +77,7 @@ def _set(name, value):
             "shift",
             "modality image",
         ),
-        (_set(SM.media_scale, 30.0), SM.media_scale, "threshold", "media projector"),
+        (_set(SM.media_scale, 300.0), SM.media_scale, "threshold", "media projector"),
         (_set(SM.grad_norm, 1e-5), "vanishing_gradients", "drop", ""),
         (_set(SM.memory_headroom, 0.02), SM.memory_headroom, "threshold", "rank 2"),
     ],
