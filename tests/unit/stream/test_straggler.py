@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,8 +176,9 @@ def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
 
 
 # -- the rule ---------------------------------------------------------------------------------
-CFG = DetectorConfig(
+CFG = DetectorConfig(  # the brief and the held rules (the CUSUM off: tested below)
     window=10,
+    straggler_cusum_h=1e9,
     straggler_ratio=3.0,
     straggler_steps=3,
     straggler_held_ratio=1.4,
@@ -318,7 +320,7 @@ def run_steps(
 
 def small(**kw) -> Stage2Config:
     return Stage2Config(
-        detectors=DetectorConfig(window=20, **kw),
+        detectors=DetectorConfig(window=20, **{"straggler_cusum_h": 1e9, **kw}),
         retention_every_k=10,
         retention_halo=5,
         warmup_steps=3,
@@ -396,3 +398,38 @@ def test_with_two_ranks_only_a_gross_straggler_pages():
     assert pages(SignalDetectors(CFG), warm + moderate) == []
     gross = [{0: 1 / 4.0, 1: 4.0}] * 3
     assert [c for _, c, _ in pages(SignalDetectors(CFG), warm + gross)] == ["rank 1"]
+
+
+# -- the CUSUM on recorded gloo ranks -------------------------------------------------------------
+RECORDED = json.loads((Path(__file__).parent / "data" / "gloo_own_ratios.json").read_text())["runs"]
+
+
+def recorded(run: str) -> list[tuple[int, str]]:
+    """Straggler pages (step, culprit) of the default CUSUM (window 50, the held rules off)
+    on a recorded run's own-time ratios."""
+    det = SignalDetectors(
+        DetectorConfig(window=50, straggler_held_steps=40, straggler_held_ratio=1e9)
+    )
+    out = []
+    for step, ratios in RECORDED[run]:
+        _, findings = det.observe(
+            step, quiet_view(), {}, RankSeries(own_ratio={int(r): v for r, v in ratios.items()})
+        )
+        out += [(step, f.culprit) for f in findings if f.kind == "straggler" and f.page]
+    return out
+
+
+def test_the_cusum_pages_a_recorded_13x_rank_within_20_steps_and_a_15x_one_within_5():
+    """3 gloo DDP ranks of the demo on the shared 2-core host, where a healthy rank's ratio
+    moves by 15-20 % a step: rank 1 slowed 1.3x for 20 steps from step 150 pages inside
+    them (the held rule never did), 1.5x within 5 steps (the held rule: +33)."""
+    slow13 = recorded("ddp-straggler13")
+    assert slow13 and slow13[0][1] == "rank 1" and 150 <= slow13[0][0] < 170, slow13
+    assert all(c == "rank 1" and s >= 150 for s, c in slow13)
+    slow15 = recorded("ddp-straggler")
+    assert slow15[0][1] == "rank 1" and 150 <= slow15[0][0] <= 155, slow15
+    assert all(c == "rank 1" and s >= 150 for s, c in slow15)
+
+
+def test_the_cusum_is_silent_on_a_recorded_host_loaded_by_a_cpu_burner():
+    assert recorded("loaded-host") == []
