@@ -58,10 +58,10 @@ def test_migrated_tables_have_exactly_the_declared_columns_and_types(ch_client, 
 
 
 def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) -> None:
-    assert sink.migrate() == 8
+    assert sink.migrate() == 9
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
-    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,)]
+    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:
@@ -119,7 +119,7 @@ def test_a_version_1_store_is_upgraded_to_the_declared_step_metrics(ch_client, c
     ch_client.command(
         f"INSERT INTO {db}.step_metrics (run_id, step, tokens, loss) VALUES ('r', 7, 10, 2.5)"
     )
-    assert ClickHouseSink(ch_client, db).migrate() == 8
+    assert ClickHouseSink(ch_client, db).migrate() == 9
     got = _rows(
         ch_client,
         f"SELECT name, type FROM system.columns WHERE database = '{db}' "
