@@ -76,9 +76,9 @@ class DetectorConfig:
     # a one-sided CUSUM per rank on its own-time ratio against its own baseline (at least
     # parity) in scales s = max(min_scale, its own spread, its peers' joint spread of the
     # last steps): min(x / s, cap) - k a step, reset at parity, a page at h (``shifts``)
-    straggler_cusum_k: float = 0.75
+    straggler_cusum_k: float = 1.0
     straggler_cusum_cap: float = 3.0
-    straggler_cusum_h: float = 8.0
+    straggler_cusum_h: float = 12.0
     straggler_cusum_scale: float = 0.05
     # the same on each rank's own loss L_r over the other ranks' median (3+ ranks)
     loss_shift_k: float = 2.0

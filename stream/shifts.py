@@ -23,8 +23,8 @@ other ranks' median; its own loss over the other ranks' median). On log values:
 A shift of d log units on a quiet key (s = ``min_scale``) gains min(d/s, cap) - k per step:
 with k = 2, cap = 4, h = 16 (the defaults here) and s = 0.01 (the loss shift's) a rank's loss
 10 % up pages on its 8th step, and any move must hold on h / (cap - k) = 8 steps in a row
-with no step at parity; the straggler's (k = 0.75, cap = 3, h = 8) page a rank 1.3x slower
-on its 4th. Under bursts every rank shares the joint scale rises with them.
+with no step at parity; the straggler's (k = 1, cap = 3, h = 12) page a rank 1.3x slower
+on its 6th. Under bursts every rank shares the joint scale rises with them.
 With fewer than 3 keys nothing is scored (two ranks: each is the other's whole reference).
 """
 

@@ -405,10 +405,11 @@ class SignalDetectors:
 
         * with 3 or more ranks, when its CUSUM (``shifts.PeerShift``: min(x / s, cap) - k a
           step on x = log rho_r - its baseline, reset at parity) reaches h: a rank 1.3x
-          slower than steady peers pages on its 4th slow step; on the shared 2-core host
-          (a healthy rank's ratio moves 15-20 % a step) a recorded 1.3x rank on its 19th
-          and a 1.5x one on its 3rd, while the healthy runs and a CPU burner's peaked at
-          S < 6 (``tests/unit/stream/data/gloo_own_ratios.json``); bursts the ranks share
+          slower than steady peers pages on its 6th slow step; on the shared 2-core host
+          (a healthy rank's ratio moves 15-20 % a step) a recorded 1.5x rank on its 13th
+          (the held rule: +33) and a 1.3x one not at all, while healthy runs and a CPU
+          burner's peaked at S 5-8 (``tests/unit/stream/data/gloo_own_ratios.json`` and
+          an e2e run, where k 0.75 / h 8 paged a healthy rank); bursts the ranks share
           widen the scale s (the peers' joint spread of the last steps);
 
         * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross

@@ -47,10 +47,10 @@ def test_a_rank_13x_slower_for_20_steps_pages_within_20_steps_naming_it():
     got = alerts_of(slow)
     assert got and {(s, c) for s, c in ((a[1], a[2]) for a in got)} == {("step_time", "rank 1")}
     assert 60 <= got[0][0] < 80
-    # the job's step-time spike out of reach: the CUSUM alone, on the 4th slow step
-    # (min(x / s, 3) - 0.75 = 2.25 a step to h = 8)
+    # the job's step-time spike out of reach: the CUSUM alone, on the 6th slow step
+    # (min(x / s, 3) - 1 = 2 a step to h = 12)
     got = alerts_of(slow, signal_z=1e9)
-    assert got[0] == (63, "step_time", "rank 1"), got
+    assert got[0] == (65, "step_time", "rank 1"), got
 
 
 def test_a_host_wide_bursty_load_pages_nothing():
