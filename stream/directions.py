@@ -130,7 +130,7 @@ class DirectionalRules:
     ) -> list[Finding]:
         found = self._rank_shift(losses)
         found += self._audit(view)
-        found += self._clip_rate(derived)
+        found += self._clip_rate(derived, view[SM.grad_norm])
         found += self._compute_rate(view)
         found += self._experts(view, warm)
         found += self._token_share(view)
@@ -178,13 +178,14 @@ class DirectionalRules:
             )
         ]
 
-    def _clip_rate(self, derived: Mapping[str, Any]) -> list[Finding]:
-        """Once the clip window is full (a rate over fewer steps jumps by 1/n a step)."""
+    def _clip_rate(self, derived: Mapping[str, Any], g2: float | None) -> list[Finding]:
+        """Once the clip window is full (a rate over fewer steps jumps by 1/n a step); not
+        while G2 is non-finite (a NaN norm counts as clipped, and pages on its own)."""
         rate = derived.get(SM.clip_rate)
         if rate is None:
             return []
         seen = self.runs["clip_steps"] = self.runs.get("clip_steps", 0) + 1
-        if seen < self.config.clip_window:
+        if seen < self.config.clip_window or g2 is None or not math.isfinite(g2):
             return []
         base = self._base(SM.clip_rate, rate)
         if base is None or rate - base < self.config.clip_rate_rise:

@@ -30,8 +30,9 @@ WINDOW = 50  # detector window: short runs, the detectors are warm by FAULT_STEP
 DB = "probewire"
 HEALTHY = "healthy"
 EARLY = (16, "cospike")
-"""The tiny demo's default data holds a real co-spike at step 16 (G2 ~100x its baseline,
-L +28%): the early regime (issue 38) pages it in every run here, long before the fault."""
+"""The tiny demo's default data can hold a real co-spike at step 16 (G2 ~100x its
+baseline, L +28%; whether it does depends on the run's length, through its learning-rate
+schedule): the early regime (issue 38) pages it, long before the fault."""
 # the straggler sleeps 1 s a slow step, not its default 3 s: its own-time ratio is ~20
 # either way (the waiting rank's own time is floored at 5 % of the step), 20 s less to wait
 PARAMS = {Straggler.name: ":delay_s=1"}
@@ -103,7 +104,8 @@ def gallery(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     out = {}
     for name in names:
         alerts = [a for a in read["sql"]["alerts"] if a["run_id"] == name]
-        assert [(a["step"], a["signal"]) for a in alerts if a["step"] < FAULT_STEP] == [EARLY]
+        before = {(a["step"], a["signal"]) for a in alerts if a["step"] < FAULT_STEP}
+        assert before <= {EARLY}, (name, before)
         alerts = [a for a in alerts if a["step"] >= FAULT_STEP]
         straggler = {
             r["step"]: r["straggler_rank"] for r in read["sql"]["straggler"] if r["run_id"] == name

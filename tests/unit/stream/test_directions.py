@@ -111,6 +111,9 @@ def test_the_clip_rate_rule_waits_for_a_full_window_and_pages_a_rise_over_its_ba
     assert got[0][:3] == (50, SM.clip_rate, "drift") and got[0][4] == pytest.approx(0.1)
     # a high rate while the window fills (steps < clip_window) is not scored
     assert run(clip=lambda t: 1.0 if t < 15 else 0.1) == []
+    # nor while G2 is non-finite (NaN counts as clipped; the non-finite G2 pages itself)
+    nan = run(_set(SM.grad_norm, float("nan")), clip=lambda t: 0.1 if t < 50 else 0.5)
+    assert [f for f in nan if f[1] == SM.clip_rate] == []
 
 
 def test_history_baseline_is_the_numpy_median_of_the_last_window_values():
