@@ -24,11 +24,21 @@ Per fault: steps from the fault to the first firing at or after it ("missed" if 
 firing before the fault counts as a false alarm). Scenarios and fault-free runs: the
 number of steps on which each detector fires. The table is printed and written as
 markdown to ``--out``.
+
+A second table holds the faults of issue 38 on simulated synchronous DDP ranks
+(``probewire.stream.testing.SimRun``, 4 ranks, stage 1 and stage 2 in this process, the
+default detector settings but ``--window``): a co-spike at step 20, a rank 1.3x slower for
+20 steps, one rank's loss shifted 10%, a loop that norms only its local shard; a
+host-wide bursty load and a loop with a correct global norm that must page nothing; a
+fault-free run of ``--sim-steps`` steps and the first 100 steps of it. ``--simulated-only``
+writes only that table (below the ``## Simulated`` heading of ``--out``, the recorded
+table above it kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -44,6 +54,9 @@ from probewire.deploy.demo.faults import FAULTS, SCENARIOS, demo_train_args
 from probewire.deploy.demo.gallery import Gallery, read_gallery
 from probewire.stream.detect import CoSpikeTracker, RobustSpikeDetector
 from probewire.stream.series import StepMetrics as SM
+from probewire.stream.signals import DetectorConfig
+from probewire.stream.stage2 import Stage2Config
+from probewire.stream.testing import SimRun, stage2_in_process
 
 DB = "probewire"
 
@@ -56,6 +69,7 @@ class Series:
     loss: np.ndarray
     grad: np.ndarray
     alerts: list[tuple[int, str]]
+    signal: str | None = None  # the signal that must page (None: the demo fault's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +200,7 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
             row.append(cell)
         rows.append(row)
     for s in faulty:
-        row = [f"{s.label} ({FAULTS[s.label].signal})"]
+        row = [f"{s.label} ({s.signal or FAULTS[s.label].signal})"]
         for name, det in DETECTORS.items():
             fired = det(s, window)
             before = [f for f in fired if f < s.fault_step]
@@ -227,7 +241,72 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
     rows.append(
         ["**false alarms before the fault** (fault runs)"] + [str(alarms[d]) for d in DETECTORS]
     )
+    early = {
+        name: sum(f < 100 for s in healthy for f in det(s, window))
+        for name, det in DETECTORS.items()
+    }
+    rows.append(
+        [f"**firings in the first 100 steps** ({len(healthy)} fault-free runs)"]
+        + [str(early[d]) for d in DETECTORS]
+    )
     return header, rows
+
+
+# -- simulated DDP ranks: the faults of issue 38 ------------------------------------------------
+_SIM = SimRun(run_id="", world_size=4, steps=200, seed=1, ddp=True)
+SIM_FAULTS = {  # label: (fault step, the signal that must page, the run)
+    "sim-early-cospike": (20, SM.cospike, dataclasses.replace(_SIM, steps=60, cospike_step=20)),
+    "sim-straggler-1.3x-20-steps": (
+        150,
+        "step_time",
+        dataclasses.replace(_SIM, slow=(1, 150, 20, 1.3)),
+    ),
+    "sim-rank-loss-shift-10%": (
+        150,
+        "loss_rank_shift",
+        dataclasses.replace(_SIM, shift=(2, 150, 1.1)),
+    ),
+    "sim-local-shard-norm": (
+        0,
+        "grad_norm_audit",
+        dataclasses.replace(_SIM, steps=60, clip_norm="local"),
+    ),
+}
+SIM_QUIET = {  # must page nothing
+    "scenario-sim-loaded-host": dataclasses.replace(_SIM, steps=1000, burner=True),
+    "scenario-sim-global-norm": dataclasses.replace(_SIM, clip_norm="global"),
+}
+
+
+def _sim_series(label: str, run: SimRun, window: int, fault_step: int | None, signal=None):
+    config = Stage2Config(detectors=DetectorConfig(window=window))
+    rows = stage2_in_process(dataclasses.replace(run, run_id=label), config)
+    steps = rows["step_metrics"]
+    nan = float("nan")
+    return Series(
+        label,
+        fault_step,
+        np.array([r["step"] for r in steps]),
+        np.array([nan if r[SM.loss] is None else r[SM.loss] for r in steps], float),
+        np.array([nan if r[SM.grad_norm] is None else r[SM.grad_norm] for r in steps], float),
+        [(a["step"], a["signal"]) for a in rows.get("alerts", [])],
+        signal,
+    )
+
+
+def simulated(window: int, sim_steps: int) -> tuple[list[Series], list[Series], list[Series]]:
+    """(fault runs, must-page-nothing scenarios, fault-free runs) on simulated DDP ranks:
+    the fault-free run of ``sim_steps`` steps and its first 100 steps as a run of its own."""
+    faulty = [_sim_series(k, run, window, step, sig) for k, (step, sig, run) in SIM_FAULTS.items()]
+    quiet = [_sim_series(k, run, window, 0) for k, run in SIM_QUIET.items()]
+    long = _sim_series(
+        f"healthy-sim-{sim_steps}", dataclasses.replace(_SIM, steps=sim_steps), window, None
+    )
+    first = _sim_series("healthy-sim-first-100", dataclasses.replace(_SIM, steps=100), window, None)
+    return faulty, quiet, [long, first]
+
+
+SIM_HEADING = "## Simulated DDP ranks: the faults of issue 38"
 
 
 def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
@@ -254,6 +333,9 @@ def markdown(header: list[str], rows: list[list[str]], meta: str) -> str:
 
 def main() -> None:
     args = _parser().parse_args()
+    if args.simulated_only:
+        simulated_only(args)
+        return
     fault_step = args.fault_step or (130 if args.quick else 200)
     long_steps = args.long_steps or (300 if args.quick else 5000)
     healthy_steps = args.healthy_steps or (300 if args.quick else 1000)
@@ -281,7 +363,34 @@ def main() -> None:
         table.add_row(*(c.replace("**", "") for c in r))
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(header, rows, meta))
+    args.out.write_text(markdown(header, rows, meta) + "\n" + sim_table(args, console))
+    console.print(f"written to {args.out}")
+
+
+def sim_table(args: argparse.Namespace, console: Console) -> str:
+    """The simulated section: the table of ``simulated`` as markdown, printed too."""
+    header, rows = evaluate(*simulated(args.window, args.sim_steps), args.window)
+    table = Table(title="issue 38 faults on 4 simulated DDP ranks")
+    for h in header:
+        table.add_column(h.replace("**", ""))
+    for r in rows:
+        table.add_row(*(c.replace("**", "") for c in r))
+    console.print(table)
+    meta = (
+        f"window {args.window}, default detector settings otherwise; 4 simulated synchronous "
+        "DDP ranks (`stream.testing.SimRun`, seed 1) through stage 1 and stage 2 in process; "
+        f"the fault-free run has {args.sim_steps} steps, and its first 100 steps are also "
+        "scored as a run of their own (the early regime)."
+    )
+    body = markdown(header, rows, meta).split("\n", 2)[2]  # without the first heading
+    return f"{SIM_HEADING}\n\nGenerated by `python benchmarks/detectors.py --simulated-only`; {body.split('; ', 1)[1]}"
+
+
+def simulated_only(args: argparse.Namespace) -> None:
+    """Rewrite only the simulated section of ``--out``; the recorded table above it stays."""
+    console = Console()
+    kept = args.out.read_text().split(SIM_HEADING)[0].rstrip("\n") if args.out.exists() else ""
+    args.out.write_text((kept + "\n\n" if kept else "") + sim_table(args, console))
     console.print(f"written to {args.out}")
 
 
@@ -296,6 +405,14 @@ def _parser() -> argparse.ArgumentParser:
         "--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "probewire-detectors"
     )
     p.add_argument("--reuse", action="store_true", help="reuse finished runs in --work-dir")
+    p.add_argument(
+        "--simulated-only",
+        action="store_true",
+        help="only the simulated DDP table (no demo training), below the recorded one in --out",
+    )
+    p.add_argument(
+        "--sim-steps", type=int, default=5000, help="steps of the simulated fault-free run"
+    )
     p.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "detectors.md"
     )

@@ -577,8 +577,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
     _print_table(
         f"thresholds from run {args.run} (window {window}, {args.margin} x "
-        f"quantile {args.quantile} of its robust z, or of the level held for "
-        "maxvio_steps / straggler_steps steps)",
+        f"quantile {args.quantile} of its robust z, of the level held for "
+        "maxvio_steps / straggler_steps steps, of the move held over its own baseline, or "
+        "of the loop's gradient norm's mismatch to G2)",
         ["setting", "series", "threshold", "steps"],
         [(c.setting, c.column, c.threshold, c.n_steps) for c in results],
     )

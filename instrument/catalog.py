@@ -140,6 +140,7 @@ class Grad:
     NONFINITE = "grad.nonfinite"
     CLIPPED = "grad.clipped"
     CLIP_THRESHOLD = "grad.clip_threshold"
+    CLIP_NORM = "grad.clip_norm"
 
 
 GRAD_GROUPS: tuple[str, ...] = ("embedding", "expert", "other")
@@ -551,6 +552,22 @@ _GRAD = (
         rep=_ALL,
         point="the loop's configuration",
         doc="c, the global-norm clip threshold behind grad.clipped. Reduction: max.",
+        seed="001 §4 (clip rate)",
+    ),
+    _m(
+        Grad.CLIP_NORM,
+        P0,
+        1,
+        MAX,
+        "1",
+        rep=_ALL,
+        point="the total norm the loop clipped with, as the loop computed it "
+        "(``s.clipped(total_norm)``), when it is not the monitor's own measurement",
+        doc="the loop's own global gradient norm, sent only when the loop reports one it "
+        "computed itself (through ``StepContext.clip_grad_norm_`` the clipping norm is G2). "
+        "The stream compares it with G2 every step (grad_norm_audit): a loop that norms "
+        "only its local shard, or a wrong sharded reduction, reports another value. "
+        "Identical on every rank for a global norm; reduction: max.",
         seed="001 §4 (clip rate)",
     ),
 )

@@ -5,8 +5,12 @@ high quantile of the robust z-scores the detector itself produced on the stable 
 The held-level rules (MaxVio, the straggler's own-time ratio: a value above a threshold
 on k consecutive steps) get the margin times a high quantile of the level the stable run
 held for k steps in a row (the rolling minimum over k consecutive measured steps, after
-the detector window's warm-up). A series the run does not have (no experts, one rank)
-gives no threshold.
+the detector window's warm-up). The drift rules (a clip-rate rise, an H_norm drop: a move
+over the signal's own baseline) get the margin times a high quantile of the move the
+stable run held, and the grad-norm audit the margin times a high quantile of the loop's
+norm's relative mismatch to G2. A series the run does not have (no experts, one rank, a
+loop that clips through the monitor) gives no threshold; a level of 0 (a constant clip
+rate) gives none either (the default stays).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .detect import calibrate
+from .series import Series
 from .series import StepMetrics as SM
 
 __all__ = [
@@ -25,7 +30,9 @@ __all__ = [
     "DETECTOR_FIELDS",
     "MIN_WINDOWS",
     "Calibration",
+    "audit_level",
     "calibrate_run",
+    "drift_level",
     "held_level",
 ]
 
@@ -43,8 +50,27 @@ CALIBRATED = {
 HELD = {
     "maxvio_threshold": (SM.moe_maxvio, "maxvio_steps"),
     "straggler_ratio": (SM.straggler_own_ratio, "straggler_steps"),
+    "shard_imbalance_max": (SM.moe_shard_imbalance, "maxvio_steps"),
 }
-COLUMNS = tuple(sorted({*CALIBRATED.values(), *(c for c, _ in HELD.values())}))
+# drift setting -> (step_metrics column, direction: +1 a rise is bad, -1 a drop, the k
+# setting): margin x quantile of the move the stable run held for k steps over its own
+# baseline (the median of the window before), the rules of ``directions``
+DRIFT: dict[str, tuple[Series, int, str | None]] = {
+    "clip_rate_rise": (SM.clip_rate, 1, None),
+    "h_norm_drop": (SM.moe_h_norm, -1, "maxvio_steps"),
+}
+# the grad-norm audit: margin x quantile of |grad_clip_norm - G2| / G2 on the stable run
+AUDIT = ("grad_audit_tolerance", SM.grad_clip_norm, SM.grad_norm)
+COLUMNS = tuple(
+    sorted(
+        {
+            *CALIBRATED.values(),
+            *(c for c, _ in HELD.values()),
+            *(c for c, _, _ in DRIFT.values()),
+            *AUDIT[1:],
+        }
+    )
+)
 # calibrated setting -> its field of stream.stage2.detectors (DetectorConfig)
 DETECTOR_FIELDS = {
     "loss_z_threshold": "loss_z",
@@ -52,6 +78,10 @@ DETECTOR_FIELDS = {
     "signal_z_threshold": "signal_z",
     "maxvio_threshold": "maxvio_threshold",
     "straggler_ratio": "straggler_ratio",
+    "shard_imbalance_max": "shard_imbalance_max",
+    "clip_rate_rise": "clip_rate_rise",
+    "h_norm_drop": "h_norm_drop",
+    "grad_audit_tolerance": "grad_audit_tolerance",
 }
 
 
@@ -78,6 +108,53 @@ def held_level(
     if not held:
         return None
     return margin * float(np.quantile(np.asarray(held, dtype=np.float64), quantile))
+
+
+def drift_level(
+    values: Sequence[float | None],
+    window: int,
+    steps: int,
+    direction: int,
+    quantile: float,
+    margin: float,
+) -> float | None:
+    """margin x quantile of the move a stable run held on ``steps`` consecutive measured
+    values over its baseline: d_t = direction (v_t - median of the up to ``window``
+    measured values before it), from the ``window``-th measured value on; held = the
+    rolling minimum of d over ``steps`` consecutive ones (a missing value breaks the run).
+    None when no run exists."""
+    seen: list[float] = []
+    moves: list[float | None] = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            moves.append(None)
+            continue
+        if len(seen) >= window:
+            moves.append(direction * (v - float(np.median(seen[-window:]))))
+        else:
+            moves.append(None)
+        seen.append(v)
+    return held_level(moves, steps, 0, quantile, margin)
+
+
+def audit_level(
+    reported: Sequence[float | None],
+    measured: Sequence[float | None],
+    quantile: float,
+    margin: float,
+) -> float | None:
+    """margin x quantile of |reported - measured| / measured over the steps with both
+    (finite, measured > 0); None when the run has none (its loop clipped through the
+    monitor, or did not report a norm)."""
+    pairs = [
+        (r, m)
+        for r, m in zip(reported, measured)
+        if r is not None and m is not None and math.isfinite(r) and math.isfinite(m) and m > 0
+    ]
+    if not pairs:
+        return None
+    rel = np.array([abs(r - m) / m for r, m in pairs], dtype=np.float64)
+    return margin * float(np.quantile(rel, quantile))
 
 
 def calibrate_run(
@@ -112,4 +189,15 @@ def calibrate_run(
         if level is not None:
             n = sum(v is not None for v in held_values[window:])
             out.append(Calibration(setting, column, level, n))
+    for drift, (column, direction, k_of) in DRIFT.items():
+        moved = list(series.get(column, []))
+        k = (held_steps or {}).get(k_of, 3) if k_of else 1
+        level = drift_level(moved, window, k, direction, quantile, margin)
+        if level is not None and level > 0:
+            out.append(Calibration(drift, column, level, sum(v is not None for v in moved)))
+    audit, reported, measured = AUDIT
+    level = audit_level(series.get(reported, []), series.get(measured, []), quantile, margin)
+    if level is not None and level > 0:
+        n = sum(v is not None for v in series.get(reported, []))
+        out.append(Calibration(audit, reported, level, n))
     return out

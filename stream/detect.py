@@ -36,6 +36,7 @@ __all__ = [
     "median_mad",
     "robust_z",
     "spread_floor",
+    "trend_median_mad",
 ]
 
 MAD_TO_SIGMA = 0.6745
@@ -53,6 +54,23 @@ def median_mad(values: np.ndarray) -> tuple[float, float]:
     values = np.asarray(values, dtype=np.float64)
     q = float(np.median(values))
     return q, float(np.median(np.abs(values - q)))
+
+
+def trend_median_mad(values: Sequence[float]) -> tuple[float, float]:
+    """The early regime's baseline of ``values`` (in arrival order, n >= 2) carried to the
+    next index n, and its spread: slope b = (median of the last n // 2 values - median of
+    the first n // 2) / (n - n // 2), the distance between the halves' centres (the middle
+    value is left out when n is odd); residuals r_i = values_i - b i; q = median(r) + b n,
+    D = median |r - median(r)|. A robust line in O(n log n), exact on a straight line; a
+    window without a trend gives b ~ 0, the plain median and MAD."""
+    n = len(values)
+    half = n // 2
+    ordered_first = sorted(values[:half])
+    ordered_last = sorted(values[n - half :])
+    slope = (sorted_median(ordered_last) - sorted_median(ordered_first)) / (n - half)
+    residuals = sorted(v - slope * i for i, v in enumerate(values))
+    level, spread = sorted_median_mad(residuals)
+    return level + slope * n, spread
 
 
 def spread_floor(level: float, *, log: bool, min_spread: float = MIN_SPREAD) -> float:
@@ -105,7 +123,13 @@ class RobustSpikeDetector:
     A step is a spike when u_t > q_t and z_t > threshold: only upward moves page,
     because a falling loss or gradient norm is not an instability; the signed
     ``direction`` is still reported. With fewer than ``min_history`` values the
-    result is warm-up (z None, no spike). A constant window has D_t = 0: a change scores
+    result is warm-up (z None, no spike), except in the early regime: with
+    ``early_history`` set, a value is scored once the window holds that many values, against
+    ``early_threshold`` (wider than ``threshold``: a short window's median and MAD are
+    rough) until it holds ``min_history``, and against the window's trend
+    (``trend_median_mad``: a run's first steps fall fast, and the spread of a falling window
+    would hide a spike); such a result is still ``warmup`` (the window is not full) but has
+    its z and can be a spike. A constant window has D_t = 0: a change scores
     against the floor ``min_spread`` (relative to the level, see ``MIN_SPREAD``), so a 1%
     move of a constant series is z ~ 6.7, not millions; an identical value scores 0.
     NaN, +-inf and x <= -eps (log undefined) are reported as spikes with
@@ -118,6 +142,8 @@ class RobustSpikeDetector:
     threshold: float = 6.0
     eps: float = 1e-8
     min_spread: float = MIN_SPREAD
+    early_history: int | None = None
+    early_threshold: float | None = None
     _history: deque[float] = field(init=False, repr=False, compare=False)
     _sorted: list[float] = field(init=False, repr=False, compare=False)  # _history, ascending
 
@@ -133,6 +159,15 @@ class RobustSpikeDetector:
         _positive_finite("threshold", self.threshold)
         _positive_finite("eps", self.eps)
         _positive_finite("min_spread", self.min_spread)
+        if self.early_history is not None:
+            if not 3 <= self.early_history <= self.min_history:
+                raise ValueError(
+                    f"early_history must be in [3, min_history={self.min_history}], "
+                    f"got {self.early_history!r}"
+                )
+            if self.early_threshold is None:
+                raise ValueError("early_history needs early_threshold")
+            _positive_finite("early_threshold", self.early_threshold)
         self._history = deque(maxlen=self.window)
         self._sorted = []
 
@@ -144,7 +179,13 @@ class RobustSpikeDetector:
     def update(self, x: float) -> SpikeResult:
         """Score ``x`` against the previous window, then add its u-value to the window."""
         x = float(x)
-        warmup = len(self._history) < self.min_history
+        n = len(self._history)
+        warmup = n < self.min_history
+        threshold: float | None = self.threshold
+        if warmup and self.early_history is not None and n >= self.early_history:
+            threshold = self.early_threshold  # the early regime: scored, a wider threshold
+        elif warmup:
+            threshold = None
         if not math.isfinite(x) or x + self.eps <= 0.0:
             direction = 0 if math.isnan(x) else (1 if x > 0 else -1)
             return SpikeResult(
@@ -159,7 +200,7 @@ class RobustSpikeDetector:
                 nonfinite=True,
             )
         u = math.log(x + self.eps)
-        if warmup:
+        if threshold is None:
             self._add(u)
             return SpikeResult(
                 x=x,
@@ -172,7 +213,7 @@ class RobustSpikeDetector:
                 warmup=True,
                 nonfinite=False,
             )
-        q, d = sorted_median_mad(self._sorted)
+        q, d = trend_median_mad(list(self._history)) if warmup else sorted_median_mad(self._sorted)
         z = abs(robust_z(u - q, d, self.min_spread))
         direction = (u > q) - (u < q)
         self._add(u)
@@ -183,8 +224,8 @@ class RobustSpikeDetector:
             mad=d,
             z=z,
             direction=direction,
-            spike=direction > 0 and z > self.threshold,
-            warmup=False,
+            spike=direction > 0 and z > threshold,
+            warmup=warmup,
             nonfinite=False,
         )
 
@@ -219,6 +260,8 @@ class RobustSpikeDetector:
             "threshold": self.threshold,
             "eps": self.eps,
             "min_spread": self.min_spread,
+            "early_history": self.early_history,
+            "early_threshold": self.early_threshold,
             "history": list(self._history),
         }
 
@@ -231,6 +274,8 @@ class RobustSpikeDetector:
             threshold=float(state["threshold"]),
             eps=float(state["eps"]),
             min_spread=float(state.get("min_spread", MIN_SPREAD)),  # absent before the floor
+            early_history=state.get("early_history"),  # absent before the early regime
+            early_threshold=state.get("early_threshold"),
         )
         history = [float(u) for u in state["history"]]
         if len(history) > detector.window:

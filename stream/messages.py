@@ -11,7 +11,7 @@ __all__ = ["alert_message", "describe_value", "what_moved"]
 
 # signals whose value is a loss in nats per valid token; a ``gap`` finding of these carries
 # the ratio to the mean loss L instead (L_max / L, L_source / L)
-_LOSSES = {SM.loss, SM.loss_worst_rank, "loss_by_source"}
+_LOSSES = {SM.loss, SM.loss_worst_rank, "loss_by_source", "loss_rank_shift"}
 _RATIO_OF = {SM.loss_worst_rank: "L_max / L", "loss_by_source": "L_source / L"}
 
 

@@ -41,8 +41,8 @@ class Episode:
 class PageGate:
     """Deduplicates pages; it never hides a finding (stage 2 records every one).
 
-    Episodes are per signal; the worst-rank and per-source losses have one per culprit (a
-    second rank or source going bad is a second page). An episode ends after
+    Episodes are per signal; the worst-rank, per-source and per-rank shift losses have one
+    per culprit (a second rank or source going bad is a second page). An episode ends after
     ``rearm_steps`` steps without a paging finding of its key."""
 
     def __init__(self, rearm_steps: int) -> None:
@@ -51,7 +51,7 @@ class PageGate:
 
     @staticmethod
     def key(finding: Paging) -> str:
-        per_culprit = finding.signal in ("loss_by_source", SM.loss_worst_rank)
+        per_culprit = finding.signal in ("loss_by_source", SM.loss_worst_rank, "loss_rank_shift")
         return finding.signal + (f":{finding.culprit}" if per_culprit else "")
 
     def admit(self, step: int, finding: Paging) -> Episode:

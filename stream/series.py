@@ -988,6 +988,17 @@ class StepMetrics:
         formula=lambda s: derive.memory_headroom(s.memory, s.capacity),
         seed="001 §5 peak memory, max over ranks",
     )
+    # migration 9 (issue 38): what the detectors audit
+    grad_clip_norm = _f(
+        "grad_clip_norm",
+        "the global gradient norm the loop reported clipping with (s.clipped(total_norm)), "
+        "as it computed it; NULL when it clipped through the monitor (that norm is G2)",
+        since=9,
+        unit="L2 norm",
+        components=(Grad.CLIP_NORM,),
+        formula=lambda s: s.get(Grad.CLIP_NORM),
+        seed="001 §4",
+    )
     net_rx_bytes = _f(
         "net_rx_bytes",
         "bytes the nodes received since their previous sample, summed over nodes (read by "

@@ -19,106 +19,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
 from .detect import (
-    MIN_SPREAD,
     ClipRateWindow,
     CoSpikeTracker,
     RankLevels,
     RobustSpikeDetector,
     SpikeResult,
 )
+from .directions import DirectionalRules
+from .findings import Category, DetectorConfig, Finding, RankSeries, next_steps
 from .pages import PageGate
 from .series import StepMetrics as SM
+from .shifts import PeerShift
 
-__all__ = ["Category", "DetectorConfig", "Finding", "RankSeries", "SignalDetectors", "next_steps"]
+__all__ = [
+    "Category",
+    "DetectorConfig",
+    "Finding",
+    "RankSeries",
+    "SignalDetectors",
+    "next_steps",
+]
 
-PACE_RATIO = 1.5
+PACE_RATIO = 1.2
 """A step-time spike names the rank whose own-time ratio held at least this far above its
-baseline over the spike's steps (one rank 1.5x the others' pace); else the whole job."""
-
-
-class Category(IntEnum):
-    """The escalation order of seeds 001 §1, then the layer-level views."""
-
-    JOB = 0
-    LOSS = 1
-    GRAD = 2
-    TIME = 3
-    MEMORY = 4
-    EXPERTS = 5
-    LAYERS = 6
-
-
-_WHAT_TO_OPEN = {
-    Category.JOB: "job state: ranks_missing / late data in step_metrics and rank_metrics",
-    Category.LOSS: "loss: loss_worst_rank and its rank, loss_by_source against each source's "
-    "own history",
-    Category.GRAD: "gradient norm and spikes: grad_norm, loss_z/grad_z, clip_rate, co-spikes",
-    Category.TIME: "step time: step_time_s per rank, straggler_score and straggler_own_ratio, "
-    "exposed collective wait",
-    Category.MEMORY: "memory: peak_memory_bytes per rank and its growth",
-    Category.EXPERTS: "expert balance: moe_maxvio, H_norm and per-expert load in expert_stats",
-    Category.LAYERS: "layer views: tensor_view backward abs max walking inward from the output",
-}
-
-
-def next_steps(category: Category) -> list[str]:
-    """What to open next, in escalation order, starting at the category that moved."""
-    return [_WHAT_TO_OPEN[c] for c in Category if c >= category]
-
-
-@dataclass(slots=True, kw_only=True)
-class Finding:
-    """One anomaly at one step; ``page`` marks the P0 conditions that become alerts."""
-
-    signal: str
-    kind: str  # spike | cospike | nonfinite | threshold | drift | straggler
-    value: float
-    baseline: float | None
-    z: float | None
-    category: Category
-    page: bool
-    culprit: str = ""  # "rank 3", "source code", "layer 2", ...
-    ranks: list[int] = field(default_factory=list)
-
-
-@dataclass(kw_only=True, slots=True)
-class DetectorConfig:
-    """Thresholds are configuration; ``probewire calibrate`` derives z thresholds."""
-
-    window: int = 100
-    loss_z: float = 6.0
-    grad_z: float = 6.0
-    signal_z: float = 8.0  # single-signal pages (worst rank, source, step time...)
-    min_spread: float = MIN_SPREAD  # floor under every robust score's spread (log units)
-    straggler_ratio: float = 5.0  # one rank's own-time ratio over its own baseline...
-    straggler_steps: int = 3  # ...on every one of this many consecutive steps: a page
-    straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
-    straggler_held_steps: int = 40  # ...of this many consecutive steps
-    straggler_held_quantile: float = 0.1
-    clip_threshold: float = 1.0
-    clip_window: int = 100
-    memory_growth: float = 0.2  # page when peak memory exceeds its baseline by 20%
-    maxvio_threshold: float = 2.0  # busiest expert carries 3x the mean load
-    maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
-    media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
-    residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
-    rearm_steps: int = 50
-
-
-@dataclass(slots=True)
-class RankSeries:
-    """Per-rank values of one step the culprit rules score against each rank's history:
-    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
-    each source's loss over the ranks other than the worst one."""
-
-    loss: Mapping[int, float] = field(default_factory=dict)
-    own_ratio: Mapping[int, float] = field(default_factory=dict)
-    source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
+baseline over the spike's steps (one rank 1.2x the others' pace); else the whole job."""
 
 
 def _spike_finding(
@@ -153,9 +80,10 @@ class SignalDetectors:
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
         self.spikes = {
-            SM.loss: self._detector(config.loss_z),
-            SM.grad_norm: self._detector(config.grad_z),
-            **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[2:]},
+            SM.loss: self._detector(config.loss_z, early=True),
+            SM.grad_norm: self._detector(config.grad_z, early=True),
+            "worst_rank_ratio": self._detector(config.signal_z, early=True),
+            **{name: self._detector(config.signal_z) for name in self._SPIKE_SIGNALS[3:]},
         }
         self.sources: dict[str, RobustSpikeDetector] = {}  # L_source / L, per source
         self.source_loss: dict[str, RobustSpikeDetector] = {}  # L_source, per source
@@ -163,6 +91,14 @@ class SignalDetectors:
         self.levels = RankLevels(
             window=config.window, recent=max(config.straggler_steps, config.straggler_held_steps)
         )
+        self.slow = self._shift(
+            config.straggler_cusum_k,
+            config.straggler_cusum_cap,
+            config.straggler_cusum_h,
+            config.straggler_cusum_scale,
+            floor=1.0,
+        )
+        self.directions = DirectionalRules(config)
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
         self.memory_baseline: float | None = None
@@ -172,9 +108,32 @@ class SignalDetectors:
         self.missing_run: dict[int, int] = {}  # rank -> consecutive steps it was missing
         self.pages = PageGate(config.rearm_steps)
 
-    def _detector(self, threshold: float) -> RobustSpikeDetector:
+    def _detector(self, threshold: float, early: bool = False) -> RobustSpikeDetector:
+        """A robust spike detector on the run's window; ``early``: scored from
+        ``early_history`` values on, at ``early_z_factor`` x ``threshold`` until the window
+        is full (a spike in a run's first steps pages)."""
+        cfg = self.config
+        early_history = min(cfg.early_history, cfg.window) if early else None
         return RobustSpikeDetector(
-            window=self.config.window, threshold=threshold, min_spread=self.config.min_spread
+            window=cfg.window,
+            threshold=threshold,
+            min_spread=cfg.min_spread,
+            early_history=early_history,
+            early_threshold=threshold * cfg.early_z_factor if early else None,
+        )
+
+    def _shift(
+        self, k: float, cap: float, h: float, scale: float, floor: float | None = None
+    ) -> PeerShift:
+        cfg = self.config
+        return PeerShift(
+            window=cfg.window,
+            min_history=min(cfg.shift_history, cfg.window),
+            k=k,
+            cap=cap,
+            h=h,
+            min_scale=scale,
+            floor=floor,
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -208,6 +167,7 @@ class SignalDetectors:
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
+        found += self.directions.observe(view, derived, ranks.loss, warm=not derived[SM.warmup])
         return derived, [f for f in found if f is not None]
 
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
@@ -386,10 +346,11 @@ class SignalDetectors:
                 own = det.update(value)
             else:
                 det.push(value)
+        found: list[Finding | None] = []
         if not (view[SM.loss] and view[SM.loss_worst_rank] is not None and view[SM.loss] > 0):
-            return []
+            return found
         gap = self.spikes["worst_rank_ratio"].update(view[SM.loss_worst_rank] / view[SM.loss])
-        return [
+        return found + [
             self._culprit_move(
                 SM.loss_worst_rank,
                 f"rank {rank}",
@@ -446,6 +407,15 @@ class SignalDetectors:
         host shares cancels) stands above that rank's own baseline (its history, at least
         parity):
 
+        * with 3 or more ranks, when its CUSUM (``shifts.PeerShift``: min(x / s, cap) - k a
+          step on x = log rho_r - its baseline, reset at parity) reaches h: a rank 1.3x
+          slower than steady peers pages on its 6th slow step; on the shared 2-core host
+          (a healthy rank's ratio moves 15-20 % a step) a recorded 1.5x rank on its 13th
+          (the held rule: +33) and a 1.3x one not at all, while healthy runs and a CPU
+          burner's peaked at S 5-8 (``tests/unit/stream/data/gloo_own_ratios.json`` and
+          an e2e run, where k 0.75 / h 8 paged a healthy rank); bursts the ranks share
+          widen the scale s (the peers' joint spread of the last steps);
+
         * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross
           straggler, seen in a few steps;
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
@@ -462,6 +432,22 @@ class SignalDetectors:
         healthy 5,000-step run, hence the 3-rank condition)."""
         cfg = self.config
         self.levels.update(step, ratios)
+        slow = [r for r in self.slow.update(ratios) if r.shift]
+        if slow:  # the CUSUM: the rank that moved furthest above its baseline
+            res = max(slow, key=lambda r: (r.ratio / r.baseline, -r.key))
+            return [
+                Finding(
+                    signal="step_time",
+                    kind="straggler",
+                    value=res.ratio,
+                    baseline=res.baseline,
+                    z=math.log(res.ratio / res.baseline) / res.scale,
+                    category=Category.TIME,
+                    page=True,
+                    culprit=f"rank {res.key}",
+                    ranks=[res.key],
+                )
+            ]
         tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
         if len(ratios) >= 3:
             tiers.append(
@@ -545,13 +531,17 @@ class SignalDetectors:
 
     def _pace_setter(self) -> int | None:
         """The rank whose own-time ratio held highest above its baseline over the last
-        ``straggler_steps`` steps, when that is at least ``PACE_RATIO``: the rank a
-        step-time rise is carried by; None when the whole job slowed together."""
+        ``straggler_steps`` steps (its long baseline, or early in a run its CUSUM's), when
+        that is at least ``PACE_RATIO``: the rank a step-time rise is carried by; None when
+        the whole job slowed together."""
+        steps = self.config.straggler_steps
         best: tuple[float, int] | None = None
         for rank in self.levels.ranks:
-            level = self.levels.held(rank, self.config.straggler_steps, 0.0)
-            if level is not None and (best is None or level > best[0]):
-                best = (level, rank)
+            level = self.levels.held(rank, steps, 0.0)
+            early = self.slow.held(rank, steps)
+            for value in (level, early):
+                if value is not None and (best is None or value > best[0]):
+                    best = (value, rank)
         return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:
@@ -636,6 +626,8 @@ class SignalDetectors:
             "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
             "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
             "levels": self.levels.to_state(),
+            "slow": self.slow.to_state(),
+            "directions": self.directions.to_state(),
             "cospikes": self.cospikes.to_state(),
             "clip": self.clip.to_state(),
             "memory_baseline": self.memory_baseline,
@@ -663,6 +655,9 @@ class SignalDetectors:
         }
         if "levels" in state:
             det.levels = RankLevels.from_state(state["levels"])
+        if "slow" in state:  # absent in states saved before the CUSUMs
+            det.slow = PeerShift.from_state(state["slow"])
+        det.directions = DirectionalRules.from_state(config, state.get("directions"))
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
         det.clip = ClipRateWindow.from_state(state["clip"])
         det.memory_baseline = state["memory_baseline"]

@@ -98,8 +98,30 @@ class Stage2Config:
             "maxvio_threshold",
             "media_scale_min",
             "residual_ratio_min",
+            "early_z_factor",
+            "grad_audit_tolerance",
+            "clip_rate_rise",
+            "shard_imbalance_max",
+            "h_norm_drop",
+            "pi_shift",
+            "media_scale_max",
+            "vanish_ratio",
+            "headroom_min",
+            "straggler_cusum_k",
+            "straggler_cusum_h",
+            "straggler_cusum_scale",
+            "loss_shift_k",
+            "loss_shift_h",
+            "loss_shift_scale",
         ):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
+        check(d.early_history >= 3, "detectors.early_history", "must be >= 3")
+        check(d.shift_history >= 3, "detectors.shift_history", "must be >= 3")
+        for cap, k in (
+            ("straggler_cusum_cap", "straggler_cusum_k"),
+            ("loss_shift_cap", "loss_shift_k"),
+        ):
+            check(getattr(d, cap) > getattr(d, k), f"detectors.{cap}", f"must exceed {k}")
         check(
             d.straggler_ratio > 1,
             "detectors.straggler_ratio",

@@ -2,7 +2,9 @@
 
 ``SimRun`` decides every rank's components for every step from a seed, with the edge
 cases the seeds name: uneven valid-token counts, a rank with no valid token, ranks that
-miss steps, an injected co-spike. ``send`` publishes them as real OTLP messages through
+miss steps, an injected co-spike; and, for the detectors, synchronous DDP timing (a
+straggler, a host-wide bursty load), a persistent shift of one rank's loss, and the
+loop's own clipping norm (global, or only each rank's local shard). ``send`` publishes them as real OTLP messages through
 the same emitter the ranks use; ``expected`` gives the float64 reference for L and L_max.
 """
 
@@ -12,15 +14,16 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from probewire.instrument.catalog import Grad, Group, Loss, Net, System
+from probewire.instrument.catalog import Comm, Grad, Group, Label, Loss, Net, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
 
-__all__ = ["RANKS_PER_NODE", "SimRun", "own_topics", "send"]
+__all__ = ["RANKS_PER_NODE", "SimRun", "own_topics", "send", "stage2_in_process"]
 
 RANKS_PER_NODE = 4  # the simulated hosts: ranks 0-3 on node0, 4-7 on node1, ...
 
@@ -37,6 +40,11 @@ class SimRun:
     clip_threshold: float | None = None  # c every rank clips at (grad.clip_threshold), if any
     clip_other: dict[tuple[int, int], float] = field(default_factory=dict)  # (step, rank) -> c
     net: bool = False  # each node's local rank 0 (``send``: 4 ranks a node) sends net.rx/tx
+    ddp: bool = False  # DDP timing: every rank waits for the slowest in the all-reduce
+    slow: tuple[int, int, int, float] | None = None  # (rank, from step, steps, factor)
+    burner: bool = False  # host-wide load: every rank 1.3x, and 2x in random bursts
+    shift: tuple[int, int, float] | None = None  # (rank, from step, factor on its loss)
+    clip_norm: str | None = None  # "global": the loop reports G2; "local": its shard's
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
         """(loss sum, valid tokens, grad norm², step time; with a clip threshold c, c and
@@ -51,6 +59,8 @@ class SimRun:
         if step == self.cospike_step:
             mean_loss *= 3.0
             grad *= 20.0
+        if self.shift is not None and rank == self.shift[0] and step >= self.shift[1]:
+            mean_loss *= self.shift[2]
         parts = {
             Loss.SUM: mean_loss * tokens,
             Loss.TOKENS: float(tokens),
@@ -63,7 +73,40 @@ class SimRun:
             parts[Grad.CLIPPED] = float(grad > c)
         if self.net and rank % RANKS_PER_NODE == 0:
             parts[Net.RX], parts[Net.TX] = (float(n) for n in rng.integers(1, 10**9, 2))
+        if self.clip_norm is not None:  # each rank owns a shard of squared sum grad²: the
+            # global norm is grad sqrt(ranks), the shard's own grad
+            share = math.sqrt(self.world_size) if self.clip_norm == "global" else 1.0
+            parts[Grad.CLIP_NORM] = grad * share
+        if self.ddp:
+            parts[System.STEP_TIME], _ = self.timing(step, rank)
         return parts
+
+    def timing(self, step: int, rank: int) -> tuple[float, float]:
+        """(step time, all-reduce wait) of one rank under synchronous DDP: each rank computes
+        for ~0.1 s (the straggler ``factor`` x, a loaded host 1.3x and 2x in bursts), then
+        waits for the slowest one; the wait is its exposed collective time."""
+        rng = np.random.default_rng([self.seed, step, 10_000])
+        compute = 0.1 * np.exp(rng.normal(0, 0.02, self.world_size))
+        if self.burner:
+            compute *= 1.3 * np.where(rng.random(self.world_size) < 0.3, 2.0, 1.0)
+        if self.slow is not None:
+            r, first, steps, factor = self.slow
+            if first <= step < first + steps:
+                compute[r] *= factor
+        done, comm = float(compute.max()), 0.01
+        return done + comm, done - float(compute[rank]) + comm
+
+    def points(self, step: int, rank: int) -> list[Point] | None:
+        """The rank's points of one step (``components``, and the all-reduce wait under
+        DDP timing), or None if silent."""
+        parts = self.components(step, rank)
+        if parts is None:
+            return None
+        points = [Point(name, value) for name, value in parts.items()]
+        if self.ddp:
+            wait = self.timing(step, rank)[1]
+            points.append(Point(Comm.WAIT, wait, ((Label.OP, "ddp_allreduce"),)))
+        return points
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
@@ -72,6 +115,37 @@ class SimRun:
         counts = np.array([c[Loss.TOKENS] for c in parts], dtype=np.float64)
         valid = counts > 0
         return float(sums.sum() / counts.sum()), float(np.max(sums[valid] / counts[valid]))
+
+
+def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]]]:
+    """``run`` through stage 1's reduction and stage 2 (``config``: a ``Stage2Config``) in
+    this process, no broker: the rows stage 2 produced, by table (a benchmark's or a unit
+    test's quick path; the integration tests send through the broker)."""
+    from probewire.instrument.wire import RankStep, series_key
+
+    from .assemble import reduce_step
+    from .records import CompleteReason
+    from .stage2 import RunPipeline
+
+    pipeline = RunPipeline(run.run_id, config)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for step in range(run.steps):
+        records = [
+            RankStep(
+                run_id=run.run_id,
+                step=step,
+                rank=r,
+                world_size=run.world_size,
+                host="h",
+                coords={"dp": r},
+                values={series_key(p.name, p.labels): p.value for p in run.points(step, r) or ()},
+            )
+            for r in range(run.world_size)
+        ]
+        reduced = reduce_step(run.run_id, step, run.world_size, records, CompleteReason.ALL_RANKS)
+        for table, out in pipeline.accept(reduced, float(step)).rows.items():
+            rows.setdefault(table, []).extend(out)
+    return rows
 
 
 def send(
@@ -101,10 +175,9 @@ def send(
     sent, dup = 0, set(duplicates)
     for step in steps:
         for rank in range(run.world_size):
-            parts = run.components(step, rank)
-            if parts is None:
+            points = run.points(step, rank)
+            if points is None:
                 continue
-            points = [Point(name, value) for name, value in parts.items()]
             for _ in range(2 if (step, rank) in dup else 1):
                 emitters[rank].emit(step, points)
                 sent += 1

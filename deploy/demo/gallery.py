@@ -146,7 +146,9 @@ def _nothing() -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True)
 class Explain:
-    """Explain ``run_id`` at the first step ``signal`` paged (``fallback`` when it did not)."""
+    """Explain ``run_id`` at the first step ``signal`` paged at or after ``fallback`` (the
+    fault's step: an early page of the same signal is not the fault's), else at
+    ``fallback``."""
 
     run_id: str
     signal: str | None
@@ -209,8 +211,8 @@ def _read(store: Path, spec: dict[str, Any]) -> dict[str, Any]:
         if item["signal"]:
             first = client.query(
                 f"SELECT step FROM {db}.alerts FINAL WHERE run_id = {{r:String}} "
-                "AND signal = {s:String} ORDER BY step LIMIT 1",
-                parameters={"r": item["run_id"], "s": item["signal"]},
+                "AND signal = {s:String} AND step >= {f:UInt64} ORDER BY step LIMIT 1",
+                parameters={"r": item["run_id"], "s": item["signal"], "f": item["fallback"]},
             )
             step = int(first.result_rows[0][0]) if first.result_rows else step
         result = explain(client, db, item["run_id"], step, window=item["window"])

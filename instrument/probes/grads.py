@@ -169,8 +169,14 @@ def decode_norms(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
 
 
 def decode_clipped(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
+    """[the loop's own norm] with meta = the clip threshold, or None: grad.clip_norm, and
+    grad.clipped when the threshold is known."""
     values, threshold = parts[0]
-    return [Point(Grad.CLIPPED, _indicator(float(values[0]), threshold))]
+    norm = float(values[0])
+    out = [Point(Grad.CLIP_NORM, norm)]
+    if threshold is not None:
+        out.append(Point(Grad.CLIPPED, _indicator(norm, threshold)))
+    return out
 
 
 def decode_grad_detail(parts: list[tuple[np.ndarray, Any]]) -> list[Point]:
@@ -433,11 +439,11 @@ class GradProbe:
         if state.g2 is not None:
             derive = threshold if (same or (state.clip is None and self._whole)) else None
             collector.add("grad.norms", state.g2, decode_norms, derive)
-        if state.clip is not None and threshold is not None and not same:
+        if state.clip is not None and not same:  # the loop's own norm: G2 audits it
             if isinstance(state.clip, torch.Tensor):
                 collector.add("grad.clip", state.clip, decode_clipped, threshold)
             else:
-                points.append(Point(Grad.CLIPPED, float(state.clip > threshold)))
+                points += decode_clipped([(np.array([float(state.clip)]), threshold)])
         if state.grad_rows is not None:
             rows, row_groups, present = state.grad_rows
             if callable(rows):  # reduced on the emitter thread

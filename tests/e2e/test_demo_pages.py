@@ -27,6 +27,10 @@ DB = "probewire"
 WINDOW = 50
 HALO, EVERY_K, EDGE = 10, 1000, 5  # retention: a short halo, so each one is visible
 HEAVY = ["--batch-size", "16", "--micro-batches", "4"]
+EARLY = 16
+"""The tiny demo's default data holds a real co-spike at step 16 (G2 ~100x its baseline,
+L +28%): the early regime (issue 38) scores the first 100 steps, so it pages in every
+2-rank tiny run here, long before the faults."""
 RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
     "two-cospikes": (2, 170, ["poisoned-batch@120:repeat_after=30"], [], 0),
     "easy-batch": (2, 150, ["easy-batch@120:rank=0"], [], 0),
@@ -96,9 +100,9 @@ def test_two_cospikes_in_one_episode_are_two_anomalies_both_retained_with_their_
     page's record says two events, the latest at the second."""
     anomalies = rows(pages, "anomalies", "two-cospikes")
     cospikes = [a["step"] for a in anomalies if a["signal"] == "cospike"]
-    assert cospikes == [120, 150], seen(anomalies)
+    assert cospikes == [EARLY, 120, 150], seen(anomalies)
     steps = {r["step"]: r for r in rows(pages, "steps", "two-cospikes")}
-    assert steps[149]["cospike_count"] == 1 and steps[150]["cospike_count"] == 2
+    assert steps[149]["cospike_count"] == 2 and steps[150]["cospike_count"] == 3
     (retained,) = rows(pages, "retained", "two-cospikes")
     kept = set(retained["steps"])
     expected = retained_steps(
@@ -113,14 +117,14 @@ def test_two_cospikes_in_one_episode_are_two_anomalies_both_retained_with_their_
     for s in (120, 150):
         assert set(range(s - HALO, s + HALO + 1)) <= kept
     alerts = rows(pages, "alerts", "two-cospikes")
-    assert seen(alerts) == [(120, "cospike", "")]
-    assert "episode: 2 events, the latest at step 150" in alerts[0]["message"]
+    assert seen(alerts) == [(EARLY, "cospike", ""), (120, "cospike", "")]
+    assert "episode: 2 events, the latest at step 150" in alerts[1]["message"]
 
 
 def test_an_easy_batch_on_one_rank_pages_nobody(pages):
     """Rank 0 trains one step on the model's own predictions: its loss falls, L falls and
     L_max / L jumps (the old ratio rule paged rank 1 here); rank 1's own loss did not move."""
-    assert rows(pages, "alerts", "easy-batch") == []
+    assert seen(rows(pages, "alerts", "easy-batch")) == [(EARLY, "cospike", "")]
     steps = {r["step"]: r for r in rows(pages, "steps", "easy-batch")}
     gap = {s: r["loss_worst_rank"] / r["loss"] for s, r in steps.items()}
     assert gap[120] > 1.15 * max(gap[s] for s in range(70, 120))

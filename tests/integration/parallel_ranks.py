@@ -31,7 +31,10 @@ WORLD = {"fsdp2": 2, "fsdp4": 4, "hsdp": 4, "dp_tp_sp": 4, "pp": 2, "ep": 2}
 # ProbeConfig.clip_threshold, its loss scaled so that G2 falls on both sides of 0.5 (and
 # under the stream's default c = 1.0), for CLIP_STEPS steps
 # "ep_strided": "ep" with the experts placed round-robin (rank r holds r, r + 2, ...)
-RUNS = {**WORLD, "clip": 2, "ep_strided": 2}
+# "audit_fsdp2" / "audit_local": fsdp2 whose loop computes the norm it clips with itself and
+# reports it (``s.clipped``): the global norm (``get_total_norm`` of the DTensor gradients,
+# ``full_tensor()``), or a wrong one, only its local shard's (the grad-norm audit's fault)
+RUNS = {**WORLD, "clip": 2, "ep_strided": 2, "audit_fsdp2": 2, "audit_local": 2}
 CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS = 0.5, 0.6, 8
 
 
@@ -230,6 +233,11 @@ def train(
         model, data = _fsdp(full_model(), mesh), (mesh.get_local_rank(0), world)
         clip = (CLIP_MAX_NORM, CLIP_LOSS_SCALE, CLIP_STEPS)
         _train_data_parallel(model, mesh, data, identity, config, transport, trace, clip)
+    elif layout in ("audit_fsdp2", "audit_local"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        model, data = _fsdp(full_model(), mesh), (mesh.get_local_rank(0), world)
+        norm = "local" if layout == "audit_local" else "global"
+        _train_data_parallel(model, mesh, data, identity, config, transport, trace, norm=norm)
     elif layout == "pp":
         _train_pipeline(rank, identity, config, transport, trace)
     elif layout in ("ep", "ep_strided"):
@@ -267,9 +275,10 @@ def _write(trace, step: int, **values: float) -> None:
 
 
 def _train_data_parallel(
-    model, mesh, data, identity, config, transport, trace, clip=(1.0, 1.0, STEPS)
+    model, mesh, data, identity, config, transport, trace, clip=(1.0, 1.0, STEPS), norm=None
 ) -> None:
-    """``clip``: (max_norm, a factor on the loss, steps)."""
+    """``clip``: (max_norm, a factor on the loss, steps); ``norm``: None clips through
+    ``s.clip_grad_norm_``, "global" / "local" with the loop's own norm (``_own_norm``)."""
     from probewire.instrument import attach
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -285,7 +294,12 @@ def _train_data_parallel(
             s.loss(losses)
             # FSDP averages over dp: undo it
             (losses.sum() * count / n_global * loss_scale).backward()
-            total = s.clip_grad_norm_(model.parameters(), max_norm)
+            if norm is None:
+                total = s.clip_grad_norm_(model.parameters(), max_norm)
+            else:
+                s.gradients()  # G2 is measured here, before the loop's own clip
+                total = _own_norm(model, norm, max_norm)
+                s.clipped(total, max_norm=max_norm)
             opt.step()
             opt.zero_grad()
         _write(
@@ -296,6 +310,21 @@ def _train_data_parallel(
             clip_norm=float(total),
         )
     _close(monitor, transport, trace)
+
+
+def _own_norm(model, norm: str, max_norm: float) -> torch.Tensor:
+    """The loop's own clipping norm over FSDP2's DTensor gradients, applied by hand: the
+    global one (the shards' norms combined, ``full_tensor()``), or, the bug, only this rank's
+    local shard's."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if norm == "local":
+        total = torch.nn.utils.get_total_norm([g.to_local() for g in grads])
+    else:
+        total = torch.nn.utils.get_total_norm(grads).full_tensor()
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def _train_expert_parallel(model, mesh, identity, config, transport, trace) -> None:

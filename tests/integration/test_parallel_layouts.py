@@ -103,7 +103,7 @@ def runs(scratch_module: Path, read_store):
     ids = ", ".join(f"'{r}'" for r in run_ids.values())
     steps = read_store(
         store,
-        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, clip_rate, clipped, "
+        f"SELECT run_id, step, loss, loss_worst_rank, grad_norm, grad_clip_norm, clip_rate, clipped, "
         f"memory_capacity_bytes, memory_headroom, moe_shard_imbalance, ranks_reporting FROM {db}.step_metrics FINAL WHERE run_id IN "
         f"({ids}) ORDER BY run_id, step",
     )
@@ -113,6 +113,11 @@ def runs(scratch_module: Path, read_store):
         f"{db}.rank_metrics_recent FINAL WHERE run_id IN ({ids})",
     )
     refused = read_store(store, f"SELECT key, reason FROM {db}.dead_letters")
+    alerts = read_store(
+        store,
+        f"SELECT run_id, step, signal, value, baseline FROM {db}.alerts FINAL "
+        f"WHERE run_id IN ({ids}) ORDER BY run_id, step",
+    )
     experts = read_store(
         store,
         f"SELECT run_id, step, expert, shard, tokens FROM "
@@ -136,6 +141,7 @@ def runs(scratch_module: Path, read_store):
             },
             "balance": {r["step"]: r["shard_imbalance"] for r in balance if r["run_id"] == run_id},
             "traces": traces[layout],
+            "alerts": [a for a in alerts if a["run_id"] == run_id],
             # why a rank is missing: what it sent, what the worker refused or logged
             "evidence": {
                 "sent": sent[layout],
@@ -298,3 +304,24 @@ def test_a_shard_declared_a_replica_is_refused_naming_the_parameter(tmp_path, ca
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert f"parameter {name!r}" in message and "\n" not in message
         assert "sharded" in message and ("dp_replicated" in message)
+
+
+def test_the_grad_norm_audit_pages_a_loop_that_norms_its_local_shard_and_no_global_norm(runs):
+    """FSDP2 whose loop computes its own clipping norm and reports it (``s.clipped``): the
+    local shard's norm pages grad_norm_audit on every step's first event with both values;
+    the global one (``full_tensor()``) equals G2 and pages nothing, nor do the layouts that
+    report a global norm of their own (pipeline, expert parallel)."""
+    local = runs["audit_local"]
+    audits = [a for a in local["alerts"] if a["signal"] == "grad_norm_audit"]
+    assert [a["step"] for a in audits] == [0], local["alerts"]
+    row = local["steps"][0]
+    assert (audits[0]["value"], audits[0]["baseline"]) == (row["grad_clip_norm"], row["grad_norm"])
+    own = max(local["traces"][r][0]["clip_norm"] for r in local["traces"])  # reduction: max
+    assert row["grad_clip_norm"] == pytest.approx(own, rel=1e-6)
+    assert row["grad_clip_norm"] < 0.99 * row["grad_norm"]
+    good = runs["audit_fsdp2"]
+    assert good["alerts"] == []
+    for step, r in good["steps"].items():
+        assert r["grad_clip_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), step
+    for layout in ("pp", "ep", "ep_strided", *LAYOUTS):
+        assert not [a for a in runs[layout]["alerts"] if a["signal"] == "grad_norm_audit"], layout

@@ -27,8 +27,8 @@ class RoutingCollapse(Fault):
     every token picks the pushed experts and MaxVio = max load / mean load - 1 goes from
     0.35-1.6 on healthy steps (p99 1.29) to exactly 3.0 at ``step``; `moe_maxvio` pages
     two steps later (122), for ``layer {layer}``: the rule wants MaxVio > 2 on 3
-    consecutive steps (with > 1 a healthy 1,000-step moe run paged 4 times). Nothing else
-    pages.
+    consecutive steps (with > 1 a healthy 1,000-step moe run paged 4 times); so does
+    `moe_h_norm`, the routing entropy's drop (issue 38), at 122. Nothing else pages.
     explain's expert-balance stage names expert 0 of ``layer {layer}`` (moe_maxvio moved,
     onset ``step``)."""
 
@@ -37,6 +37,7 @@ class RoutingCollapse(Fault):
     culprit: ClassVar[str] = "layer"
     explain_stage: ClassVar[str] = "expert balance"
     explain_signal: ClassVar[str | None] = SM.moe_maxvio
+    also_pages: ClassVar[tuple[str, ...]] = (SM.moe_h_norm,)
     within: ClassVar[int] = 2
     presets: ClassVar[tuple[str, ...]] = ("moe", "full")
     layer: int = 1

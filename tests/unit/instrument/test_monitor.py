@@ -715,3 +715,21 @@ def test_each_nodes_local_rank_0_sends_the_network_counters(local_rank):
     sent = [{n for n, _ in r.values if n.startswith("net.")} for r in records]
     assert sent == [{"net.rx", "net.tx"} if local_rank == 0 else set()] * 2
     assert all(r.rank == 5 for r in records)
+
+
+@pytest.mark.parametrize("clip", ["helper", "torch"])
+def test_the_loops_own_clipping_norm_is_sent_for_the_audit_and_the_helpers_is_not(clip):
+    """``s.clipped(total)`` with a norm the loop computed itself sends it as grad.clip_norm
+    (the stream audits it against G2); through ``s.clip_grad_norm_`` the clipping norm is the
+    measurement itself and nothing more is sent."""
+    rec, norm = _clip_once(ProbeConfig(**QUIET), clip, 1e9)
+    sent = value(rec, "grad.clip_norm") if clip == "torch" else None
+    assert (
+        ("grad.clip_norm", ()) in rec.values
+        if clip == "torch"
+        else (("grad.clip_norm", ()) not in rec.values)
+    )
+    if sent is not None:
+        assert sent == norm and sent == pytest.approx(
+            math.sqrt(value(rec, "grad.norm_sq")), rel=1e-6
+        )

@@ -141,7 +141,11 @@ def test_every_name_every_probe_emits_is_in_the_catalog_and_every_entry_is_emitt
             s.replayed(reproduced=False)
             for reduction in ("mean", "sum", "max", "rank0"):
                 s.log(f"own_{reduction}", float(step), reduction)
-            s.clip_grad_norm_(model.parameters(), 1.0)
+            if step == 0:
+                s.clip_grad_norm_(model.parameters(), 1.0)
+            else:  # the loop's own clipping norm: sent for the stream's audit
+                s.gradients()
+                s.clipped(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
             opt.step()
             opt.zero_grad()
     monitor.close()

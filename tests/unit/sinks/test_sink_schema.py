@@ -62,7 +62,7 @@ def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) ->
     assert sink.migrate() == 12
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
-    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (10,), (11,), (12,)]
+    ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,), (10,), (11,), (12,)]
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:

@@ -114,3 +114,52 @@ def test_a_run_shorter_than_three_windows_is_refused_with_what_it_needs():
     with pytest.raises(ValueError, match=r"120 steps.*3 detector windows.*3 x 100 = 300"):
         calibrate_run(short, window=100)
     assert len(calibrate_run(series, window=100)) == 3  # 360 steps: calibrated
+
+
+def test_drift_and_audit_thresholds_match_numpy_references():
+    from probewire.stream.calibration import audit_level, drift_level
+
+    rng = np.random.default_rng(4)
+    h = [None if t % 17 == 0 else 0.9 + 0.01 * float(rng.normal()) for t in range(300)]
+    got = drift_level(h, window=50, steps=3, direction=-1, quantile=0.99, margin=1.5)
+    measured = [(t, v) for t, v in enumerate(h) if v is not None]
+    moves: dict[int, float] = {}
+    for i, (t, v) in enumerate(measured):
+        if i >= 50:
+            moves[t] = -(v - float(np.median([w for _, w in measured[i - 50 : i]])))
+    held = [
+        min(moves[t - 2], moves[t - 1], moves[t])
+        for t in moves
+        if t - 1 in moves and t - 2 in moves
+    ]
+    assert got == pytest.approx(1.5 * float(np.quantile(held, 0.99)), rel=1e-12)
+    g2 = list(0.5 * np.exp(rng.normal(0, 0.1, 300)))
+    reported = [g * (1 + 1e-3 * float(rng.normal())) for g in g2]
+    reported[7] = None
+    rel = np.array([abs(r - m) / m for r, m in zip(reported, g2) if r is not None])
+    assert audit_level(reported, g2, 0.99, 1.5) == pytest.approx(
+        1.5 * float(np.quantile(rel, 0.99)), rel=1e-12
+    )
+    assert audit_level([None] * 3, [1.0] * 3, 0.99, 1.5) is None
+
+
+def test_a_stable_run_calibrates_the_new_rules_thresholds():
+    rng = np.random.default_rng(5)
+    n = 300
+    g2 = list(0.5 * np.exp(rng.normal(0, 0.1, n)))
+    series = {
+        "loss": list(3 * np.exp(rng.normal(0, 0.02, n))),
+        "grad_norm": g2,
+        "step_time_s": list(0.1 * np.exp(rng.normal(0, 0.05, n))),
+        "clip_rate": list(0.1 + 0.02 * rng.random(n)),
+        "moe_h_norm": list(0.9 + 0.01 * rng.normal(size=n)),
+        "moe_shard_imbalance": list(1.1 + 0.02 * rng.random(n)),
+        "grad_clip_norm": [g * (1 + 1e-3 * float(rng.normal())) for g in g2],
+    }
+    got = {c.setting: c.threshold for c in calibrate_run(series, 50, 0.999, 1.5)}
+    assert {"clip_rate_rise", "h_norm_drop", "shard_imbalance_max", "grad_audit_tolerance"} <= set(
+        got
+    )
+    assert 0 < got["clip_rate_rise"] < 0.05 and 0 < got["h_norm_drop"] < 0.05
+    assert 1e-3 < got["grad_audit_tolerance"] < 1e-2
+    assert 1.1 < got["shard_imbalance_max"] < 1.8

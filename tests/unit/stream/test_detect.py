@@ -13,6 +13,7 @@ from probewire.stream.detect import (
     CoSpikeTracker,
     RobustSpikeDetector,
     calibrate,
+    trend_median_mad,
 )
 
 EPS = 1e-8
@@ -257,3 +258,77 @@ def test_calibrate_is_margin_times_quantile_of_replayed_z():
 def test_calibrate_rejects_unusable_series(series, match):
     with pytest.raises(ValueError, match=match):
         calibrate(series, window=5)
+
+
+def reference_early(xs, window, min_history, early_history, threshold, early_threshold):
+    """(z, spike, warmup) per step from explicit windows: scored from ``early_history``
+    earlier values on, at ``early_threshold`` against the window's line (slope between the
+    halves' medians) until ``min_history`` are there."""
+    kept: list[float] = []
+    out = []
+    for x in np.asarray(xs, dtype=np.float64):
+        u = np.log(x + EPS)
+        n = len(kept)
+        if n < early_history:
+            out.append((None, False, True))
+        else:
+            win = np.array(kept[-window:])
+            q = np.median(win)
+            d = np.median(np.abs(win - q))
+            if n < min_history:  # the early regime: against the window's trend
+                h = win.size // 2
+                b = (np.median(win[win.size - h :]) - np.median(win[:h])) / (win.size - h)
+                r = win - b * np.arange(win.size)
+                q, d = np.median(r) + b * win.size, np.median(np.abs(r - np.median(r)))
+            z = 0.6745 * abs(u - q) / max(d, FLOOR)
+            limit = early_threshold if n < min_history else threshold
+            out.append((z, bool(u > q and z > limit), n < min_history))
+        kept.append(u)
+    return out
+
+
+def test_the_early_regime_scores_from_a_short_history_against_a_wider_threshold():
+    rng = np.random.default_rng(12)
+    xs = np.exp(rng.normal(0.0, 0.01, 60)) * np.exp(-np.arange(60) / 20)  # a falling loss
+    xs[20] *= 1.3  # a spike at step 20, long before the window (50) is full
+    xs[30] *= 1.1  # z between the two thresholds: not an early spike
+    det = RobustSpikeDetector(
+        window=50, min_history=50, threshold=6.0, early_history=10, early_threshold=12.0
+    )
+    got = [det.update(x) for x in xs]
+    want = reference_early(xs, 50, 50, 10, 6.0, 12.0)
+    for r, (z, spike, warmup) in zip(got, want, strict=True):
+        assert (r.z is None, r.spike, r.warmup) == (z is None, spike, warmup)
+        if z is not None:
+            assert r.z == pytest.approx(z, rel=1e-12)
+    assert [i for i, r in enumerate(got) if r.spike] == [20]
+    assert 6.0 < got[30].z < 12.0 and not got[30].spike
+    state = json.loads(json.dumps(det.to_state()))
+    assert RobustSpikeDetector.from_state(state).early_threshold == 12.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"early_history": 2, "early_threshold": 12.0}, "early_history"),
+        ({"early_history": 60, "early_threshold": 12.0}, "early_history"),
+        ({"early_history": 10}, "early_threshold"),
+    ],
+)
+def test_early_regime_errors_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RobustSpikeDetector(window=50, **kw)
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 11, 37])
+def test_the_early_trend_baseline_matches_numpy(n):
+    rng = np.random.default_rng(n)
+    u = 1.5 - 0.03 * np.arange(n) + rng.normal(0, 0.01, n)
+    half = n // 2
+    slope = (np.median(u[n - half :]) - np.median(u[:half])) / (n - half)
+    r = u - slope * np.arange(n)
+    q, d = trend_median_mad(list(u))
+    assert q == pytest.approx(np.median(r) + slope * n, rel=1e-12)
+    assert d == pytest.approx(np.median(np.abs(r - np.median(r))), rel=1e-12, abs=1e-15)
+    line = list(2.0 - 0.1 * np.arange(n))  # exact on a straight line
+    assert trend_median_mad(line)[0] == pytest.approx(2.0 - 0.1 * n, rel=1e-12)

@@ -248,11 +248,13 @@ def test_memory_headroom_is_the_worst_ranks_and_capacity_the_smallest(peak):
 
 
 def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_database):
-    """A store at version 7 (no memory_capacity_bytes, memory_headroom) is upgraded by the
-    migration the two registry rows make: they land at the end of step_metrics, rows kept."""
+    """A store at version 7 (no memory_capacity_bytes, memory_headroom, nor the later
+    migrations' columns) is upgraded by the migrations the registry rows make: they land at
+    the end of step_metrics, rows kept."""
     db = ch_database + "_v7"
     table = next(t for t in TABLES if t.name == "step_metrics")
-    new = {"memory_capacity_bytes", "memory_headroom"}
+    new = {s.name for s in STEP_SERIES if s.since >= 8}
+    assert {"memory_capacity_bytes", "memory_headroom"} <= new
     old = dataclasses.replace(table, columns=tuple(c for c in table.columns if c.name not in new))
     ch_client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
     ch_client.command(
@@ -275,7 +277,14 @@ def test_a_version_7_store_gets_the_memory_columns_of_migration_8(ch_client, ch_
         ).result_rows
     ]
     assert names == [c.name for c in table.columns]
-    assert names[-5:-2] == ["memory_capacity_bytes", "memory_headroom", "net_rx_bytes"]
+    assert names[-6:] == [
+        "memory_capacity_bytes",
+        "memory_headroom",
+        "grad_clip_norm",
+        "net_rx_bytes",
+        "net_tx_bytes",
+        "inserted_at",
+    ]
     assert ch_client.query(
         f"SELECT step, tokens, memory_capacity_bytes, memory_headroom FROM {db}.step_metrics"
     ).result_rows == [(3, 9, None, None)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,8 +176,9 @@ def test_rank_levels_match_a_float64_reference_with_gaps_and_restarts():
 
 
 # -- the rule ---------------------------------------------------------------------------------
-CFG = DetectorConfig(
+CFG = DetectorConfig(  # the brief and the held rules (the CUSUM off: tested below)
     window=10,
+    straggler_cusum_h=1e9,
     straggler_ratio=3.0,
     straggler_steps=3,
     straggler_held_ratio=1.4,
@@ -318,7 +320,7 @@ def run_steps(
 
 def small(**kw) -> Stage2Config:
     return Stage2Config(
-        detectors=DetectorConfig(window=20, **kw),
+        detectors=DetectorConfig(window=20, **{"straggler_cusum_h": 1e9, **kw}),
         retention_every_k=10,
         retention_halo=5,
         warmup_steps=3,
@@ -396,3 +398,37 @@ def test_with_two_ranks_only_a_gross_straggler_pages():
     assert pages(SignalDetectors(CFG), warm + moderate) == []
     gross = [{0: 1 / 4.0, 1: 4.0}] * 3
     assert [c for _, c, _ in pages(SignalDetectors(CFG), warm + gross)] == ["rank 1"]
+
+
+# -- the CUSUM on recorded gloo ranks -------------------------------------------------------------
+RECORDED = json.loads((Path(__file__).parent / "data" / "gloo_own_ratios.json").read_text())["runs"]
+
+
+def recorded(run: str) -> list[tuple[int, str]]:
+    """Straggler pages (step, culprit) of the default CUSUM (window 50, the held rules off)
+    on a recorded run's own-time ratios."""
+    det = SignalDetectors(
+        DetectorConfig(window=50, straggler_held_steps=40, straggler_held_ratio=1e9)
+    )
+    out = []
+    for step, ratios in RECORDED[run]:
+        _, findings = det.observe(
+            step, quiet_view(), {}, RankSeries(own_ratio={int(r): v for r, v in ratios.items()})
+        )
+        out += [(step, f.culprit) for f in findings if f.kind == "straggler" and f.page]
+    return out
+
+
+def test_the_cusum_pages_a_recorded_15x_rank_within_15_steps_and_nothing_before():
+    """3 gloo DDP ranks of the demo on the shared 2-core host, where a healthy rank's ratio
+    moves by 15-20 % a step: rank 1 slowed 1.5x from step 150 pages within 15 steps (the
+    held rule: +33), nothing pages before; a 1.3x rank for 20 steps is within this host's
+    noise: not paged, and nothing else is."""
+    slow15 = recorded("ddp-straggler")
+    assert slow15 and slow15[0][1] == "rank 1" and 150 <= slow15[0][0] < 165, slow15
+    assert all(c == "rank 1" and s >= 150 for s, c in slow15)
+    assert all(c == "rank 1" and s >= 150 for s, c in recorded("ddp-straggler13"))
+
+
+def test_the_cusum_is_silent_on_a_recorded_host_loaded_by_a_cpu_burner():
+    assert recorded("loaded-host") == []
