@@ -430,7 +430,6 @@ class SignalDetectors:
         steps) peaked at 0.96, while the median over 40 steps reached 2.0 and the lower
         quartile 1.3; a rank slowed by half its step held 1.13-1.41 (2 ranks: 1.25 on a
         healthy 5,000-step run, hence the 3-rank condition)."""
-        cfg = self.config
         self.levels.update(step, ratios)
         slow = [r for r in self.slow.update(ratios) if r.shift]
         if slow:  # the CUSUM: the rank that moved furthest above its baseline
@@ -448,6 +447,11 @@ class SignalDetectors:
                     ranks=[res.key],
                 )
             ]
+        return self._held_straggler(ratios)
+
+    def _held_straggler(self, ratios: Mapping[int, float]) -> list[Finding]:
+        """The held rules of ``_straggler``: the rank furthest over its threshold, if any."""
+        cfg = self.config
         tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
         if len(ratios) >= 3:
             tiers.append(
