@@ -5,22 +5,18 @@ tmp dir (``--basetemp DIR`` to choose where)."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import numpy as np
 import pytest
+from chromium import headless_chromium, needs_chromium
 
 from probewire.deploy.demo.faults import LayerExplosion
 from probewire.deploy.demo.simulate import simulated_run, write_simulated_run
 from probewire.deploy.report import load_first_screen, write_report
 from probewire.sinks import ClickHouseSink
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None,
-    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
-)
+pytestmark = needs_chromium
 RUN, OTHER = "baseline", "lr-x2"
 
 
@@ -43,25 +39,8 @@ def report(ch_client, ch_database, tmp_path):
 
 @pytest.fixture()
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1500,1900",
-        "--force-device-scale-factor=1",
-    ):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    try:
+    with headless_chromium(1500, 1900) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _wait(driver, script: str, timeout_s: float = 30.0):

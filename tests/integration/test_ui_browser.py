@@ -8,25 +8,17 @@ runs, a metric the ranks logged with ``s.log`` is a panel of its stored values, 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from chromium import headless_chromium, needs_chromium
 from ui_support import LR, ui_server, write_run, write_user_metric
 
 from probewire.sinks import ClickHouseSink
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        CHROMIUM is None or DRIVER is None,
-        reason="needs Debian's chromium and chromium-driver "
-        "(apt-get install chromium chromium-driver)",
-    ),
-]
+pytestmark = [pytest.mark.integration, needs_chromium]
 LONG, LIVE = "long-200k", "live-run"
 OVERLAID = ("cmp-a", "cmp-b", "cmp-c")
 
@@ -40,25 +32,8 @@ def chdb_path(store_url: str) -> Path:
 
 @pytest.fixture()
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,1000",
-        "--force-device-scale-factor=1",
-    ):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    try:
+    with headless_chromium(1400, 1000) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture()
