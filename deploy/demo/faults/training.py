@@ -214,7 +214,9 @@ class Straggler(Fault):
     its median step time before ``step`` instead ("slowed by half its step": factor 1.5).
 
     Signature (measured, window 50, fault at 120): `step_time` pages by ``step`` + 2,
-    culprit ``rank {rank}``; nothing else pages. Under synchronous DDP the fast rank
+    culprit ``rank {rank}``; `compute_rate` may page with it (the compute rate Φ is the
+    step's FLOPs over the job's step time, which the slow rank holds back: the same event,
+    seen as lost throughput); nothing else pages. Under synchronous DDP the fast rank
     waits for the slow one inside the gradient all-reduce, so both ranks' step times carry
     the delay (argmax step time is a coin toss). train.py's comm hook times each rank's
     all-reduce wait and reports it every step (``s.comm_wait``, comm.wait{op=
@@ -234,6 +236,7 @@ class Straggler(Fault):
 
     name: ClassVar[str] = "straggler"
     signal: ClassVar[str] = "step_time"
+    also_pages: ClassVar[tuple[str, ...]] = (SM.compute_rate,)
     culprit: ClassVar[str] = "rank"
     within: ClassVar[int] = 2  # stream.straggler_steps - 1: the third slow step pages
     explain_stage: ClassVar[str] = "step time"
