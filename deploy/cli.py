@@ -6,7 +6,7 @@
     probewire sync DIR [--store DIR]                        replay offline ranks' spool files
     probewire sql [--store DIR | --clickhouse-url URL] [--format vertical] "SELECT ..."
     probewire runs                                          the runs in the store, one row each
-    probewire worker [--role all|stage1]                    the stream worker (Faust)
+    probewire worker [--role all|stage1|detail]             the stream worker (Faust)
     probewire migrate                                       create / upgrade the schema
     probewire report --run A [--run B ...] [--out DIR]      interactive HTML + PNG per run
     probewire explain --run ID --step N                     what moved first at a step, and who
@@ -326,7 +326,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         args.config, overrides={"stream": {"role": args.role}} if args.role else None
     )
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
-    owns_store = settings.stream.role != "stage1"
+    owns_store = settings.stream.role == "all"
     _preflight(settings, heartbeat, owns_store)  # a free store, a broker, the topics first
     topics = settings.topics
     check_message_limit(
@@ -746,7 +746,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         choices=ROLES,
         help="all: stage 1, stage 2 and the store (the default, or "
         "stream.role); stage1: stage 1 only, no store (more workers "
-        "beside the one that owns an embedded store)",
+        "beside the one that owns an embedded store); detail: stage 1 of "
+        "the scan-tier detail topic only (with stream.detail_inline: false "
+        "on the owner)",
     )
     worker.set_defaults(func=cmd_worker)
 

@@ -78,6 +78,7 @@ def session_env(settings: Settings, bootstrap: str, run_id: str | None = None) -
     env = {
         "PROBEWIRE_KAFKA__BOOTSTRAP": bootstrap,
         "PROBEWIRE_TOPICS__METRICS": topics.metrics,
+        "PROBEWIRE_TOPICS__DETAIL": topics.detail,
         "PROBEWIRE_TOPICS__CONTROL": topics.control,
         "PROBEWIRE_TOPICS__CHECKPOINTS": topics.checkpoints,
         "PROBEWIRE_TOPICS__RUNS": topics.runs,

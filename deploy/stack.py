@@ -356,16 +356,17 @@ class LocalStack:
         _wait_port(self.ui_port, self.ui, timeout_s, "ui")
         return f"http://127.0.0.1:{self.ui_port}/?token={token}"
 
-    def start_stage1_workers(self, n: int, timeout_s: float = 90.0) -> None:
-        """``n`` more workers with ``--role stage1`` in the same consumer group (started
-        together, then each waited for): they share ``otlp_metrics`` with the store owner."""
+    def start_stage1_workers(self, n: int, timeout_s: float = 90.0, role: str = "stage1") -> None:
+        """``n`` more workers with ``--role stage1`` (or ``detail``) in the same consumer
+        group (started together, then each waited for): they share the rank topics (or the
+        detail topic) with the store owner."""
         started = []
         for _ in range(n):
-            name = f"worker-stage1-{len(self.stage1_workers)}"
+            name = f"worker-{role}-{len(self.stage1_workers)}"
             heartbeat = self.work_dir / f"{name}.heartbeat"
             heartbeat.unlink(missing_ok=True)
             proc = spawn(
-                [sys.executable, "-m", "probewire.deploy.cli", "worker", "--role", "stage1"],
+                [sys.executable, "-m", "probewire.deploy.cli", "worker", "--role", role],
                 self._log(name),
                 self._child_env(heartbeat),
             )

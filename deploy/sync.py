@@ -1,7 +1,7 @@
 """``probewire sync DIR``: replay the spool files of offline ranks (``instrument.spool``).
 
 Each record goes to the topic it would have gone to live (its kind: the settings' metrics,
-runs or checkpoints topic), in an order the stream takes as live: per run, the ``started``
+detail, runs or checkpoints topic), in an order the stream takes as live: per run, the ``started``
 events first, then the step messages by step (every rank's message of a step together, so
 none is late for its step's deadline), then the other events. With ``--store`` (an embedded
 store) the local stack starts, or a live ``probewire up`` on it is joined, and ``sync``
@@ -48,7 +48,7 @@ def spooled(folder: Path) -> list[Record]:
 def _run_and_rank(record: Record) -> tuple[str, float]:
     """(run id, order within the run): started -1, a step message its step, the rest +inf."""
     kind, key, value = record
-    if kind == "metrics":
+    if kind in ("metrics", "detail"):
         run_id, _, text = key.decode(errors="replace").rpartition(":")
         return run_id, float(text) if text.isdigit() else math.inf
     try:
@@ -74,6 +74,7 @@ def _publish(bootstrap: str, settings: Settings, records: list[Record]) -> int:
 
     topics = {
         "metrics": settings.topics.metrics,
+        "detail": settings.topics.detail,
         "runs": settings.topics.runs,
         "checkpoints": settings.topics.checkpoints,
     }

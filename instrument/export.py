@@ -6,6 +6,12 @@ the record (waits for the device-to-host copy of the step's statistics, turns th
 points), encodes OTLP (see ``wire``) and hands the bytes to a transport (Kafka, key
 ``<run_id>:<step>``).
 
+Two paths (``detail``): with a detail transport, a step's catalog scan-tier points leave
+as their own message on it (the ``otlp_detail`` topic), apart from the step tier that the
+stream's P0 view, detectors and pages read; a ring dump's and a replay's messages go there
+too. The stream reduces and stores the detail on its own, so a huge scan step never delays
+its step's page. Without one, a step is one message, as it was.
+
 The ring buffer holds what was measured and **not** sent: on a step measured for the ring
 only (``ProbeConfig.ring_every``, a record with ``held``), the catalog's scan-tier points
 stay in the ring and the rest of the step is sent. The ring keeps the last ``ring_steps``
@@ -165,6 +171,7 @@ class StepEmitter:
         identity: RankIdentity,
         transport: Transport,
         *,
+        detail: Transport | None = None,
         queue_size: int = 256,
         ring_steps: int = 0,
         idle_s: float = 0.05,
@@ -173,6 +180,7 @@ class StepEmitter:
             raise ValueError("queue_size must be >= 1 and ring_steps >= 0")
         self.identity = identity
         self._transport = transport
+        self._detail = detail  # the scan-tier points' own topic (None: with the step)
         self._pending: collections.deque[StepRecord] = collections.deque()
         self._queue_size = queue_size
         self._wake = threading.Event()
@@ -238,14 +246,22 @@ class StepEmitter:
         self._wake.set()
         deadline = time.monotonic() + timeout_s  # the join and the flush share the wait
         self._thread.join(timeout_s)
-        self._transport.flush(max(0.0, deadline - time.monotonic()))
-        self._transport.close()
+        for transport in self._transports():
+            transport.flush(max(0.0, deadline - time.monotonic()))
+            transport.close()
+
+    def _transports(self) -> list[Transport]:
+        return [self._transport] if self._detail is None else [self._detail, self._transport]
 
     # ------------------------------------------------------------------ emitter thread
     _busy = False
 
-    def _send(self, step: int, points: Sequence[Point], replay: bool = False) -> None:
-        if not replay:
+    def _send(
+        self, step: int, points: Sequence[Point], replay: bool = False, detail: bool = False
+    ) -> None:
+        """Encode and send one message: the step tier (with the drop counter), or with
+        ``detail`` the scan-tier points alone (to the detail transport, when there is one)."""
+        if not (replay or detail):
             points = [*points, Point(Export.DROPPED, float(self.dropped))]
         try:
             payload = self._encoder.encode(step, points, replay=replay)
@@ -254,7 +270,8 @@ class StepEmitter:
             log.exception("probewire: could not encode step %d", step)
             return
         key = message_key(self.identity.run_id, step)
-        if self._transport.send(key, payload):
+        transport = self._detail if detail and self._detail is not None else self._transport
+        if transport.send(key, payload):
             self.sent += 1
         else:
             self.errors += 1
@@ -271,18 +288,25 @@ class StepEmitter:
             if getattr(record, "replay", False):  # a replay's detail (``step.ReplayContext``)
                 _, detail = split_held(points)
                 if detail:
-                    self._send(record.step, detail, replay=True)
+                    self._send(record.step, detail, replay=True, detail=True)
                 continue
             if getattr(record, "held", False) and self._keep_ring:
                 points, held = split_held(points)
                 if held:
                     self.ring.append((record.step, held))
-            self._send(record.step, points)
+                self._send(record.step, points)
+            elif self._detail is not None:  # the step tier first: it is what pages
+                points, scan = split_held(points)
+                self._send(record.step, points)
+                if scan:
+                    self._send(record.step, scan, detail=True)
+            else:
+                self._send(record.step, points)
         while self._dump_requests:
             self._dump_requests -= 1
             while self.ring:  # each held step leaves the ring as it is sent: once
                 step, points = self.ring.popleft()
-                self._send(step, points, replay=True)
+                self._send(step, points, replay=True, detail=True)
                 self.replayed += 1
 
     def _run(self) -> None:

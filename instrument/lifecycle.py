@@ -19,7 +19,7 @@ events by those, never by the ranks' clocks.
 ``env_transports`` builds the metrics transport, the control listener and the event
 transports from the variables ``probewire up`` / ``probewire run`` export, so ``attach``
 needs no transport inside them: ``PROBEWIRE_KAFKA__BOOTSTRAP`` and, optionally, the topic
-names ``PROBEWIRE_TOPICS__METRICS``, ``__CONTROL``, ``__CHECKPOINTS`` and ``__RUNS`` (the
+names ``PROBEWIRE_TOPICS__METRICS``, ``__DETAIL``, ``__CONTROL``, ``__CHECKPOINTS`` and ``__RUNS`` (the
 names the settings tree reads too).
 """
 
@@ -43,6 +43,7 @@ from .wire import RankIdentity
 __all__ = [
     "ATTEMPT_ENV",
     "BOOTSTRAP_ENV",
+    "DETAIL_TOPIC",
     "EnvTransports",
     "MAX_CONFIG_BYTES",
     "MODES",
@@ -65,8 +66,10 @@ MODES = ("online", "offline", "disabled")
 RUNS_TOPIC = "probewire.runs"
 MAX_CONFIG_BYTES = 64 * 1024
 EVENTS = ("started", "finished", "crashed")
+DETAIL_TOPIC = "otlp_detail"
 _TOPICS = {
     "metrics": "otlp_metrics",
+    "detail": DETAIL_TOPIC,
     "control": "probewire.control",
     "checkpoints": "probewire.checkpoints",
     "runs": RUNS_TOPIC,
@@ -149,6 +152,7 @@ class EnvTransports:
     control: ControlListener | None
     checkpoints: Transport | None
     runs: Transport
+    detail: Transport | None = None  # scan-tier points and ring dumps (``export``)
 
 
 def resolve_mode(mode: str | None, env: Mapping[str, str]) -> str:
@@ -169,6 +173,7 @@ def offline_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTra
     log.info("probewire: offline; messages spooled to %s", spool.path)
     return EnvTransports(
         transport=SpoolTransport(spool, "metrics"),
+        detail=SpoolTransport(spool, "detail"),
         control=None,
         checkpoints=SpoolTransport(spool, "checkpoints") if identity.rank == 0 else None,
         runs=SpoolTransport(spool, "runs"),
@@ -197,6 +202,7 @@ def env_transports(identity: RankIdentity, env: Mapping[str, str]) -> EnvTranspo
     topics = topic_names(env)
     return EnvTransports(
         transport=KafkaTransport(config, topics["metrics"]),
+        detail=KafkaTransport(config, topics["detail"]),
         control=ControlListener(
             config, run_id=identity.run_id, rank=identity.rank, topic=topics["control"]
         ),

@@ -57,7 +57,14 @@ from torch import nn
 from .config import ProbeConfig
 from .control import ControlListener, checkpoint_event
 from .export import KafkaTransport, StepEmitter, Transport
-from .lifecycle import RUNS_TOPIC, env_transports, offline_transports, resolve_mode, run_event
+from .lifecycle import (
+    DETAIL_TOPIC,
+    RUNS_TOPIC,
+    env_transports,
+    offline_transports,
+    resolve_mode,
+    run_event,
+)
 from .parallel import coords_from_mesh, data_group, verify_replicas
 from .probes.comm import CommTimer
 from .probes.grads import GradProbe
@@ -126,6 +133,7 @@ class Monitor:
         mesh: Any = None,
         runs: Transport | None = None,
         run_config: Mapping[str, Any] | None = None,
+        detail: Transport | None = None,
     ) -> None:
         self.config, self.identity = config, identity
         self._runs = runs
@@ -143,7 +151,11 @@ class Monitor:
         self._state = StepState()
         self._schedule = Schedule(config.cadence, config.ring_every)
         self._emitter = StepEmitter(
-            identity, transport, queue_size=config.queue_size, ring_steps=config.ring_steps
+            identity,
+            transport,
+            detail=detail,
+            queue_size=config.queue_size,
+            ring_steps=config.ring_steps,
         )
         self._events = events
         registry = build_registry(model, config, identity)
@@ -464,6 +476,7 @@ def attach(
     run_config: Mapping[str, Any] | None = None,
     mesh: Any = None,
     mode: str | None = None,
+    detail: Transport | None = None,
 ) -> Monitor | NullMonitor:
     """Register the observation points of ``model`` and ``optimizer``; decide everything now.
 
@@ -473,7 +486,9 @@ def attach(
     ``run``) and the control listener, checkpoint and run-event transports are built too
     (``lifecycle.env_transports``). ``events`` (optional) takes the checkpoint
     announcements, ``runs`` the run's lifecycle events (default: the metrics transport's
-    broker, topic ``probewire.runs``, when it is a ``KafkaTransport``); ``control``
+    broker, topic ``probewire.runs``, when it is a ``KafkaTransport``), ``detail`` the
+    scan-tier points and ring dumps (default: topic ``otlp_detail`` of that broker; with
+    another transport and no ``detail``, a step's points travel as one message); ``control``
     (optional) is started and fed to ``densify``/``dump``. ``run_config`` (the run's
     hyper-parameters, a JSON-able mapping) is stored in the run's ``runs.config``.
     ``mesh`` (a ``DeviceMesh`` with named dims: dp / dp_replicate / dp_shard, tp, pp, cp,
@@ -499,8 +514,12 @@ def attach(
         transport, runs = built.transport, runs or built.runs
         control = control or built.control
         events = events or built.checkpoints
-    elif runs is None and isinstance(transport, KafkaTransport):
-        runs = transport.to_topic(os.environ.get("PROBEWIRE_TOPICS__RUNS") or RUNS_TOPIC)
+        detail = detail or built.detail
+    elif isinstance(transport, KafkaTransport):
+        if runs is None:
+            runs = transport.to_topic(os.environ.get("PROBEWIRE_TOPICS__RUNS") or RUNS_TOPIC)
+        if detail is None:
+            detail = transport.to_topic(os.environ.get("PROBEWIRE_TOPICS__DETAIL") or DETAIL_TOPIC)
     return Monitor(
         model,
         optimizer,
@@ -512,6 +531,7 @@ def attach(
         runs=runs,
         run_config=run_config,
         mesh=mesh,
+        detail=detail,
     )
 
 

@@ -121,6 +121,8 @@ class TopicConfig:
     """Topic names and their partition counts (created explicitly before use)."""
 
     metrics: str = "otlp_metrics"
+    detail: str = "otlp_detail"
+    """The ranks' scan-tier points and ring dumps, apart from the step tier that pages."""
     steps: str = "probewire.steps"
     control: str = "probewire.control"
     checkpoints: str = "probewire.checkpoints"
@@ -138,6 +140,7 @@ class TopicConfig:
         """Every topic with its partition count; per-run topics use one partition per run key."""
         names = [
             self.metrics,
+            self.detail,
             self.steps,
             self.control,
             self.checkpoints,

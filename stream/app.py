@@ -1,8 +1,11 @@
 """The Faust app: topics wired to short agents; what they do reads in ``worker``.
 
     otlp_metrics ──assemble──► probewire.steps ──per_run──► ClickHouse (+ probewire.alerts,
-         │   (stage 1, key run:step)            (stage 2, key run_id)     probewire.control,
-         └──► probewire.deadletter ──dead_letters──► ClickHouse            Alertmanager webhook)
+         │   (stage 1, key run:step)     ▲      (stage 2, key run_id)     probewire.control,
+         │                               │                                Alertmanager webhook)
+    otlp_detail ──assemble_detail────────┘ (scan-tier points and ring dumps, gathered apart:
+         │                                  ``CompleteReason.SCAN`` / ``REPLAY`` steps)
+         └──► probewire.deadletter ──dead_letters──► ClickHouse
     probewire.evals ──evaluations──► ClickHouse
     probewire.runs ──run_events──► ClickHouse (the run's status and config, ``lifecycle``)
 
@@ -80,11 +83,11 @@ def create_app(
     app.probewire_worker = worker
     worker.highwater = lambda topic, partition: _highwater(app, topic, partition)
 
-    _stage1_agents(app, worker, topics)
-    if config.role == "stage1":
-        # Stage 1 only: this process subscribes to ``otlp_metrics`` alone, so Faust's
-        # assignor splits that topic's partitions over every worker of the group and gives
-        # the other topics to the workers that subscribe to them (the store owner).
+    _stage1_agents(app, worker, topics, config)
+    if config.role != "all":
+        # Stage 1 only: this process subscribes to the rank topics alone, so Faust's
+        # assignor splits their partitions over every worker of the group that subscribes
+        # to them and gives the other topics to the workers that do (the store owner).
         return app
     _stage2_agents(app, worker, topics)
     return app
@@ -119,15 +122,26 @@ def _new_app(
     )
 
 
-def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
-    """Stage 1 on every worker: rank messages into steps, the one-second tick, partition
-    assignment and the store's close on shutdown."""
+def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig, config: StreamConfig) -> None:
+    """Stage 1 on every worker: rank messages into steps (the step tier unless the role is
+    ``detail``, the detail unless ``detail_inline`` is off on the store owner), the
+    one-second tick, partition assignment and the store's close on shutdown."""
 
-    @app.agent(app.topic(topics.metrics))
-    async def assemble(stream):
-        async with worker.agent("assemble"):
-            async for event in stream.noack().events():
-                await worker.on_rank_message(event)
+    if config.role != "detail":
+
+        @app.agent(app.topic(topics.metrics))
+        async def assemble(stream):
+            async with worker.agent("assemble"):
+                async for event in stream.noack().events():
+                    await worker.on_rank_message(event)
+
+    if config.role != "all" or config.detail_inline:
+
+        @app.agent(app.topic(topics.detail))
+        async def assemble_detail(stream):
+            async with worker.agent("assemble_detail"):
+                async for event in stream.noack().events():
+                    await worker.on_rank_message(event, detail=True)
 
     @app.timer(interval=1.0)
     async def tick() -> None:
@@ -136,10 +150,14 @@ def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
     @app.on_partitions_revoked.connect
     async def forget_offsets(*args: Any, **kwargs: Any) -> None:
         worker.gap_watch.forget()  # partitions may come back where another worker left them
+        worker.detail_gap_watch.forget()
 
     @app.on_partitions_assigned.connect
     async def begin_offsets(sender: Any, assigned: set[Any], **kwargs: Any) -> None:
-        await worker.on_assigned(tp.partition for tp in assigned if tp.topic == topics.metrics)
+        rank_topics = (topics.metrics, topics.detail)
+        await worker.on_assigned(
+            {t: [tp.partition for tp in assigned if tp.topic == t] for t in rank_topics}
+        )
 
     @app.service
     class Shutdown(faust.Service):

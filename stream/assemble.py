@@ -169,10 +169,15 @@ class AddResult:
 class StepAssembler:
     """Pending steps keyed by (run, step); remembers recently emitted steps to spot late data."""
 
-    def __init__(self, deadline_s: float, remember_steps: int = 100_000) -> None:
+    def __init__(
+        self, deadline_s: float, remember_steps: int = 100_000, detail: bool = False
+    ) -> None:
+        """``detail``: the assembler of the detail topic, whose steps leave as
+        ``CompleteReason.SCAN`` (replays as ``REPLAY``)."""
         if deadline_s <= 0:
             raise ValueError("deadline_s must be > 0")
         self.deadline_s = deadline_s
+        self.detail = detail
         # keys (run, step) of the steps' own messages, (run, step, "replay") of replays
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
@@ -264,6 +269,8 @@ class StepAssembler:
         pending = self._pending.pop(key)
         if len(key) == 3:
             reason = CompleteReason.REPLAY
+        elif self.detail:
+            reason = CompleteReason.SCAN
         self._done[key] = frozenset(pending.records)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)

@@ -16,9 +16,12 @@ from .validate import Bounds
 __all__ = ["BatchConfig", "Bounds", "HealthConfig", "ROLES", "Stage2Config", "StreamConfig"]
 
 # What a worker process runs. ``all``: stage 1, stage 2, the store, dead letters and
-# evaluations. ``stage1``: stage 1 only (decode, reduce, publish reduced steps), no store;
-# it joins the same consumer group and takes a share of the ``otlp_metrics`` partitions.
-ROLES = ("all", "stage1")
+# evaluations (and the detail topic's stage 1 unless ``detail_inline`` is off). ``stage1``:
+# stage 1 only (decode, reduce, publish reduced steps) of both rank topics, no store; it
+# joins the same consumer group and takes a share of their partitions. ``detail``: stage 1
+# of the detail topic only (scan-tier points, ring dumps), so that no scan step ever takes
+# CPU from the worker that pages.
+ROLES = ("all", "stage1", "detail")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,6 +30,8 @@ class StreamConfig:
 
     app_id: str = "probewire"
     role: str = "all"  # one of ROLES; see docs/deployment.md
+    # role ``all`` reduces the detail topic too; off when ``detail``/``stage1`` workers do
+    detail_inline: bool = True
     deadline_s: float = 30.0  # stage 1 reduces what arrived after this long
     max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
     alert_webhook_url: str = ""

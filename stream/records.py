@@ -84,6 +84,7 @@ class CompleteReason(StrEnum):
     LATE = "late"  # a rank's data after its step was emitted: kept as detail
     REPLAY = "replay"  # the ranks' ring buffers, sent on a dump: a past step's detail
     DETAIL = "detail"  # a detail part of a step split for the broker's message limit
+    SCAN = "scan"  # the step's scan-tier detail, sent by its ranks apart (topic ``detail``)
     AFTER_GAP = "after_gap"  # set by stage 2: the first step after a gap in the run
 
 

@@ -7,7 +7,9 @@ per-rank values and tensor statistics, each part a subset), then the *main* part
 reduced value stage 2's view reads and the per-rank values it reads (``inputs.PER_RANK``).
 Stage 2 stores a detail part's rows in the look-back tables at once and processes the
 main part as the step; the main part's retention decision promotes the detail parts,
-which are written before it. Rows are never split: a tensor's fields stay together.
+which are written before it. Rows are never split: a tensor's fields stay together. A
+scan-tier step (``CompleteReason.SCAN``) splits the same way, its main part keeping every
+reduced value when they fit (stage 2 joins them to the step's row).
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ def split_step(step: ReducedStep, max_bytes: int) -> list[tuple[ReducedStep, byt
         r: {k: v for k, v in values.items() if k[0] not in PER_RANK}
         for r, values in step.per_rank.items()
     }
-    for keep in (
+    keeps = [
         lambda k: k[0] not in _TENSOR,
         lambda k: k[0] not in _TENSOR and CATALOG[k[0]].priority is Priority.P0,
-    ):
+    ]
+    if step.complete_reason == CompleteReason.SCAN:  # stage 2 joins its reduced values
+        keeps.insert(0, lambda k: True)  # to its step's row: all of them in one part
+    for keep in keeps:
         main = dataclasses.replace(
             step, per_rank=view_rank, reduced={k: v for k, v in step.reduced.items() if keep(k)}
         )

@@ -27,6 +27,10 @@ Nothing a run does makes this module raise or drop a step:
 - a replay (``complete_reason = "replay"``: the ranks' ring buffers sent on a dump, the
   scan-tier detail of a past step) writes that detail to the look-back tables and
   promotes its step; the step's own row and the detectors are untouched.
+- a step's scan-tier detail (``complete_reason = "scan"``, sent by the ranks apart from the
+  step tier) never holds its step back: it is written to the look-back tables, promoted
+  when its step is kept, and its columns join the step's row before or after it
+  (``scanjoin``).
 - the first time a run's detail carries a tensor label, its ``tensor_names`` row (block,
   role, expert: ``dimensions``) is written, once; the names seen are part of the state
   (bounded by ``validate``'s ``max_label_values`` distinct tensor labels per run).
@@ -59,6 +63,7 @@ from .order import SkippedSteps, StepOrderer
 from .pages import Episode
 from .records import CompleteReason, ReducedStep
 from .retention import RetentionPolicy
+from .scanjoin import ScanJoin
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .usermetrics import user_rows
@@ -244,10 +249,12 @@ class RunPipeline:
         self.heard_step = -1  # the newest step any rank sent, and the ranks that sent it
         self.heard_ranks: set[int] = set()
         self.clip_disagreement: dict[float, list[int]] | None = None  # said once, until healed
+        self.scans = ScanJoin()  # scan-tier steps and the rows they join (not saved)
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
         out = self._name_tensors(self._accept(item, now))
+        self.scans.kept(out.promote)
         sm = StepMetrics
         for row in out.rows.get("step_metrics", ()):  # stored steps: who was heard last
             if row[sm.step] >= self.heard_step:
@@ -291,7 +298,11 @@ class RunPipeline:
         ):  # part of a step split for the broker's limit
             out = Stage2Output()
             _add_detail(out, item)
-            return out  # promoted with its step (the main part comes after it)
+            if self.scans.is_kept(item.step):  # a scan step's part, after its step's decision
+                out.promote.append(item.step)
+            return out  # else promoted with its step (the main part comes after it)
+        if item.complete_reason == CompleteReason.SCAN:
+            return self._accept_scan(item)
         if (
             item.complete_reason == CompleteReason.LATE
         ):  # data after its step's deadline: kept as detail
@@ -308,6 +319,22 @@ class RunPipeline:
             return out
         return self._process(self.orderer.offer(item, now))
 
+    def _accept_scan(self, item: ReducedStep) -> Stage2Output:
+        """A step's scan-tier detail (``scanjoin``): stored, promoted when its step was kept,
+        joined to its step's row."""
+        out = Stage2Output()
+        _add_detail(out, item)
+        if self.scans.is_kept(item.step):
+            out.promote.append(item.step)
+        if self.scans.has_row(item.step):
+            row, inputs = self.scans.join(item)
+            if row is not None and inputs is not None:
+                out.rows["step_metrics"].append(row)
+                out.rows["residual_stats"] += residual_rows(inputs)
+        elif item.step > self.last_step or item.step in self.skipped:
+            self.scans.hold(item)  # its step is still to come
+        return out
+
     def expire(self, now: float) -> Stage2Output:
         out = self._name_tensors(self._process(self.orderer.expire(now)))
         if (
@@ -317,6 +344,7 @@ class RunPipeline:
             and now - self.last_arrival >= self.config.run_idle_s
         ):
             out.extend(self.finish(now - self.last_arrival))
+        self.scans.kept(out.promote)
         return out
 
     def finish(self, silent_s: float = 0.0) -> Stage2Output:
@@ -347,6 +375,7 @@ class RunPipeline:
             out.rows["runs"].append(self._run_row())
         self.said_last_step = max(self.said_last_step, event.step)
         out.extend(self._release_final())
+        self.scans.kept(out.promote)
         return out
 
     def _release_final(self) -> Stage2Output:
@@ -381,6 +410,7 @@ class RunPipeline:
         for item in items:
             if item.step <= self.last_step and item.step not in self.skipped:
                 continue  # re-delivery: already counted
+            item = self.scans.early(item)
             try:
                 inputs = StepInputs(item)
                 view = p0_view(item, inputs)
@@ -459,6 +489,7 @@ class RunPipeline:
         if after_gap:
             row[sm.complete_reason] = CompleteReason.AFTER_GAP.value
         out.rows["step_metrics"].append(row)
+        self.scans.stored(item, row)
         out.rows["grad_group_stats"] += grad_group_rows(item)
         out.rows["residual_stats"] += residual_rows(inputs)
         out.rows["user_metrics"] += user_rows(self.run_id, item.step, item.reduced)

@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,10 +71,14 @@ class Worker:
         self.make_gap_reader = make_gap_reader
         self.gaps: GapReader | None = None  # made on start, as the publisher
         self.gap_watch = GapWatch()
+        self.detail_gap_watch = GapWatch()
         self.publishing = asyncio.Event()
         self.open_store = open_store
         self.before_event = before_event  # a test hook (fault injection), a no-op otherwise
         self.assembler = StepAssembler(config.deadline_s)
+        # the scan-tier detail (topic ``detail``), gathered apart: a step's page never waits
+        # for it, and it is never dropped for being late (``CompleteReason.SCAN``)
+        self.detail_assembler = StepAssembler(config.deadline_s, detail=True)
         self.validator = StepValidator(config.bounds)
         self.waiting: dict[tuple, list[Any]] = {}  # unacked rank messages per step (_wait_key)
         self.waiting_since: dict[tuple, float] = {}
@@ -110,7 +114,7 @@ class Worker:
         self._live = [asyncio.ensure_future(self._beat()), asyncio.ensure_future(self._watch())]
         self.metrics.serve(self.config.web_bind, self.config.metrics_port)
         self.publishing.set()
-        if self.config.role == "stage1":
+        if self.config.role != "all":
             self.write_heartbeat("ready")
             return
         self.progress.waiting("store", 1, time.monotonic())  # unhealthy after stall_s
@@ -208,7 +212,7 @@ class Worker:
         if self.publisher is None:
             return
         now = time.monotonic()
-        for reduced in self.assembler.expire(now):
+        for reduced in self.assembler.expire(now) + self.detail_assembler.expire(now):
             await self.publish_step(reduced)
         if self.sink is not None:
             for run_id, run in list(self.runs.items()):
@@ -228,34 +232,39 @@ class Worker:
         self.write_heartbeat()
 
     # -- stage 1 ------------------------------------------------------------------------------
-    async def on_assigned(self, partitions: Iterable[int]) -> None:
-        """Partitions of the rank topic were assigned (still paused): every pending step
-        is dropped, its messages left unacknowledged, since the consumer reads every
-        assigned partition again from the group's committed offset, here or at a
-        partition's new owner (``StepAssembler.drop_pending``); the offset the consumer
+    async def on_assigned(self, assigned: Mapping[str, Iterable[int]]) -> None:
+        """Partitions of the rank topics (step tier and detail) were assigned, still paused:
+        every pending step is dropped, its messages left unacknowledged, since the consumer
+        reads every assigned partition again from the group's committed offset, here or at
+        a partition's new owner (``StepAssembler.drop_pending``); the offset the consumer
         reads each from, so a message skipped first is a gap too (``gaps``)."""
-        assigned = sorted(partitions)
-        for key in self.assembler.drop_pending():
+        for key in self.assembler.drop_pending() + self.detail_assembler.drop_pending():
             self.waiting.pop(key, None)
             self.waiting_since.pop(key, None)
         if self.gaps is None:
             return
-        starts = await asyncio.get_running_loop().run_in_executor(
-            None, self.gaps.starts, self.topics.metrics, assigned
-        )
-        for partition, offset in starts.items():
-            self.gap_watch.begin(partition, offset)
+        for topic, watch in (
+            (self.topics.metrics, self.gap_watch),
+            (self.topics.detail, self.detail_gap_watch),
+        ):
+            starts = await asyncio.get_running_loop().run_in_executor(
+                None, self.gaps.starts, topic, sorted(assigned.get(topic, ()))
+            )
+            for partition, offset in starts.items():
+                watch.begin(partition, offset)
 
-    async def on_rank_message(self, event: Any) -> None:
+    async def on_rank_message(self, event: Any, detail: bool = False) -> None:
         """Read first what the consumer skipped before this message (``gaps``), then this
-        message: decode, validate, gather; publish each step its message completes."""
+        message: decode, validate, gather; publish each step its message completes.
+        ``detail``: a message of the detail topic (scan-tier points, ring dumps)."""
         message = event.message
         self._read(event)
         if self.before_event("assemble", message.partition):  # a test's fault: as if the
             event.ack()  # consumer skipped this one
             return
         await self.publishing.wait()
-        skipped = self.gap_watch.gap(message.partition, message.offset)
+        watch = self.detail_gap_watch if detail else self.gap_watch
+        skipped = watch.gap(message.partition, message.offset)
         if skipped is not None and self.gaps is not None:
             for missed in await asyncio.get_running_loop().run_in_executor(
                 None, self.gaps.read, message.topic, message.partition, *skipped
@@ -266,10 +275,10 @@ class Worker:
                     message.partition,
                     missed.message.offset,
                 )
-                await self._gather(missed)
-        await self._gather(event)
+                await self._gather(missed, detail)
+        await self._gather(event, detail)
 
-    async def _gather(self, event: Any) -> None:
+    async def _gather(self, event: Any, detail: bool = False) -> None:
         try:
             record = decode_rank_step(event.key, event.value)
         except DecodeError as exc:
@@ -279,17 +288,19 @@ class Worker:
         checked = self.validator.check(record)
         if checked.reason is not None:
             await self.dead_letter(event, checked.reason)
+        assembler = self.detail_assembler if detail else self.assembler
         if checked.record is None:
             event.ack()
             if self.validator.world_size(record.run_id) == record.world_size:
                 # its step does not wait for this rank: reduced without it (ranks_missing)
-                for reduced in self.assembler.refused(record):
+                for reduced in assembler.refused(record):
                     await self.publish_step(reduced)
             return
         now = time.monotonic()
-        result = self.assembler.add(record, now, event.message.partition)
+        result = assembler.add(record, now, event.message.partition)
+        key = _wait_key(record.run_id, record.step, _reason(record.replay, detail))
         if result.duplicate:
-            held = self.waiting.get(_wait_key(record.run_id, record.step, record.replay))
+            held = self.waiting.get(key)
             if held is None:
                 event.ack()
             else:  # its step is still gathering: acknowledged with it, so that no commit
@@ -316,11 +327,10 @@ class Worker:
                 hosts={record.rank: record.host},
                 complete_reason=CompleteReason.LATE,
             )
-            key = (record.run_id, record.step, CompleteReason.LATE)
-            self.waiting.setdefault(key, []).append(event)
-            await self.publish_step(late, key=key)
+            late_key = (record.run_id, record.step, CompleteReason.LATE)
+            self.waiting.setdefault(late_key, []).append(event)
+            await self.publish_step(late, key=late_key)
             return
-        key = _wait_key(record.run_id, record.step, record.replay)
         self.waiting.setdefault(key, []).append(event)
         self.waiting_since.setdefault(key, now)
         for reduced in result.completed:
@@ -343,9 +353,7 @@ class Worker:
         """Hand a reduced step to the broker and return: the agent goes on with the next
         message while the broker confirms (one round trip per step bounded stage 1 at
         ~120 steps/s). Up to ``MAX_IN_FLIGHT`` steps wait for confirmation at once."""
-        key = key or _wait_key(
-            reduced.run_id, reduced.step, reduced.complete_reason == CompleteReason.REPLAY
-        )
+        key = key or _wait_key(reduced.run_id, reduced.step, reduced.complete_reason)
         events = self.waiting.pop(key, [])
         since = self.waiting_since.pop(key, time.monotonic())
         await self._in_flight.acquire()
@@ -592,10 +600,20 @@ class Worker:
         self._writer.shutdown(wait=True)
 
 
-def _wait_key(run_id: str, step: int, replay: bool) -> tuple:
+def _reason(replay: bool, detail: bool) -> CompleteReason | None:
+    """The reason a rank message's reduced step will carry, where it is not the step's own
+    (its wait key's third part)."""
+    if replay:
+        return CompleteReason.REPLAY
+    return CompleteReason.SCAN if detail else None
+
+
+def _wait_key(run_id: str, step: int, reason: CompleteReason | str | None) -> tuple:
     """The key of the rank messages waiting for one reduced step: a replay (the ranks' ring
-    buffers) waits apart from the step's own messages."""
-    return (run_id, step, CompleteReason.REPLAY) if replay else (run_id, step)
+    buffers) and a scan-tier detail step wait apart from the step's own messages."""
+    if reason in (CompleteReason.REPLAY, CompleteReason.SCAN):
+        return (run_id, step, reason)
+    return (run_id, step)
 
 
 def _origin(what: str, content: bytes) -> dict[str, Any]:

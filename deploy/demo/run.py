@@ -64,6 +64,8 @@ def _start_ranks(
             stack.bootstrap,
             "--topic",
             stack.settings.topics.metrics,
+            "--detail-topic",
+            stack.settings.topics.detail,
             *extra_args,
         ]
         if trace is not None:

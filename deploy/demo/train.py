@@ -86,6 +86,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--topic", default="otlp_metrics")
+    p.add_argument("--detail-topic", default="otlp_detail")
     p.add_argument("--control-topic", default="probewire.control")
     p.add_argument("--checkpoint-topic", default="probewire.checkpoints")
     p.add_argument("--trace", type=Path)
@@ -232,6 +233,7 @@ def _attach(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.O
             cadence={"step": 1, "scan": args.p1_every, "demand": 0},
         ),
         transport=KafkaTransport(kafka, args.topic),
+        detail=KafkaTransport(kafka, args.detail_topic),
         control=ControlListener(
             kafka, run_id=args.run_id, rank=args.rank, topic=args.control_topic
         ),

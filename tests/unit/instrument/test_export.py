@@ -252,6 +252,32 @@ def test_dump_sends_the_held_steps_once_marked_as_replay():
     assert replay == [False] * 5 + [True] * 3
 
 
+def test_with_a_detail_transport_scan_tier_points_leave_apart_and_the_step_tier_first():
+    """Two paths: a step's scan-tier points (the catalog's Tier.SCAN) are their own message
+    on the detail transport, after the step tier's (with the drop counter); a step with no
+    scan points sends nothing there; ring dumps go there too. Every point leaves once."""
+    main, detail = MemoryTransport(), MemoryTransport()
+    emitter = StepEmitter(IDENTITY, main, detail=detail, ring_steps=3)
+    emitter.emit(0, POINTS)
+    emitter.emit(1, [p for p in POINTS if p[0] != Tensor.ABS_MAX])
+    emitter.emit(2, POINTS, held=True)
+    assert emitter.flush(5.0)
+    emitter.dump()
+    emitter.close()
+    steps = [decode_rank_step(k, v) for k, v in main.messages]
+    details = [decode_rank_step(k, v) for k, v in detail.messages]
+    assert [r.step for r in steps] == [0, 1, 2]
+    assert [(r.step, r.replay) for r in details] == [(0, False), (2, True)]
+    scan_key = (Tensor.ABS_MAX, (("kind", "bwd"), ("tensor", "blocks.0.attn")))
+    assert all(set(r.values) == {scan_key} for r in details)
+    sent = {k for k in steps[0].values} | set(details[0].values)
+    assert sent == {(n, tuple(sorted(labels))) for n, _, labels in POINTS} | {
+        ("export.dropped_total", ())
+    }
+    assert all(scan_key not in r.values for r in steps)
+    assert all(("export.dropped_total", ()) in r.values for r in steps)
+
+
 def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silently(caplog):
     """No broker at the address: what the producer still holds at close is counted as
     failed and named in one warning (the rank exits; those messages are gone)."""

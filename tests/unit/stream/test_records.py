@@ -150,6 +150,7 @@ def test_complete_reasons_keep_their_stored_values_and_read_back_as_the_enum():
         "late",
         "replay",
         "detail",
+        "scan",
         "after_gap",
     ]
     step = make({0: {LOSS: 1.0}}, {LOSS: 1.0})
