@@ -233,7 +233,6 @@ def merge(
     sums: dict[SeriesKey, list[Sum]] = {}
     extrema: dict[SeriesKey, list[float]] = {}
     samples: dict[SeriesKey, list[float]] = {}
-    chosen: dict[SeriesKey, dict[tuple[int, ...], tuple[int, float]]] = {}
     for p in partials:
         for key, state in p.sums.items():
             sums.setdefault(key, []).append(state)
@@ -241,13 +240,7 @@ def merge(
             extrema.setdefault(key, []).append(value)
         for key, block_values in p.samples.items():
             samples.setdefault(key, []).extend(block_values)
-        for key, (ranks, rank_values) in p.classes.items():
-            groups = _plan(key[0])[1]
-            lowest = chosen.setdefault(key, {})
-            for rank, value in zip(ranks, rank_values):
-                cls = replica_class(rank, coords[rank], groups)
-                if cls not in lowest or rank < lowest[cls][0]:
-                    lowest[cls] = (rank, value)
+    chosen = _representatives(partials, coords)
     reduced: dict[SeriesKey, float] = {}
     for key in sorted(chain(sums, extrema, samples, chosen)):
         reduction = _plan(key[0])[0]
@@ -264,15 +257,44 @@ def merge(
         ranks_reporting=reporting,
         ranks_missing=sorted(set(range(head.world_size)) - set(reporting)),
         reduced=reduced,
-        per_rank={
-            r: {k: v for k, v in p.per_rank[r].items() if k[0] in per_rank_names}
-            for p in partials
-            for r in p.ranks
-        },
+        per_rank=_view(partials, per_rank_names),
         hosts={r: p.hosts[r] for p in partials for r in p.ranks},
         coords={r: dict(coords[r]) for r in reporting},
         complete_reason=reason,
     )
+
+
+def _representatives(
+    partials: list[Partial], coords: dict[int, dict[str, int]]
+) -> dict[SeriesKey, dict[tuple[int, ...], tuple[int, float]]]:
+    """Each replicated series' replica classes: their lowest rank that sent it, its value."""
+    chosen: dict[SeriesKey, dict[tuple[int, ...], tuple[int, float]]] = {}
+    class_of: dict[tuple[str, ...], dict[int, tuple[int, ...]]] = {}  # groups -> rank's class
+    for p in partials:
+        for key, (ranks, rank_values) in p.classes.items():
+            groups = _plan(key[0])[1]
+            known = class_of.setdefault(groups, {})
+            lowest = chosen.setdefault(key, {})
+            for rank, value in zip(ranks, rank_values):
+                cls = known.get(rank)
+                if cls is None:
+                    cls = known[rank] = replica_class(rank, coords[rank], groups)
+                if cls not in lowest or rank < lowest[cls][0]:
+                    lowest[cls] = (rank, value)
+    return chosen
+
+
+def _view(partials: list[Partial], names: frozenset[str]) -> dict[int, dict[SeriesKey, float]]:
+    """Each rank's values of the series named in ``names``."""
+    per_rank: dict[int, dict[SeriesKey, float]] = {}
+    for p in partials:
+        if all(k[0] in names for k in set().union(*p.per_rank.values())):  # made with them
+            per_rank.update(zip(p.ranks, map(dict, map(p.per_rank.__getitem__, p.ranks))))
+        else:
+            per_rank.update(
+                (r, {k: v for k, v in p.per_rank[r].items() if k[0] in names}) for r in p.ranks
+            )
+    return per_rank
 
 
 def _encode(partial: Partial) -> bytes:
