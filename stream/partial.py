@@ -297,8 +297,27 @@ def _view(partials: list[Partial], names: frozenset[str]) -> dict[int, dict[Seri
     return per_rank
 
 
+def _per_rank_arrays(partial: Partial) -> tuple[list[SeriesKey], np.ndarray, np.ndarray]:
+    """The per-rank values as a matrix [rank, series] and their presence (uint8)."""
+    rows = [partial.per_rank[r] for r in partial.ranks]
+    first = tuple(rows[0]) if rows else ()
+    if all(tuple(row) == first for row in rows):  # the usual block: one series order
+        values = np.fromiter(chain.from_iterable(row.values() for row in rows), np.float64)
+        shape = (len(rows), len(first))
+        return list(first), values.reshape(shape), np.ones(shape, np.uint8)
+    keys = sorted(set().union(*rows))
+    matrix = [[row.get(k, math.nan) for k in keys] for row in rows]
+    mask = [[k in row for k in keys] for row in rows]
+    shape = (len(rows), len(keys))
+    return (
+        keys,
+        np.array(matrix, np.float64).reshape(shape),
+        np.array(mask, np.uint8).reshape(shape),
+    )
+
+
 def _encode(partial: Partial) -> bytes:
-    per_rank_keys = sorted(set().union(*partial.per_rank.values()))
+    per_rank_keys, matrix, mask = _per_rank_arrays(partial)
     keys = sorted(
         set(chain(partial.sums, partial.extrema, partial.samples, partial.classes, per_rank_keys))
     )
@@ -311,9 +330,6 @@ def _encode(partial: Partial) -> bytes:
         chain.from_iterable(partial.samples.values()),
         chain.from_iterable(chain(ranks, vals) for ranks, vals in classes),
     )
-    rows = [partial.per_rank[r] for r in partial.ranks]
-    matrix = [[row.get(k, math.nan) for k in per_rank_keys] for row in rows]
-    mask = [[k in row for k in per_rank_keys] for row in rows]
     header = {
         "run_id": partial.run_id,
         "step": partial.step,
@@ -343,8 +359,8 @@ def _encode(partial: Partial) -> bytes:
             struct.pack("<I", len(text)),
             text,
             np.fromiter(floats, np.float64).tobytes(),
-            np.array(matrix, np.float64).reshape(len(rows), len(per_rank_keys)).tobytes(),
-            np.array(mask, np.uint8).reshape(len(rows), len(per_rank_keys)).tobytes(),
+            matrix.tobytes(),
+            mask.tobytes(),
         )
     )
 
@@ -417,8 +433,13 @@ def _decode(payload: bytes) -> Partial:
         values = [next(data) for _ in range(n)]
         partial.classes[keys[k]] = ([int(r) for r in class_ranks], values)
     columns = [keys[k] for k in per_rank]
-    partial.per_rank = {
-        rank: {key: v for key, v, m in zip(columns, row, present) if m}
-        for rank, row, present in zip(ranks, matrix.tolist(), mask.tolist())
-    }
+    if mask.all():  # the usual block: every rank sent every series
+        partial.per_rank = {
+            rank: dict(zip(columns, row)) for rank, row in zip(ranks, matrix.tolist())
+        }
+    else:
+        partial.per_rank = {
+            rank: {key: v for key, v, m in zip(columns, row, present) if m}
+            for rank, row, present in zip(ranks, matrix.tolist(), mask.tolist())
+        }
     return partial
