@@ -184,7 +184,9 @@ def partial_of(
             continue
         column = columns.get(key)
         if len(groups) == len(_GROUP_ORDER):  # replicated over no group: every rank counts
-            _add_state(partial, key, reduction, column or [v[key] for v in values if key in v])
+            if column is None:
+                column = tuple(v[key] for v in values if key in v)
+            _add_state(partial, key, reduction, column)
             continue
         if groups not in classes:
             classes[groups] = [replica_class(r.rank, r.coords, groups) for r in records]
@@ -385,6 +387,10 @@ def _decode(payload: bytes) -> Partial:
         raise ValueError("bad run id, step, world size or block")
     if not all(isinstance(h, str) for h in head["hosts"]):
         raise ValueError("a host is not a string")
+    if not all(
+        isinstance(c, dict) and all(type(v) is int for v in c.values()) for c in head["coords"]
+    ):
+        raise ValueError("coordinates are not integers by group")
     sums = [_ints(s, "a sum") for s in head["sums"]]
     samples = [_ints(s, "samples") for s in head["samples"]]
     classes = [_ints(c, "classes") for c in head["classes"]]
