@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.assemble import StepAssembler, reduce_step
@@ -296,3 +299,31 @@ def test_a_metric_replicated_over_no_group_counts_every_rank_whatever_its_coordi
     records += [rec(2, g2=4.0, loss=4.0, coords={"dp": 1}), rec(3, g2=8.0, loss=8.0)]
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert (out.reduced[G2], out.reduced[LOSS]) == (15.0, 1.0 + 2.0 + 8.0)
+
+
+def exact_reference(parts: list[float]) -> float:
+    """The exact rational sum, rounded once (±inf past the float64 range)."""
+    exact = sum(map(Fraction, parts), Fraction(0))
+    try:
+        return float(exact)
+    except OverflowError:
+        return math.inf if exact > 0 else -math.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.floats(allow_nan=False, allow_infinity=False)
+        | st.sampled_from([1e308, -1e308, 1.7976931348623157e308, 2.0**970, -0.0, 5e-324]),
+        min_size=1,
+        max_size=12,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_a_finite_sum_is_the_exact_sum_rounded_once_in_any_order(parts, random):
+    shuffled = list(parts)
+    random.shuffle(shuffled)
+    for values in (parts, shuffled):
+        records = [rec(r, g2=v, world=len(values)) for r, v in enumerate(values)]
+        got = reduce_step("r", 0, len(values), records, "all_ranks").reduced[G2]
+        assert struct.pack("<d", got) == struct.pack("<d", exact_reference(parts))

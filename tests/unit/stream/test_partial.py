@@ -225,6 +225,8 @@ def test_a_concrete_step_equals_a_float64_numpy_reference():
     assert (out.ranks_missing, sorted(out.per_rank)) == ([10], list(range(10)))
     assert keys["loss"] not in out.per_rank[6] and out.per_rank[8][keys["tok"]] == 77.0
     assert set(out.per_rank[0]) == {keys["loss"], keys["tok"], keys["tau"], keys["cap"]}
+    back = ReducedStep.from_bytes(out.to_bytes())  # stage 2 reads it as any reduced step
+    assert bits(back.reduced) == bits(out.reduced) and back.per_rank == out.per_rank
 
 
 FINITE = st.floats(allow_nan=False, allow_infinity=False, max_value=2.0**959, min_value=-(2.0**959))
