@@ -293,3 +293,30 @@ def test_any_bytes_decode_or_raise_a_record_error(payload):
 def test_merge_of_no_partial_is_refused():
     with pytest.raises(ValueError, match="at least one block"):
         merge([], CompleteReason.ALL_RANKS, PER_RANK)
+
+
+def test_a_large_world_in_many_blocks_equals_the_single_reduction():
+    """1,000 ranks (dp × pp × tp = 63 × 2 × 8, the last dp incomplete), 16 blocks of 64,
+    a few NaNs and ranks without some series: the merge is reduce_step's step to the bit."""
+    rng = np.random.default_rng(16)
+    keys = SERIES[:15]
+    records = []
+    for rank in range(1000):
+        values = rng.random(len(keys)) * 10.0 ** rng.integers(-3, 6, len(keys))
+        values[rng.random(len(keys)) < 0.002] = math.nan
+        kept = rng.random(len(keys)) > 0.01
+        records.append(
+            record(
+                rank,
+                1000,
+                layout(rank, 8, 2),
+                {k: float(v) for k, v, on in zip(keys, values, kept) if on},
+            )
+        )
+    want = reduce_step("run", 7, 1000, records, CompleteReason.ALL_RANKS)
+    partials = [
+        Partial.from_bytes(partial_of("run", 7, 1000, b, m, PER_RANK).to_bytes())
+        for b, m in by_block(records, 64).items()
+    ]
+    assert len(partials) == 16
+    assert_same_step(merge(partials, CompleteReason.ALL_RANKS, PER_RANK), want)
