@@ -13,9 +13,12 @@ deadline instead, a step of a partition that moved reached stage 2 twice, the co
 without the ranks its new owner read after the rebalance.
 The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
 only in groups the metric is replicated over), then sum / max / min / median over the
-representatives. Means and ratios are formed later from the reduced components. A
-non-finite component stays visible: a NaN makes the reduced value NaN, and a sum of +inf
-and -inf is NaN, a sum past the float64 range ±inf (as NumPy's float64 sum).
+representatives (a metric replicated over no group: every rank is its own class). Means
+and ratios are formed later from the reduced components. A sum is the exact sum of its
+parts, correctly rounded (``math.fsum``), so no order of the ranks or split of them into
+blocks (``partial``) can change it. A non-finite component stays visible: a NaN makes the
+reduced value NaN, a sum of +inf and -inf is NaN, and a sum whose exact value is past the
+float64 range is ±inf by its sign (as NumPy's float64 sum).
 
 A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
 scan-tier detail of a step whose other points were sent at the time) gathers apart from
@@ -32,13 +35,21 @@ import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from probewire.instrument.catalog import CATALOG, Group, Reduction
 from probewire.instrument.wire import RankStep, SeriesKey
 
 from .records import CompleteReason, ReducedStep
 
-__all__ = ["AddResult", "StepAssembler", "reduce_step"]
+__all__ = [
+    "AddResult",
+    "StepAssembler",
+    "exact_sum",
+    "reduce_step",
+    "replica_class",
+    "special_sum",
+]
 
 
 _GROUP_ORDER = tuple(g.value for g in Group)
@@ -51,7 +62,15 @@ def _distinguishing(replicated_over: frozenset[Group]) -> tuple[str, ...]:
 
 
 def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]:
-    coords = record.coords or {Group.DATA.value: record.rank}
+    return replica_class(record.rank, record.coords, groups)
+
+
+def replica_class(rank: int, coords: dict[str, int], groups: tuple[str, ...]) -> tuple[int, ...]:
+    """The replica class of a rank for a metric distinguished by ``groups``: a metric
+    replicated over no group has one class a rank, whatever its coordinates say."""
+    if len(groups) == len(_GROUP_ORDER):
+        return (rank,)
+    coords = coords or {Group.DATA.value: rank}
     return tuple(coords.get(g, 0) for g in groups)
 
 
@@ -68,14 +87,44 @@ def _sorted_keys(series: tuple[SeriesKey, ...]) -> list[SeriesKey]:
     return sorted(series)
 
 
+def exact_sum(parts: Sequence[float], big: Sequence[float] = ()) -> float:
+    """The exact sum of finite ``parts`` plus ``big`` × 2**960, correctly rounded (as
+    ``math.fsum``), ±inf by its sign past the float64 range: whatever the parts' order."""
+    exact = sum(map(Fraction, parts), Fraction(0)) + sum(map(Fraction, big), Fraction(0)) * (
+        1 << 960
+    )
+    try:
+        return float(exact)  # int / int: correctly rounded, as fsum
+    except OverflowError:
+        return math.inf if exact > 0 else -math.inf
+
+
+def special_sum(nan: bool, pos_inf: bool, neg_inf: bool) -> float | None:
+    """The sum of parts some of which are NaN or ±inf (None when all are finite)."""
+    if nan or (pos_inf and neg_inf):
+        return math.nan  # one NaN for every NaN in: no payload or order shows through
+    if pos_inf or neg_inf:
+        return math.inf if pos_inf else -math.inf
+    return None
+
+
+def _sum(values: Sequence[float]) -> float:
+    try:
+        total = math.fsum(values)
+    except (OverflowError, ValueError):  # past the range on the way, or +inf and -inf
+        total = math.inf
+    if total - total == 0:  # finite: fsum's arithmetic stayed in range, so it is exact
+        return total
+    if total != total:
+        return math.nan
+    # ±inf: an infinite part, or fsum overflowed (the exact sum may still be in range)
+    special = special_sum(any(v != v for v in values), math.inf in values, -math.inf in values)
+    return exact_sum(values) if special is None else special
+
+
 def _apply(reduction: Reduction, values: Sequence[float]) -> float:
-    if reduction is Reduction.SUM:  # fsum: exact, so the ranks' order cannot change it
-        try:
-            return math.fsum(values)  # NaN in, NaN out
-        except OverflowError:  # finite parts past the float64 range: ±inf, as NumPy sums
-            return sum(values)
-        except ValueError:  # +inf and -inf: no sum
-            return math.nan
+    if reduction is Reduction.SUM:  # exact, so the ranks' order cannot change it
+        return _sum(values)
     if any(v != v for v in values):
         return math.nan  # a non-finite component stays visible after reduction
     if reduction is Reduction.MAX:

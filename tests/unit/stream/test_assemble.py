@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.assemble import StepAssembler, reduce_step
@@ -262,3 +267,63 @@ def test_series_some_ranks_lack_reduce_over_the_ranks_that_sent_them():
     out = reduce_step("r", 0, 4, records, "all_ranks")
     assert out.reduced[LOSS] == float(np.sum([1.0, 4.0, 8.0]))
     assert out.reduced[TAU] == float(np.max([0.5, 0.25, 0.75]))
+
+
+@pytest.mark.parametrize(
+    "parts, expected",
+    [
+        ([1e308, 1e308, -1e308], 1e308),  # fsum overflows on the way; the exact sum is in range
+        ([1e308, 1e308, -math.inf], -math.inf),  # an infinite part wins over an overflow
+        ([1.7976931348623157e308, 2.0**970, -(2.0**918)], 1.7976931348623157e308),
+        ([1.7976931348623157e308, 2.0**970], math.inf),  # halfway past the largest: even, inf
+        ([-1e308, -1e308, 1.0], -math.inf),
+    ],
+)
+def test_sums_are_the_exact_sum_rounded_whatever_the_ranks_order(parts, expected):
+    """The sum is the exact sum of the parts correctly rounded (±inf past the float64 range),
+    for every order of the ranks: a step split into rank blocks (``partial``) sums to the
+    same value. The old rule, NumPy's running sum past an overflow, gave inf, NaN or
+    -inf here depending on the order."""
+    for order in itertools.permutations(range(len(parts))):
+        records = [rec(r, g2=parts[i], world=len(parts)) for r, i in enumerate(order)]
+        got = reduce_step("r", 0, len(parts), records, "all_ranks").reduced[G2]
+        assert struct.pack("<d", got) == struct.pack("<d", expected)
+
+
+def test_a_metric_replicated_over_no_group_counts_every_rank_whatever_its_coordinates():
+    """Rank 1 sends no coordinates (its class would be dp=1) and rank 2 claims dp=1: the
+    gradient's squares (replicated over no group) count both; the loss (replicated over tp)
+    counts one representative of dp=1."""
+    records = [rec(0, g2=1.0, loss=1.0), rec(1, g2=2.0, loss=2.0, coords={})]
+    records[1].coords.clear()
+    records += [rec(2, g2=4.0, loss=4.0, coords={"dp": 1}), rec(3, g2=8.0, loss=8.0)]
+    out = reduce_step("r", 0, 4, records, "all_ranks")
+    assert (out.reduced[G2], out.reduced[LOSS]) == (15.0, 1.0 + 2.0 + 8.0)
+
+
+def exact_reference(parts: list[float]) -> float:
+    """The exact rational sum, rounded once (±inf past the float64 range)."""
+    exact = sum(map(Fraction, parts), Fraction(0))
+    try:
+        return float(exact)
+    except OverflowError:
+        return math.inf if exact > 0 else -math.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.floats(allow_nan=False, allow_infinity=False)
+        | st.sampled_from([1e308, -1e308, 1.7976931348623157e308, 2.0**970, -0.0, 5e-324]),
+        min_size=1,
+        max_size=12,
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_a_finite_sum_is_the_exact_sum_rounded_once_in_any_order(parts, random):
+    shuffled = list(parts)
+    random.shuffle(shuffled)
+    for values in (parts, shuffled):
+        records = [rec(r, g2=v, world=len(values)) for r, v in enumerate(values)]
+        got = reduce_step("r", 0, len(values), records, "all_ranks").reduced[G2]
+        assert struct.pack("<d", got) == struct.pack("<d", exact_reference(parts))
