@@ -92,6 +92,10 @@ class ProbeConfig:
     copy) so that ``Monitor.replay`` can judge a re-run of one of them. 0: replay off."""
     queue_size: int = 256
     """Steps the export queue holds before it drops (and counts) one."""
+    block_ranks: int = 256
+    """Ranks per block of a step's fan-in: on a job of more ranks, a message's key names
+    its rank block (``rank // block_ranks``), so one step's messages spread over the
+    partitions and stage-1 workers; the stream's ``stream.block_ranks`` must be the same."""
     close_timeout_s: float = 5.0
     """How long ``Monitor.close`` waits for the broker to take what is still queued (with
     no broker, what is left is counted and said in one line; then close returns)."""
@@ -167,6 +171,10 @@ class ProbeConfig:
             )
         if self.ring_steps < 0:
             raise ValueError(f"ProbeConfig.ring_steps: must be >= 0, got {self.ring_steps}")
+        if not isinstance(self.block_ranks, int) or self.block_ranks < 1:
+            raise ValueError(
+                f"ProbeConfig.block_ranks: must be an int >= 1, got {self.block_ranks!r}"
+            )
         if not isinstance(self.ring_every, int) or self.ring_every < 0:
             raise ValueError(
                 f"ProbeConfig.ring_every: must be an int >= 0, got {self.ring_every!r}"

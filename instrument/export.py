@@ -172,6 +172,7 @@ class StepEmitter:
         transport: Transport,
         *,
         detail: Transport | None = None,
+        block_ranks: int = 256,
         queue_size: int = 256,
         ring_steps: int = 0,
         idle_s: float = 0.05,
@@ -196,6 +197,9 @@ class StepEmitter:
         )  # held (unsent) scan-tier points of the last steps
         self._keep_ring = ring_steps > 0
         self._encoder = WireEncoder(identity.resource_attributes())
+        # a job of more than one rank block names this rank's block in its messages' keys
+        many = identity.world_size > block_ranks
+        self._block = identity.rank // block_ranks if many else None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="probewire-emitter", daemon=True)
         self._thread.start()
@@ -269,7 +273,7 @@ class StepEmitter:
             self.errors += 1
             log.exception("probewire: could not encode step %d", step)
             return
-        key = message_key(self.identity.run_id, step)
+        key = message_key(self.identity.run_id, step, self._block)
         transport = self._detail if detail and self._detail is not None else self._transport
         if transport.send(key, payload):
             self.sent += 1

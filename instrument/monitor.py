@@ -154,6 +154,7 @@ class Monitor:
             identity,
             transport,
             detail=detail,
+            block_ranks=config.block_ranks,
             queue_size=config.queue_size,
             ring_steps=config.ring_steps,
         )

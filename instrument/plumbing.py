@@ -123,6 +123,8 @@ class TopicConfig:
     metrics: str = "otlp_metrics"
     detail: str = "otlp_detail"
     """The ranks' scan-tier points and ring dumps, apart from the step tier that pages."""
+    partials: str = "probewire.partials"
+    """Rank blocks' partial states of a step (``stream.fanin``), keyed run:step."""
     steps: str = "probewire.steps"
     control: str = "probewire.control"
     checkpoints: str = "probewire.checkpoints"
@@ -141,6 +143,7 @@ class TopicConfig:
         names = [
             self.metrics,
             self.detail,
+            self.partials,
             self.steps,
             self.control,
             self.checkpoints,

@@ -87,8 +87,13 @@ def series_key(name: str, labels: Mapping[str, str] | Labels = ()) -> SeriesKey:
     return name, tuple(sorted((str(k), str(v)) for k, v in items))
 
 
-def message_key(run_id: str, step: int) -> bytes:
-    return f"{run_id}:{step}".encode()
+def message_key(run_id: str, step: int, block: int | None = None) -> bytes:
+    """``<run_id>:<step>``, or ``<run_id>:<step>:<block>`` for a rank of a job whose
+    step is reduced in rank blocks (``ProbeConfig.block_ranks``): the blocks of one step
+    spread over the partitions, and so over the stage-1 workers."""
+    if block is None:
+        return f"{run_id}:{step}".encode()
+    return f"{run_id}:{step}:{block}".encode()
 
 
 def scope_version() -> str:
@@ -486,8 +491,12 @@ def _decode(key: bytes | None, buf: bytes) -> RankStep:
 
 
 def _check_key(key: bytes | None, run_id: str, step: int) -> None:
-    if key is not None and key.count(b":") == 1 and key.rsplit(b":", 1)[1].isdigit():
-        expected = message_key(run_id, step)  # a probewire key must name what it carries
+    if key is None:
+        return
+    parts = key.split(b":")
+    if len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]):
+        # a probewire key must name what it carries (its block is the sender's choice)
+        expected = message_key(run_id, step, int(parts[2]) if len(parts) == 3 else None)
         if key != expected:
             raise DecodeError(f"key {key!r} does not match content {expected!r}")
 

@@ -3,8 +3,10 @@
     otlp_metrics ──assemble──► probewire.steps ──per_run──► ClickHouse (+ probewire.alerts,
          │   (stage 1, key run:step)     ▲      (stage 2, key run_id)     probewire.control,
          │                               │                                Alertmanager webhook)
-    otlp_detail ──assemble_detail────────┘ (scan-tier points and ring dumps, gathered apart:
-         │                                  ``CompleteReason.SCAN`` / ``REPLAY`` steps)
+    otlp_detail ──assemble_detail────────┤ (scan-tier points and ring dumps, gathered apart:
+         │                               │  ``CompleteReason.SCAN`` / ``REPLAY`` steps)
+    a step of more ranks than block_ranks: otlp_metrics (key run:step:block) ──assemble──►
+         probewire.partials (key run:step) ──merge_blocks──┘ (``fanin``: blocks merged)
          └──► probewire.deadletter ──dead_letters──► ClickHouse
     probewire.evals ──evaluations──► ClickHouse
     probewire.runs ──run_events──► ClickHouse (the run's status and config, ``lifecycle``)
@@ -135,6 +137,12 @@ def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig, config: Strea
                 async for event in stream.noack().events():
                     await worker.on_rank_message(event)
 
+        @app.agent(app.topic(topics.partials))
+        async def merge_blocks(stream):
+            async with worker.agent("merge_blocks"):
+                async for event in stream.noack().events():
+                    await worker.on_partial(event)
+
     if config.role != "all" or config.detail_inline:
 
         @app.agent(app.topic(topics.detail))
@@ -151,10 +159,11 @@ def _stage1_agents(app: _App, worker: Worker, topics: TopicConfig, config: Strea
     async def forget_offsets(*args: Any, **kwargs: Any) -> None:
         worker.gap_watch.forget()  # partitions may come back where another worker left them
         worker.detail_gap_watch.forget()
+        worker.partials_gap_watch.forget()
 
     @app.on_partitions_assigned.connect
     async def begin_offsets(sender: Any, assigned: set[Any], **kwargs: Any) -> None:
-        rank_topics = (topics.metrics, topics.detail)
+        rank_topics = (topics.metrics, topics.detail, topics.partials)
         await worker.on_assigned(
             {t: [tp.partition for tp in assigned if tp.topic == t] for t in rank_topics}
         )

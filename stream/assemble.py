@@ -11,187 +11,32 @@ reads each assigned partition again from the group's committed offset (Faust see
 after every assignment), here or at the partition's new owner. Kept and reduced at the
 deadline instead, a step of a partition that moved reached stage 2 twice, the copy here
 without the ranks its new owner read after the rebalance.
-The reduction of each metric comes from the catalog: one representative per replica class (ranks that differ
-only in groups the metric is replicated over), then sum / max / min / median over the
-representatives (a metric replicated over no group: every rank is its own class). Means
-and ratios are formed later from the reduced components. A sum is the exact sum of its
-parts, correctly rounded (``math.fsum``), so no order of the ranks or split of them into
-blocks (``partial``) can change it. A non-finite component stays visible: a NaN makes the
-reduced value NaN, a sum of +inf and -inf is NaN, and a sum whose exact value is past the
-float64 range is ±inf by its sign (as NumPy's float64 sum).
+A complete step is reduced by ``reduce.reduce_step`` (the catalog's rules).
 
 A message marked replay (``RankStep.replay``: a rank's ring buffer sent on a dump, the
 scan-tier detail of a step whose other points were sent at the time) gathers apart from
 the step's own messages, by the same rules (every rank, or the deadline), and is reduced
 into a step with ``complete_reason = CompleteReason.REPLAY``: detail of a step that may be long
 complete. Each rank's replay of a step is counted once.
+
+A step of more ranks than ``block_ranks`` gathers by rank block (rank // block_ranks) with
+the same rules per block (its ranks, or the deadline): a complete block leaves as a
+``partial.Partial`` (mergeable, exactly), and ``fanin.MergeAssembler`` merges a step's
+blocks, reduced by any number of workers, into the step ``reduce_step`` would have made.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import statistics
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 
-from probewire.instrument.catalog import CATALOG, Group, Reduction
-from probewire.instrument.wire import RankStep, SeriesKey
+from probewire.instrument.wire import RankStep
 
+from .partial import Partial, partial_of
 from .records import CompleteReason, ReducedStep
+from .reduce import reduce_step
 
-__all__ = [
-    "AddResult",
-    "StepAssembler",
-    "exact_sum",
-    "reduce_step",
-    "replica_class",
-    "special_sum",
-]
-
-
-_GROUP_ORDER = tuple(g.value for g in Group)
-
-
-@functools.cache
-def _distinguishing(replicated_over: frozenset[Group]) -> tuple[str, ...]:
-    """The parallel groups whose coordinates tell two non-replica ranks apart."""
-    return tuple(g for g in _GROUP_ORDER if Group(g) not in replicated_over)
-
-
-def _replica_class(record: RankStep, groups: tuple[str, ...]) -> tuple[int, ...]:
-    return replica_class(record.rank, record.coords, groups)
-
-
-def replica_class(rank: int, coords: dict[str, int], groups: tuple[str, ...]) -> tuple[int, ...]:
-    """The replica class of a rank for a metric distinguished by ``groups``: a metric
-    replicated over no group has one class a rank, whatever its coordinates say."""
-    if len(groups) == len(_GROUP_ORDER):
-        return (rank,)
-    coords = coords or {Group.DATA.value: rank}
-    return tuple(coords.get(g, 0) for g in groups)
-
-
-@functools.cache
-def _plan(name: str) -> tuple[Reduction, tuple[str, ...]]:
-    """A metric's reduction and the groups whose coordinates make its replica classes."""
-    spec = CATALOG[name]
-    return spec.reduction, _distinguishing(spec.replicated_over)
-
-
-@functools.lru_cache(maxsize=64)
-def _sorted_keys(series: tuple[SeriesKey, ...]) -> list[SeriesKey]:
-    """A step's series in sorted order (the reduced values' order), sorted once per run."""
-    return sorted(series)
-
-
-def exact_sum(parts: Sequence[float], big: Sequence[float] = ()) -> float:
-    """The exact sum of finite ``parts`` plus ``big`` × 2**960, correctly rounded (as
-    ``math.fsum``), ±inf by its sign past the float64 range: whatever the parts' order."""
-    exact = sum(map(Fraction, parts), Fraction(0)) + sum(map(Fraction, big), Fraction(0)) * (
-        1 << 960
-    )
-    try:
-        return float(exact)  # int / int: correctly rounded, as fsum
-    except OverflowError:
-        return math.inf if exact > 0 else -math.inf
-
-
-def special_sum(nan: bool, pos_inf: bool, neg_inf: bool) -> float | None:
-    """The sum of parts some of which are NaN or ±inf (None when all are finite)."""
-    if nan or (pos_inf and neg_inf):
-        return math.nan  # one NaN for every NaN in: no payload or order shows through
-    if pos_inf or neg_inf:
-        return math.inf if pos_inf else -math.inf
-    return None
-
-
-def _sum(values: Sequence[float]) -> float:
-    try:
-        total = math.fsum(values)
-    except (OverflowError, ValueError):  # past the range on the way, or +inf and -inf
-        total = math.inf
-    if total - total == 0:  # finite: fsum's arithmetic stayed in range, so it is exact
-        return total
-    if total != total:
-        return math.nan
-    # ±inf: an infinite part, or fsum overflowed (the exact sum may still be in range)
-    special = special_sum(any(v != v for v in values), math.inf in values, -math.inf in values)
-    return exact_sum(values) if special is None else special
-
-
-def _apply(reduction: Reduction, values: Sequence[float]) -> float:
-    if reduction is Reduction.SUM:  # exact, so the ranks' order cannot change it
-        return _sum(values)
-    if any(v != v for v in values):
-        return math.nan  # a non-finite component stays visible after reduction
-    if reduction is Reduction.MAX:
-        return max(values)
-    if reduction is Reduction.MIN:
-        return min(values)
-    if reduction is Reduction.MEDIAN:
-        return float(statistics.median(values))
-    raise ValueError(f"no cross-rank value for reduction {reduction}")
-
-
-def reduce_step(
-    run_id: str, step: int, world_size: int, records: list[RankStep], reason: CompleteReason
-) -> ReducedStep:
-    """Reduce one step's per-rank records with the catalog's rules."""
-    records = sorted(records, key=lambda r: r.rank)
-    values = [r.values for r in records]
-    series = tuple(values[0]) if values else ()
-    if all(tuple(v) == series for v in values):  # the usual step: one series order
-        keys = _sorted_keys(series)
-        everywhere: set[SeriesKey] | frozenset[SeriesKey] = frozenset(series)
-        # each series' values over the records, built in C: no lookup per rank and series
-        columns = dict(zip(series, zip(*(v.values() for v in values))))
-    else:
-        keys = sorted(set().union(*values))
-        everywhere = set(values[0]).intersection(*values[1:])
-        columns = {}
-    reduced: dict[SeriesKey, float] = {}
-    classes: dict[tuple[str, ...], list[tuple[int, ...]]] = {}  # groups -> class per record
-    firsts: dict[tuple[str, ...], list[int]] = {}  # groups -> first record of each class
-    for key in keys:
-        reduction, groups = _plan(key[0])
-        if reduction is Reduction.PER_RANK:
-            continue
-        if groups not in classes:
-            classes[groups] = [_replica_class(r, groups) for r in records]
-            first: dict[tuple[int, ...], int] = {}
-            for i, cls in enumerate(classes[groups]):
-                first.setdefault(cls, i)
-            firsts[groups] = list(first.values())
-        # the lowest rank of each replica class that reported this series
-        column = columns.get(key)
-        representatives: Sequence[float]
-        if column is not None and len(firsts[groups]) == len(records):  # no replicas
-            representatives = column
-        elif key in everywhere:
-            representatives = [values[i][key] for i in firsts[groups]]
-        else:
-            chosen: dict[tuple[int, ...], float] = {}
-            for record_values, cls in zip(values, classes[groups]):
-                if key in record_values:
-                    chosen.setdefault(cls, record_values[key])
-            representatives = list(chosen.values())
-        reduced[key] = _apply(reduction, representatives)
-    reporting = [r.rank for r in records]
-    return ReducedStep(
-        run_id=run_id,
-        step=step,
-        world_size=world_size,
-        ranks_reporting=reporting,
-        ranks_missing=sorted(set(range(world_size)) - set(reporting)),
-        reduced=reduced,
-        per_rank={r.rank: dict(r.values) for r in records},
-        hosts={r.rank: r.host for r in records},
-        coords={r.rank: dict(r.coords) for r in records},
-        complete_reason=reason,
-    )
+__all__ = ["AddResult", "BlockDone", "StepAssembler"]
 
 
 @dataclass(slots=True)
@@ -199,18 +44,38 @@ class _Pending:
     world_size: int
     first_seen: float
     partition: int
+    expected: int  # ranks to account for: the world's, or its rank block's
     records: dict[int, RankStep] = field(default_factory=dict)
     refused: set[int] = field(default_factory=set)  # ranks whose message was dead-lettered
 
     def complete(self) -> bool:
         if not self.refused:  # the usual step: no set built per message
-            return len(self.records) >= self.world_size
-        return len(self.records) + len(self.refused - self.records.keys()) >= self.world_size
+            return len(self.records) >= self.expected
+        return len(self.records) + len(self.refused - self.records.keys()) >= self.expected
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDone:
+    """A rank block of a step, reduced: its partial state, whether every rank of the block
+    was accounted for (else its deadline passed), and its ranks' values as a detail part
+    (``CompleteReason.DETAIL``: the look-back tables' per-rank rows)."""
+
+    partial: Partial
+    complete: bool
+    detail: ReducedStep
+
+    @property
+    def run_id(self) -> str:
+        return self.partial.run_id
+
+    @property
+    def step(self) -> int:
+        return self.partial.step
 
 
 @dataclass(slots=True, kw_only=True)
 class AddResult:
-    completed: list[ReducedStep]
+    completed: list[ReducedStep | BlockDone]
     late: RankStep | None = None  # arrived after its step was emitted
     duplicate: bool = False  # re-delivery of a message already counted
 
@@ -219,14 +84,23 @@ class StepAssembler:
     """Pending steps keyed by (run, step); remembers recently emitted steps to spot late data."""
 
     def __init__(
-        self, deadline_s: float, remember_steps: int = 100_000, detail: bool = False
+        self,
+        deadline_s: float,
+        remember_steps: int = 100_000,
+        detail: bool = False,
+        block_ranks: int = 0,
+        per_rank_names: frozenset[str] = frozenset(),
     ) -> None:
         """``detail``: the assembler of the detail topic, whose steps leave as
-        ``CompleteReason.SCAN`` (replays as ``REPLAY``)."""
+        ``CompleteReason.SCAN`` (replays as ``REPLAY``). ``block_ranks`` > 0: a step of
+        more ranks gathers by rank block (the module docstring); ``per_rank_names`` are the
+        metrics whose per-rank values a block's partial carries."""
         if deadline_s <= 0:
             raise ValueError("deadline_s must be > 0")
         self.deadline_s = deadline_s
         self.detail = detail
+        self.block_ranks = block_ranks
+        self.per_rank_names = per_rank_names
         # keys (run, step) of the steps' own messages, (run, step, "replay") of replays
         self._pending: dict[tuple, _Pending] = {}
         self._done: OrderedDict[tuple, frozenset[int]] = OrderedDict()
@@ -237,10 +111,21 @@ class StepAssembler:
     def pending(self) -> int:
         return len(self._pending)
 
+    def key(self, record: RankStep) -> tuple:
+        """(run, step), or (run, step, "block", b) for a step gathered by rank block."""
+        if self.block_ranks and record.world_size > self.block_ranks and not self.detail:
+            return (record.run_id, record.step, "block", record.rank // self.block_ranks)
+        return (record.run_id, record.step)
+
+    def _expected(self, key: tuple, world_size: int) -> int:
+        if len(key) == 4:
+            return min(self.block_ranks, world_size - key[3] * self.block_ranks)
+        return world_size
+
     def add(self, record: RankStep, now: float, partition: int = 0) -> AddResult:
         if record.replay:
             return self._add_replay(record, now, partition)
-        key = (record.run_id, record.step)
+        key = self.key(record)
         done = self._done.get(key)
         if done is not None:
             if record.rank in done:
@@ -248,7 +133,8 @@ class StepAssembler:
             return AddResult(completed=[], late=record)
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = _Pending(record.world_size, now, partition)
+            expected = self._expected(key, record.world_size)
+            pending = self._pending[key] = _Pending(record.world_size, now, partition, expected)
             pending.refused = self._refused.pop(key, pending.refused)
         if record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)
@@ -257,13 +143,13 @@ class StepAssembler:
             return AddResult(completed=[])
         return AddResult(completed=[self._emit(key, CompleteReason.ALL_RANKS)])
 
-    def refused(self, record: RankStep) -> list[ReducedStep]:
+    def refused(self, record: RankStep) -> list[ReducedStep | BlockDone]:
         """``record``'s message was refused (a dead letter): its step does not wait for that
         rank (it is reduced without it, ``ranks_missing`` names it). A refusal never starts
         a step: before the step's first accepted message it is remembered (the newest
         ``remember_steps`` refused steps). A rank outside the step's world, a replay, or a
         step already reduced changes nothing."""
-        key = (record.run_id, record.step)
+        key = self.key(record)
         if record.replay or key in self._done or not 0 <= record.rank < record.world_size:
             return []
         pending = self._pending.get(key)
@@ -290,7 +176,9 @@ class StepAssembler:
         pending = (
             None
             if done is not None
-            else self._pending.setdefault(key, _Pending(record.world_size, now, partition))
+            else self._pending.setdefault(
+                key, _Pending(record.world_size, now, partition, record.world_size)
+            )
         )
         if pending is None or record.rank in pending.records:
             return AddResult(completed=[], duplicate=True)  # this rank's replay is counted
@@ -299,7 +187,7 @@ class StepAssembler:
             return AddResult(completed=[])
         return AddResult(completed=[self._emit(key, CompleteReason.REPLAY)])
 
-    def expire(self, now: float) -> list[ReducedStep]:
+    def expire(self, now: float) -> list[ReducedStep | BlockDone]:
         """Emit every pending step whose deadline has passed, in (run, step) order."""
         due = sorted(
             (k for k, p in self._pending.items() if now - p.first_seen >= self.deadline_s),
@@ -307,14 +195,14 @@ class StepAssembler:
         )
         return [self._emit(k, CompleteReason.DEADLINE) for k in due]
 
-    def flush(self) -> list[ReducedStep]:
+    def flush(self) -> list[ReducedStep | BlockDone]:
         """Emit everything pending (shutdown)."""
         return [
             self._emit(k, CompleteReason.DEADLINE)
             for k in sorted(self._pending, key=lambda k: k[:2])
         ]
 
-    def _emit(self, key: tuple, reason: CompleteReason) -> ReducedStep:
+    def _emit(self, key: tuple, reason: CompleteReason) -> ReducedStep | BlockDone:
         pending = self._pending.pop(key)
         if len(key) == 3:
             reason = CompleteReason.REPLAY
@@ -323,6 +211,23 @@ class StepAssembler:
         self._done[key] = frozenset(pending.records)
         while len(self._done) > self._remember:
             self._done.popitem(last=False)
+        if len(key) == 4:
+            records = sorted(pending.records.values(), key=lambda r: r.rank)
+            partial = partial_of(
+                key[0], key[1], pending.world_size, key[3], records, self.per_rank_names
+            )
+            detail = ReducedStep(
+                run_id=key[0],
+                step=key[1],
+                world_size=pending.world_size,
+                ranks_reporting=[r.rank for r in records],
+                ranks_missing=[],
+                reduced={},
+                per_rank={r.rank: r.values for r in records},
+                hosts={r.rank: r.host for r in records},
+                complete_reason=CompleteReason.DETAIL,
+            )
+            return BlockDone(partial, reason == CompleteReason.ALL_RANKS, detail)
         return reduce_step(
             key[0], key[1], pending.world_size, list(pending.records.values()), reason
         )

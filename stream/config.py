@@ -33,6 +33,9 @@ class StreamConfig:
     # role ``all`` reduces the detail topic too; off when ``detail``/``stage1`` workers do
     detail_inline: bool = True
     deadline_s: float = 30.0  # stage 1 reduces what arrived after this long
+    # a step of more ranks is reduced by rank block (``fanin``); the ranks' ProbeConfig
+    # .block_ranks must be the same (their messages' keys name the block)
+    block_ranks: int = 256
     max_message_bytes: int = 1_000_000  # larger reduced steps are split (the broker's limit)
     alert_webhook_url: str = ""
     web_bind: str = "127.0.0.1"
@@ -47,6 +50,7 @@ class StreamConfig:
         check(bool(self.app_id.strip()), "app_id", "must not be empty")
         check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
         check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        check(self.block_ranks >= 1, "block_ranks", "must be >= 1")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must lie in [0, 65535]")
         check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")
         check(

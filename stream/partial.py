@@ -3,11 +3,11 @@
 A step's rank messages are grouped into rank blocks (``block = rank // B``: contiguous rank
 ranges). ``partial_of`` reduces one block's records into a ``Partial``, a mergeable state
 per series; ``merge`` combines the partials of a step's blocks into the ``ReducedStep`` that
-``assemble.reduce_step`` gives for all the records: the same ranks, hosts, coordinates and
+``reduce.reduce_step`` gives for all the records: the same ranks, hosts, coordinates and
 reduced values bit for bit (``per_rank`` keeps only the series named in
 ``per_rank_names``). Pure: no transport, no I/O.
 
-The state of a series follows its catalog reduction (``assemble._plan``):
+The state of a series follows its catalog reduction (``reduce._plan``):
 
 * a metric replicated over no group (every rank its own class):
   - SUM: the block's exact sum as a few floats whose exact sum it is (``Sum.parts``;
@@ -41,8 +41,8 @@ import numpy as np
 from probewire.instrument.catalog import Reduction
 from probewire.instrument.wire import RankStep, SeriesKey
 
-from .assemble import _GROUP_ORDER, _apply, _plan, exact_sum, replica_class, special_sum
 from .records import CompleteReason, RecordError, ReducedStep, _decode_key, _encode_key
+from .reduce import _GROUP_ORDER, _apply, _plan, exact_sum, replica_class, special_sum
 
 __all__ = ["Partial", "Sum", "merge", "partial_of"]
 

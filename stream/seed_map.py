@@ -601,7 +601,7 @@ _001: tuple[SeedItem, ...] = (
     _full(
         "001 §6",
         "sums and counts before means, maxima by max, never an average of maxima",
-        _p("stream/assemble.py", "reduce_step") + ", `MetricSpec.reduction`",
+        _p("stream/reduce.py", "reduce_step") + ", `MetricSpec.reduction`",
         ("000 tensors",),
     ),
     _full(
@@ -812,7 +812,7 @@ _001: tuple[SeedItem, ...] = (
     _full(
         "001 §11",
         "wrong reduction group",
-        _p("stream/assemble.py", "_replica_class") + ", `MetricSpec.replicated_over`",
+        _p("stream/reduce.py", "_replica_class") + ", `MetricSpec.replicated_over`",
         ("000 mistakes",),
     ),
     _full(
@@ -892,7 +892,7 @@ _001: tuple[SeedItem, ...] = (
         "reduce in batches, one collective per reduction type",
         "the ranks issue no collective for metrics at all: each sends its components and "
         "stage 1 of the stream reduces them (DESIGN: reduction in the stream)",
-        _p("stream/assemble.py", "reduce_step"),
+        _p("stream/reduce.py", "reduce_step"),
         ("000 probe cost",),
     ),
     _full(
@@ -1004,7 +1004,7 @@ _002: tuple[SeedItem, ...] = (
     _full(
         "002 §1",
         "means weighted by valid elements, maxima by a MAX reduction",
-        _p("stream/assemble.py", "reduce_step"),
+        _p("stream/reduce.py", "reduce_step"),
     ),
     _full(
         "002 §1",

@@ -123,8 +123,8 @@ def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]
     test's quick path; the integration tests send through the broker)."""
     from probewire.instrument.wire import RankStep, series_key
 
-    from .assemble import reduce_step
     from .records import CompleteReason
+    from .reduce import reduce_step
     from .stage2 import RunPipeline
 
     pipeline = RunPipeline(run.run_id, config)
@@ -154,8 +154,10 @@ def send(
     topic: str,
     steps: Iterable[int],
     duplicates: Iterable[tuple[int, int]] = (),
+    block_ranks: int = 256,
 ) -> int:
-    """Publish the given steps for every rank (plus re-sent duplicates); returns messages."""
+    """Publish the given steps for every rank (plus re-sent duplicates); returns messages.
+    ``block_ranks``: the ranks' fan-in block (``ProbeConfig.block_ranks``)."""
     transports = [
         KafkaTransport({"bootstrap.servers": bootstrap}, topic) for _ in range(run.world_size)
     ]
@@ -169,6 +171,7 @@ def send(
                 coords={Group.DATA.value: r},
             ),
             transports[r],
+            block_ranks=block_ranks,
         )
         for r in range(run.world_size)
     ]

@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from probewire.instrument.plumbing import Heartbeat, TopicConfig
-from probewire.instrument.wire import DecodeError, decode_rank_step
+from probewire.instrument.wire import DecodeError, decode_rank_step, message_key
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
 from probewire.sinks.retained import load_state
 
 from .alerting import AlertmanagerWebhook
-from .assemble import StepAssembler
+from .assemble import BlockDone, StepAssembler
 from .batching import StoreBatch
 from .config import StreamConfig
+from .fanin import MergeAssembler, decode_block, encode_block
 from .gaps import GapReader, GapWatch
 from .health import Progress
+from .inputs import PER_RANK
 from .lifecycle import EventError, parse_event
 from .metrics import WorkerMetrics
 from .publish import Publisher, PublishError
@@ -72,10 +74,18 @@ class Worker:
         self.gaps: GapReader | None = None  # made on start, as the publisher
         self.gap_watch = GapWatch()
         self.detail_gap_watch = GapWatch()
+        self.partials_gap_watch = GapWatch()
         self.publishing = asyncio.Event()
         self.open_store = open_store
         self.before_event = before_event  # a test hook (fault injection), a no-op otherwise
-        self.assembler = StepAssembler(config.deadline_s)
+        self.assembler = StepAssembler(
+            config.deadline_s, block_ranks=config.block_ranks, per_rank_names=PER_RANK
+        )
+        # a step's rank blocks, reduced here or by other workers, merged (``fanin``); its
+        # deadline lies between the blocks' and the one stage 2 waits before a gap skip
+        self.merger = MergeAssembler(
+            (config.deadline_s + config.stage2.max_wait_s) / 2, config.block_ranks, PER_RANK
+        )
         # the scan-tier detail (topic ``detail``), gathered apart: a step's page never waits
         # for it, and it is never dropped for being late (``CompleteReason.SCAN``)
         self.detail_assembler = StepAssembler(config.deadline_s, detail=True)
@@ -214,6 +224,8 @@ class Worker:
         now = time.monotonic()
         for reduced in self.assembler.expire(now) + self.detail_assembler.expire(now):
             await self.publish_step(reduced)
+        for merged in self.merger.expire(now):
+            await self.publish_step(merged, key=(merged.run_id, merged.step, "merge"))
         if self.sink is not None:
             for run_id, run in list(self.runs.items()):
                 out = run.expire(now)
@@ -238,7 +250,9 @@ class Worker:
         reads every assigned partition again from the group's committed offset, here or at
         a partition's new owner (``StepAssembler.drop_pending``); the offset the consumer
         reads each from, so a message skipped first is a gap too (``gaps``)."""
-        for key in self.assembler.drop_pending() + self.detail_assembler.drop_pending():
+        dropped = self.assembler.drop_pending() + self.detail_assembler.drop_pending()
+        dropped += [(*key, "merge") for key in self.merger.drop_pending()]
+        for key in dropped:
             self.waiting.pop(key, None)
             self.waiting_since.pop(key, None)
         if self.gaps is None:
@@ -246,6 +260,7 @@ class Worker:
         for topic, watch in (
             (self.topics.metrics, self.gap_watch),
             (self.topics.detail, self.detail_gap_watch),
+            (self.topics.partials, self.partials_gap_watch),
         ):
             starts = await asyncio.get_running_loop().run_in_executor(
                 None, self.gaps.starts, topic, sorted(assigned.get(topic, ()))
@@ -298,7 +313,8 @@ class Worker:
             return
         now = time.monotonic()
         result = assembler.add(record, now, event.message.partition)
-        key = _wait_key(record.run_id, record.step, _reason(record.replay, detail))
+        reason = _reason(record.replay, detail)
+        key = assembler.key(record) if reason is None else (record.run_id, record.step, reason)
         if result.duplicate:
             held = self.waiting.get(key)
             if held is None:
@@ -334,7 +350,7 @@ class Worker:
         self.waiting.setdefault(key, []).append(event)
         self.waiting_since.setdefault(key, now)
         for reduced in result.completed:
-            if reduced.ranks_missing:
+            if isinstance(reduced, ReducedStep) and reduced.ranks_missing:
                 log.warning(
                     "run %s step %d reduced (%s) without ranks %s; closed at partition "
                     "%d offset %d by step %d rank %d",
@@ -349,11 +365,15 @@ class Worker:
                 )
             await self.publish_step(reduced)
 
-    async def publish_step(self, reduced: ReducedStep, key: Any = None) -> None:
+    async def publish_step(self, reduced: ReducedStep | BlockDone, key: Any = None) -> None:
         """Hand a reduced step to the broker and return: the agent goes on with the next
         message while the broker confirms (one round trip per step bounded stage 1 at
         ~120 steps/s). Up to ``MAX_IN_FLIGHT`` steps wait for confirmation at once."""
-        key = key or _wait_key(reduced.run_id, reduced.step, reduced.complete_reason)
+        if key is None:
+            if isinstance(reduced, BlockDone):
+                key = (reduced.run_id, reduced.step, "block", reduced.partial.block)
+            else:
+                key = _wait_key(reduced.run_id, reduced.step, reduced.complete_reason)
         events = self.waiting.pop(key, [])
         since = self.waiting_since.pop(key, time.monotonic())
         await self._in_flight.acquire()
@@ -361,16 +381,43 @@ class Worker:
         self._unconfirmed[task] = (len(events), since)  # still waiting, for health
         task.add_done_callback(self._unconfirmed.pop)
 
-    async def _deliver(self, reduced: ReducedStep, events: list[Any]) -> None:
-        """Publish the step (split to fit the message limit; parts in order, P0 last), then
-        acknowledge the rank messages behind it; a step that can never be published is
-        dead-lettered. Unconfirmed, nothing is acknowledged: a restart reads it again."""
+    def _messages(self, item: ReducedStep | BlockDone) -> list[tuple[str, bytes, bytes]]:
+        """(topic, key, value) of a reduced step (split to fit the message limit; parts in
+        order, P0 last), or of a reduced rank block: its ranks' detail parts, then its
+        partial state for the merge (``fanin``)."""
+        run = item.run_id.encode()
+        limit = self.config.max_message_bytes
+        if isinstance(item, ReducedStep):
+            return [(self.topics.steps, run, data) for _, data in split_step(item, limit)]
+        self.note_block(item)
+        detail = [(self.topics.steps, run, data) for _, data in split_step(item.detail, limit)]
+        partial = encode_block(item.partial, item.complete)
+        if len(partial) > limit:
+            raise OversizeStep(
+                f"block {item.partial.block} of step {item.step} of run {item.run_id!r}: "
+                f"{len(partial)} bytes, over stream.max_message_bytes={limit} (lower "
+                "stream.block_ranks and the ranks' ProbeConfig.block_ranks)"
+            )
+        return [*detail, (self.topics.partials, message_key(item.run_id, item.step), partial)]
+
+    def note_block(self, item: BlockDone) -> None:
+        """Count a rank block reduced here, and the newest steps it belonged to (the
+        heartbeat shows which workers reduced parts of which steps)."""
+        run = self.heartbeat.runs.setdefault(item.run_id, {"steps_written": 0})
+        run["blocks_reduced"] = run.get("blocks_reduced", 0) + 1
+        steps = run.setdefault("block_steps", [])
+        if item.step not in steps:
+            steps.append(item.step)
+            del steps[:-64]
+
+    async def _deliver(self, reduced: ReducedStep | BlockDone, events: list[Any]) -> None:
+        """Publish the step or rank block (``_messages``), then acknowledge the messages
+        behind it; one that can never be published is dead-lettered. Unconfirmed, nothing
+        is acknowledged: a restart reads it again."""
         try:
             try:
-                for _part, data in split_step(reduced, self.config.max_message_bytes):
-                    await self._started_publisher().send(
-                        self.topics.steps, reduced.run_id.encode(), data
-                    )
+                for topic, key, data in self._messages(reduced):
+                    await self._started_publisher().send(topic, key, data)
             except (OversizeStep, PublishError) as exc:
                 reason = str(exc)
                 log.error(
@@ -393,6 +440,36 @@ class Worker:
             self._in_flight.release()
 
     # -- stage 2 ------------------------------------------------------------------------------
+    async def on_partial(self, event: Any) -> None:
+        """A rank block's partial state (``fanin``): merged with its step's other blocks,
+        the step is published as if one worker had reduced every rank message; the
+        partials are acknowledged once it is confirmed."""
+        message = event.message
+        self._read(event)
+        await self.publishing.wait()
+        skipped = self.partials_gap_watch.gap(message.partition, message.offset)
+        missed = []
+        if skipped is not None and self.gaps is not None:
+            missed = await asyncio.get_running_loop().run_in_executor(
+                None, self.gaps.read, message.topic, message.partition, *skipped
+            )
+        for item in [*missed, event]:
+            try:
+                partial, complete = decode_block(item.value)
+            except RecordError as exc:
+                await self.dead_letter(item, exc.reason)
+                item.ack()
+                continue
+            merged, repeated = self.merger.add(partial, complete, time.monotonic())
+            key = (partial.run_id, partial.step, "merge")
+            if repeated and key not in self.waiting:
+                item.ack()  # its step was merged: a re-delivery, or a block after the merge
+                continue
+            self.waiting.setdefault(key, []).append(item)
+            self.waiting_since.setdefault(key, time.monotonic())
+            for step in merged:
+                await self.publish_step(step, key=key)
+
     async def on_reduced_step(self, event: Any) -> None:
         """Process a reduced step for its run; its message is acknowledged once stored."""
         self.before_event("per_run")

@@ -5,7 +5,7 @@ anyone who wants a store to look at without training.
 real stream stages: every rank's components of every step (loss sums and valid tokens, also
 by data source; the gradient norm; local step time and the wait in the gradient all-reduce;
 peak memory; FLOPs; output |x|max; one-pass tensor statistics on sampled steps) go through
-stage 1 (``probewire.stream.assemble.reduce_step``) and stage 2
+stage 1 (``probewire.stream.reduce.reduce_step``) and stage 2
 (``probewire.stream.stage2.RunPipeline``: the P0 view, detectors, anomalies, alerts,
 retention). Per-expert token counts are added to the reduced step as stage 1 reduces them.
 ``write_simulated_run`` stores the rows and promotes the retained detail as the worker does.
@@ -323,8 +323,8 @@ def simulated_run(
     seed: int = 0,
 ) -> SimulatedRun:
     """Simulate ``steps`` steps of a ``world_size``-rank job with the demo ``faults``."""
-    from probewire.stream.assemble import reduce_step
     from probewire.stream.records import CompleteReason
+    from probewire.stream.reduce import reduce_step
     from probewire.stream.signals import DetectorConfig
     from probewire.stream.stage2 import RunPipeline, Stage2Config
 

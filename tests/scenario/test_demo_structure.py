@@ -12,8 +12,8 @@ from probewire.deploy.demo.data import load_corpus
 from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.wire import decode_rank_step
-from probewire.stream.assemble import reduce_step
 from probewire.stream.derive import expert_balance
+from probewire.stream.reduce import reduce_step
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import p0_view
 

@@ -22,7 +22,7 @@ from probewire.instrument.catalog import Tensor
 from probewire.instrument.export import StepEmitter
 from probewire.instrument.testing import ProtoEncoder, SdkEncoder
 from probewire.instrument.wire import WireEncoder, decode_rank_step
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 
 IDENTITY = RankIdentity(run_id="run1", rank=1, world_size=4, host="h1", coords={"dp": 1, "tp": 0})
 POINTS = [

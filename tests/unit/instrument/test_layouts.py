@@ -17,7 +17,7 @@ from torch import nn
 
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.wire import decode_rank_step
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 
 D, H, V, T = 8, 12, 10, 6
 

@@ -18,7 +18,7 @@ from probewire.instrument.catalog import Residual
 from probewire.instrument.probes.tokens import quantile_bound
 from probewire.instrument.structure_config import StructureConfig
 from probewire.instrument.wire import decode_rank_step
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.stage2 import p0_view
 
 CFG = TinyConfig(

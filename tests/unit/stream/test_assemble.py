@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import StepAssembler, reduce_step
+from probewire.stream.assemble import StepAssembler
 from probewire.stream.records import ReducedStep
+from probewire.stream.reduce import reduce_step
 
 LOSS, TOK, G2, TAU = (
     series_key(n) for n in ("loss.sum", "loss.tokens", "grad.norm_sq", "step.duration")

@@ -24,8 +24,8 @@ from probewire.instrument.catalog import (
     Tensor,
 )
 from probewire.instrument.wire import RankStep
-from probewire.stream.assemble import reduce_step
 from probewire.stream.formed import formed_series, grad_group_rows
+from probewire.stream.reduce import reduce_step
 from probewire.stream.series import FORMED
 from probewire.stream.view import p0_view
 

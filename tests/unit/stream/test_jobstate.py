@@ -8,9 +8,9 @@ import json
 
 from probewire.instrument.lifecycle import run_event
 from probewire.instrument.wire import RankIdentity, RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.jobstate import JOB_STATE, stall_alert
 from probewire.stream.lifecycle import parse_event
+from probewire.stream.reduce import reduce_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 
 

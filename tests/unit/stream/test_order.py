@@ -5,9 +5,9 @@ from __future__ import annotations
 import base64
 
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.order import StepOrderer
 from probewire.stream.records import ReducedStep
+from probewire.stream.reduce import reduce_step
 
 
 def item(step: int):

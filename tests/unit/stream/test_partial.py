@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from probewire.instrument.catalog import Comm, Grad, Loss, Memory, Moe, Optim, Reduction, System
 from probewire.instrument.catalog import Tensor as T
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream import assemble, partial
-from probewire.stream.assemble import reduce_step
+from probewire.stream import partial
+from probewire.stream import reduce as reduction
 from probewire.stream.inputs import PER_RANK
 from probewire.stream.partial import Partial, merge, partial_of
 from probewire.stream.records import CompleteReason, RecordError, ReducedStep
+from probewire.stream.reduce import reduce_step
 
 TENSOR = {"tensor": "blocks.0.mlp", "kind": "grad"}
 SERIES = [
@@ -56,15 +57,15 @@ EXTREME = st.sampled_from([*HUGE, math.inf, -math.inf, 1.0, -0.0])  # overflow, 
 def medians() -> ExitStack:
     """Two median metrics (one replicated over tp) for the test's steps: the catalog
     declares no median, and ``reduce_step`` and the partials must agree on it all the same."""
-    real = assemble._plan
-    everyone = assemble._distinguishing(frozenset())
+    real = reduction._plan
+    everyone = reduction._distinguishing(frozenset())
     fake = {
         "test.median": (Reduction.MEDIAN, everyone),
         "test.median_tp": (Reduction.MEDIAN, tuple(g for g in everyone if g != "tp")),
     }
     plan = lambda name: fake.get(name) or real(name)
     stack = ExitStack()
-    for module in (assemble, partial):
+    for module in (reduction, partial):
         stack.enter_context(mock.patch.object(module, "_plan", plan))
     return stack
 

@@ -9,8 +9,8 @@ import pytest
 from probewire.instrument.catalog import Label, Optim
 from probewire.instrument.lifecycle import run_event
 from probewire.instrument.wire import RankIdentity, RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.lifecycle import EventError, RunLifecycle, parse_event
+from probewire.stream.reduce import reduce_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view
 
 

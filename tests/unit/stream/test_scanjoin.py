@@ -16,8 +16,8 @@ from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.catalog import CATALOG, Tier
 from probewire.instrument.wire import decode_rank_step
-from probewire.stream.assemble import reduce_step
 from probewire.stream.records import CompleteReason
+from probewire.stream.reduce import reduce_step
 from probewire.stream.series import StepMetrics as SM
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 

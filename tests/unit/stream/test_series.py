@@ -13,7 +13,7 @@ from probewire.instrument.catalog import Label, Memory, Moe
 from probewire.instrument.wire import RankStep
 from probewire.sinks import TABLES, ClickHouseSink
 from probewire.sinks.schema import MIGRATIONS, STEP_METRICS
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.series import CHARTS, STEP_SERIES, VIEW, Kind, StepMetrics, chart_columns
 from probewire.stream.view import p0_view
 

@@ -6,8 +6,8 @@ import pytest
 
 from probewire.instrument.catalog import Label, Loss, System, Tensor
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.records import CompleteReason, ReducedStep
+from probewire.stream.reduce import reduce_step
 from probewire.stream.split import OversizeStep, split_step
 from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows
 from probewire.stream.view import p0_view

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.retention import retained_steps
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view

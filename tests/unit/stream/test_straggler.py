@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
 from probewire.stream.derive import OWN_FLOOR, own_time_ratios, own_times
 from probewire.stream.detect import RankLevels
+from probewire.stream.reduce import reduce_step
 from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
 from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view
 

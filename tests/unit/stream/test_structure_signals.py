@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.signals import DetectorConfig, SignalDetectors
 from probewire.stream.stage2 import p0_view
 

@@ -16,8 +16,8 @@ from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.wire import decode_rank_step
 from probewire.sinks import ClickHouseSink
-from probewire.stream.assemble import reduce_step
 from probewire.stream.dimensions import tensor_dimensions
+from probewire.stream.reduce import reduce_step
 from probewire.stream.series import StepMetrics as SM
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 from probewire.stream.view import detail_rows, p0_view

@@ -11,7 +11,7 @@ import pytest
 from probewire.instrument.catalog import Label, User
 from probewire.instrument.userlog import points
 from probewire.instrument.wire import RankIdentity, WireEncoder, decode_rank_step, message_key
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.usermetrics import user_rows, user_values
 from probewire.stream.validate import Bounds, StepValidator
 

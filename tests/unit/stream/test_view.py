@@ -11,7 +11,7 @@ import pytest
 from probewire.instrument.catalog import Comm, Grad, Label, Loss, Modality, Residual, System
 from probewire.instrument.wire import RankStep
 from probewire.stream import view as view_module
-from probewire.stream.assemble import reduce_step
+from probewire.stream.reduce import reduce_step
 from probewire.stream.view import p0_view
 
 RANKS = 6
