@@ -16,10 +16,12 @@
    latency is from the flush of a co-spike step's last rank message to the alert's
    arrival on ``probewire.alerts``. Prints ``latency p50 X ms p99 Y ms``.
 3. ``--stages`` (instead of 1 and 2): the worker's stages in this process, without Kafka,
-   on the same messages: stage 1 (decode + reduce), the decode alone through the layouts
-   stage 1 learned and field by field (µs a message, side by side), then stage 2 + store
-   writes + promotion + saved state with the stage-2 batch at 40 and at 200 steps, side by
-   side; each line prints points/s, so the cost of small store batches shows as a ratio.
+   on the same messages, each as CPU µs a point (process CPU time, all threads: the store
+   engine's too; on a shared 2-core host CPU time varies far less than wall time): stage 1
+   (decode, reduce, to_bytes), the decode alone through the layouts stage 1 learned and
+   field by field (µs a message, side by side), then from_bytes, stage 2 (``accept``) and
+   the store write (rows, promotion, saved state) with the stage-2 batch at 40 and at 200
+   steps, side by side, so the cost of small store batches shows as a ratio.
 4. ``--workers N --runs R`` (instead of 1 and 2): scale-out. R runs of ``--steps`` steps,
    first on 1 worker, then on N workers (the store owner plus N-1 ``--role stage1``
    workers, one consumer group), each on a fresh broker and store. The workers are started
@@ -32,12 +34,15 @@ The configuration is printed first so a result can be reproduced.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -186,60 +191,88 @@ def scale_rate(
     return points / elapsed
 
 
-def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 200)) -> None:
-    """Per-stage rates of the worker's work, in this process (see the module docstring)."""
-    run = SimRun(run_id="stages", world_size=ranks, steps=steps)
-    messages, points = encode_run(run, range(steps))
-    started = time.perf_counter()
-    assembler, reduced = StepAssembler(30.0), []
-    for step_messages in messages:
-        for key, value in step_messages:
-            reduced += assembler.add(decode_rank_step(key, value), time.monotonic()).completed
-    payloads = [r.to_bytes() for r in reduced]
-    print(
-        f"  stage 1 (decode, reduce, serialise): {points / (time.perf_counter() - started):.0f} "
-        "points/s"
-    )
+def _cpu_us(points: int, work: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``work(*args)``'s result and its CPU time (this process, all threads: the store engine's
+    too) in µs a point; the collector frozen first, so the benchmark's own heap of
+    messages is not walked on the stage's time."""
+    gc.collect()
+    gc.freeze()
+    started = time.process_time()
+    out = work(*args)
+    return out, (time.process_time() - started) / points * 1e6
+
+
+def _decode_all(decode: Callable[..., Any], flat: list[tuple[bytes, bytes]]) -> list[Any]:
+    return [decode(key, value) for key, value in flat]
+
+
+def _read_steps(payloads: list[bytes]) -> list[ReducedStep]:
+    return [ReducedStep.from_bytes(payload) for payload in payloads]
+
+
+def _accept(pipeline: RunPipeline, items: list[ReducedStep]) -> Stage2Output:
+    out = Stage2Output()
+    for item in items:
+        out.extend(pipeline.accept(item, time.monotonic()))
+    return out
+
+
+def stage1_costs(messages: list[list[tuple[bytes, bytes]]], points: int) -> list[ReducedStep]:
+    """Stage 1 in this process, stage by stage (CPU µs a point), then the decode through
+    the layouts stage 1 learned against field by field (µs a message); its reduced steps."""
     flat = [message for step_messages in messages for message in step_messages]
+    decoded, decode_us = _cpu_us(points, _decode_all, decode_rank_step, flat)
+
+    def reduce() -> list[ReducedStep]:
+        assembler, reduced = StepAssembler(30.0), []
+        for record in decoded:
+            reduced += assembler.add(record, time.monotonic()).completed
+        return reduced
+
+    reduced, reduce_us = _cpu_us(points, reduce)
+    _, to_bytes_us = _cpu_us(points, lambda: [r.to_bytes() for r in reduced])
+    print(
+        f"  stage 1 CPU us a point: decode {decode_us:.3f} reduce {reduce_us:.3f} "
+        f"to_bytes {to_bytes_us:.3f}: {1e6 / (decode_us + reduce_us + to_bytes_us):.0f} "
+        "points per CPU-second"
+    )
     spent = {}
     for name, decode in (
         ("learned layouts", decode_rank_step),
         ("field by field", wire._decode_fields),
     ):
-        started = time.perf_counter()
-        for key, value in flat:  # the layouts were learned in stage 1's pass above
-            decode(key, value)
-        spent[name] = (time.perf_counter() - started) / len(flat) * 1e6
+        _, spent[name] = _cpu_us(len(flat), _decode_all, decode, flat)
     print(
         f"  decode: {spent['learned layouts']:.1f} us a message through learned layouts, "
         f"{spent['field by field']:.1f} us field by field ({points / len(flat):.0f} points "
         "a message)"
     )
+    return reduced
+
+
+def stages(ranks: int, steps: int, store: Path, batches: tuple[int, ...] = (40, 200)) -> None:
+    """Per-stage CPU costs of the worker's work, in this process (see the module docstring)."""
+    run = SimRun(run_id="stages", world_size=ranks, steps=steps)
+    messages, points = encode_run(run, range(steps))
+    payloads = [r.to_bytes() for r in stage1_costs(messages, points)]
     client = connect("chdb:///" + str(store).lstrip("/"))
     for batch in batches:
         sink = ClickHouseSink(client, f"stages_{batch}", 30.0)
         sink.migrate()
         pipeline = RunPipeline(run.run_id, Settings().stream.stage2)
-        times = {"stage 2": 0.0, "store": 0.0}
+        cost = {"from_bytes": 0.0, "stage 2": 0.0, "store": 0.0}
         for i in range(0, len(payloads), batch):
-            t0 = time.perf_counter()
-            out = Stage2Output()
-            for payload in payloads[i : i + batch]:
-                out.extend(pipeline.accept(ReducedStep.from_bytes(payload), time.monotonic()))
-            t1 = time.perf_counter()
-            write_batch(
-                sink,
-                Batch(
-                    outputs={run.run_id: out},
-                    states={run.run_id: (pipeline.last_step, pipeline.to_state())},
-                ),
-            )
-            times["stage 2"] += t1 - t0
-            times["store"] += time.perf_counter() - t1
-        total = sum(times.values())
+            items, us = _cpu_us(points, _read_steps, payloads[i : i + batch])
+            cost["from_bytes"] += us
+            out, us = _cpu_us(points, _accept, pipeline, items)
+            cost["stage 2"] += us
+            state = {run.run_id: (pipeline.last_step, pipeline.to_state())}
+            batched = Batch(outputs={run.run_id: out}, states=state)
+            cost["store"] += _cpu_us(points, write_batch, sink, batched)[1]
         print(
-            f"  stage 2 + store, {batch}-step batches: {points / total:.0f} points/s "
-            f"(stage 2 {points / times['stage 2']:.0f}, store {points / times['store']:.0f})"
+            f"  stage 2 + store, {batch}-step batches, CPU us a point: "
+            + " ".join(f"{name} {us:.3f}" for name, us in cost.items())
+            + f": {1e6 / sum(cost.values()):.0f} points per CPU-second"
         )
 
 

@@ -77,6 +77,61 @@ def _loss_components(
     return sums, counts
 
 
+_FEW_SUMMED, _FEW = 8, 128
+"""NumPy sums fewer than 8 float64 values one after the other, from 0.0 (the last block of
+its pairwise sum): the view's loss formulas run in Python on that few values (a sum) or up
+to 128 (no sum: the worst rank), bit for bit the same, where NumPy's per-call cost was
+most of their time (tests/unit/stream/test_derive.py checks both paths against each
+other); past that NumPy's per-element cost is the lower."""
+
+
+def _few_loss_components(
+    loss_sums: Sequence[float], token_counts: Sequence[float], few: int
+) -> tuple[list[float], list[float]] | None:
+    """``_loss_components`` as Python floats, with its checks and messages, for lists or
+    tuples of fewer than ``few`` floats or ints; None for anything else (NumPy's path)."""
+    if not (
+        type(loss_sums) in (list, tuple)
+        and type(token_counts) in (list, tuple)
+        and len(loss_sums) < few
+        and len(token_counts) < few
+        and all(type(x) in (float, int) for x in (*loss_sums, *token_counts))
+    ):
+        return None
+    sums, counts = [float(x) for x in loss_sums], [float(x) for x in token_counts]
+    if not all(math.isfinite(n) and n >= 0 for n in counts):
+        raise ValueError("token_counts must hold finite values >= 0")
+    if len(sums) != len(counts):
+        raise ValueError(f"loss_sums has {len(sums)} ranks but token_counts has {len(counts)}")
+    if any(s != 0 for s, n in zip(sums, counts) if n == 0):
+        raise ValueError("loss_sums must be 0 on a rank whose token_counts is 0")
+    return sums, counts
+
+
+def _sequential_sum(values: list[float]) -> float:
+    """``float(np.sum(values))`` for fewer than ``_FEW_SUMMED`` values: their sum in order."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
+def _worst_of_few(sums: list[float], counts: list[float]) -> tuple[float, int] | None:
+    """``worst_rank_loss`` of checked Python floats: the same divisions, the first NaN
+    mean, else the first largest (``np.argmax``)."""
+    ranks = [r for r, n in enumerate(counts) if n > 0]
+    if not ranks:
+        return None
+    best, value = ranks[0], sums[ranks[0]] / counts[ranks[0]]
+    for r in ranks:
+        mean = sums[r] / counts[r]
+        if mean != mean:  # NaN: the worst, the first one
+            return mean, r
+        if mean > value:
+            best, value = r, mean
+    return value, best
+
+
 def _scalar(name: str, value: float, *, positive: bool) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
@@ -91,6 +146,10 @@ def global_mean_loss(loss_sums: Sequence[float], token_counts: Sequence[float]) 
     Reduction: sum the two components separately, then divide; never average rank
     means (seeds 001 §3). None when no rank has a valid token.
     """
+    few = _few_loss_components(loss_sums, token_counts, _FEW_SUMMED)
+    if few is not None:  # NumPy's sum of under 8 values, in Python (bit for bit)
+        total = _sequential_sum(few[1])
+        return None if total == 0 else _sequential_sum(few[0]) / total
     sums, counts = _loss_components(loss_sums, token_counts)
     total = float(np.sum(counts))
     if total == 0:
@@ -107,6 +166,9 @@ def worst_rank_loss(
     never scored as 0; None when every rank is empty. Ties go to the lowest rank; a
     NaN rank mean counts as the worst (the first NaN rank is returned).
     """
+    few = _few_loss_components(loss_sums, token_counts, _FEW)
+    if few is not None:
+        return _worst_of_few(*few)
     sums, counts = _loss_components(loss_sums, token_counts)
     ranks = np.flatnonzero(counts > 0)
     if ranks.size == 0:

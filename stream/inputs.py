@@ -121,8 +121,12 @@ def rank_reads(item: ReducedStep) -> RankReads:
     detectors' rank series then look their metrics up instead of walking every value of
     every rank again (hundreds a step; the rest are detail only)."""
     out: RankReads = {}
+    series: tuple[SeriesKey, ...] = ()
+    read = series_reads(series)
     for rank, values in item.per_rank.items():
-        read = series_reads(tuple(values))
+        if tuple(values) != series:  # the previous rank's: its read (no hashing of the keys)
+            series = tuple(values)
+            read = series_reads(series)
         if read.keys:  # the view's series among the rank's, by position
             row = read.positions(tuple(values.values()))
             for (name, labels), value in zip(read.keys, row if len(read.keys) > 1 else (row,)):

@@ -120,8 +120,12 @@ def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
     labels: list[str] = []
     ranks: list[int] = []
     values: list[float] = []
+    series: tuple[SeriesKey, ...] = ()
+    read = series_reads(series)
     for rank, vals in item.per_rank.items():
-        read = series_reads(tuple(vals))
+        if tuple(vals) != series:  # the previous rank's: its read (no hashing of the keys)
+            series = tuple(vals)
+            read = series_reads(series)
         metrics += read.names
         labels += read.texts
         values += vals.values()

@@ -10,6 +10,7 @@ import pytest
 
 from probewire.deploy.demo.simulate import simulated_run
 from probewire.sinks import TABLE_COLUMNS, TABLES, VIEWS, ClickHouseSink
+from probewire.sinks.retained import promote
 from probewire.sinks.schema import (
     _STEP_METRICS_V2,
     _STEP_METRICS_V3,
@@ -63,6 +64,32 @@ def test_migrate_is_idempotent_and_records_each_version_once(ch_client, sink) ->
     assert _rows(
         ch_client, f"SELECT version FROM {sink.database}.schema_migrations ORDER BY version"
     ) == [(1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,), (10,), (11,), (12,)]
+
+
+def test_look_back_inserts_skip_the_block_merge_and_read_back_the_same(ch_client, sink) -> None:
+    """A look-back table's insert keeps the block's rows as sent (no merge on insert: the
+    engine's cost halves); FINAL, in the table and after promotion, still reads each key's
+    last row, as the merge on insert would have kept it."""
+    values = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    sink.write_columns(
+        "rank_metrics_recent",
+        {
+            "run_id": ["r"] * 6,
+            "step": [1, 1, 2, 1, 1, 1],
+            "rank": [0, 0, 0, 1, 0, 0],
+            "metric": ["loss.sum"] * 6,
+            "labels": [""] * 6,
+            "value": values,
+            "late": [0, 1, 0, 0, 1, 0],
+        },
+    )
+    db = sink.database
+    assert _rows(ch_client, f"SELECT count() FROM {db}.rank_metrics_recent") == [(6,)]
+    last = [(1, 0, 6.0, 0), (1, 1, 4.0, 0), (2, 0, 3.0, 0)]
+    read = "SELECT step, rank, value, late FROM {db}.{table} FINAL ORDER BY step, rank"
+    assert _rows(ch_client, read.format(db=db, table="rank_metrics_recent")) == last
+    promote(sink, "r", [1, 2])
+    assert _rows(ch_client, read.format(db=db, table="rank_metrics")) == last
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from probewire.stream import derive
 from probewire.stream.derive import (
     compute_rate,
     expert_balance,
@@ -251,3 +252,43 @@ def test_rms_and_mean_from_rank_components():
     assert math.isnan(rms_from_components(math.nan, 4.0))
     with pytest.raises(ValueError, match="count"):
         rms_from_components(1.0, -1.0)
+
+
+def _bits(found):
+    """A result's exact bits (NaN payloads and the sign of zero included)."""
+    if found is None or isinstance(found, float):
+        return None if found is None else np.float64(found).tobytes()
+    return np.float64(found[0]).tobytes(), found[1]
+
+
+def test_few_ranks_loss_path_equals_numpys_bit_for_bit():
+    """Few ranks' lists take the Python path (``_few_loss_components``: a sum of under 8,
+    a worst rank of under 128); the same values as arrays take NumPy's: every result is the same, bit for bit, NaN, inf, -0.0, huge and
+    tiny sums included, and so is each malformed input's error."""
+    rng = np.random.default_rng(7)
+    special = [0.0, -0.0, math.nan, math.inf, -math.inf, 1e308, 5e-324, -1e300, 3.0]
+    checked = 0
+    for _ in range(2000):
+        n = int(rng.integers(0, 8)) if rng.random() < 0.8 else int(rng.integers(8, 128))
+        sums = [
+            float(rng.choice(special)) if rng.random() < 0.3 else float(rng.normal(0, 10) ** 3)
+            for _ in range(n)
+        ]
+        counts = [float(rng.choice([0.0, 1.0, 7.0, 1e17, 0.5])) for _ in range(n)]
+        sums = [s if c else float(rng.choice([0.0, -0.0])) for s, c in zip(sums, counts)]
+        for fn, few in ((derive.global_mean_loss, 8), (derive.worst_rank_loss, 128)):
+            if n < few:
+                assert derive._few_loss_components(sums, counts, few) is not None
+            with np.errstate(all="ignore"):  # NumPy warns of the inf sums it returns
+                reference = fn(np.array(sums), np.array(counts))
+                assert _bits(fn(sums, counts)) == _bits(reference)
+            checked += 1
+    assert checked == 4000
+    assert derive._few_loss_components([1.0] * 8, [1.0] * 8, 8) is None
+    for sums, counts in ([1.0], [1.0, 2.0]), ([1.0], [-1.0]), ([1.0], [0.0]), ([1.0], [math.nan]):
+        for fn in (derive.global_mean_loss, derive.worst_rank_loss):
+            with pytest.raises(ValueError) as fast:
+                fn(sums, counts)
+            with pytest.raises(ValueError) as slow:
+                fn(np.array(sums), np.array(counts))
+            assert str(fast.value) == str(slow.value)
