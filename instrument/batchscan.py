@@ -216,9 +216,10 @@ def _flat_copy(tensors: Sequence[torch.Tensor], gather: Gather, moments: bool) -
     """A fresh 1-D copy of ``gather``'s members in the work dtype, which the reductions
     overwrite: a ``cat`` per shape, then one of those (each ``cat`` allocates: never a view
     of a member)."""
-    parts = [torch.cat([tensors[i] for i in indices]).view(-1) for indices in gather.shapes]
+    pick = tensors.__getitem__
+    parts = [torch.cat(list(map(pick, indices))).view(-1) for indices in gather.shapes]
     if gather.scalars:
-        parts.append(torch.stack([tensors[i] for i in gather.scalars]))
+        parts.append(torch.stack(list(map(pick, gather.scalars))))
     flat = parts[0] if len(parts) == 1 else torch.cat(parts)
     if flat.requires_grad:  # a create_graph gradient, gathered with grad mode on
         flat = flat.detach()

@@ -25,8 +25,10 @@ On 1,000 small parameter tensors that Python, not the kernels, was most of P0's 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -261,7 +263,9 @@ class GradProbe:
 
     def _plan(self, grads: list[torch.Tensor | None]) -> _Plan | None:
         """The plan of the gradients present in ``grads`` (None: no gradient at all)."""
-        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        # C-level passes: a step's per-tensor Python is what 1,000 tensors make costly
+        absent = any(map(operator.is_, grads, itertools.repeat(None)))
+        missing = tuple(i for i, g in enumerate(grads) if g is None) if absent else ()
         if missing in self._plans:
             return self._plans[missing]
         if len(self._plans) >= 16:  # gradients that come and go from step to step
