@@ -22,6 +22,7 @@ ABS_MAX over finite elements.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -111,12 +112,14 @@ class GroupScan:
 @dataclass(frozen=True, slots=True)
 class Gather:
     """Small tensors of one group, device and dtype, copied into one flat buffer and reduced
-    in blocks of it. The copy is one ``cat`` per distinct shape (``cat`` of same-shaped
-    tensors is one operation, on a device one kernel, with no per-tensor view) and one
-    ``cat`` of those: a model's repeated layers give a few shapes, however many tensors."""
+    in blocks of it. The copy is one ``cat`` per distinct shape, written in place into the
+    buffer (``cat`` of same-shaped tensors into a slice of their dtype is one operation, on
+    a device one kernel, with no per-tensor view): a model's repeated layers give a few
+    shapes, however many tensors."""
 
-    shapes: tuple[tuple[int, ...], ...]  # indices into the list, one tuple per shape
-    scalars: tuple[int, ...]  # indices of 0-d tensors (``cat`` needs a dimension)
+    parts: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]
+    """per shape: (indices into the list, start in the buffer, the slice's shape)"""
+    scalars: tuple[int, ...]  # indices of 0-d tensors (``cat`` needs a dimension), at the end
     elems: int  # their elements together
     bounds: tuple[tuple[int, int], ...]  # the blocks: (start, stop) in the buffer
     dtype: torch.dtype  # the members' dtype
@@ -165,11 +168,13 @@ def plan_groups(
         for i, _ in members:
             by_shape.setdefault(tuple(tensors[i].shape), []).append(i)
         scalars = tuple(by_shape.pop((), ()))
-        order = [i for indices in by_shape.values() for i in indices] + list(scalars)
-        sizes = [tensors[i].numel() for i in order]  # the buffer's order
-        bounds = tuple(_blocks(sizes, limit))
-        shapes = tuple(map(tuple, by_shape.values()))
-        gathers.append(Gather(shapes, scalars, sum(sizes), bounds, dtype))
+        parts, start = [], 0
+        for shape, indices in by_shape.items():
+            parts.append((tuple(indices), start, (len(indices) * shape[0], *shape[1:])))
+            start += len(indices) * math.prod(shape)
+        sizes = [tensors[i].numel() for indices in by_shape.values() for i in indices]
+        bounds = tuple(_blocks(sizes + [1] * len(scalars), limit))  # the buffer's order
+        gathers.append(Gather(tuple(parts), scalars, start + len(scalars), bounds, dtype))
         row_groups += [group] * len(bounds)
     return GroupPlan(tuple(whole), tuple(gathers), tuple(row_groups))
 
@@ -214,15 +219,16 @@ def _blocks(sizes: list[int], limit: int) -> Iterator[tuple[int, int]]:
 
 def _flat_copy(tensors: Sequence[torch.Tensor], gather: Gather, moments: bool) -> torch.Tensor:
     """A fresh 1-D copy of ``gather``'s members in the work dtype, which the reductions
-    overwrite: a ``cat`` per shape, then one of those (each ``cat`` allocates: never a view
-    of a member)."""
+    overwrite: one buffer, a ``cat`` per shape written into its slice of it."""
     pick = tensors.__getitem__
-    parts = [torch.cat(list(map(pick, indices))).view(-1) for indices in gather.shapes]
-    if gather.scalars:
-        parts.append(torch.stack(list(map(pick, gather.scalars))))
-    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if flat.requires_grad:  # a create_graph gradient, gathered with grad mode on
-        flat = flat.detach()
+    first = tensors[gather.parts[0][0][0] if gather.parts else gather.scalars[0]]
+    flat = torch.empty(gather.elems, dtype=gather.dtype, device=first.device)
+    with torch.no_grad():  # out= records no graph (a create_graph gradient)
+        for indices, start, shape in gather.parts:
+            stop = start + math.prod(shape)
+            torch.cat(list(map(pick, indices)), out=flat[start:stop].view(shape))
+        if gather.scalars:
+            torch.stack(list(map(pick, gather.scalars)), out=flat[-len(gather.scalars) :])
     dtype = F64 if moments or gather.dtype == F64 else torch.float32
     return flat if flat.dtype == dtype else flat.to(dtype)
 
