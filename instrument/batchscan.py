@@ -8,12 +8,15 @@ a dozen kernels per distinct size instead of per tensor. Tensors above ``SMALL_E
 and sizes seen once, go through ``scan`` itself.
 
 Where only totals per group are wanted (the gradient's every-step group statistics), not a
-row per tensor, ``scan_groups`` concatenates a group's small tensors whatever their sizes,
-in blocks of up to one ``scan`` chunk, and scans each block once: a dozen kernels per block.
-It runs in two halves (``gather_groups``, then ``GroupScan.rows``): the blocks are copies,
-so the reductions may run later and on another thread (the gradient probe, on CPU). Which
-tensor goes whole and which into which block is planned once per list of sizes
-(``plan_groups``): a model's gradients keep theirs from step to step.
+row per tensor, ``scan_groups`` copies the small tensors of a group and dtype, whatever
+their sizes, into one flat buffer — a ``cat`` of each distinct shape's tensors written into
+its slice, so the copy is a few operations however many tensors there are (a P0 step's
+operations do not grow with the model's tensors; issue 35) — and scans the buffer in blocks
+of up to one ``scan`` chunk: a dozen kernels per block. It runs in two halves
+(``gather_groups``, then ``GroupScan.rows``): the buffers are copies, so the reductions may
+run later and on another thread (the gradient probe, on CPU). Which tensor goes whole and
+which into which buffer and slice is planned once per list of sizes (``plan_groups``): a
+model's gradients keep theirs from step to step.
 
 Fields, dtypes and conventions are ``scan``'s (``ScanFields``): float32 work (float64 for
 float64 inputs or with moments), sums over finite elements, NONFINITE counts the others,
