@@ -184,3 +184,38 @@ def test_the_grouped_gradient_copy_gives_the_float64_reference_per_group():
     for name, expected in want.items():
         got = rec.values[(name, (("group", "other"),))]
         assert got == pytest.approx(expected, rel=1e-6), name
+
+
+def test_sharded_gradients_go_through_the_grouped_copy_as_their_local_shards(gloo_world):
+    """FSDP2 (``fully_shard`` on a one-rank gloo mesh): DTensor gradients, their local
+    shards copied by the grouped path, give the float64 reference of the full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from probewire.instrument.parallel import is_dtensor
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(8)))
+    fully_shard(model, mesh=mesh)
+    transport = MemoryTransport()
+    monitor = attach(
+        model,
+        None,
+        identity=RankIdentity(run_id="sharded", rank=0, world_size=1, coords={"dp": 0}),
+        transport=transport,
+        config=ProbeConfig(**P0),
+        mesh=mesh,
+    )
+    with monitor.step(0) as s:
+        out = model(torch.randn(3, 6))
+        s.loss_totals(out.detach().sum(), 3)
+        out.pow(2).sum().backward()
+        assert all(is_dtensor(p.grad) for p in model.parameters())
+        grads = [p.grad.full_tensor().to(torch.float64).numpy() for p in model.parameters()]
+        s.clip_grad_norm_(model.parameters(), 1e-3)
+    monitor.close()
+    [rec] = [decode_rank_step(k, v) for k, v in transport.messages]
+    for name, expected in group_reference(grads).items():
+        got = rec.values[(name, (("group", "other"),))]
+        assert got == pytest.approx(expected, rel=1e-6), name
