@@ -52,6 +52,13 @@ Figures (stdout, one line each, machine-readable):
   ddp emit_us X the emit cost per step on those ranks, worst rank's mean; goal <= 50
   ddp emit_us median X  the worst rank's median emit: the mean less the rare steps whose
                 emit the host's scheduler preempted (4 ranks on few cores: milliseconds)
+
+``--tensors`` runs instead the step tier's cost against the number of parameter tensors
+(``benchmarks/tensorcost.py``, whose docstring defines its lines): for 10, 100 and 1,000
+tensors, ``tensors N train_cpu_us X emitter_cpu_us Y p0_ops Z`` — the training thread's
+and the emitter thread's CPU a step (thread CPU clocks, not wall time) and the aten::
+operations the P0 tier launches a step (``torch.profiler``) — then ``flat train_cpu_us R``
+and ``flat p0_ops R``, 1,000 tensors over 10; goal <= 1.3.
 """
 
 from __future__ import annotations
@@ -436,6 +443,11 @@ def ddp_figures() -> tuple[float, dict[str, float]]:
 
 def main() -> None:
     global DEVICE
+    if "--tensors" in sys.argv:  # the step tier's thread CPU and op count against tensors
+        import tensorcost  # benchmarks/tensorcost.py, beside this script
+
+        tensorcost.main(sys.argv)
+        return
     if "--device" in sys.argv:
         DEVICE = torch.device(sys.argv[sys.argv.index("--device") + 1])
     torch.set_num_threads(1)

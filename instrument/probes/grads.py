@@ -7,8 +7,9 @@ G2 comes from one fused multi-tensor norm per (device, dtype), combined exactly 
 ``clip_grad_norm_`` combines them, so it reproduces the clipping norm; through
 ``StepContext.clip_grad_norm_`` the very norm that clips is the measurement. The group
 statistics are taken before the clip runs: on steps without the scan tier each group's
-small tensors are copied into one concatenation and scanned as one (``gather_groups``; on
-CPU the copies are reduced on the emitter thread), on scan steps each tensor is scanned
+small tensors are copied into one buffer per dtype, a ``cat`` per distinct shape (a few
+operations however many tensors), and scanned as one (``gather_groups``; on CPU the copies
+are reduced on the emitter thread), on scan steps each tensor is scanned
 (``scan_many``) and its row is also emitted as tensor.*{kind=grad}; either way the rows are
 combined by group on the host, off the training thread. Parameters that
 another rank reports (a replica outside the stream's dedup groups) are left out of this
@@ -18,15 +19,18 @@ A model's gradients keep their parameters, sizes and groups from step to step, s
 per-tensor bookkeeping (which are present, their groups, which go whole and which into
 which concatenation) is planned once per set of gradients present (``_Plan``), and what
 ``clip_grad_norm_`` needs to know of the parameters it is given once per list
-(``_Clipped``): a step's per-tensor Python is one read of each ``.grad`` and the copies.
+(``_Clipped``): a step's per-tensor Python is one read of each ``.grad`` and a few
+C-level passes over the list (``map``), the copies one ``cat`` per shape.
 On 1,000 small parameter tensors that Python, not the kernels, was most of P0's cost.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -261,7 +265,9 @@ class GradProbe:
 
     def _plan(self, grads: list[torch.Tensor | None]) -> _Plan | None:
         """The plan of the gradients present in ``grads`` (None: no gradient at all)."""
-        missing = tuple(i for i, g in enumerate(grads) if g is None)
+        # C-level passes: a step's per-tensor Python is what 1,000 tensors make costly
+        absent = any(map(operator.is_, grads, itertools.repeat(None)))
+        missing = tuple(i for i, g in enumerate(grads) if g is None) if absent else ()
         if missing in self._plans:
             return self._plans[missing]
         if len(self._plans) >= 16:  # gradients that come and go from step to step
