@@ -233,6 +233,12 @@ class ReducedStep:
             head["per_rank"] = {
                 rank: dict(zip(keys, row)) for rank, row in zip(ranks, values.tolist())
             }
+        elif r and (mask == mask[0]).all():  # every rank the same series, fewer than reduced
+            cols = np.flatnonzero(mask[0])
+            sent = [keys[j] for j in cols.tolist()]
+            head["per_rank"] = {
+                rank: dict(zip(sent, row)) for rank, row in zip(ranks, values[:, cols].tolist())
+            }
         else:
             head["per_rank"] = {
                 rank: {
