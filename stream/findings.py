@@ -102,6 +102,12 @@ class DetectorConfig:
     # demo preset, healthy, reaches 17 in its first 100 steps)
     vanish_ratio: float = 1e-3  # G2 below this x its baseline (straggler_steps steps)
     headroom_min: float = 0.05  # 1 - peak / capacity of the worst rank below this
+    # held-out BPB (the evaluator's ``bpb``, reference weights stream): a suite's value this
+    # far (relative) above the median of its last heldout_window evaluations pages, from
+    # heldout_min_history evaluations on
+    heldout_bpb_rise: float = 0.02
+    heldout_window: int = 5
+    heldout_min_history: int = 3
     rearm_steps: int = 50
 
 

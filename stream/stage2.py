@@ -113,6 +113,7 @@ class Stage2Config:
             "loss_shift_k",
             "loss_shift_h",
             "loss_shift_scale",
+            "heldout_bpb_rise",
         ):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
         check(d.early_history >= 3, "detectors.early_history", "must be >= 3")
@@ -139,6 +140,8 @@ class Stage2Config:
             "maxvio_steps",
             "straggler_steps",
             "straggler_held_steps",
+            "heldout_window",
+            "heldout_min_history",
         ):
             check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
         check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
@@ -400,6 +403,21 @@ class RunPipeline:
         if items:
             out.rows["runs"].append(self._run_row())
             out.extend(self._release_final())
+        return out
+
+    def on_evaluations(self, rows: list[dict[str, Any]]) -> Stage2Output:
+        """The run's ``evaluations`` rows (the evaluator's records, stored by the worker):
+        each reference held-out BPB against its suite's recent evaluations
+        (``heldout.HeldoutRise``), in step order; a rise is an anomaly row, and a page when
+        the suite's evaluation before it had not risen."""
+        out = Stage2Output()
+        for row in sorted(rows, key=lambda r: int(r["step"])):
+            finding = self.detectors.heldout.observe(row)
+            if finding is not None:
+                out.rows["anomalies"].append(self._anomaly_row(int(row["step"]), finding))
+                alert = self._page(int(row["step"]), finding) if finding.page else None
+                if alert is not None:
+                    out.rows["alerts"].append(alert)
         return out
 
     def _clip_letter(self, item: ReducedStep) -> list[tuple[int, str]]:
