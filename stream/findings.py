@@ -93,6 +93,8 @@ class DetectorConfig:
     maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
     media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
     residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
+    residual_ratio_max: float = 100.0  # R_b above this: the branch overwrites the stream
+    # (healthy demo branches reach 16-26 in their first 100 steps)
     grad_audit_tolerance: float = 0.01  # |loop's norm - G2| / G2 above this: a page
     clip_rate_rise: float = 0.25  # clip rate (full window) above its baseline by this
     shard_imbalance_max: float = 1.5  # busiest EP shard / mean shard load (maxvio_steps)
@@ -100,7 +102,8 @@ class DetectorConfig:
     pi_shift: float = 0.1  # a modality's token share this far from its baseline
     media_scale_max: float = 100.0  # gamma above this: media swamp the backbone (the full
     # demo preset, healthy, reaches 17 in its first 100 steps)
-    vanish_ratio: float = 1e-3  # G2 below this x its baseline (straggler_steps steps)
+    vanish_ratio: float = 1e-3  # G2, or a group's G_max, below this x its baseline
+    # (straggler_steps measured steps)
     headroom_min: float = 0.05  # 1 - peak / capacity of the worst rank below this
     # held-out BPB (the evaluator's ``bpb``, reference weights stream): a suite's value this
     # far (relative) above the median of its last heldout_window evaluations pages, from
@@ -114,9 +117,13 @@ class DetectorConfig:
 @dataclass(slots=True)
 class RankSeries:
     """Per-rank values of one step the culprit rules score against each rank's history:
-    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
-    each source's loss over the ranks other than the worst one."""
+    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); each
+    source's loss over the ranks other than the worst one; and the per-part values the
+    directional rules name a culprit by: each residual branch's token-mean R_b ("layer L
+    attn|mlp", at a step that measures them) and each gradient parameter group's G_max."""
 
     loss: Mapping[int, float] = field(default_factory=dict)
     own_ratio: Mapping[int, float] = field(default_factory=dict)
     source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
+    branch_ratio: Mapping[str, float] = field(default_factory=dict)
+    group_grad_max: Mapping[str, float] = field(default_factory=dict)

@@ -142,7 +142,7 @@ class SignalDetectors:
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
-        found += self.directions.observe(view, derived, ranks.loss, warm=not derived[SM.warmup])
+        found += self.directions.observe(view, derived, ranks, warm=not derived[SM.warmup])
         return derived, [f for f in found if f is not None]
 
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:

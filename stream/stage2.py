@@ -98,6 +98,7 @@ class Stage2Config:
             "maxvio_threshold",
             "media_scale_min",
             "residual_ratio_min",
+            "residual_ratio_max",
             "early_z_factor",
             "grad_audit_tolerance",
             "clip_rate_rise",
