@@ -3,7 +3,7 @@
     otlp_metrics ──assemble──► probewire.steps ──per_run──► ClickHouse (+ probewire.alerts,
          │   (stage 1, key run:step)            (stage 2, key run_id)     probewire.control,
          └──► probewire.deadletter ──dead_letters──► ClickHouse            Alertmanager webhook)
-    probewire.evals ──evaluations──► ClickHouse
+    probewire.evals ──evaluations──► ClickHouse (+ the held-out BPB page, ``heldout``)
     probewire.runs ──run_events──► ClickHouse (the run's status and config, ``lifecycle``)
 
 Delivery is at-least-once and every write is idempotent:
