@@ -98,3 +98,18 @@ def test_the_audit_message_carries_both_values():
     _, findings = det.observe(0, view, {})
     (audit,) = [f for f in findings if f.signal == "grad_norm_audit"]
     assert (audit.value, audit.baseline, audit.page) == (0.25, 0.5, True)
+
+
+def test_a_branch_overwriting_the_stream_a_collapsing_group_and_a_bpb_rise_page_their_part():
+    """Through stage 1 and stage 2 in process: the simulated ranks' residual branches, gradient
+    groups and held-out BPB evaluations (every 50 steps), healthy (factor 1) and faulty."""
+    run = dataclasses.replace(BASE, steps=600, residual=(0, 1.0), vanish=(0, 1.0), bpb=(0, 1.0))
+    assert alerts_of(run) == []
+    faults = {
+        "residual": ((300, 200.0), (300, "residual_scale", "layer 1 mlp")),
+        "vanish": ((300, 1e-5), (302, "vanishing_gradients", "group other")),
+        "bpb": ((400, 1.1), (400, "heldout_bpb", "suite heldout")),
+    }
+    for knob, (value, first) in faults.items():
+        got = alerts_of(dataclasses.replace(run, **{knob: value}))
+        assert got and got[0] == first and {g[1:] for g in got} == {first[1:]}, (knob, got)
