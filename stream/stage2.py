@@ -129,18 +129,24 @@ class Stage2Config:
             "detectors.straggler_ratio",
             "must be > 1 (S, a rank's own time over the others' median, is >= 1)",
         )
-        check(d.straggler_held_ratio > 1, "detectors.straggler_held_ratio", "must be > 1")
-        check(
-            0 < d.straggler_held_quantile < 1,
-            "detectors.straggler_held_quantile",
-            "must lie in (0, 1)",
-        )
+        for tier in ("held", "recent"):
+            check(
+                getattr(d, f"straggler_{tier}_ratio") > 1,
+                f"detectors.straggler_{tier}_ratio",
+                "must be > 1",
+            )
+            check(
+                0 < getattr(d, f"straggler_{tier}_quantile") < 1,
+                f"detectors.straggler_{tier}_quantile",
+                "must lie in (0, 1)",
+            )
         for name in (
             "clip_window",
             "rearm_steps",
             "maxvio_steps",
             "straggler_steps",
             "straggler_held_steps",
+            "straggler_recent_steps",
             "heldout_window",
             "heldout_min_history",
         ):

@@ -26,7 +26,8 @@ class StragglerRules:
         self.config = config
         cfg = config
         self.levels = RankLevels(
-            window=cfg.window, recent=max(cfg.straggler_steps, cfg.straggler_held_steps)
+            window=cfg.window,
+            recent=max(cfg.straggler_steps, cfg.straggler_held_steps, cfg.straggler_recent_steps),
         )
         self.slow = PeerShift(
             window=cfg.window,
@@ -96,9 +97,14 @@ class StragglerRules:
         cfg = self.config
         tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
         if len(ratios) >= 3:
-            tiers.append(
-                (cfg.straggler_held_steps, cfg.straggler_held_quantile, cfg.straggler_held_ratio)
-            )
+            tiers += [
+                (cfg.straggler_held_steps, cfg.straggler_held_quantile, cfg.straggler_held_ratio),
+                (
+                    cfg.straggler_recent_steps,
+                    cfg.straggler_recent_quantile,
+                    cfg.straggler_recent_ratio,
+                ),
+            ]
         best: tuple[float, int, float] | None = None  # (level / threshold, rank, level)
         for rank in sorted(ratios):
             for steps, q, threshold in tiers:

@@ -1,10 +1,10 @@
 """Issue 38's rank faults on real gloo DDP ranks (4 ranks: the peer rules need 3 or more)
 through the real pipeline (OTLP -> Kafka -> Faust -> chdb): one rank's labels shuffled from
-step 120 (a broken data shard) pages within 20 steps naming that rank; a rank slowed 1.3x
-for 20 steps; and the same heavier run on a host loaded by a CPU burner pages nothing.
+step 120 (a broken data shard) pages within 20 steps naming that rank, and nothing else
+pages (the demo data's own early co-spike aside): not the falling loss, not its batches.
 
-Slow (4 ranks on the shared 2-core host, several minutes): ``-m slow``. The fast versions on
-simulated ranks are ``tests/integration/test_detector_pipeline.py``.
+Slow (4 ranks on the shared 2-core host): ``-m slow``. The fast version on simulated ranks is
+``tests/integration/test_detector_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DB = "probewire"
 WINDOW = 50
 FAULT = 120
-HEAVY = ["--batch-size", "16", "--micro-batches", "4"]
-EARLY = 16  # the tiny demo's real early co-spike (``test_demo_pages.EARLY``)
 RUNS = {  # run id: (ranks, steps, --fault texts, extra train args, CPU burners)
-    "label-shuffle": (4, 170, [f"label-shuffle@{FAULT}:rank=2"], [], 0),
-    "straggler-13": (4, 170, [f"straggler@{FAULT}:rank=1,factor=1.3,duration=20"], HEAVY, 0),
-    "loaded-host": (4, 170, [], HEAVY, 1),
+    "label-shuffle": (4, 170, [f"label-shuffle@{FAULT}:rank=2,fraction=1.0"], [], 0),
+    "label-shuffle-half": (4, 170, [f"label-shuffle@{FAULT}:rank=2,fraction=0.5"], [], 0),
 }
 
 
@@ -67,8 +64,9 @@ def alerts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple]]:
 
 
 def after_early(pages: list[tuple]) -> list[tuple]:
-    """The pages after the demo data's own early co-spike (step 16)."""
-    return [p for p in pages if not (p[0] == EARLY and p[1] == "cospike")]
+    """The pages but the demo data's own early co-spike (step 16 with 2 ranks, 14 with 4:
+    ``test_demo_pages.EARLY``)."""
+    return [p for p in pages if not (p[0] < 50 and p[1] == "cospike")]
 
 
 def test_one_ranks_shuffled_labels_page_within_20_steps_naming_it(alerts):
@@ -76,13 +74,3 @@ def test_one_ranks_shuffled_labels_page_within_20_steps_naming_it(alerts):
     assert got and all(c == "rank 2" for _, _, c in got), got
     assert FAULT <= got[0][0] < FAULT + 20, got
     assert {s for _, s, _ in got} <= {"loss_rank_shift", "loss_worst_rank"}, got
-
-
-def test_a_rank_13x_slower_for_20_steps_pages_within_20_steps_naming_it(alerts):
-    got = after_early(alerts["straggler-13"])
-    assert got and {(s, c) for _, s, c in got} <= {("step_time", "rank 1"), ("compute_rate", "")}
-    assert FAULT <= got[0][0] < FAULT + 20, got
-
-
-def test_the_heavier_run_under_a_cpu_burner_pages_nothing(alerts):
-    assert after_early(alerts["loaded-host"]) == []
