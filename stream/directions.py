@@ -104,6 +104,7 @@ class DirectionalRules:
             cap=cfg.loss_shift_cap,
             h=cfg.loss_shift_h,
             min_scale=cfg.loss_shift_scale,
+            delay=cfg.loss_shift_delay,
         )
         self.history: dict[str, History] = {}
         self.phi = RobustSpikeDetector(

@@ -86,10 +86,11 @@ class DetectorConfig:
     straggler_cusum_h: float = 12.0
     straggler_cusum_scale: float = 0.05
     # the same on each rank's own loss L_r over the other ranks' median (3+ ranks)
-    loss_shift_k: float = 2.0
+    loss_shift_k: float = 1.5
     loss_shift_cap: float = 4.0
-    loss_shift_h: float = 16.0
+    loss_shift_h: float = 12.0
     loss_shift_scale: float = 0.01
+    loss_shift_delay: int = 20  # a rank's loss ratio joins its history this many steps late
     shift_history: int = 20  # values of a rank's history before its CUSUMs score
     clip_threshold: float = 1.0
     clip_window: int = 100

@@ -119,6 +119,7 @@ class Stage2Config:
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
         check(d.early_history >= 3, "detectors.early_history", "must be >= 3")
         check(d.shift_history >= 3, "detectors.shift_history", "must be >= 3")
+        check(d.loss_shift_delay >= 0, "detectors.loss_shift_delay", "must be >= 0")
         for cap, k in (
             ("straggler_cusum_cap", "straggler_cusum_k"),
             ("loss_shift_cap", "loss_shift_k"),

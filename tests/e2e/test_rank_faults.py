@@ -69,8 +69,13 @@ def after_early(pages: list[tuple]) -> list[tuple]:
     return [p for p in pages if not (p[0] < 50 and p[1] == "cospike")]
 
 
-def test_one_ranks_shuffled_labels_page_within_20_steps_naming_it(alerts):
-    got = after_early(alerts["label-shuffle"])
+@pytest.mark.parametrize("run", ["label-shuffle", "label-shuffle-half"])
+def test_one_ranks_shuffled_labels_page_within_20_steps_naming_it(alerts, run):
+    """All of rank 2's rows (its loss ~+25 %) or half of them (~+12 %) from step 120: the
+    loss pages (measured: loss_rank_shift at +5 and +14), naming rank 2. A step-time page
+    is the shared host's (on the default ~30 ms steps its scheduler slows single ranks for
+    dozens of steps: ``test_demo_pages``), not the fault's."""
+    got = [p for p in after_early(alerts[run]) if p[1] != "step_time"]
     assert got and all(c == "rank 2" for _, _, c in got), got
     assert FAULT <= got[0][0] < FAULT + 20, got
     assert {s for _, s, _ in got} <= {"loss_rank_shift", "loss_worst_rank"}, got
