@@ -125,13 +125,13 @@ class SimRun:
             for layer, branch, ratio in (("0", "attn", 0.5), ("1", "mlp", 2.0)):
                 if layer == "1" and step >= self.residual[0]:
                     ratio *= self.residual[1]
-                labels = ((Label.LAYER, layer), (Label.BRANCH, branch))
+                where = ((Label.LAYER, layer), (Label.BRANCH, branch))
                 ratio *= math.exp(rng.normal(0, 0.05))
                 out += [
-                    Point(Residual.TOKENS, 100.0, labels),
-                    Point(Residual.name("ratio", "sum"), 100.0 * ratio, labels),
-                    Point(Residual.name("stream_norm", "sum"), 100.0, labels),
-                    Point(Residual.name("branch_norm", "sum"), 100.0 * ratio, labels),
+                    Point(Residual.TOKENS, 100.0, where),
+                    Point(Residual.name("ratio", "sum"), 100.0 * ratio, where),
+                    Point(Residual.name("stream_norm", "sum"), 100.0, where),
+                    Point(Residual.name("branch_norm", "sum"), 100.0 * ratio, where),
                 ]
         if self.vanish is not None:
             for group, gmax in (("embedding", 0.01), ("other", 0.1)):

@@ -430,8 +430,8 @@ def parse_fault(text: str) -> Fault:
     name, _, step = head.partition("@")
     cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip()) or MANY_RANKS.get(name.strip())
     if cls is None:
-        known = sorted({*FAULTS, *SCENARIOS, *MANY_RANKS})
-        raise FaultError(f"unknown fault {name!r}; known: {', '.join(known)}")
+        names = sorted({*FAULTS, *SCENARIOS, *MANY_RANKS})
+        raise FaultError(f"unknown fault {name!r}; known: {', '.join(names)}")
     kwargs: dict[str, Any] = {}
     if step:
         if not step.isdigit():
