@@ -74,10 +74,10 @@ class DetectorConfig:
     straggler_held_steps: int = 40  # ...of this many consecutive steps
     straggler_held_quantile: float = 0.1
     # or (3+ ranks): its own-time ratio over its baseline at this quantile of the last
-    # straggler_recent_steps steps (0.4: on six steps in ten of 15) at least this
-    straggler_recent_steps: int = 15
-    straggler_recent_quantile: float = 0.4
-    straggler_recent_ratio: float = 1.2
+    # straggler_recent_steps steps (0.3: on seven steps in ten of 12) at least this
+    straggler_recent_steps: int = 12
+    straggler_recent_quantile: float = 0.3
+    straggler_recent_ratio: float = 1.3
     # a one-sided CUSUM per rank on its own-time ratio against its own baseline (at least
     # parity) in scales s = max(min_scale, its own spread, its peers' joint spread of the
     # last steps): min(x / s, cap) - k a step, reset at parity, a page at h (``shifts``)
