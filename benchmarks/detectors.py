@@ -28,8 +28,10 @@ markdown to ``--out``.
 A second table holds the faults of issue 38 on simulated synchronous DDP ranks
 (``probewire.stream.testing.SimRun``, 4 ranks, stage 1 and stage 2 in this process, the
 default detector settings but ``--window``): a co-spike at step 20, a rank 1.3x slower for
-20 steps, one rank's loss shifted 10%, a loop that norms only its local shard; a
-host-wide bursty load and a loop with a correct global norm that must page nothing; a
+20 steps, one rank's loss shifted 10%, a loop that norms only its local shard, a residual
+branch whose R_b jumps 200x, a gradient group whose G_max collapses 1e-5x, a held-out BPB
+10% up (every run also sends the branches, the groups and a BPB evaluation every 50 steps,
+healthy); a host-wide bursty load and a loop with a correct global norm that must page nothing; a
 fault-free run of ``--sim-steps`` steps and the first 100 steps of it. ``--simulated-only``
 writes only that table (below the ``## Simulated`` heading of ``--out``, the recorded
 table above it kept).
@@ -253,7 +255,18 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
 
 
 # -- simulated DDP ranks: the faults of issue 38 ------------------------------------------------
-_SIM = SimRun(run_id="", world_size=4, steps=200, seed=1, ddp=True)
+# every simulated run also sends two residual branches and two gradient groups, and gets a
+# held-out BPB evaluation every 50 steps (factor 1: healthy)
+_SIM = SimRun(
+    run_id="",
+    world_size=4,
+    steps=200,
+    seed=1,
+    ddp=True,
+    residual=(0, 1.0),
+    vanish=(0, 1.0),
+    bpb=(0, 1.0),
+)
 SIM_FAULTS = {  # label: (fault step, the signal that must page, the run)
     "sim-early-cospike": (20, SM.cospike, dataclasses.replace(_SIM, steps=60, cospike_step=20)),
     "sim-straggler-1.3x-20-steps": (
@@ -270,6 +283,21 @@ SIM_FAULTS = {  # label: (fault step, the signal that must page, the run)
         0,
         "grad_norm_audit",
         dataclasses.replace(_SIM, steps=60, clip_norm="local"),
+    ),
+    "sim-residual-branch-200x": (
+        150,
+        "residual_scale",
+        dataclasses.replace(_SIM, residual=(150, 200.0)),
+    ),
+    "sim-group-gmax-collapse-1e-5": (
+        150,
+        "vanishing_gradients",
+        dataclasses.replace(_SIM, vanish=(150, 1e-5)),
+    ),
+    "sim-heldout-bpb-rise-10%": (
+        400,
+        "heldout_bpb",
+        dataclasses.replace(_SIM, steps=600, bpb=(400, 1.1)),
     ),
 }
 SIM_QUIET = {  # must page nothing

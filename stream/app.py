@@ -8,7 +8,7 @@
     a step of more ranks than block_ranks: otlp_metrics (key run:step:block) ──assemble──►
          probewire.partials (key run:step) ──merge_blocks──┘ (``fanin``: blocks merged)
          └──► probewire.deadletter ──dead_letters──► ClickHouse
-    probewire.evals ──evaluations──► ClickHouse
+    probewire.evals ──evaluations──► ClickHouse (+ the held-out BPB page, ``heldout``)
     probewire.runs ──run_events──► ClickHouse (the run's status and config, ``lifecycle``)
 
 Delivery is at-least-once and every write is idempotent:
@@ -205,6 +205,7 @@ def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
             async for batch in stream.take(500, within=1.0):
                 rows = [r for r in map(_evaluation_row, batch) if r is not None]
                 await worker.store_rows("evaluations", rows)
+                await _page_evaluations(worker, rows)
                 for row in rows:
                     progress = worker.heartbeat.runs.setdefault(row["run_id"], {"steps_written": 0})
                     progress["evals_written"] = progress.get("evals_written", 0) + 1
@@ -213,6 +214,17 @@ def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
     async def flush_old() -> None:
         """Write a batch that has waited ``stream.batch.within_s`` with no step after it."""
         worker.flush_soon()  # never awaits the write: the timer stays within its interval
+
+
+async def _page_evaluations(worker: Worker, rows: list[dict[str, Any]]) -> None:
+    """Each run's stored evaluations through its pipeline (``RunPipeline.on_evaluations``):
+    a page leaves at once; its alert and anomaly rows and the run's state go with the next
+    store batch."""
+    for run_id in sorted({r["run_id"] for r in rows}):
+        run = await worker.run_for(run_id)
+        out = run.on_evaluations([r for r in rows if r["run_id"] == run_id])
+        worker.batch.add(run_id, out)
+        await worker.send_alerts(run_id, out)
 
 
 def _highwater(app: faust.App, topic: str, partition: int) -> int | None:

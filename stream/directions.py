@@ -15,8 +15,10 @@
   its own baseline on ``maxvio_steps`` measured steps (a data-mix or packing change);
 * ``media_scale`` (up; ``signals`` has the small side): gamma above ``media_scale_max``
   (media tokens swamp the backbone's first layers);
-* ``vanishing_gradients`` (down): G2 below ``vanish_ratio`` x its own baseline on
-  ``straggler_steps`` steps;
+* ``residual_scale`` (up; ``signals`` has the small side): the largest branch's R_b above
+  ``residual_ratio_max`` (a branch that overwrites the residual stream), naming the branch;
+* ``vanishing_gradients`` (down): G2, or one gradient parameter group's G_max (named), below
+  ``vanish_ratio`` x its own baseline on ``straggler_steps`` measured steps;
 * ``memory_headroom`` (down): 1 - peak / capacity of the worst rank below
   ``headroom_min``.
 
@@ -34,7 +36,7 @@ from typing import Any
 
 from .derive import own_time_ratios
 from .detect import RobustSpikeDetector
-from .findings import Category, DetectorConfig, Finding
+from .findings import Category, DetectorConfig, Finding, RankSeries
 from .rolling import sorted_median
 from .series import StepMetrics as SM
 from .shifts import PeerShift
@@ -102,6 +104,7 @@ class DirectionalRules:
             cap=cfg.loss_shift_cap,
             h=cfg.loss_shift_h,
             min_scale=cfg.loss_shift_scale,
+            delay=cfg.loss_shift_delay,
         )
         self.history: dict[str, History] = {}
         self.phi = RobustSpikeDetector(
@@ -125,16 +128,17 @@ class DirectionalRules:
         self,
         view: Mapping[str, Any],
         derived: Mapping[str, Any],
-        losses: Mapping[int, float],
+        ranks: RankSeries,
         warm: bool,
     ) -> list[Finding]:
-        found = self._rank_shift(losses)
+        found = self._rank_shift(ranks.loss)
         found += self._audit(view)
         found += self._clip_rate(derived, view[SM.grad_norm])
         found += self._compute_rate(view)
         found += self._experts(view, warm)
         found += self._token_share(view)
         found += self._bounds(view)
+        found += self._parts(ranks)
         return found
 
     def _rank_shift(self, losses: Mapping[int, float]) -> list[Finding]:
@@ -261,11 +265,7 @@ class DirectionalRules:
                     culprit="media projector",
                 )
             )
-        g2 = view[SM.grad_norm]
-        base = self._base(SM.grad_norm, g2)
-        small = g2 is not None and base is not None and g2 < cfg.vanish_ratio * base
-        if self._held("vanish", small) >= cfg.straggler_steps:
-            found.append(_finding("vanishing_gradients", "drop", g2, base, category=Category.GRAD))
+        found += self._vanishing(SM.grad_norm, "vanish", view[SM.grad_norm], "")
         headroom = view.get(SM.memory_headroom)
         if headroom is not None and headroom < cfg.headroom_min:
             rank = view.get(SM.peak_memory_rank)
@@ -280,6 +280,42 @@ class DirectionalRules:
                     ranks=[] if rank is None else [int(rank)],
                 )
             )
+        return found
+
+    def _vanishing(self, key: str, run: str, value: float | None, culprit: str) -> list[Finding]:
+        """``value`` below ``vanish_ratio`` x its baseline on ``straggler_steps`` measured
+        steps in a row (a step that does not measure it neither counts nor resets)."""
+        if value is None:
+            return []
+        base = self._base(key, value)
+        small = base is not None and value < self.config.vanish_ratio * base
+        if self._held(run, small) < self.config.straggler_steps:
+            return []
+        return [
+            _finding(
+                "vanishing_gradients", "drop", value, base, category=Category.GRAD, culprit=culprit
+            )
+        ]
+
+    def _parts(self, ranks: RankSeries) -> list[Finding]:
+        """The largest branch's R_b above its bound; each gradient group's G_max collapsing."""
+        found = []
+        if ranks.branch_ratio:
+            branch = max(sorted(ranks.branch_ratio), key=ranks.branch_ratio.__getitem__)
+            ratio = ranks.branch_ratio[branch]
+            if ratio > self.config.residual_ratio_max:
+                found.append(
+                    _finding(
+                        "residual_scale",
+                        "threshold",
+                        ratio,
+                        self.config.residual_ratio_max,
+                        category=Category.LAYERS,
+                        culprit=branch,
+                    )
+                )
+        for group, gmax in sorted(ranks.group_grad_max.items()):
+            found += self._vanishing(f"gmax:{group}", f"vanish:{group}", gmax, f"group {group}")
         return found
 
     def to_state(self) -> dict[str, Any]:

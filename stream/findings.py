@@ -73,6 +73,11 @@ class DetectorConfig:
     straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
     straggler_held_steps: int = 40  # ...of this many consecutive steps
     straggler_held_quantile: float = 0.1
+    # or (3+ ranks): its own-time ratio over its baseline at this quantile of the last
+    # straggler_recent_steps steps (0.3: on seven steps in ten of 12) at least this
+    straggler_recent_steps: int = 12
+    straggler_recent_quantile: float = 0.3
+    straggler_recent_ratio: float = 1.3
     # a one-sided CUSUM per rank on its own-time ratio against its own baseline (at least
     # parity) in scales s = max(min_scale, its own spread, its peers' joint spread of the
     # last steps): min(x / s, cap) - k a step, reset at parity, a page at h (``shifts``)
@@ -81,10 +86,11 @@ class DetectorConfig:
     straggler_cusum_h: float = 12.0
     straggler_cusum_scale: float = 0.05
     # the same on each rank's own loss L_r over the other ranks' median (3+ ranks)
-    loss_shift_k: float = 2.0
+    loss_shift_k: float = 1.5
     loss_shift_cap: float = 4.0
-    loss_shift_h: float = 16.0
+    loss_shift_h: float = 12.0
     loss_shift_scale: float = 0.01
+    loss_shift_delay: int = 20  # a rank's loss ratio joins its history this many steps late
     shift_history: int = 20  # values of a rank's history before its CUSUMs score
     clip_threshold: float = 1.0
     clip_window: int = 100
@@ -93,6 +99,8 @@ class DetectorConfig:
     maxvio_steps: int = 3  # ... on this many consecutive steps after warm-up
     media_scale_min: float = 0.1  # γ below this: media the backbone can ignore
     residual_ratio_min: float = 2.0**-8  # R_b below bf16's relative precision: swallowed
+    residual_ratio_max: float = 100.0  # R_b above this: the branch overwrites the stream
+    # (healthy demo branches reach 16-26 in their first 100 steps)
     grad_audit_tolerance: float = 0.01  # |loop's norm - G2| / G2 above this: a page
     clip_rate_rise: float = 0.25  # clip rate (full window) above its baseline by this
     shard_imbalance_max: float = 1.5  # busiest EP shard / mean shard load (maxvio_steps)
@@ -100,17 +108,28 @@ class DetectorConfig:
     pi_shift: float = 0.1  # a modality's token share this far from its baseline
     media_scale_max: float = 100.0  # gamma above this: media swamp the backbone (the full
     # demo preset, healthy, reaches 17 in its first 100 steps)
-    vanish_ratio: float = 1e-3  # G2 below this x its baseline (straggler_steps steps)
+    vanish_ratio: float = 1e-3  # G2, or a group's G_max, below this x its baseline
+    # (straggler_steps measured steps)
     headroom_min: float = 0.05  # 1 - peak / capacity of the worst rank below this
+    # held-out BPB (the evaluator's ``bpb``, reference weights stream): a suite's value this
+    # far (relative) above the median of its last heldout_window evaluations pages, from
+    # heldout_min_history evaluations on
+    heldout_bpb_rise: float = 0.02
+    heldout_window: int = 5
+    heldout_min_history: int = 3
     rearm_steps: int = 50
 
 
 @dataclass(slots=True)
 class RankSeries:
     """Per-rank values of one step the culprit rules score against each rank's history:
-    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); and
-    each source's loss over the ranks other than the worst one."""
+    the local mean loss L_r and the own-time ratio rho_r (``derive.own_time_ratios``); each
+    source's loss over the ranks other than the worst one; and the per-part values the
+    directional rules name a culprit by: each residual branch's token-mean R_b ("layer L
+    attn|mlp", at a step that measures them) and each gradient parameter group's G_max."""
 
     loss: Mapping[int, float] = field(default_factory=dict)
     own_ratio: Mapping[int, float] = field(default_factory=dict)
     source_loss_without_worst: Mapping[str, float] = field(default_factory=dict)
+    branch_ratio: Mapping[str, float] = field(default_factory=dict)
+    group_grad_max: Mapping[str, float] = field(default_factory=dict)

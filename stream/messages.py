@@ -22,13 +22,15 @@ def what_moved(signal: str, kind: str) -> str:
 
 def describe_value(signal: str, kind: str, value: float | None) -> str:
     """The value with its unit: nats/token for a loss, ``× L (L_max / L)`` for a loss's gap
-    to the mean, the bare number otherwise."""
+    to the mean, bits/byte for the held-out BPB, the bare number otherwise."""
     if value is None:
         return "n/a"
     if kind == "gap" and signal in _RATIO_OF:
         return f"{value:.4g}× L ({_RATIO_OF[signal]})"
     if signal in _LOSSES:
         return f"{value:.4g} nats/token"
+    if signal == "heldout_bpb":
+        return f"{value:.4g} bits/byte"
     return f"{value:.4g}"
 
 

@@ -7,8 +7,11 @@ a ratio r_t > 0 against its peers at every step it is measured (its own time ove
 other ranks' median; its own loss over the other ranks' median). On log values:
 
 * x_t = log r_t - b, with b the median of the key's own history (the ``window`` values
-  before this one), at least log ``floor`` when a floor is set (parity for own time: a rank
-  that is usually faster than the others is judged against parity);
+  before this one; with ``delay`` d, the ``window`` values before the last d: a value joins
+  the history d steps after it was scored, so a shift that stays is scored against the
+  baseline and spread from before it for d steps instead of widening them at once), at
+  least log ``floor`` when a floor is set (parity for own time: a rank that is usually
+  faster than the others is judged against parity);
 * s_t = max(``min_scale``, 1.4826 MAD of the key's history, the root mean square of the
   other keys' positive deviations max(x, 0) over their last ``joint_steps`` values): the
   rank's own spread and the ranks' joint one of the last steps, so load that slows every
@@ -70,11 +73,13 @@ class PeerShift:
     min_scale: float = 0.05
     floor: float | None = None
     joint_steps: int = 10
+    delay: int = 0
     _history: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
     _sorted: dict[int, list[float]] = field(init=False, repr=False, compare=False)
     _recent: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
     _score: dict[int, float] = field(init=False, repr=False, compare=False)
     _latest: dict[int, bool] = field(init=False, repr=False, compare=False)
+    _pending: dict[int, deque[float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 3 <= self.min_history <= self.window:
@@ -89,7 +94,10 @@ class PeerShift:
             raise ValueError(f"cap ({self.cap}) must exceed k ({self.k}): nothing could add up")
         if self.joint_steps < 1:
             raise ValueError(f"joint_steps must be >= 1, got {self.joint_steps!r}")
+        if self.delay < 0:
+            raise ValueError(f"delay must be >= 0, got {self.delay!r}")
         self._history, self._sorted, self._recent, self._score = {}, {}, {}, {}
+        self._pending = {}  # key -> its last ``delay`` values, not yet in its history
         self._latest = {}  # key -> scored at the latest update
 
     def baseline(self, key: int) -> float | None:
@@ -137,7 +145,7 @@ class PeerShift:
                 self._recent.setdefault(key, deque(maxlen=self.joint_steps)).append(u - b)
                 scored[key] = (u, u - b, own)
                 self._latest[key] = True
-            self._add(key, u)
+            self._delayed(key, u)
         if len(scored) < 3:
             return []
         joint = self._joint_scales()
@@ -150,6 +158,16 @@ class PeerShift:
             self._score[key] = 0.0 if shift else score
             out.append(ShiftResult(key, math.exp(u), math.exp(u - x), scale, score, shift))
         return out
+
+    def _delayed(self, key: int, u: float) -> None:
+        """``u`` into the key's history ``delay`` values later."""
+        if not self.delay:
+            self._add(key, u)
+            return
+        pending = self._pending.setdefault(key, deque())
+        pending.append(u)
+        if len(pending) > self.delay:
+            self._add(key, pending.popleft())
 
     def _add(self, key: int, u: float) -> None:
         history = self._history.get(key)
@@ -173,15 +191,17 @@ class PeerShift:
                 "min_scale": self.min_scale,
                 "floor": self.floor,
                 "joint_steps": self.joint_steps,
+                "delay": self.delay,
             },
             "keys": {
                 str(key): {
-                    "history": list(self._history[key]),
+                    "history": list(self._history.get(key, ())),
                     "recent": list(self._recent.get(key, ())),
                     "score": self._score.get(key, 0.0),
                     "latest": self._latest.get(key, False),
+                    "pending": list(self._pending.get(key, ())),
                 }
-                for key in self._history
+                for key in sorted(self._history.keys() | self._pending.keys())
             },
         }
 
@@ -191,6 +211,8 @@ class PeerShift:
         for key, saved in state["keys"].items():
             for u in saved["history"]:
                 shift._add(int(key), float(u))
+            if saved.get("pending"):  # absent: saved before the delay
+                shift._pending[int(key)] = deque(float(u) for u in saved["pending"])
             if saved["recent"]:
                 shift._recent[int(key)] = deque(
                     (float(x) for x in saved["recent"]), maxlen=shift.joint_steps

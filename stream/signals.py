@@ -6,7 +6,8 @@ drift test against the run's own post-warm-up baseline. A rule that names a culp
 on the culprit's own move: the worst rank's own loss L_r against that rank's history, a
 source's own loss against its history (each together with the gap to the whole, L_max / L
 or L_source / L, so a move every rank or source shares is the co-spike's, not theirs), and
-the straggler's own-time ratio against its own history (``RankLevels``). Findings carry
+the straggler's own-time ratio against its own history (``stragglers``). The held-out
+BPB the evaluator sends beside the steps has its own rule (``heldout``). Findings carry
 their escalation category (job state → loss → gradient norm and spikes → step time →
 memory → expert balance, then layer views; seeds 001 §1), so an alert says what to open
 next.
@@ -24,15 +25,15 @@ from typing import Any
 from .detect import (
     ClipRateWindow,
     CoSpikeTracker,
-    RankLevels,
     RobustSpikeDetector,
     SpikeResult,
 )
 from .directions import DirectionalRules
 from .findings import Category, DetectorConfig, Finding, RankSeries, next_steps
+from .heldout import HeldoutRise
 from .pages import PageGate
 from .series import StepMetrics as SM
-from .shifts import PeerShift
+from .stragglers import StragglerRules
 
 __all__ = [
     "Category",
@@ -42,10 +43,6 @@ __all__ = [
     "SignalDetectors",
     "next_steps",
 ]
-
-PACE_RATIO = 1.2
-"""A step-time spike names the rank whose own-time ratio held at least this far above its
-baseline over the spike's steps (one rank 1.2x the others' pace); else the whole job."""
 
 
 def _spike_finding(
@@ -88,16 +85,8 @@ class SignalDetectors:
         self.sources: dict[str, RobustSpikeDetector] = {}  # L_source / L, per source
         self.source_loss: dict[str, RobustSpikeDetector] = {}  # L_source, per source
         self.rank_loss: dict[int, RobustSpikeDetector] = {}  # L_r, per rank
-        self.levels = RankLevels(
-            window=config.window, recent=max(config.straggler_steps, config.straggler_held_steps)
-        )
-        self.slow = self._shift(
-            config.straggler_cusum_k,
-            config.straggler_cusum_cap,
-            config.straggler_cusum_h,
-            config.straggler_cusum_scale,
-            floor=1.0,
-        )
+        self.stragglers = StragglerRules(config)
+        self.heldout = HeldoutRise(config)
         self.directions = DirectionalRules(config)
         self.cospikes = CoSpikeTracker()
         self.clip = ClipRateWindow(window=config.clip_window, threshold_c=config.clip_threshold)
@@ -120,20 +109,6 @@ class SignalDetectors:
             min_spread=cfg.min_spread,
             early_history=early_history,
             early_threshold=threshold * cfg.early_z_factor if early else None,
-        )
-
-    def _shift(
-        self, k: float, cap: float, h: float, scale: float, floor: float | None = None
-    ) -> PeerShift:
-        cfg = self.config
-        return PeerShift(
-            window=cfg.window,
-            min_history=min(cfg.shift_history, cfg.window),
-            k=k,
-            cap=cap,
-            h=h,
-            min_scale=scale,
-            floor=floor,
         )
 
     # -- one step ---------------------------------------------------------------------------
@@ -162,12 +137,12 @@ class SignalDetectors:
             if any(f is not None and f.page for f in worst)
             else None,
         )
-        found += self._straggler(step, ranks.own_ratio)
+        found += self.stragglers.observe(step, ranks.own_ratio)
         found += self._single_signals(view)
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
         found += self._residual(view)
-        found += self.directions.observe(view, derived, ranks.loss, warm=not derived[SM.warmup])
+        found += self.directions.observe(view, derived, ranks, warm=not derived[SM.warmup])
         return derived, [f for f in found if f is not None]
 
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
@@ -401,92 +376,6 @@ class SignalDetectors:
             found.append(finding)
         return found
 
-    def _straggler(self, step: int, ratios: Mapping[int, float]) -> list[Finding]:
-        """`step_time` pages when one rank's own-time ratio rho_r (its own time, step time
-        minus its exposed collective wait, over the other ranks' median: load the whole
-        host shares cancels) stands above that rank's own baseline (its history, at least
-        parity):
-
-        * with 3 or more ranks, when its CUSUM (``shifts.PeerShift``: min(x / s, cap) - k a
-          step on x = log rho_r - its baseline, reset at parity) reaches h: a rank 1.3x
-          slower than steady peers pages on its 6th slow step; on the shared 2-core host
-          (a healthy rank's ratio moves 15-20 % a step) a recorded 1.5x rank on its 13th
-          (the held rule: +33) and a 1.3x one not at all, while healthy runs and a CPU
-          burner's peaked at S 5-8 (``tests/unit/stream/data/gloo_own_ratios.json`` and
-          an e2e run, where k 0.75 / h 8 paged a healthy rank); bursts the ranks share
-          widen the scale s (the peers' joint spread of the last steps);
-
-        * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross
-          straggler, seen in a few steps;
-        * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
-          ``straggler_held_steps`` steps by ``straggler_held_ratio``: the rank was slower
-          than the others on nine steps in ten of 40 (a sign test more than a size test).
-          A rank 1.5x slower holds rho = 1.5 on every step; a rank the scheduler of a
-          loaded host slows is slow in bursts and fast in between. With two ranks the
-          other rank is the whole reference and the rule is off.
-
-        Measured on the shared 2-core host (load average ~10): over 2,000-5,000 healthy
-        steps of 3 gloo ranks, with and without a CPU burner, the held level (q 0.1 of 40
-        steps) peaked at 0.96, while the median over 40 steps reached 2.0 and the lower
-        quartile 1.3; a rank slowed by half its step held 1.13-1.41 (2 ranks: 1.25 on a
-        healthy 5,000-step run, hence the 3-rank condition)."""
-        self.levels.update(step, ratios)
-        slow = [r for r in self.slow.update(ratios) if r.shift]
-        if slow:  # the CUSUM: the rank that moved furthest above its baseline
-            res = max(slow, key=lambda r: (r.ratio / r.baseline, -r.key))
-            return [
-                Finding(
-                    signal="step_time",
-                    kind="straggler",
-                    value=res.ratio,
-                    baseline=res.baseline,
-                    z=math.log(res.ratio / res.baseline) / res.scale,
-                    category=Category.TIME,
-                    page=True,
-                    culprit=f"rank {res.key}",
-                    ranks=[res.key],
-                )
-            ]
-        return self._held_straggler(ratios)
-
-    def _held_straggler(self, ratios: Mapping[int, float]) -> list[Finding]:
-        """The held rules of ``_straggler``: the rank furthest over its threshold, if any."""
-        cfg = self.config
-        tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
-        if len(ratios) >= 3:
-            tiers.append(
-                (cfg.straggler_held_steps, cfg.straggler_held_quantile, cfg.straggler_held_ratio)
-            )
-        best: tuple[float, int, float] | None = None  # (level / threshold, rank, level)
-        for rank in sorted(ratios):
-            for steps, q, threshold in tiers:
-                level = self.levels.held(rank, steps, q)
-                if (
-                    level is not None
-                    and level >= threshold
-                    and (best is None or level / threshold > best[0])
-                ):
-                    best = (level / threshold, rank, level)
-        if best is None:
-            return []
-        _, rank, level = best
-        base = self.levels.baseline(rank)
-        if base is None:  # held above its own baseline: it has one
-            return []
-        return [
-            Finding(
-                signal="step_time",
-                kind="straggler",
-                value=level * base,
-                baseline=base,
-                z=None,
-                category=Category.TIME,
-                page=True,
-                culprit=f"rank {rank}",
-                ranks=[rank],
-            )
-        ]
-
     def _single_signals(self, view: dict[str, Any]) -> list[Finding]:
         """Step time against its own history: a spike is an anomaly, and pages when it holds
         for ``straggler_steps`` consecutive steps (a stall of the whole job; one slow step
@@ -496,7 +385,7 @@ class SignalDetectors:
             res = self.spikes["step_time"].update(view[SM.step_time_s])
             up = res.spike and (res.direction > 0 or res.nonfinite)
             self.step_time_run = self.step_time_run + 1 if up else 0
-            rank = self._pace_setter()
+            rank = self.stragglers.pace_setter()
             found.append(
                 _spike_finding(
                     "step_time",
@@ -532,21 +421,6 @@ class SignalDetectors:
                 )
             )
         return [f for f in found if f is not None]
-
-    def _pace_setter(self) -> int | None:
-        """The rank whose own-time ratio held highest above its baseline over the last
-        ``straggler_steps`` steps (its long baseline, or early in a run its CUSUM's), when
-        that is at least ``PACE_RATIO``: the rank a step-time rise is carried by; None when
-        the whole job slowed together."""
-        steps = self.config.straggler_steps
-        best: tuple[float, int] | None = None
-        for rank in self.levels.ranks:
-            level = self.levels.held(rank, steps, 0.0)
-            early = self.slow.held(rank, steps)
-            for value in (level, early):
-                if value is not None and (best is None or value > best[0]):
-                    best = (value, rank)
-        return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def _memory(self, step: int, view: dict[str, Any]) -> list[Finding]:
         peak = view.get(SM.peak_memory_bytes)
@@ -629,8 +503,8 @@ class SignalDetectors:
             "sources": {k: d.to_state() for k, d in self.sources.items()},
             "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
             "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
-            "levels": self.levels.to_state(),
-            "slow": self.slow.to_state(),
+            **self.stragglers.to_state(),
+            "heldout": self.heldout.to_state(),
             "directions": self.directions.to_state(),
             "cospikes": self.cospikes.to_state(),
             "clip": self.clip.to_state(),
@@ -657,10 +531,8 @@ class SignalDetectors:
         det.rank_loss = {
             int(k): RobustSpikeDetector.from_state(v) for k, v in state.get("rank_loss", {}).items()
         }
-        if "levels" in state:
-            det.levels = RankLevels.from_state(state["levels"])
-        if "slow" in state:  # absent in states saved before the CUSUMs
-            det.slow = PeerShift.from_state(state["slow"])
+        det.stragglers = StragglerRules(config, state)
+        det.heldout = HeldoutRise(config, state.get("heldout"))  # absent: saved before it
         det.directions = DirectionalRules.from_state(config, state.get("directions"))
         det.cospikes = CoSpikeTracker.from_state(state["cospikes"])
         det.clip = ClipRateWindow.from_state(state["clip"])

@@ -103,6 +103,7 @@ class Stage2Config:
             "maxvio_threshold",
             "media_scale_min",
             "residual_ratio_min",
+            "residual_ratio_max",
             "early_z_factor",
             "grad_audit_tolerance",
             "clip_rate_rise",
@@ -118,10 +119,12 @@ class Stage2Config:
             "loss_shift_k",
             "loss_shift_h",
             "loss_shift_scale",
+            "heldout_bpb_rise",
         ):
             check(getattr(d, name) > 0, f"detectors.{name}", "must be > 0")
         check(d.early_history >= 3, "detectors.early_history", "must be >= 3")
         check(d.shift_history >= 3, "detectors.shift_history", "must be >= 3")
+        check(d.loss_shift_delay >= 0, "detectors.loss_shift_delay", "must be >= 0")
         for cap, k in (
             ("straggler_cusum_cap", "straggler_cusum_k"),
             ("loss_shift_cap", "loss_shift_k"),
@@ -132,18 +135,26 @@ class Stage2Config:
             "detectors.straggler_ratio",
             "must be > 1 (S, a rank's own time over the others' median, is >= 1)",
         )
-        check(d.straggler_held_ratio > 1, "detectors.straggler_held_ratio", "must be > 1")
-        check(
-            0 < d.straggler_held_quantile < 1,
-            "detectors.straggler_held_quantile",
-            "must lie in (0, 1)",
-        )
+        for tier in ("held", "recent"):
+            check(
+                getattr(d, f"straggler_{tier}_ratio") > 1,
+                f"detectors.straggler_{tier}_ratio",
+                "must be > 1",
+            )
+            check(
+                0 < getattr(d, f"straggler_{tier}_quantile") < 1,
+                f"detectors.straggler_{tier}_quantile",
+                "must lie in (0, 1)",
+            )
         for name in (
             "clip_window",
             "rearm_steps",
             "maxvio_steps",
             "straggler_steps",
             "straggler_held_steps",
+            "straggler_recent_steps",
+            "heldout_window",
+            "heldout_min_history",
         ):
             check(getattr(d, name) >= 1, f"detectors.{name}", "must be >= 1")
         check(self.retention_every_k >= 1, "retention_every_k", "must be >= 1")
@@ -430,6 +441,21 @@ class RunPipeline:
         if items:
             out.rows["runs"].append(self._run_row())
             out.extend(self._release_final())
+        return out
+
+    def on_evaluations(self, rows: list[dict[str, Any]]) -> Stage2Output:
+        """The run's ``evaluations`` rows (the evaluator's records, stored by the worker):
+        each reference held-out BPB against its suite's recent evaluations
+        (``heldout.HeldoutRise``), in step order; a rise is an anomaly row, and a page when
+        the suite's evaluation before it had not risen."""
+        out = Stage2Output()
+        for row in sorted(rows, key=lambda r: int(r["step"])):
+            finding = self.detectors.heldout.observe(row)
+            if finding is not None:
+                out.rows["anomalies"].append(self._anomaly_row(int(row["step"]), finding))
+                alert = self._page(int(row["step"]), finding) if finding.page else None
+                if alert is not None:
+                    out.rows["alerts"].append(alert)
         return out
 
     def _clip_letter(self, item: ReducedStep) -> list[tuple[int, str]]:

@@ -3,8 +3,9 @@
 ``SimRun`` decides every rank's components for every step from a seed, with the edge
 cases the seeds name: uneven valid-token counts, a rank with no valid token, ranks that
 miss steps, an injected co-spike; and, for the detectors, synchronous DDP timing (a
-straggler, a host-wide bursty load), a persistent shift of one rank's loss, and the
-loop's own clipping norm (global, or only each rank's local shard). ``send`` publishes them as real OTLP messages through
+straggler, a host-wide bursty load), a persistent shift of one rank's loss, the
+loop's own clipping norm (global, or only each rank's local shard), residual branches
+whose R_b jumps, gradient groups whose G_max collapses, and held-out BPB evaluations. ``send`` publishes them as real OTLP messages through
 the same emitter the ranks use; ``expected`` gives the float64 reference for L and L_max.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from probewire.instrument.catalog import Comm, Grad, Group, Label, Loss, Net, System
+from probewire.instrument.catalog import Comm, Grad, Group, Label, Loss, Net, Residual, System
 from probewire.instrument.export import KafkaTransport, StepEmitter
 from probewire.instrument.plumbing import TopicConfig
 from probewire.instrument.wire import Point, RankIdentity
@@ -45,6 +46,12 @@ class SimRun:
     burner: bool = False  # host-wide load: every rank 1.3x, and 2x in random bursts
     shift: tuple[int, int, float] | None = None  # (rank, from step, factor on its loss)
     clip_norm: str | None = None  # "global": the loop reports G2; "local": its shard's
+    residual: tuple[int, float] | None = None  # (from step, factor on layer 1 mlp's R_b):
+    #                                             every rank sends two branches' R_b
+    vanish: tuple[int, float] | None = None  # (from step, factor on group other's G_max):
+    #                                           every rank sends its gradient groups
+    bpb: tuple[int, float] | None = None  # (from step, factor): ``stage2_in_process`` feeds
+    #                                        a held-out BPB evaluation every 50 steps
 
     def components(self, step: int, rank: int) -> dict[str, float] | None:
         """(loss sum, valid tokens, grad norm², step time; with a clip threshold c, c and
@@ -102,11 +109,60 @@ class SimRun:
         parts = self.components(step, rank)
         if parts is None:
             return None
-        points = [Point(name, value) for name, value in parts.items()]
+        points = [Point(name, value) for name, value in parts.items()] + self._parts(step, rank)
         if self.ddp:
             wait = self.timing(step, rank)[1]
             points.append(Point(Comm.WAIT, wait, ((Label.OP, "ddp_allreduce"),)))
         return points
+
+    def _parts(self, step: int, rank: int) -> list[Point]:
+        """The labelled per-part points: residual branches (``residual``: R_b 0.5 and 2.0,
+        layer 1 mlp's x factor from its step) and gradient groups (``vanish``: G_max
+        0.01 and 0.1, group other's x factor from its step), 100 tokens / elements each."""
+        rng = np.random.default_rng([self.seed, step, rank, 7])
+        out: list[Point] = []
+        if self.residual is not None:
+            for layer, branch, ratio in (("0", "attn", 0.5), ("1", "mlp", 2.0)):
+                if layer == "1" and step >= self.residual[0]:
+                    ratio *= self.residual[1]
+                where = ((Label.LAYER, layer), (Label.BRANCH, branch))
+                ratio *= math.exp(rng.normal(0, 0.05))
+                out += [
+                    Point(Residual.TOKENS, 100.0, where),
+                    Point(Residual.name("ratio", "sum"), 100.0 * ratio, where),
+                    Point(Residual.name("stream_norm", "sum"), 100.0, where),
+                    Point(Residual.name("branch_norm", "sum"), 100.0 * ratio, where),
+                ]
+        if self.vanish is not None:
+            for group, gmax in (("embedding", 0.01), ("other", 0.1)):
+                if group == "other" and step >= self.vanish[0]:
+                    gmax *= self.vanish[1]
+                gmax *= math.exp(rng.normal(0, 0.1))
+                labels = ((Label.GROUP, group),)
+                out += [
+                    Point(Grad.ABS_SUM, 100.0 * gmax / 10, labels),
+                    Point(Grad.ABS_MAX, gmax, labels),
+                    Point(Grad.ZEROS, 0.0, labels),
+                    Point(Grad.ELEMENTS, 100.0, labels),
+                ]
+        return out
+
+    def evaluation(self, step: int) -> dict[str, Any] | None:
+        """The held-out BPB evaluation row of ``step`` (every 50 steps with ``bpb``): 1 +
+        0.5 exp(-step / 400), x factor from its step."""
+        if self.bpb is None or step % 50:
+            return None
+        value = 1.0 + 0.5 * math.exp(-step / 400)
+        if step >= self.bpb[0]:
+            value *= self.bpb[1]
+        return {
+            "run_id": self.run_id,
+            "step": step,
+            "suite": "heldout",
+            "metric": "bpb",
+            "value": value,
+            "reference": 1,
+        }
 
     def expected(self, step: int) -> tuple[float, float]:
         """float64 reference: L = Σ sums / Σ counts; L_max = max of rank means (count > 0)."""
@@ -143,8 +199,12 @@ def stage2_in_process(run: SimRun, config: Any) -> dict[str, list[dict[str, Any]
             for r in range(run.world_size)
         ]
         reduced = reduce_step(run.run_id, step, run.world_size, records, CompleteReason.ALL_RANKS)
-        for table, out in pipeline.accept(reduced, float(step)).rows.items():
-            rows.setdefault(table, []).extend(out)
+        out = pipeline.accept(reduced, float(step))
+        evaluation = run.evaluation(step)
+        if evaluation is not None:
+            out.extend(pipeline.on_evaluations([evaluation]))
+        for table, got in out.rows.items():
+            rows.setdefault(table, []).extend(got)
     return rows
 
 

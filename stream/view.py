@@ -12,7 +12,16 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-from probewire.instrument.catalog import TENSOR_FIELDS, Grad, Label, Loss, Moe, System, Tensor
+from probewire.instrument.catalog import (
+    GRAD_GROUPS,
+    TENSOR_FIELDS,
+    Grad,
+    Label,
+    Loss,
+    Moe,
+    System,
+    Tensor,
+)
 from probewire.instrument.wire import SeriesKey
 
 from .derive import loss_by_group, rank_means
@@ -39,7 +48,8 @@ def _tensor_slot(key: SeriesKey) -> tuple[str | None, str | None, str | None]:
 
 def _rank_series(s: StepInputs) -> RankSeries:
     """Each rank's local mean loss L_r and own-time ratio, and each source's loss over the
-    ranks other than the worst one, for the detectors' culprit rules."""
+    ranks other than the worst one, for the detectors' culprit rules; each residual branch's
+    R_b and each gradient group's G_max, for the directional rules."""
     worst = s.worst.rank
     by_source: dict[str, tuple[list[float], list[float]]] = {}
     for index, name in enumerate((Loss.SUM, Loss.TOKENS)):
@@ -56,6 +66,12 @@ def _rank_series(s: StepInputs) -> RankSeries:
             source: math.fsum(sums) / math.fsum(counts)
             for source, (sums, counts) in by_source.items()
             if sums and math.fsum(counts) > 0
+        },
+        branch_ratio={b.where: b.ratio for b in s.branches if math.isfinite(b.ratio)},
+        group_grad_max={
+            g: stats.abs_max
+            for g in GRAD_GROUPS
+            if (stats := s.grad_stats(**{Label.GROUP: g})) is not None and stats.abs_max is not None
         },
     )
 

@@ -56,6 +56,7 @@ PAGE_FINDINGS = {
     SM.loss_worst_rank: ("loss", SM.loss_worst_rank),
     "loss_rank_shift": ("loss", SM.loss_worst_rank),
     "loss_by_source": ("loss", "source:{source}"),
+    "heldout_bpb": ("loss", "heldout_bpb"),
     SM.grad_norm: ("gradient", SM.grad_norm),
     SM.cospike: ("gradient", SM.cospike_count),
     "grad_norm_audit": ("gradient", SM.grad_norm),

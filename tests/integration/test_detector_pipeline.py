@@ -2,12 +2,16 @@
 synchronous DDP ranks (``stream.testing.SimRun``): a co-spike at step 20 pages, a rank 1.3x
 slower for 20 steps pages within 20 steps naming it while a host-wide bursty load pages
 nothing, one rank's loss shifted 10% from step 60 pages within 20 steps naming it, and the
-grad-norm audit pages a loop that norms only its local shard, not one that norms globally.
-One worker serves every run (one run id each); the alerts are read back from the store."""
+grad-norm audit pages a loop that norms only its local shard, not one that norms globally;
+a held-out BPB (evaluation records on the evals topic) that rises past its suite's recent
+evaluations pages naming the suite, and a flat one does not. One worker serves every run
+(one run id each); the alerts are read back from the store."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from test_stream_pipeline import wait_finished
 
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
+from probewire.instrument.export import KafkaTransport
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.stage2 import Stage2Config
 from probewire.stream.testing import SimRun, own_topics, send
@@ -31,7 +36,47 @@ RUNS = {
     "rank-shift": dataclasses.replace(BASE, steps=110, shift=(2, 60, 1.1)),
     "audit-local": dataclasses.replace(BASE, steps=30, clip_norm="local"),
     "audit-global": dataclasses.replace(BASE, steps=30, clip_norm="global"),
+    "bpb-rise": dataclasses.replace(BASE, steps=30),
 }
+# held-out BPB of suite heldout every 100 steps (evaluator records): falling and flattening,
+# then at step 1000 a rise of 8 % over the last five; the stable run's stays flat
+BPB = {
+    "bpb-rise": [1.0 + 0.5 * 0.7**i for i in range(10)] + [1.1, 1.0],
+    "stable": [1.2] * 12,
+}
+
+
+def send_evaluations(bootstrap: str, topic: str, runs: dict) -> None:
+    """Each run's BPB as the evaluator's records (raw weights, the reference stream)."""
+    transport = KafkaTransport({"bootstrap.servers": bootstrap}, topic)
+    for name, values in BPB.items():
+        for i, value in enumerate(values):
+            record = {
+                "run_id": runs[name].run_id,
+                "step": 100 * i,
+                "tokens": 1000 * i,
+                "flops": 0.0,
+                "suite": "heldout",
+                "metric": "bpb",
+                "value": value,
+                "n_items": 8,
+                "weights_stream": "raw",
+                "reference": 1,
+            }
+            transport.send(runs[name].run_id.encode(), json.dumps(record).encode())
+    transport.close()
+
+
+def wait_evaluations(stack: LocalStack, runs: dict, timeout_s: float = 120.0) -> None:
+    """Until the worker has stored every run's evaluations (its heartbeat counts them)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beat = json.loads(stack.heartbeat_path.read_text()) if stack.heartbeat_path.exists() else {}
+        written = {n: beat.get("runs", {}).get(runs[n].run_id, {}) for n in BPB}
+        if all(w.get("evals_written", 0) >= len(BPB[n]) for n, w in written.items()):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"evaluations not stored; heartbeat: {beat}")
 
 
 def settings_for(store: Path) -> Settings:
@@ -64,10 +109,12 @@ def alerts(kafka_bootstrap, tmp_path_factory, read_store) -> dict[str, list[tupl
     try:
         stack.use_broker(kafka_bootstrap)
         stack.start_worker()
+        send_evaluations(kafka_bootstrap, stack.settings.topics.evals, runs)
         for run in runs.values():
             send(run, kafka_bootstrap, stack.settings.topics.metrics, range(run.steps))
         for run in runs.values():
             wait_finished(stack, run.run_id, timeout_s=240.0)
+        wait_evaluations(stack, runs)
     finally:
         stack.stop()
     rows = read_store(
@@ -77,7 +124,7 @@ def alerts(kafka_bootstrap, tmp_path_factory, read_store) -> dict[str, list[tupl
     )
     return {
         name: [
-            (r["step"], r["signal"], r["culprit"], r["value"], r["baseline"])
+            (r["step"], r["signal"], r["culprit"], r["value"], r["baseline"], r["message"])
             for r in rows
             if r["run_id"] == run.run_id
         ]
@@ -107,7 +154,7 @@ def test_the_same_run_under_a_host_wide_bursty_load_pages_nothing(alerts):
 def test_one_ranks_loss_shifted_pages_within_20_steps_naming_it(alerts):
     got = alerts["rank-shift"]
     assert [a[1:3] for a in got] == [("loss_rank_shift", "rank 2")], got
-    step, _, _, value, baseline = got[0]
+    step, _, _, value, baseline, _ = got[0]
     assert 60 <= step < 80 and value / baseline == pytest.approx(1.1, rel=0.03)
 
 
@@ -116,3 +163,14 @@ def test_the_audit_pages_a_local_shard_norm_with_both_values_and_not_a_global_on
     assert audit[:3] == (0, "grad_norm_audit", "the loop's gradient norm")
     assert audit[3] / audit[4] == pytest.approx(0.5, rel=1e-9)  # the shard's norm: G2 / sqrt(4)
     assert alerts["audit-global"] == []
+
+
+def test_a_heldout_bpb_rise_pages_naming_the_suite_and_a_flat_one_does_not(alerts):
+    (page,) = alerts["bpb-rise"]  # the run's 30 steps page nothing; the evaluation at 1000
+    base = sorted(BPB["bpb-rise"][5:10])[2]  # the median of the five evaluations before it
+    assert page[:5] == (1000, "heldout_bpb", "suite heldout", 1.1, base)
+    assert page[5] == (
+        f"heldout_bpb rise at step 1000: 1.1 bits/byte against baseline {base:.4g} bits/byte; "
+        "carried by suite heldout"
+    )
+    assert alerts["stable"] == []  # its BPB is flat (and its steps page nothing)

@@ -10,6 +10,7 @@ test-only fault injection is ``probewire.deploy.fault_injection``.)
 
 from .training import (
     FAULTS,
+    MANY_RANKS,
     SCENARIOS,
     BadRank,
     Bf16Swallow,
@@ -18,6 +19,7 @@ from .training import (
     FaultError,
     FlakyReplay,
     IgnoredMedia,
+    LabelShuffle,
     LayerExplosion,
     MemoryCreep,
     NanWeight,
@@ -31,6 +33,7 @@ from .training import (
 
 __all__ = [
     "FAULTS",
+    "MANY_RANKS",
     "SCENARIOS",
     "BadRank",
     "Bf16Swallow",
@@ -39,6 +42,7 @@ __all__ = [
     "FaultError",
     "FlakyReplay",
     "IgnoredMedia",
+    "LabelShuffle",
     "LayerExplosion",
     "MemoryCreep",
     "NanWeight",

@@ -26,10 +26,12 @@ from .structure import Bf16Swallow, IgnoredMedia, RoutingCollapse
 
 __all__ = [  # its own names; the package (``__init__``) re-exports the whole vocabulary
     "FAULTS",
+    "MANY_RANKS",
     "SCENARIOS",
     "BadRank",
     "EasyBatch",
     "FlakyReplay",
+    "LabelShuffle",
     "LayerExplosion",
     "MemoryCreep",
     "NanWeight",
@@ -173,6 +175,38 @@ class EasyBatch(Fault):
         with torch.no_grad():
             guess = self._model(batch.tokens, batch.media, batch.media_mask).argmax(-1)
         return replace(batch, targets=torch.where(batch.targets == IGNORE, batch.targets, guess))
+
+
+@dataclass(kw_only=True)
+class LabelShuffle(Fault):
+    """A broken data shard: from ``step`` on, ``fraction`` of one rank's rows get another
+    row's targets (a permutation of the rows' labels; padding stays padding), while the
+    inputs stay the real text. That rank's own loss L_r rises and stays up; L rises by a
+    quarter of it with 4 ranks. Paged by ``loss_rank_shift`` (L_r over the other ranks'
+    median, a CUSUM: 3 or more ranks) naming the rank, or by ``loss_worst_rank`` when the
+    first shuffled step is a spike of that rank's own loss. In ``MANY_RANKS``: the
+    2-rank fault gallery cannot show it."""
+
+    name: ClassVar[str] = "label-shuffle"
+    signal: ClassVar[str] = "loss_rank_shift"
+    culprit: ClassVar[str] = "rank"
+    explain_stage: ClassVar[str] = "loss"
+    explain_signal: ClassVar[str | None] = SM.loss_worst_rank
+    rank: int = 1
+    fraction: float = 0.25
+
+    def expected_culprit(self) -> str:
+        return f"rank {self.rank}"
+
+    def on_batch(self, step: int, rank: int, batch: Batch) -> Batch:
+        if step < self.step or rank != self.rank:
+            return batch
+        g = torch.Generator().manual_seed(step)
+        rows = len(batch.targets)
+        chosen = torch.rand(rows, generator=g) < self.fraction
+        moved = torch.roll(batch.targets, 1, dims=0)  # each row gets the previous row's labels
+        use = chosen[:, None] & (batch.targets != IGNORE) & (moved != IGNORE)
+        return replace(batch, targets=torch.where(use, moved, batch.targets))
 
 
 @dataclass(kw_only=True)
@@ -382,7 +416,10 @@ FAULTS: dict[str, type[Fault]] = {
     )
 }
 """The fault gallery: each fault pages its ``signal``. Scenario faults that must page
-nothing (``easy-batch``) are in ``SCENARIOS``; ``parse_fault`` knows both."""
+nothing (``easy-batch``) are in ``SCENARIOS``, faults that need 3 or more ranks in
+``MANY_RANKS``; ``parse_fault`` knows all three."""
+
+MANY_RANKS: dict[str, type[Fault]] = {cls.name: cls for cls in (LabelShuffle,)}
 
 SCENARIOS: dict[str, type[Fault]] = {cls.name: cls for cls in (EasyBatch,)}
 
@@ -391,11 +428,10 @@ def parse_fault(text: str) -> Fault:
     """``NAME[@STEP][:PARAM=VALUE,...]`` -> a Fault; a clear FaultError otherwise."""
     head, _, params = text.partition(":")
     name, _, step = head.partition("@")
-    cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip())
+    cls = FAULTS.get(name.strip()) or SCENARIOS.get(name.strip()) or MANY_RANKS.get(name.strip())
     if cls is None:
-        raise FaultError(
-            f"unknown fault {name!r}; known: {', '.join(sorted({*FAULTS, *SCENARIOS}))}"
-        )
+        names = sorted({*FAULTS, *SCENARIOS, *MANY_RANKS})
+        raise FaultError(f"unknown fault {name!r}; known: {', '.join(names)}")
     kwargs: dict[str, Any] = {}
     if step:
         if not step.isdigit():

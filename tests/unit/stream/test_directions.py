@@ -13,7 +13,7 @@ import pytest
 from probewire.deploy.explain.model import STAGES
 from probewire.deploy.explain.score import PAGE_FINDINGS
 from probewire.stream.directions import DirectionalRules, History
-from probewire.stream.findings import DetectorConfig
+from probewire.stream.findings import DetectorConfig, RankSeries
 from probewire.stream.series import StepMetrics as SM
 
 CFG = DetectorConfig(window=30, shift_history=10, clip_window=20, maxvio_steps=3, straggler_steps=3)
@@ -29,6 +29,9 @@ def quiet(rng: np.random.Generator) -> dict:
         SM.media_scale: 1.0,
         SM.memory_headroom: 0.4,
         SM.peak_memory_rank: 2,
+        # per part (RankSeries): each branch's R_b, each gradient group's G_max
+        "branch_ratio": {"layer 0 attn": 0.5, "layer 1 mlp": 20.0 * float(rng.uniform(0.8, 1))},
+        "group_grad_max": {"embedding": 1e-3 * float(np.exp(rng.normal(0, 0.3))), "other": 0.02},
     }
 
 
@@ -44,7 +47,10 @@ def run(fault=None, steps: int = 80, start: int = 50, clip=None, restart: int | 
         if fault is not None and step >= start:
             fault(view)
         derived = {SM.clip_rate: None if clip is None else clip(step)}
-        for f in rules.observe(view, derived, {}, warm=step >= 20):
+        parts = RankSeries(
+            branch_ratio=view.pop("branch_ratio"), group_grad_max=view.pop("group_grad_max")
+        )
+        for f in rules.observe(view, derived, parts, warm=step >= 20):
             assert PAGE_FINDINGS[f.signal][0] == STAGES[f.category], f.signal
             out.append((step, f.signal, f.kind, f.value, f.baseline, f.culprit))
     return out
@@ -79,6 +85,18 @@ def _set(name, value):
         ),
         (_set(SM.media_scale, 300.0), SM.media_scale, "threshold", "media projector"),
         (_set(SM.grad_norm, 1e-5), "vanishing_gradients", "drop", ""),
+        (
+            _set("group_grad_max", {"embedding": 1e-3, "other": 1e-6}),
+            "vanishing_gradients",
+            "drop",
+            "group other",
+        ),
+        (
+            _set("branch_ratio", {"layer 0 attn": 0.5, "layer 1 mlp": 300.0}),
+            "residual_scale",
+            "threshold",
+            "layer 1 mlp",
+        ),
         (_set(SM.memory_headroom, 0.02), SM.memory_headroom, "threshold", "rank 2"),
     ],
 )
@@ -87,6 +105,8 @@ def test_each_rule_fires_on_its_fault_in_its_direction_naming_it(fault, signal, 
     assert got and {(g[1], g[2], g[5]) for g in got} == {(signal, kind, culprit)}
     first = got[0]
     held = 1 if kind == "threshold" and signal != SM.moe_shard_imbalance else 3
+    if culprit == "group other":
+        assert first[3:5] == (1e-6, 0.02)  # its G_max against its own baseline
     assert first[0] == 50 + held - 1, got[:3]  # a held rule: on its 3rd step
     assert first[4] is not None  # a baseline: the bound, or the signal's own history
 
@@ -98,6 +118,10 @@ def test_each_rule_fires_on_its_fault_in_its_direction_naming_it(fault, signal, 
         _set(SM.moe_h_norm, 1.0),  # more uniform routing
         _set(SM.media_scale, 0.5),  # the small side is signals' rule
         _set(SM.grad_norm, 0.5),  # halved, not vanished
+        _set("group_grad_max", {"embedding": 5e-4, "other": 0.01}),  # halved
+        _set("group_grad_max", {"embedding": 1e-3}),  # a group not measured: no value
+        _set("branch_ratio", {"layer 0 attn": 0.5, "layer 1 mlp": 60.0}),  # below the bound
+        _set("branch_ratio", {"layer 0 attn": 1e-4}),  # small: signals' rule
         _set(SM.memory_headroom, 0.2),
     ],
 )

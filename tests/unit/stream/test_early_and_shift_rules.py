@@ -7,12 +7,16 @@ worker and store."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from probewire.stream.directions import norm_mismatch
+from probewire.stream.directions import DirectionalRules, norm_mismatch
+from probewire.stream.findings import RankSeries
+from probewire.stream.series import StepMetrics as SM
 from probewire.stream.signals import DetectorConfig, SignalDetectors
 from probewire.stream.stage2 import Stage2Config
 from probewire.stream.testing import SimRun, stage2_in_process
@@ -98,3 +102,45 @@ def test_the_audit_message_carries_both_values():
     _, findings = det.observe(0, view, {})
     (audit,) = [f for f in findings if f.signal == "grad_norm_audit"]
     assert (audit.value, audit.baseline, audit.page) == (0.25, 0.5, True)
+
+
+def test_a_branch_overwriting_the_stream_a_collapsing_group_and_a_bpb_rise_page_their_part():
+    """Through stage 1 and stage 2 in process: the simulated ranks' residual branches, gradient
+    groups and held-out BPB evaluations (every 50 steps), healthy (factor 1) and faulty."""
+    run = dataclasses.replace(BASE, steps=600, residual=(0, 1.0), vanish=(0, 1.0), bpb=(0, 1.0))
+    assert alerts_of(run) == []
+    faults = {
+        "residual": ((300, 200.0), (300, "residual_scale", "layer 1 mlp")),
+        "vanish": ((300, 1e-5), (302, "vanishing_gradients", "group other")),
+        "bpb": ((400, 1.1), (400, "heldout_bpb", "suite heldout")),
+    }
+    for knob, (value, first) in faults.items():
+        got = alerts_of(dataclasses.replace(run, **{knob: value}))
+        assert got and got[0] == first and {g[1:] for g in got} == {first[1:]}, (knob, got)
+
+
+RANK_LOSSES = json.loads((Path(__file__).parent / "data" / "gloo_rank_losses.json").read_text())
+
+
+def recorded_shift_pages(run: str) -> list[tuple[int, str]]:
+    """loss_rank_shift pages (step, culprit) of the default rules (window 50) on the recorded
+    per-rank losses of 4 gloo DDP ranks."""
+    rules, out = DirectionalRules(DetectorConfig(window=50)), []
+    for step, losses in RANK_LOSSES["runs"][run]:
+        series = RankSeries(loss={int(r): v for r, v in losses.items()})
+        found = rules.observe({SM.grad_norm: None}, {}, series, warm=True)
+        out += [(step, f.culprit) for f in found if f.signal == "loss_rank_shift"]
+    return out
+
+
+@pytest.mark.parametrize(("run", "first"), [("label-shuffle", 125), ("label-shuffle-half", 134)])
+def test_a_recorded_ranks_shuffled_labels_page_loss_rank_shift_within_20_steps(run, first):
+    """Rank 2's labels shuffled from step 120 (all its rows: its loss ~+25 %; half of them:
+    ~+12 %, on the steps that drew them), 4 real gloo ranks of the demo whose per-rank loss
+    moves ~5 % a step: paged on the 6th and the 15th shuffled step, naming rank 2, nothing
+    before. Without the history's delay (``loss_shift_delay`` 0) the shifted values widen
+    the rank's own spread within a few steps and the CUSUM stalls below h: the half run is
+    not paged (and with the previous k 2, h 16 neither run was)."""
+    got = recorded_shift_pages(run)
+    assert got and got[0] == (first, "rank 2") and {c for _, c in got} == {"rank 2"}, got
+    assert all(s >= 120 for s, _ in got)

@@ -162,9 +162,12 @@ def test_gradient_mean_max_and_zero_fraction_over_all_and_per_group(ranks_and_st
     assert out["grad_zero_frac"] == pytest.approx(zero, rel=REL)
     rows = {row["group"]: row for row in grad_group_rows(step)}
     assert set(rows) == set(GRAD_GROUPS)
+    groups = p0_view(step).ranks.group_grad_max  # what the vanishing-gradients rule reads
+    assert set(groups) == set(GRAD_GROUPS)
     for group in GRAD_GROUPS:
         g = np.concatenate([c["grads"][group] for c in ranks])
         mean, mx, zero = _g_ref(g)
+        assert groups[group] == mx
         assert rows[group]["elements"] == g.size
         assert rows[group]["grad_abs_mean"] == pytest.approx(mean, rel=REL)
         assert rows[group]["grad_abs_max"] == mx

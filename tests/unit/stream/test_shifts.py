@@ -12,9 +12,10 @@ import pytest
 from probewire.stream.shifts import PeerShift
 
 
-def reference(steps, *, window, min_history, k, cap, h, min_scale, floor, joint_steps):
+def reference(steps, *, window, min_history, k, cap, h, min_scale, floor, joint_steps, delay=0):
     """Per step, per key: (ratio, baseline, scale, score, shift), recomputed from the explicit
-    lists of each key's log values and deviations (no state but the lists and S)."""
+    lists of each key's log values and deviations (no state but the lists and S); with
+    ``delay`` d the history is the values before the key's last d."""
     hist: dict[int, list[float]] = {}
     devs: dict[int, list[float]] = {}
     score: dict[int, float] = {}
@@ -25,7 +26,8 @@ def reference(steps, *, window, min_history, k, cap, h, min_scale, floor, joint_
             if not (np.isfinite(r) and r > 0):
                 continue
             u = float(np.log(np.float64(r)))
-            past = np.array(hist.get(key, [])[-window:], dtype=np.float64)
+            values = hist.get(key, [])
+            past = np.array(values[: max(len(values) - delay, 0)][-window:], dtype=np.float64)
             if past.size >= min_history:
                 b = float(np.median(past))
                 if floor is not None:
@@ -72,9 +74,9 @@ def series(seed: int, n: int = 90, ranks: int = 4) -> list[dict[int, float]]:
     return out
 
 
-@pytest.mark.parametrize("floor", [1.0, None])
-def test_scores_match_a_float64_reference_through_a_state_round_trip(floor):
-    params = {**PARAMS, "floor": floor}
+@pytest.mark.parametrize(("floor", "delay"), [(1.0, 0), (None, 0), (1.0, 7)])
+def test_scores_match_a_float64_reference_through_a_state_round_trip(floor, delay):
+    params = {**PARAMS, "floor": floor, "delay": delay}
     steps = series(3)
     want = reference(steps, **params)
     shift = PeerShift(**params)
@@ -138,3 +140,27 @@ def test_two_keys_are_never_scored():
 def test_configuration_errors_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         PeerShift(**{**PARAMS, **kw})
+
+
+def test_a_delayed_history_keeps_a_shift_that_stays_against_the_baseline_before_it():
+    """A key 15% up from step 40 for good: with its values joining its history at once, the
+    shift widens its own spread and moves its baseline and the CUSUM stalls; with a delay of
+    20 steps it is scored against the level and spread from before it and pages."""
+    rng = np.random.default_rng(5)
+    steps = [
+        {r: float(np.exp(rng.normal(0, 0.06))) * (1.15 if r == 2 and t >= 40 else 1.0)
+         for r in range(4)}
+        for t in range(100)
+    ]  # fmt: skip
+    params = {
+        **PARAMS, "window": 50, "min_history": 20, "min_scale": 0.01, "floor": None, "k": 1.5,
+        "h": 12.0,
+    }  # fmt: skip
+
+    def pages(delay):
+        shift = PeerShift(**params, delay=delay)
+        return [(t, r.key) for t, s in enumerate(steps) for r in shift.update(s) if r.shift]
+
+    assert pages(0) == []
+    got = pages(20)
+    assert got and {k for _, k in got} == {2} and 40 <= got[0][0] < 60, got

@@ -184,6 +184,8 @@ CFG = DetectorConfig(  # the brief and the held rules (the CUSUM off: tested bel
     straggler_held_ratio=1.4,
     straggler_held_steps=8,
     straggler_held_quantile=0.25,
+    straggler_recent_steps=8,  # the 15-step tier: tested on recorded ranks below
+    straggler_recent_ratio=1e9,
     rearm_steps=0,
 )
 
@@ -320,7 +322,9 @@ def run_steps(
 
 def small(**kw) -> Stage2Config:
     return Stage2Config(
-        detectors=DetectorConfig(window=20, **{"straggler_cusum_h": 1e9, **kw}),
+        detectors=DetectorConfig(
+            window=20, **{"straggler_cusum_h": 1e9, "straggler_recent_ratio": 1e9, **kw}
+        ),
         retention_every_k=10,
         retention_halo=5,
         warmup_steps=3,
@@ -404,12 +408,11 @@ def test_with_two_ranks_only_a_gross_straggler_pages():
 RECORDED = json.loads((Path(__file__).parent / "data" / "gloo_own_ratios.json").read_text())["runs"]
 
 
-def recorded(run: str) -> list[tuple[int, str]]:
-    """Straggler pages (step, culprit) of the default CUSUM (window 50, the held rules off)
-    on a recorded run's own-time ratios."""
-    det = SignalDetectors(
-        DetectorConfig(window=50, straggler_held_steps=40, straggler_held_ratio=1e9)
-    )
+def recorded(run: str, held: bool = False) -> list[tuple[int, str]]:
+    """Straggler pages (step, culprit) of the default CUSUM (window 50; the held rules off,
+    or with ``held`` at their defaults too) on a recorded run's own-time ratios."""
+    off = {} if held else {"straggler_held_ratio": 1e9, "straggler_recent_ratio": 1e9}
+    det = SignalDetectors(DetectorConfig(window=50, **off))
     out = []
     for step, ratios in RECORDED[run]:
         _, findings = det.observe(
@@ -432,3 +435,45 @@ def test_the_cusum_pages_a_recorded_15x_rank_within_15_steps_and_nothing_before(
 
 def test_the_cusum_is_silent_on_a_recorded_host_loaded_by_a_cpu_burner():
     assert recorded("loaded-host") == []
+
+
+RECORDED_4 = json.loads((Path(__file__).parent / "data" / "gloo_own_ratios_4.json").read_text())[
+    "runs"
+]
+
+
+def replay(rows) -> list[tuple[int, str]]:
+    """Straggler pages (step, culprit) of every rule at its defaults (window 50)."""
+    det, out = SignalDetectors(DetectorConfig(window=50)), []
+    for step, ratios in rows:
+        _, findings = det.observe(
+            step, quiet_view(), {}, RankSeries(own_ratio={int(r): v for r, v in ratios.items()})
+        )
+        out += [(step, f.culprit) for f in findings if f.kind == "straggler" and f.page]
+    return out
+
+
+def test_the_recent_tier_pages_a_recorded_13x_rank_within_20_steps_and_not_the_burner():
+    """Every straggler rule at its defaults on the recorded gloo ranks: the 12-step tier (own
+    ratio >= 1.3x its baseline on seven steps in ten of the last 12) pages the 3-rank run's
+    rank slowed 1.3x for 20 steps on its 19th slow step (the CUSUM alone: never) and the
+    1.5x one on its 9th (the CUSUM alone: 14th); the CPU-burner run and every healthy
+    stretch page nothing (their highest 12-step level: 1.12)."""
+    slow13, slow15 = recorded("ddp-straggler13", held=True), recorded("ddp-straggler", held=True)
+    assert slow13 and slow13[0] == (168, "rank 1"), slow13
+    assert {c for _, c in slow13} == {"rank 1"} and all(150 <= s < 170 + 12 for s, _ in slow13)
+    assert slow15 and slow15[0] == (158, "rank 1") and {c for _, c in slow15} == {"rank 1"}
+    assert all(s >= 150 for s, _ in slow15)
+    assert recorded("loaded-host", held=True) == []
+
+
+def test_four_recorded_ranks_a_13x_rank_pages_within_20_steps_and_no_healthy_one_does():
+    """4 gloo ranks recorded on the loaded shared host: rank 1 slowed 1.3x for 20 steps from
+    step 120 pages on its 8th slow step naming it; the healthy and CPU-burner runs with the
+    same heavier steps, and two runs of the default light steps (where a healthy rank held
+    1.24x on seven steps in ten of 12), page nothing."""
+    got = replay(RECORDED_4["s13"])
+    assert got and got[0] == (127, "rank 1") and {c for _, c in got} == {"rank 1"}, got
+    assert all(120 <= s < 140 + 12 for s, _ in got)
+    for run in ("healthy", "burner", "light-a", "light-b"):
+        assert replay(RECORDED_4[run]) == [], run

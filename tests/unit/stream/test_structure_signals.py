@@ -54,7 +54,7 @@ def test_weakest_branch_is_the_token_weighted_mean_over_ranks():
             ratios = rng.uniform(1e-4, 0.5, int(n))
             comps[b] = (n, ratios.sum(), rng.uniform(1, 9) * n, rng.uniform(0.1, 1) * n)
         per_rank.append(comps)
-    view, _, _ = p0_view(residual_step(per_rank))
+    view, _, series = p0_view(residual_step(per_rank))
     # reference: Σ over ranks of the sums / Σ of the token counts, per branch, in float64
     means = {}
     for b in BRANCHES:
@@ -66,6 +66,10 @@ def test_weakest_branch_is_the_token_weighted_mean_over_ranks():
     assert view["residual_ratio_min"] == pytest.approx(means[weakest][0], rel=1e-12)
     assert view["residual_stream_norm"] == pytest.approx(means[weakest][1], rel=1e-12)
     assert view["residual_branch_norm"] == pytest.approx(means[weakest][2], rel=1e-12)
+    # every branch's R_b, as the upper-side rule (directions) reads it
+    assert series.branch_ratio.keys() == {f"layer {layer} {b}" for layer, b in BRANCHES}
+    for (layer, b), mean in means.items():
+        assert series.branch_ratio[f"layer {layer} {b}"] == pytest.approx(mean[0], rel=1e-12)
 
 
 def test_no_residual_measurement_is_none_not_zero():
