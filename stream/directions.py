@@ -251,20 +251,28 @@ class DirectionalRules:
                 )
         return found
 
-    def _bounds(self, view: Mapping[str, Any]) -> list[Finding]:
-        cfg, found = self.config, []
+    def observe_scan(self, view: Mapping[str, Any], ranks: RankSeries) -> list[Finding]:
+        """The rules on scan-tier values alone (a scan step joined after its step was
+        scored, ``scanjoin``): the media scale's upper bound and the residual branches."""
+        return self._media_scale(view) + self._parts(ranks)
+
+    def _media_scale(self, view: Mapping[str, Any]) -> list[Finding]:
         gamma = view.get(SM.media_scale)
-        if gamma is not None and gamma > cfg.media_scale_max:
-            found.append(
-                _finding(
-                    SM.media_scale,
-                    "threshold",
-                    gamma,
-                    cfg.media_scale_max,
-                    category=Category.LAYERS,
-                    culprit="media projector",
-                )
+        if gamma is None or gamma <= self.config.media_scale_max:
+            return []
+        return [
+            _finding(
+                SM.media_scale,
+                "threshold",
+                gamma,
+                self.config.media_scale_max,
+                category=Category.LAYERS,
+                culprit="media projector",
             )
+        ]
+
+    def _bounds(self, view: Mapping[str, Any]) -> list[Finding]:
+        cfg, found = self.config, self._media_scale(view)
         found += self._vanishing(SM.grad_norm, "vanish", view[SM.grad_norm], "")
         headroom = view.get(SM.memory_headroom)
         if headroom is not None and headroom < cfg.headroom_min:

@@ -12,7 +12,8 @@ branches, the media scale γ, ...). They are filled in whichever order the two a
 - detail after its step: the step's reduced values and row are kept for the newest
   ``keep_rows`` steps (``stored``); the detail fills the columns its values change, and the
   row is written again, whole (``step_metrics`` is a ReplacingMergeTree: the newer version
-  is the row);
+  is the row); the rules on those columns score them then
+  (``SignalDetectors.observe_scan``), and a finding keeps the step's detail;
 - detail of a step older than that (or from before a restart: nothing here is saved) is
   stored in the detail tables, and its columns stay empty.
 
@@ -28,13 +29,14 @@ import dataclasses
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
+from .findings import RankSeries
 from .inputs import StepInputs
 from .records import ReducedStep
 from .view import p0_view
 
-__all__ = ["ScanJoin", "scan_columns"]
+__all__ = ["Joined", "ScanJoin", "scan_columns"]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -43,15 +45,25 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def scan_columns(step: ReducedStep, scan: ReducedStep) -> tuple[dict[str, Any], StepInputs]:
+class Joined(NamedTuple):
+    """What a scan step adds to its step: the columns its values change, the inputs they
+    were formed from, and its residual branches (the culprits of the scan-tier rules)."""
+
+    columns: dict[str, Any]
+    inputs: StepInputs
+    ranks: RankSeries
+
+
+def scan_columns(step: ReducedStep, scan: ReducedStep) -> Joined:
     """The view's columns that ``scan``'s reduced values change, formed from the step's
-    reduced values with the scan's beside them (and the inputs they were formed from)."""
+    reduced values with the scan's beside them."""
     alone = dataclasses.replace(step, per_rank={}, hosts={}, coords={})
     joined = dataclasses.replace(alone, reduced={**step.reduced, **scan.reduced})
     before = p0_view(alone, StepInputs(alone)).view
     inputs = StepInputs(joined)
-    after = p0_view(joined, inputs).view
-    return {k: v for k, v in after.items() if not _same(v, before.get(k))}, inputs
+    after = p0_view(joined, inputs)
+    columns = {k: v for k, v in after.view.items() if not _same(v, before.get(k))}
+    return Joined(columns, inputs, RankSeries(branch_ratio=after.ranks.branch_ratio))
 
 
 class ScanJoin:
@@ -100,17 +112,17 @@ class ScanJoin:
     def has_row(self, step: int) -> bool:
         return step in self._rows
 
-    def join(self, scan: ReducedStep) -> tuple[dict[str, Any] | None, StepInputs | None]:
-        """The step's row again with the columns ``scan`` fills (None when it fills none)
-        and the joined inputs; the kept row is updated."""
+    def join(self, scan: ReducedStep) -> tuple[dict[str, Any] | None, Joined]:
+        """The step's row again with the columns ``scan`` fills (None when it fills none),
+        and what the scan adds; the kept row is updated."""
         step, row = self._rows[scan.step]
-        columns, inputs = scan_columns(step, scan)
-        columns = {k: v for k, v in columns.items() if k in row}
+        found = scan_columns(step, scan)
+        columns = {k: v for k, v in found.columns.items() if k in row}
         if not columns:
-            return None, inputs
+            return None, found
         joined = {**row, **columns}
         self._rows[scan.step] = (
             dataclasses.replace(step, reduced={**step.reduced, **scan.reduced}),
             joined,
         )
-        return joined, inputs
+        return joined, found._replace(columns=columns)

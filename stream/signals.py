@@ -145,6 +145,16 @@ class SignalDetectors:
         found += self.directions.observe(view, derived, ranks, warm=not derived[SM.warmup])
         return derived, [f for f in found if f is not None]
 
+    def observe_scan(self, view: dict[str, Any], ranks: RankSeries) -> list[Finding]:
+        """The rules on a step's scan-tier columns when its scan-tier detail joined the
+        step's row after the step was scored (``scanjoin``): ``view`` holds only the columns
+        the detail filled (the rest None) and ``ranks`` its residual branches; the same
+        rules ``observe`` runs on those columns, and no other detector moves."""
+        found = self._single_signals(view)  # no step time: the output |x|max and gamma
+        found += self._residual(view)
+        found += self.directions.observe_scan(view, ranks)
+        return found
+
     def _spikes(self, view: dict[str, Any], derived: dict[str, Any]) -> list[Finding | None]:
         """L and G2 against their histories, their co-spikes and the clip window; fills the
         step's detector columns into ``derived``."""

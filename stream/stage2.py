@@ -338,10 +338,17 @@ class RunPipeline:
         if self.scans.is_kept(item.step):
             out.promote.append(item.step)
         if self.scans.has_row(item.step):
-            row, inputs = self.scans.join(item)
-            if row is not None and inputs is not None:
+            row, joined = self.scans.join(item)
+            if row is not None:
                 out.rows["step_metrics"].append(row)
-                out.rows["residual_stats"] += residual_rows(inputs)
+                out.rows["residual_stats"] += residual_rows(joined.inputs)
+                view = dict.fromkeys(row) | joined.columns
+                for finding in self.detectors.observe_scan(view, joined.ranks):
+                    out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
+                    alert = self._page(item.step, finding) if finding.page else None
+                    if alert is not None:
+                        out.rows["alerts"].append(alert)
+                    out.promote.append(item.step)
         elif item.step > self.last_step or item.step in self.skipped:
             self.scans.hold(item)  # its step is still to come
         return out

@@ -129,3 +129,26 @@ def test_a_scan_step_long_after_its_step_is_stored_as_detail_not_joined(messages
     out = run.accept(scan0, 2.0)
     assert rows(out) == [] and out.rows["tensor_stats_recent"]
     assert 0 in out.promote  # step 0 was kept (0 % k == 0): its late detail is promoted
+
+
+def test_the_scan_tier_rules_score_a_late_scan_step_as_they_score_a_single_message(messages):
+    """A residual bound every branch breaks: the scan step that joins its row after the
+    step was scored pages ``residual_scale`` naming the same branch as the single-message
+    step, and keeps the step's detail."""
+    from probewire.stream.signals import DetectorConfig
+
+    config = Stage2Config(detectors=DetectorConfig(residual_ratio_min=1e9), warmup_steps=0)
+    whole_run, split_run = RunPipeline("two", config), RunPipeline("two", config)
+
+    def pages(out):
+        return [(a["step"], a["signal"], a["culprit"]) for a in out.rows.get("alerts", [])]
+
+    for step in range(STEPS):
+        own, scan, whole = reduced(messages, step)
+        expected = pages(whole_run.accept(whole, float(step)))
+        first = split_run.accept(own, float(step))
+        late = split_run.accept(scan, float(step))
+        assert ("residual_scale" in {s for _, s, _ in expected}) == (step == 0)  # paged once
+        assert pages(first) + pages(late) == expected
+        if expected:
+            assert step in late.promote
