@@ -111,6 +111,9 @@ class KafkaTransport:
                 "acks": "all",
                 "enable.idempotence": "false",
                 "max.in.flight.requests.per.connection": "1",
+                # murmur2 (the Java client's): librdkafka's default crc32 is linear, so the
+                # keys run:step:0..3 of one step's rank blocks fell in one partition
+                "partitioner": "murmur2_random",
                 "logger": kafka_log,
             }
         )  # librdkafka's messages: logging (one line a minute), not fd 2
