@@ -2,7 +2,8 @@
 
     python benchmarks/fanin.py [--ranks 64,512,2048,4096] [--steps 8] [--scan-pairs 3]
                                [--workers 1] [--gap-s 1.0] [--budget-s 1500]
-    python benchmarks/fanin.py --ranks 16384 --steps 3 --scan-pairs 1   # few steps, low rate
+    python benchmarks/fanin.py --ranks 16384 --steps 3 --scan-pairs 1 --no-cospike \
+                               --step-timeout-s 900                    # few steps, low rate
 
 For each N, a fresh broker (Tansu, in memory), worker and embedded chdb store
 (``LocalStack``, all on 127.0.0.1, stopped by PID) and one simulated run of N ranks, each
@@ -14,7 +15,8 @@ stored and ``--gap-s`` has passed (the worker idle when each starts):
   fields; ``load.py --metrics 49``). The first two steps warm the run up (its pipeline is
   made, its saved state looked up) and are not measured; then ``--steps`` are.
 - one co-spike step (``SimRun.cospike_step``: loss x3, gradient x20), after the detectors'
-  early history: its row's latency and its page's, from ``probewire.alerts``.
+  early history (P0 steps up to step 12, outside the medians): its row's latency and its
+  page's, from ``probewire.alerts`` (``--no-cospike``: none, nor the history).
 - ``--scan-pairs`` pairs: a scan-tier step of 544 points a rank (60 tensors' scan fields),
   then, as soon as its last message is delivered, a P0 step: that P0 step's latency.
 
@@ -106,6 +108,7 @@ class Watch:
     stored: list[tuple[int, float]] = field(default_factory=list)  # (steps_written, ts)
     pages: dict[int, tuple[float, float]] = field(default_factory=dict)  # step: (sent, got)
     delivered: dict[int, float] = field(default_factory=dict)  # step: last delivery
+    seen: list[tuple[int, float, float]] = field(default_factory=list)  # ``read_loop``
     failed: int = 0
     rss_peak: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
@@ -160,6 +163,31 @@ class Watch:
             if not self.stored or written > self.stored[-1][0]:
                 self.stored.append((written, float(beat["ts"])))
 
+    def read_loop(self, interval_s: float = 0.05) -> None:
+        """``--verify-read``: the run's step_metrics rows counted through the worker's live
+        reader every ``interval_s``; ``seen`` gets (count, query start, query end) each time
+        the count grows (the row became visible between the previous query's start and
+        this one's end)."""
+        client = open_client(self.stack.settings.clickhouse.url)
+        sql = (
+            f"SELECT count() FROM {self.stack.settings.clickhouse.database}.step_metrics "
+            "WHERE run_id = {run:String}"
+        )
+        last, before = 0, time.time()
+        while not self.stop.is_set():
+            start = time.time()
+            count = int(client.query(sql, parameters={"run": self.run_id}).result_rows[0][0])
+            if count > last:
+                self.seen.append((count, before, time.time()))
+                last = count
+            before = start
+            self.stop.wait(interval_s)
+
+    def visible(self, count: int) -> tuple[float, float] | None:
+        """``--verify-read``: bounds on when the run's ``count``-th row became visible to
+        the reader: after the previous query began, before the first one that saw it ended."""
+        return next(((lo, hi) for n, lo, hi in self.seen if n >= count), None)
+
     def stored_at(self, count: int, timeout_s: float) -> float | None:
         """The heartbeat ts of the first store write that made ``count`` steps stored."""
         deadline = time.monotonic() + timeout_s
@@ -211,6 +239,8 @@ class Bench:
     produced: int = 0  # steps produced so far (== the count stored once each is)
     points: int = 0  # points of the measured steps
     reducers: list[dict[str, int]] = field(default_factory=list)  # per measured step
+    counts: dict[int, int] = field(default_factory=dict)  # step: rows stored with it
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # kind: steps measured
 
     def __post_init__(self) -> None:
         self.producer = Producer(
@@ -244,7 +274,19 @@ class Bench:
         if stored is None:
             say(f"  step {step}: not stored within {self.args.step_timeout_s}s")
             return None
+        self.counts[step] = self.produced
         return stored - self.watch.delivered[step]
+
+    def read_latency(self, steps: list[int]) -> str:
+        """``--verify-read``: the same steps' latency to the reader's first sight of their
+        row (the bounds [previous query's start, first sight] on it, in s)."""
+        spans = []
+        for step in steps:
+            seen = self.watch.visible(self.counts[step])
+            if seen is not None:
+                lo, hi = (t - self.watch.delivered[step] for t in seen)
+                spans.append(f"[{lo:.3f},{hi:.3f}]")
+        return " ".join(spans)
 
     def settle(self, measured: bool = True) -> None:
         """The gap before the next step (the worker idle); with stage-1 workers, each
@@ -257,15 +299,16 @@ class Bench:
 def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
     """The sequence of the module docstring from ``step`` on; every latency sample by kind.
     Every step sent here counts in the CPU per point (the early-history ones too)."""
-    args, run = bench.args, bench.p0.run
+    args = bench.args
     out: dict[str, list[float]] = {k: [] for k in ("p0", "after_scan", "cospike_row")}
     out["page"], out["page_seen"] = [], []
 
-    def one(kind: str) -> None:
+    def one(kind: str | None) -> None:
         nonlocal step
         bench.send(bench.p0, step)
-        if (lat := bench.latency(step)) is not None:
+        if (lat := bench.latency(step)) is not None and kind is not None:
             out[kind].append(lat)
+            bench.sampled.setdefault(kind, []).append(step)
         bench.settle()
         step += 1
 
@@ -274,21 +317,12 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
             say("  (budget spent: fewer P0 steps)")
             break
         one("p0")
-    while step < EARLY_HISTORY:  # the detectors' early history, unmeasured
-        bench.send(bench.p0, step)
-        bench.latency(step)
-        bench.settle()
-        step += 1
-    run.cospike_step = step
-    one("cospike_row")
-    deadline = time.monotonic() + 10
-    while run.cospike_step not in bench.watch.pages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if (page := bench.watch.pages.get(run.cospike_step)) is not None:
-        out["page"].append(page[0] - bench.watch.delivered[run.cospike_step])
-        out["page_seen"].append(page[1] - bench.watch.delivered[run.cospike_step])
-    else:
-        say(f"  no cospike page for step {run.cospike_step} within 10 s")
+    if not args.no_cospike:
+        while step < EARLY_HISTORY:  # the detectors' early history, not in the medians
+            one(None)
+        bench.p0.run.cospike_step = step
+        one("cospike_row")
+        page(bench, bench.p0.run.cospike_step, out)
     for _ in range(args.scan_pairs):
         if time.monotonic() - began > args.budget_s:
             say("  (budget spent: fewer scan pairs)")
@@ -297,6 +331,19 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
         step += 1
         one("after_scan")
     return out
+
+
+def page(bench: Bench, step: int, out: dict[str, list[float]]) -> None:
+    """The co-spike step's page: its alert's timestamp and its arrival here, less the
+    step's last delivery (waited for up to 10 s)."""
+    deadline = time.monotonic() + 10
+    while step not in bench.watch.pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if (got := bench.watch.pages.get(step)) is not None:
+        out["page"].append(got[0] - bench.watch.delivered[step])
+        out["page_seen"].append(got[1] - bench.watch.delivered[step])
+    else:
+        say(f"  no cospike page for step {step} within 10 s")
 
 
 def check_rows(settings: Settings, run: SimRun, steps: int) -> str:
@@ -379,6 +426,9 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
         watch = Watch(stack, run.run_id)
         thread = threading.Thread(target=watch.run, daemon=True)
         thread.start()
+        reader = threading.Thread(target=watch.read_loop, daemon=True)
+        if args.verify_read:
+            reader.start()
         watch.ready.wait(60)
         bench = Bench(stack, watch, Ranks(run, P0_TENSORS), Ranks(run, SCAN_TENSORS), args)
         for step in range(WARM_STEPS):  # the run's pipeline is made, its state looked up
@@ -393,7 +443,14 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
         cpu = (cpu_s(worker) - c0, rate * (time.monotonic() - t0))
         watch.stop.set()
         thread.join(10)
+        if args.verify_read:
+            reader.join(10)
         report(n, bench, lat, cpu)
+        if args.verify_read:
+            say(
+                "  reader (50 ms polls): row visible within [lo, hi] s of the last delivery: "
+                + "; ".join(f"{k} {bench.read_latency(v)}" for k, v in bench.sampled.items())
+            )
         say(f"  store: {check_rows(settings, run, bench.produced)}")
         del bench  # its producer goes before the broker it talks to
     say(f"ranks {n}: load average {os.getloadavg()[0]:.2f} after")
@@ -407,6 +464,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="the owner + N-1 stage1")
     parser.add_argument("--gap-s", type=float, default=1.0, help="idle time between steps")
     parser.add_argument("--idle-s", type=float, default=4.0, help="idle CPU rate window")
+    parser.add_argument(
+        "--no-cospike",
+        action="store_true",
+        help="no co-spike step (and none of the 12 steps of history it needs): large N",
+    )
+    parser.add_argument(
+        "--verify-read",
+        action="store_true",
+        help="also poll the worker's reader every 50 ms and compare (costs worker CPU)",
+    )
     parser.add_argument("--step-timeout-s", type=float, default=300.0)
     parser.add_argument("--budget-s", type=float, default=1500.0, help="no new step after")
     args = parser.parse_args()
