@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,16 +189,34 @@ class Watch:
         the reader: after the previous query began, before the first one that saw it ended."""
         return next(((lo, hi) for n, lo, hi in self.seen if n >= count), None)
 
-    def stored_at(self, count: int, timeout_s: float) -> float | None:
-        """The heartbeat ts of the first store write that made ``count`` steps stored."""
+    def stored_at(self, count: int, timeout_s: float, lost: Callable[[], bool]) -> float | None:
+        """The heartbeat ts of the first store write that made ``count`` steps stored; None
+        after ``timeout_s`` or once ``lost()`` (asked once a second)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        polls = 0
+        while time.monotonic() < deadline and (polls % 100 or not lost()):
             with self.lock:
                 hit = next((ts for n, ts in self.stored if n >= count), None)
             if hit is not None:
                 return hit
             time.sleep(0.01)
+            polls += 1
         return None
+
+
+def worker_log(stack: LocalStack) -> str:
+    try:
+        return (stack.work_dir / "worker.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def last_error(stack: LocalStack) -> str:
+    """The last ERROR line of the worker's log (what a step that is not stored met)."""
+    lines = worker_log(stack).splitlines()
+    return next(
+        (ln.split("ERROR", 1)[1].strip() for ln in reversed(lines) if "ERROR" in ln), "none"
+    )
 
 
 def rss(proc: psutil.Process) -> int:
@@ -270,9 +289,15 @@ class Bench:
 
     def latency(self, step: int) -> float | None:
         """Seconds from the step's last delivery to the store write that counted it."""
-        stored = self.watch.stored_at(self.produced, self.args.step_timeout_s)
+        lost = f"step {step} of run {self.p0.run.run_id} not published"
+        stored = self.watch.stored_at(
+            self.produced, self.args.step_timeout_s, lambda: lost in worker_log(self.stack)
+        )
         if stored is None:
-            say(f"  step {step}: not stored within {self.args.step_timeout_s}s")
+            say(
+                f"  step {step}: not stored within {self.args.step_timeout_s}s or lost; the "
+                f"worker's last error: {last_error(self.stack)}"
+            )
             return None
         self.counts[step] = self.produced
         return stored - self.watch.delivered[step]
