@@ -318,7 +318,7 @@ class Bench:
         worker's stage-1 outputs since the last step (their heartbeats come once a second)."""
         time.sleep(self.args.gap_s if len(self.stack.stage1_workers) == 0 else 1.2)
         if measured:
-            self.reducers.append(stage1_outputs(self.stack))
+            self.reducers.append(stage1_outputs(self.stack) | {"steps": self.produced})
 
 
 def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
@@ -417,15 +417,27 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
     )
     if bench.stack.stage1_workers:
         marks = bench.reducers
-        steps = [
-            {w: marks[i][w] - marks[i - 1][w] for w in marks[i] if marks[i][w] > marks[i - 1][w]}
+        spans = [
+            (
+                {
+                    w: marks[i][w] - marks[i - 1][w]
+                    for w in marks[i]
+                    if w != "steps" and marks[i][w] > marks[i - 1][w]
+                },
+                marks[i]["steps"] - marks[i - 1]["steps"],
+            )
             for i in range(1, len(marks))
         ]
-        both = sum(1 for s in steps if len(s) > 1)
+        single = [by for by, steps in spans if steps == 1]
         say(
-            "  reduced by (stage-1 outputs per measured step): "
-            + " ".join("+".join(f"{w}:{c}" for w, c in s.items()) or "-" for s in steps)
-            + f"; steps reduced on more than one worker: {both}/{len(steps)}"
+            "  reduced by (stage-1 outputs between steps; a scan pair is 2 steps): "
+            + " ".join(
+                ("+".join(f"{w}:{c}" for w, c in by.items()) or "-")
+                + (f"({steps} steps)" if steps > 1 else "")
+                for by, steps in spans
+            )
+            + "; single steps reduced on more than one worker: "
+            f"{sum(1 for by in single if len(by) > 1)}/{len(single)}"
         )
 
 
@@ -462,7 +474,7 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
             bench.settle(measured=False)
         worker = psutil.Process(stack.worker.pid)  # type: ignore[union-attr]
         rate = idle_rate(worker, args.idle_s)
-        bench.reducers.append(stage1_outputs(stack))
+        bench.reducers.append(stage1_outputs(stack) | {"steps": bench.produced})
         c0, t0 = cpu_s(worker), time.monotonic()
         lat = measure(bench, began, WARM_STEPS)
         cpu = (cpu_s(worker) - c0, rate * (time.monotonic() - t0))
