@@ -30,10 +30,10 @@ missed; the later one's ts is at most 5 ms late). The page time is the alert mes
 timestamp (the worker's producer sets it when it sends the alert) and, beside it, its
 arrival at a consumer here. Medians are printed, with every sample.
 
-CPU: the worker's user+system time (children included) over the measured steps, less
-its idle rate (timers, heartbeat, broker watch; measured over ``--idle-s`` before them)
+CPU: the workers' user+system time (children included; with ``--workers 2`` both
+workers) over the measured steps, less their idle rate (timers, heartbeat, broker watch; measured over ``--idle-s`` before them)
 times their wall time, per point they carried; the raw figure is printed beside it. RSS:
-the worker's peak, sampled every 50 ms. The 1-minute load average is printed before and
+the store owner's peak (children included), sampled every 50 ms. The 1-minute load average is printed before and
 after each N: on a shared 2-core machine every wall time here moves with it.
 
 ``--workers 2`` adds a ``--role stage1`` worker (one consumer group): each worker's stage-1
@@ -226,9 +226,9 @@ def rss(proc: psutil.Process) -> int:
         return 0
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``procs`` (every worker) and their children."""
+    return sum(sum(p.cpu_times()[:4]) for p in procs)
 
 
 def stage1_outputs(stack: LocalStack) -> dict[str, int]:
@@ -411,7 +411,7 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
         f"{fmt(lat['page_seen'])})"
     )
     say(
-        f"  cpu: worker {worker_cpu:.2f}s over the measured steps, idle share {idle:.2f}s, "
+        f"  cpu: worker(s) {worker_cpu:.2f}s over the measured steps, idle share {idle:.2f}s, "
         f"{bench.points:,} points; raw {worker_cpu / bench.points * 1e6:.2f} us/point; "
         f"delivery errors {bench.watch.failed}"
     )
@@ -441,7 +441,7 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
         )
 
 
-def idle_rate(proc: psutil.Process, seconds: float) -> float:
+def idle_rate(proc: list[psutil.Process], seconds: float) -> float:
     """The worker's CPU seconds per second while nothing is produced."""
     c0, t0 = cpu_s(proc), time.monotonic()
     time.sleep(seconds)
@@ -472,7 +472,7 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
             bench.send(bench.p0, step, measured=False)
             bench.latency(step)
             bench.settle(measured=False)
-        worker = psutil.Process(stack.worker.pid)  # type: ignore[union-attr]
+        worker = [psutil.Process(p.pid) for p in (stack.worker, *stack.stage1_workers) if p]
         rate = idle_rate(worker, args.idle_s)
         bench.reducers.append(stage1_outputs(stack) | {"steps": bench.produced})
         c0, t0 = cpu_s(worker), time.monotonic()
