@@ -65,36 +65,63 @@ from load import Ranks, warm_up
 from probewire.deploy.reading import open_client
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack
-from probewire.instrument.plumbing import read_heartbeat
+from probewire.instrument.catalog import Grad, Label
+from probewire.instrument.export import split_held
+from probewire.instrument.plumbing import TopicConfig, read_heartbeat
 from probewire.instrument.wire import Point, WireEncoder, message_key
 from probewire.stream.testing import SimRun
 
 say = functools.partial(print, flush=True)
 
-P0_TENSORS = 5  # 4 + 5 x 9 = 49 points a rank
-SCAN_TENSORS = 60  # 4 + 60 x 9 = 544 points a rank
+GROUPS = 9  # step tier: 4 + 9 gradient groups x 5 fields = 49 points a rank
+SCAN_TENSORS = 60  # a scan step adds 60 tensors x 9 = 540 scan-tier points a rank
+GROUP_FIELDS = (Grad.ABS_SUM, Grad.ABS_MAX, Grad.ZEROS, Grad.ELEMENTS, Grad.NONFINITE)
 WARM_STEPS = 2
 EARLY_HISTORY = 12  # steps before the co-spike (DetectorConfig.early_history is 10)
-METRICS_TOPIC = "otlp_metrics"
+METRICS_TOPIC, DETAIL_TOPIC = TopicConfig().metrics, TopicConfig().detail
 
 RankPoints = tuple[int, WireEncoder, list[Point]]  # (rank, its encoder, its points)
 Routed = list[tuple[str, bytes, bytes]]  # (topic, key, value)
 
 
-def route(run_id: str, step: int, ranks: list[RankPoints]) -> Routed:
-    """Which topic and key each rank's points of one step go to: today one message a rank
-    on ``otlp_metrics``, keyed ``run:step`` (the whole step on one partition). A block key
-    (``run:step:rank//B``) or a detail topic for scan-tier points (``catalog.spec(name)
-    .tier``) is a change here alone."""
-    key = message_key(run_id, step)
-    return [(METRICS_TOPIC, key, enc.encode(step, points)) for _, enc, points in ranks]
+def route(run_id: str, step: int, ranks: list[RankPoints], block_ranks: int) -> Routed:
+    """Which topic and key each rank's points of one step go to, as ``StepEmitter`` sends
+    them: the step tier on ``otlp_metrics``, keyed ``run:step:rank//B`` when the job has
+    more ranks than B (``run:step`` otherwise), the scan tier (if any) on ``otlp_detail``,
+    keyed ``run:step``."""
+    routed = []
+    for rank, enc, points in ranks:
+        step_tier, scan = split_held(points)
+        block = rank // block_ranks if len(ranks) > block_ranks else None
+        routed.append(
+            (METRICS_TOPIC, message_key(run_id, step, block), enc.encode(step, step_tier))
+        )
+        if scan:
+            routed.append((DETAIL_TOPIC, message_key(run_id, step), enc.encode(step, scan)))
+    return routed
+
+
+def grad_groups(rng: np.random.Generator) -> list[Point]:
+    """Step-tier points: 9 gradient groups' abs sum, abs max, zeros, elements, non-finite."""
+    x = np.abs(rng.normal(0.0, 0.02, (GROUPS, 2)))
+    return [
+        Point(name, float(v), ((Label.GROUP, f"g{g}"),))
+        for g in range(GROUPS)
+        for name, v in zip(GROUP_FIELDS, (x[g, 0] * 4096, x[g, 1], 3.0, 4096.0, 0.0))
+    ]
 
 
 def rank_points(ranks: Ranks, step: int) -> list[RankPoints]:
     """Every rank's points of one step, as ``Ranks.messages`` builds them, unencoded."""
     rng = np.random.default_rng(step)
     return [
-        (r, enc, [Point(n, v) for n, v in ranks.run.components(step, r).items()] + ranks.scan(rng))
+        (
+            r,
+            enc,
+            [Point(n, v) for n, v in ranks.run.components(step, r).items()]
+            + grad_groups(rng)
+            + ranks.scan(rng),
+        )
         for r, enc in enumerate(ranks.encoders)
     ]
 
@@ -265,6 +292,7 @@ class Bench:
         self.producer = Producer(
             {
                 "bootstrap.servers": self.stack.bootstrap,
+                "partitioner": "murmur2_random",  # as the ranks' KafkaTransport
                 "linger.ms": 5,
                 "queue.buffering.max.kbytes": 2_097_151,
                 "queue.buffering.max.messages": 1_000_000,
@@ -273,7 +301,8 @@ class Bench:
 
     def send(self, ranks: Ranks, step: int, measured: bool = True) -> None:
         """Encode, then produce one step (every rank) and wait for its delivery reports."""
-        routed = route(ranks.run.run_id, step, rank_points(ranks, step))
+        points = rank_points(ranks, step)
+        routed = route(ranks.run.run_id, step, points, self.args.block_ranks)
         callback = functools.partial(self.watch.on_delivery, step)
         for topic, key, value in routed:
             while True:
@@ -285,7 +314,7 @@ class Bench:
         self.producer.flush(120)
         self.produced += 1
         if measured:
-            self.points += ranks.run.world_size * ranks.points_per_message
+            self.points += sum(len(p) for _, _, p in points)
 
     def latency(self, step: int) -> float | None:
         """Seconds from the step's last delivery to the store write that counted it."""
@@ -452,14 +481,21 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
     say(f"ranks {n}: load average {os.getloadavg()[0]:.2f} before")
     settings = Settings(
         clickhouse=ClickHouseSettings(url="chdb:///" + str(Path(tmp, f"store{n}")).lstrip("/")),
-        stream=StreamSettings(app_id=f"fanin-{uuid.uuid4().hex[:6]}"),
+        stream=StreamSettings(
+            app_id=f"fanin-{uuid.uuid4().hex[:6]}",
+            block_ranks=args.block_ranks,
+            max_message_bytes=args.max_message_bytes,
+            detail_inline=not args.detail_worker,
+        ),
     )
     run = SimRun(run_id=f"fanin-{n}-{uuid.uuid4().hex[:4]}", world_size=n)
     with LocalStack(settings, Path(tmp, f"run{n}")) as stack:
         stack.start_broker()
         stack.start_worker()
         stack.start_stage1_workers(args.workers - 1)
-        warm_up(stack, P0_TENSORS)
+        if args.detail_worker:
+            stack.start_stage1_workers(1, role="detail")
+        warm_up(stack, 0)
         watch = Watch(stack, run.run_id)
         thread = threading.Thread(target=watch.run, daemon=True)
         thread.start()
@@ -467,7 +503,7 @@ def one_n(n: int, args: argparse.Namespace, tmp: Path, began: float) -> None:
         if args.verify_read:
             reader.start()
         watch.ready.wait(60)
-        bench = Bench(stack, watch, Ranks(run, P0_TENSORS), Ranks(run, SCAN_TENSORS), args)
+        bench = Bench(stack, watch, Ranks(run, 0), Ranks(run, SCAN_TENSORS), args)
         for step in range(WARM_STEPS):  # the run's pipeline is made, its state looked up
             bench.send(bench.p0, step, measured=False)
             bench.latency(step)
@@ -512,13 +548,26 @@ def main() -> None:
         help="also poll the worker's reader every 50 ms and compare (costs worker CPU)",
     )
     parser.add_argument("--step-timeout-s", type=float, default=300.0)
+    parser.add_argument("--block-ranks", type=int, default=256, help="stream.block_ranks")
+    parser.add_argument(
+        "--detail-worker",
+        action="store_true",
+        help="a --role detail worker reduces otlp_detail (the owner: detail_inline false)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=1_000_000,
+        help="stream.max_message_bytes: a step's main part holds 7 values a rank",
+    )
     parser.add_argument("--budget-s", type=float, default=1500.0, help="no new step after")
     args = parser.parse_args()
     ns = [int(x) for x in args.ranks.split(",") if x.strip()]
     if args.workers < 1 or args.steps < 1 or args.scan_pairs < 0 or not ns:
         parser.error("--workers and --steps must be >= 1, --scan-pairs >= 0, --ranks not empty")
     say(
-        f"config: ranks={ns} points/rank p0={4 + 9 * P0_TENSORS} scan={4 + 9 * SCAN_TENSORS} "
+        f"config: ranks={ns} points/rank p0={4 + 5 * GROUPS} scan=+{9 * SCAN_TENSORS} "
+        f"block_ranks={args.block_ranks} detail_worker={args.detail_worker} "
         f"steps={args.steps} scan_pairs={args.scan_pairs} workers={args.workers} "
         f"gap={args.gap_s}s partitions={Settings().topics.partitions} broker=tansu(memory) "
         f"store=chdb cores={os.cpu_count()} budget={args.budget_s}s "

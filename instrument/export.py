@@ -276,7 +276,10 @@ class StepEmitter:
             self.errors += 1
             log.exception("probewire: could not encode step %d", step)
             return
-        key = message_key(self.identity.run_id, step, self._block)
+        # the step tier's rank blocks spread over stage-1 workers; the detail (and a replay)
+        # is gathered whole by one worker (``stream.assemble``: keyed by run and step)
+        block = None if replay or detail else self._block
+        key = message_key(self.identity.run_id, step, block)
         transport = self._detail if detail and self._detail is not None else self._transport
         if transport.send(key, payload):
             self.sent += 1

@@ -177,6 +177,7 @@ class Stage2Output:
     controls: list[dict[str, Any]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     dead_letters: list[tuple[int, str]] = field(default_factory=list)
+    rewrites: int = 0  # step_metrics rows that are a newer version of a stored step's row
 
     def add_columns(self, table: str, columns: dict[str, list[Any]]) -> None:
         """Append a column batch (the same columns as the table's earlier ones)."""
@@ -198,6 +199,7 @@ class Stage2Output:
         self.controls += other.controls
         self.refused += other.refused
         self.dead_letters += other.dead_letters
+        self.rewrites += other.rewrites
 
 
 def column_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -341,6 +343,7 @@ class RunPipeline:
             row, joined = self.scans.join(item)
             if row is not None:
                 out.rows["step_metrics"].append(row)
+                out.rewrites += 1
                 out.rows["residual_stats"] += residual_rows(joined.inputs)
                 view = dict.fromkeys(row) | joined.columns
                 for finding in self.detectors.observe_scan(view, joined.ranks):

@@ -594,7 +594,8 @@ class Worker:
                 run = self.runs[run_id]
                 progress = self.heartbeat.runs.setdefault(run_id, {"steps_written": 0})
                 stored = [r for r in out.rows.get("step_metrics", ()) if id(r) not in refused]
-                progress["steps_written"] += len(stored)  # steps stored, not attempted
+                # steps stored, not attempted; a row joined by its scan step counted once
+                progress["steps_written"] += len(stored) - out.rewrites
                 progress["last_step"] = run.last_step
                 progress["finished"] = run.finished
                 progress["status"] = run.status()

@@ -278,6 +278,27 @@ def test_with_a_detail_transport_scan_tier_points_leave_apart_and_the_step_tier_
     assert all(("export.dropped_total", ()) in r.values for r in steps)
 
 
+def test_a_job_of_several_rank_blocks_keys_its_step_tier_by_block_and_its_detail_whole():
+    """World 4 in blocks of 2: rank 1's step-tier messages name block 0 (a step's blocks
+    spread over the partitions); its scan-tier detail and ring dumps keep run:step (one
+    worker gathers a detail step whole); a job within one block keeps run:step."""
+    main, detail = MemoryTransport(), MemoryTransport()
+    emitter = StepEmitter(IDENTITY, main, detail=detail, block_ranks=2, ring_steps=2)
+    emitter.emit(0, POINTS)
+    emitter.emit(1, POINTS, held=True)
+    assert emitter.flush(5.0)
+    emitter.dump()
+    emitter.close()
+    assert [k for k, _ in main.messages] == [b"run1:0:0", b"run1:1:0"]
+    assert [k for k, _ in detail.messages] == [b"run1:0", b"run1:1"]
+    whole = MemoryTransport()
+    emitter = StepEmitter(IDENTITY, whole, block_ranks=4)
+    emitter.emit(0, POINTS)
+    emitter.close()
+    assert [k for k, _ in whole.messages] == [b"run1:0"]
+    assert decode_rank_step(*main.messages[0]).rank == 1  # the block key decodes
+
+
 def test_messages_undelivered_at_close_are_counted_and_said_never_dropped_silently(caplog):
     """No broker at the address: what the producer still holds at close is counted as
     failed and named in one warning (the rank exits; those messages are gone)."""
