@@ -8,7 +8,7 @@ exactly as they would have been published, to one file per process in the spool 
     <run_id>.rank<rank>.<pid>.spool    records of: kind (1 byte), key length and value
                                        length (4 bytes each, big-endian), key, value
 
-``kind`` names the topic (``metrics``, ``runs``, ``checkpoints``); ``probewire sync DIR``
+``kind`` names the topic (``metrics``, ``runs``, ``checkpoints``, ``detail``); ``probewire sync DIR``
 publishes each record to that topic of a stack, whose worker stores them as if live. The
 file is bounded (``PROBEWIRE_SPOOL_MAX_BYTES``, default 1 GiB): a record that would pass the
 bound is dropped, counted, and said once at the time and once at close.
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SPOOL_DIR_ENV = "PROBEWIRE_SPOOL_DIR"
 SPOOL_MAX_ENV = "PROBEWIRE_SPOOL_MAX_BYTES"
 DEFAULT_MAX_BYTES = 1 << 30
-KINDS = ("metrics", "runs", "checkpoints")
+KINDS = ("metrics", "runs", "checkpoints", "detail")  # codes are stored: append only
 _HEADER = struct.Struct(">BII")
 
 
