@@ -56,6 +56,9 @@ def norm_mismatch(reported: float | None, measured: float | None) -> float | Non
     return abs(reported - measured) / abs(measured)
 
 
+_SINCE_NONFINITE = "since_nonfinite_g2"  # a ``runs`` counter: steps since G2 was non-finite
+
+
 class History:
     """The last ``window`` finite values of one signal, in arrival order and ascending: the
     median of what came before a step is its baseline (``np.median``, bit for bit)."""
@@ -131,6 +134,10 @@ class DirectionalRules:
         ranks: RankSeries,
         warm: bool,
     ) -> list[Finding]:
+        g2 = view[SM.grad_norm]
+        finite = g2 is None or math.isfinite(g2)  # since a non-finite G2 (capped):
+        since = self.runs.get(_SINCE_NONFINITE, self.config.straggler_steps)
+        self.runs[_SINCE_NONFINITE] = min(since + 1, self.config.straggler_steps) if finite else 0
         found = self._rank_shift(ranks.loss)
         found += self._audit(view)
         found += self._clip_rate(derived, view[SM.grad_norm])
@@ -292,9 +299,16 @@ class DirectionalRules:
 
     def _vanishing(self, key: str, run: str, value: float | None, culprit: str) -> list[Finding]:
         """``value`` below ``vanish_ratio`` x its baseline on ``straggler_steps`` measured
-        steps in a row (a step that does not measure it neither counts nor resets)."""
+        steps in a row (a step that does not measure it neither counts nor resets); not
+        within ``straggler_steps`` steps of a non-finite G2 (which pages on its own)."""
         if value is None:
             return []
+        if (
+            self.runs.get(_SINCE_NONFINITE, self.config.straggler_steps)
+            < self.config.straggler_steps
+        ):
+            self._held(run, False)  # gradients that just went non-finite (zeroed or skipped
+            return []  # steps after it) are that page's, not a collapse: not counted
         base = self._base(key, value)
         small = base is not None and value < self.config.vanish_ratio * base
         if self._held(run, small) < self.config.straggler_steps:

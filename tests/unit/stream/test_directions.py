@@ -151,3 +151,39 @@ def test_history_baseline_is_the_numpy_median_of_the_last_window_values():
         if want is not None:
             assert got == float(want)
         history.add(v)
+
+
+def test_gradients_that_went_non_finite_are_not_a_vanishing_page():
+    """G2 NaN at step 50 (its own page), then the groups' G_max near zero for a few steps
+    (a loop that zeroes or skips non-finite gradients): no vanishing page within
+    ``straggler_steps`` of it; a collapse that lasts past that window still pages."""
+
+    def fault(view, until):
+        def edit(v):
+            if v["step"] == 50:
+                v[SM.grad_norm] = float("nan")
+            v["group_grad_max"] = (
+                {g: 1e-9 for g in v["group_grad_max"]} if v["step"] < until else v["group_grad_max"]
+            )
+
+        return edit
+
+    def steps(until: int) -> list:
+        rng = np.random.default_rng(1)
+        rules, found = DirectionalRules(CFG), []
+        for step in range(70):
+            view = quiet(rng) | {"step": step}
+            if step >= 50:
+                fault(view, until)(view)
+            parts = RankSeries(
+                branch_ratio=view.pop("branch_ratio"), group_grad_max=view.pop("group_grad_max")
+            )
+            view.pop("step")
+            found += [
+                (step, f.signal)
+                for f in rules.observe(view, {SM.clip_rate: None}, parts, warm=True)
+            ]
+        return [s for s, signal in found if signal == "vanishing_gradients"]
+
+    assert steps(until=53) == []  # zeroed gradients within 3 steps of the NaN
+    assert steps(until=70) and min(steps(until=70)) >= 50 + CFG.straggler_steps
