@@ -384,9 +384,7 @@ class NanWeight(Fault):
     name: ClassVar[str] = "nan-weight"
     signal: ClassVar[str] = SM.loss
     culprit: ClassVar[str] = "rank"
-    # the same event downstream: NaN logits, and the gradient groups' G_max collapsing in
-    # the steps after the weight went NaN (the per-group vanishing rule)
-    also_pages: ClassVar[tuple[str, ...]] = (SM.grad_norm, SM.output_absmax, "vanishing_gradients")
+    also_pages: ClassVar[tuple[str, ...]] = (SM.grad_norm, SM.output_absmax)
     explain_stage: ClassVar[str] = "loss"
     explain_signal: ClassVar[str | None] = SM.loss_worst_rank
     rank: int = 1
