@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_update_ratio import train_step
 
-from probewire.deploy.demo.model import IGNORE, TinyConfig, TinyLM
+from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.catalog import CATALOG, Tier
 from probewire.instrument.wire import decode_rank_step
@@ -43,18 +43,7 @@ def messages():
         for step in range(STEPS):
             tokens = torch.randint(0, 256, (4, CFG.seq_len), generator=g)
             targets = torch.randint(0, 256, (4, CFG.seq_len), generator=g)
-            with monitor.step(step) as s:
-                s.micro_batch(tokens=tokens, mask=targets != IGNORE)
-                losses = F.cross_entropy(
-                    (logits := model(tokens)).reshape(-1, logits.shape[-1]),
-                    targets.reshape(-1),
-                    reduction="none",
-                ).view_as(targets)
-                s.loss(losses)
-                losses.mean().backward()
-                s.gradients()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            train_step(monitor, model, opt, step, tokens, targets)
         monitor.close()
     step_tier = [decode_rank_step(k, v) for k, v in main.messages]
     scan_tier = [decode_rank_step(k, v) for k, v in detail.messages]

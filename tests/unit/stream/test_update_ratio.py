@@ -25,6 +25,22 @@ from probewire.stream.view import detail_rows, p0_view
 CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
 
 
+def train_step(monitor, model, opt, step: int, tokens, targets) -> None:
+    """One instrumented step of the tiny model: per-token losses, backward, AdamW."""
+    with monitor.step(step) as s:
+        s.micro_batch(tokens=tokens, mask=targets != IGNORE)
+        losses = F.cross_entropy(
+            (logits := model(tokens)).reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            reduction="none",
+        ).view_as(targets)
+        s.loss(losses)
+        losses.mean().backward()
+        s.gradients()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 @pytest.fixture(scope="module")
 def trained():
     """One scan step of the tiny model (~20 parameter tensors): the reduced step and the
@@ -40,18 +56,7 @@ def trained():
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (4, CFG.seq_len), generator=g)
     targets = torch.randint(0, 256, (4, CFG.seq_len), generator=g)
-    with monitor.step(0) as s:
-        s.micro_batch(tokens=tokens, mask=targets != IGNORE)
-        losses = F.cross_entropy(
-            (logits := model(tokens)).reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            reduction="none",
-        ).view_as(targets)
-        s.loss(losses)
-        losses.mean().backward()
-        s.gradients()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    train_step(monitor, model, opt, 0, tokens, targets)
     monitor.close()
     records = [decode_rank_step(k, v) for k, v in transport.messages]
     reference = {}
