@@ -126,6 +126,10 @@ class TopicConfig:
     partials: str = "probewire.partials"
     """Rank blocks' partial states of a step (``stream.fanin``), keyed run:step."""
     steps: str = "probewire.steps"
+    """Reduced steps, keyed by run: stage 2's ordered input (what the P0 view and pages need)."""
+    detail_steps: str = "probewire.detail_steps"
+    """Reduced detail, keyed run:step: per-rank values and tensor statistics of scan-tier
+    steps, ring dumps and rank blocks, stored apart from the ordered per-run path."""
     control: str = "probewire.control"
     checkpoints: str = "probewire.checkpoints"
     evals: str = "probewire.evals"
@@ -145,6 +149,7 @@ class TopicConfig:
             self.detail,
             self.partials,
             self.steps,
+            self.detail_steps,
             self.control,
             self.checkpoints,
             self.evals,

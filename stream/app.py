@@ -187,6 +187,12 @@ def _stage2_agents(app: _App, worker: Worker, topics: TopicConfig) -> None:
             async for event in stream.noack().events():
                 await worker.on_reduced_step(event)
 
+    @app.agent(app.topic(topics.detail_steps))
+    async def store_detail(stream):
+        async with worker.agent("store_detail"):
+            async for event in stream.noack().events():
+                await worker.on_detail_step(event)
+
     @app.agent(app.topic(topics.runs))
     async def run_events(stream):
         async with worker.agent("run_events"):

@@ -23,7 +23,7 @@ from probewire.instrument.wire import SeriesKey
 from .inputs import PER_RANK
 from .records import CompleteReason, ReducedStep
 
-__all__ = ["OversizeStep", "split_step"]
+__all__ = ["OversizeStep", "split_step", "wire_parts"]
 _TENSOR = frozenset(Tensor.ALL)
 
 
@@ -69,6 +69,25 @@ def split_step(step: ReducedStep, max_bytes: int) -> list[tuple[ReducedStep, byt
     parts = _fit(step, [g for _, g in sorted(by_row.items())], {}, max_bytes)
     parts += _fit(step, [], {r: v for r, v in detail_rank.items() if v}, max_bytes)
     return parts + [(main, main_bytes)]
+
+
+def wire_parts(step: ReducedStep, max_bytes: int) -> list[tuple[bool, bytes]]:
+    """The step as stage 1 publishes it, in order: (whether the part goes to the detail
+    topic, its bytes). Detail never rides stage 2's ordered path: a replay goes whole to
+    the detail topic; a scan-tier step's per-rank values and tensor statistics go there as
+    detail parts, and its reduced values alone to stage 2 (which joins them to its step's
+    row); any other step's detail parts go there and its main part to stage 2."""
+    if step.complete_reason == CompleteReason.REPLAY:
+        return [(True, data) for _, data in split_step(step, max_bytes)]
+    out: list[tuple[bool, bytes]] = []
+    if step.complete_reason == CompleteReason.SCAN:
+        detail = dataclasses.replace(step, complete_reason=CompleteReason.DETAIL)
+        out = [(True, data) for _, data in split_step(detail, max_bytes)]
+        step = dataclasses.replace(step, per_rank={}, hosts={}, coords={})
+    return out + [
+        (part.complete_reason == CompleteReason.DETAIL, data)
+        for part, data in split_step(step, max_bytes)
+    ]
 
 
 def _fit(

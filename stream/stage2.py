@@ -24,13 +24,15 @@ Nothing a run does makes this module raise or drop a step:
   order and it is not added to them. It counts in the run's cumulative tokens and FLOPs
   from then on.
   A re-delivered step (at or below the newest, and not skipped) is dropped.
-- a replay (``complete_reason = "replay"``: the ranks' ring buffers sent on a dump, the
-  scan-tier detail of a past step) writes that detail to the look-back tables and
-  promotes its step; the step's own row and the detectors are untouched.
-- a step's scan-tier detail (``complete_reason = "scan"``, sent by the ranks apart from the
-  step tier) never holds its step back: it is written to the look-back tables, promoted
-  when its step is kept, and its columns join the step's row before or after it
-  (``scanjoin``).
+- detail that stage 1 sends on its own topic (``probewire.detail_steps``: the per-rank
+  values and tensor statistics of a scan-tier step, a replay of the ranks' ring buffers, a
+  rank block's per-rank values) never passes through this ordered path: ``detail_output``
+  makes its look-back rows, the worker writes them apart, then promotes them when
+  ``detail_kept`` says so (a replay always; other detail when its step was kept before
+  they were written; a step kept after that promotes them itself).
+- a step's scan-tier values (``complete_reason = "scan"``: its reduced values alone, their
+  detail gone to the detail topic) never hold their step back: their columns join the
+  step's row before or after it (``scanjoin``).
 - the first time a run's detail carries a tensor label, its ``tensor_names`` row (block,
   role, expert: ``dimensions``) is written, once; the names seen are part of the state
   (bounded by ``validate``'s ``max_label_values`` distinct tensor labels per run).
@@ -69,7 +71,7 @@ from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .usermetrics import user_rows
 from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_columns
 
-__all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "p0_view"]
+__all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "detail_output", "p0_view"]
 
 LATE_NOTE = (
     " | late: this step arrived after stream.stage2.max_wait_s, after later steps; scored "
@@ -207,6 +209,18 @@ def column_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
+_DETAIL_ONLY = frozenset({CompleteReason.DETAIL, CompleteReason.REPLAY})
+"""What only the detail topic carries: a stage 1 that sent it on the steps topic is refused."""
+
+
+def detail_output(item: ReducedStep) -> Stage2Output:
+    """The look-back rows of detail from the detail topic (no run state: the worker names
+    the tensors with ``RunPipeline.name_tensors`` and decides promotion after the write)."""
+    out = Stage2Output()
+    _add_detail(out, item)
+    return out
+
+
 def _add_detail(out: Stage2Output, item: ReducedStep) -> None:
     """A step's detail into the look-back tables: per-rank values as a column batch, the
     tensor and expert statistics as rows."""
@@ -266,7 +280,7 @@ class RunPipeline:
 
     def accept(self, item: ReducedStep, now: float) -> Stage2Output:
         """One reduced step from stage 1 (any order, any number of times)."""
-        out = self._name_tensors(self._accept(item, now))
+        out = self.name_tensors(self._accept(item, now))
         self.scans.kept(out.promote)
         sm = StepMetrics
         for row in out.rows.get("step_metrics", ()):  # stored steps: who was heard last
@@ -284,36 +298,34 @@ class RunPipeline:
         """What the ``runs`` row says now (``RunLifecycle.status``)."""
         return self.lifecycle.status(self.finished and not self.stalled, self.stalled)
 
-    def _name_tensors(self, out: Stage2Output) -> Stage2Output:
+    def name_tensors(self, out: Stage2Output) -> Stage2Output:
         """A ``tensor_names`` row for each tensor label the run's detail carries first here."""
+        if named := self.tensor_names(out):
+            self.tensors.update(row["tensor"] for row in named)
+            out.rows["tensor_names"] += named
+        return out
+
+    def tensor_names(self, out: Stage2Output) -> list[dict[str, Any]]:
+        """The ``tensor_names`` rows of the tensor labels ``out`` carries first (the names are
+        not marked as written: ``name_tensors`` does, or the caller once they are)."""
+        named: dict[str, dict[str, Any]] = {}
         for row in out.rows.get("tensor_stats_recent", ()):
             name = row["tensor"]
-            if name and name not in self.tensors:
-                self.tensors.add(name)
+            if name and name not in self.tensors and name not in named:
                 layer, role, expert = tensor_dimensions(name)
-                out.rows["tensor_names"].append(
-                    {
-                        "run_id": self.run_id,
-                        "tensor": name,
-                        "layer": layer,
-                        "role": role,
-                        "expert": expert,
-                        "first_step": row["step"],
-                    }
-                )
-        return out
+                named[name] = {
+                    "run_id": self.run_id,
+                    "tensor": name,
+                    "layer": layer,
+                    "role": role,
+                    "expert": expert,
+                    "first_step": row["step"],
+                }
+        return list(named.values())
 
     def _accept(self, item: ReducedStep, now: float) -> Stage2Output:
         self.last_arrival = now
         self.finished = False  # a step after an idle expiry reopens the run
-        if (
-            item.complete_reason == CompleteReason.DETAIL
-        ):  # part of a step split for the broker's limit
-            out = Stage2Output()
-            _add_detail(out, item)
-            if self.scans.is_kept(item.step):  # a scan step's part, after its step's decision
-                out.promote.append(item.step)
-            return out  # else promoted with its step (the main part comes after it)
         if item.complete_reason == CompleteReason.SCAN:
             return self._accept_scan(item)
         if (
@@ -323,22 +335,21 @@ class RunPipeline:
             out.add_columns("rank_metrics_recent", rank_columns(item))
             out.promote.append(item.step)
             return out
-        if (
-            item.complete_reason == CompleteReason.REPLAY
-        ):  # the ranks' ring buffers: a past step's detail
+        if item.complete_reason in _DETAIL_ONLY:
             out = Stage2Output()
-            _add_detail(out, item)
-            out.promote.append(item.step)  # into the detail tables, the step's P0 row untouched
+            out.refused.append((item.step, f"{item.complete_reason} detail on the steps topic"))
             return out
         return self._process(self.orderer.offer(item, now))
 
+    def detail_kept(self, item: ReducedStep) -> bool:
+        """Whether detail just written (``detail_output``) is promoted: a replay always; other
+        detail when its step was kept already (a step kept later promotes it itself)."""
+        return item.complete_reason == CompleteReason.REPLAY or self.scans.is_kept(item.step)
+
     def _accept_scan(self, item: ReducedStep) -> Stage2Output:
-        """A step's scan-tier detail (``scanjoin``): stored, promoted when its step was kept,
-        joined to its step's row."""
+        """A step's scan-tier values joined to its step's row (``scanjoin``); their detail
+        is stored apart (``detail_output``)."""
         out = Stage2Output()
-        _add_detail(out, item)
-        if self.scans.is_kept(item.step):
-            out.promote.append(item.step)
         if self.scans.has_row(item.step):
             row, joined = self.scans.join(item)
             if row is not None:
@@ -357,7 +368,7 @@ class RunPipeline:
         return out
 
     def expire(self, now: float) -> Stage2Output:
-        out = self._name_tensors(self._process(self.orderer.expire(now)))
+        out = self.name_tensors(self._process(self.orderer.expire(now)))
         if (
             not self.finished
             and self.last_step >= 0

@@ -25,11 +25,11 @@ from typing import Any
 from probewire.instrument.plumbing import Heartbeat, TopicConfig
 from probewire.instrument.wire import DecodeError, decode_rank_step, message_key
 from probewire.sinks.clickhouse import ClickHouseSink, RejectedRows, StoreUnavailable
-from probewire.sinks.retained import load_state
+from probewire.sinks.retained import load_state, promote
 
 from .alerting import AlertmanagerWebhook
 from .assemble import BlockDone, StepAssembler
-from .batching import StoreBatch
+from .batching import Batch, StoreBatch
 from .config import StreamConfig
 from .fanin import MergeAssembler, decode_block, encode_block
 from .gaps import GapReader, GapWatch
@@ -39,8 +39,8 @@ from .lifecycle import EventError, parse_event
 from .metrics import WorkerMetrics
 from .publish import Publisher, PublishError
 from .records import CompleteReason, RecordError, ReducedStep
-from .split import OversizeStep, split_step
-from .stage2 import RunPipeline, Stage2Output
+from .split import OversizeStep, split_step, wire_parts
+from .stage2 import RunPipeline, Stage2Output, detail_output
 from .store import STATE_KEY, write_batch
 from .validate import StepValidator
 
@@ -99,6 +99,10 @@ class Worker:
         self.webhook = AlertmanagerWebhook(config.alert_webhook_url)
         self.sink: ClickHouseSink | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
+        # detail (``on_detail_step``) is decoded and written in a thread of its own: a P0
+        # batch never queues behind it (the store serialises the inserts themselves, in
+        # ``ClickHouseSink.batch_rows`` chunks)
+        self._detail_writer = ThreadPoolExecutor(1, thread_name_prefix="probewire-detail")
         self._write_lock = asyncio.Lock()
         self._flushing: asyncio.Task | None = None  # the background write flush_soon started
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
@@ -382,15 +386,21 @@ class Worker:
         task.add_done_callback(self._unconfirmed.pop)
 
     def _messages(self, item: ReducedStep | BlockDone) -> list[tuple[str, bytes, bytes]]:
-        """(topic, key, value) of a reduced step (split to fit the message limit; parts in
-        order, P0 last), or of a reduced rank block: its ranks' detail parts, then its
+        """(topic, key, value) of a reduced step (``wire_parts``: split to fit the message
+        limit, its detail to the detail topic keyed run:step, the rest to stage 2 keyed by
+        run), or of a reduced rank block: its ranks' values as detail parts, then its
         partial state for the merge (``fanin``)."""
-        run = item.run_id.encode()
+        run, at = item.run_id.encode(), message_key(item.run_id, item.step)
         limit = self.config.max_message_bytes
         if isinstance(item, ReducedStep):
-            return [(self.topics.steps, run, data) for _, data in split_step(item, limit)]
+            return [
+                (self.topics.detail_steps, at, data) if detail else (self.topics.steps, run, data)
+                for detail, data in wire_parts(item, limit)
+            ]
         self.note_block(item)
-        detail = [(self.topics.steps, run, data) for _, data in split_step(item.detail, limit)]
+        detail = [
+            (self.topics.detail_steps, at, data) for _, data in split_step(item.detail, limit)
+        ]
         partial = encode_block(item.partial, item.complete)
         if len(partial) > limit:
             raise OversizeStep(
@@ -489,6 +499,48 @@ class Worker:
         self.batch.add(reduced.run_id, out, event)  # same loop step as accept: state == batch
         await self.send_alerts(reduced.run_id, out)
         await self.flush_if_due()
+
+    async def on_detail_step(self, event: Any) -> None:
+        """Detail from the detail topic (``split.wire_parts``), stored apart from the ordered
+        per-run path so that no page waits for it: decoded, made into look-back rows and
+        written in the detail writer thread (the event loop goes on reducing and paging
+        meanwhile), then promoted if its step was kept before the rows were durable
+        (``RunPipeline.detail_kept``; a step kept after that promotes them itself), then
+        acknowledged. A store that is down is retried, the message unacknowledged."""
+        self._read(event)
+        await self.publishing.wait()
+        while self.sink is None:
+            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        try:
+            item, out = await loop.run_in_executor(self._detail_writer, _detail, event.value)
+        except RecordError as exc:
+            await self.dead_letter(event, exc.reason)
+            event.ack()
+            return
+        run = await self.run_for(item.run_id)
+        named = run.tensor_names(out)
+        out.rows["tensor_names"] += named
+        batch = Batch(outputs={item.run_id: out})
+        while True:
+            try:
+                rejected = await loop.run_in_executor(
+                    self._detail_writer, write_batch, self.sink, batch
+                )
+                if run.detail_kept(item):
+                    await loop.run_in_executor(
+                        self._detail_writer, promote, self.sink, item.run_id, [item.step]
+                    )
+                break
+            except (StoreUnavailable, RejectedRows) as exc:
+                self.progress.failed("detail", str(exc))
+                log.error("probewire: detail of step %d not stored (%s); retrying", item.step, exc)
+                await asyncio.sleep(1.0)
+        run.tensors.update(row["tensor"] for row in named)  # their rows are stored now
+        for run_id, row, reason in rejected:
+            await self.dead_letter_row(run_id, row, reason)
+        event.ack()
+        self.progress.output("detail")
 
     async def on_run_event(self, event: Any) -> None:
         """A run's lifecycle event (``stream.lifecycle``): its ``runs`` row goes with the
@@ -676,6 +728,13 @@ class Worker:
         if self.gaps is not None:
             self.gaps.close()
         self._writer.shutdown(wait=True)
+        self._detail_writer.shutdown(wait=True)
+
+
+def _detail(payload: bytes) -> tuple[ReducedStep, Stage2Output]:
+    """A detail message and its look-back rows (in the detail writer thread)."""
+    item = ReducedStep.from_bytes(payload)
+    return item, detail_output(item)
 
 
 def _reason(replay: bool, detail: bool) -> CompleteReason | None:

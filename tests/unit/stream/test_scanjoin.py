@@ -16,10 +16,11 @@ from probewire.deploy.demo.model import TinyConfig, TinyLM
 from probewire.instrument import MemoryTransport, ProbeConfig, RankIdentity, attach
 from probewire.instrument.catalog import CATALOG, Tier
 from probewire.instrument.wire import decode_rank_step
-from probewire.stream.records import CompleteReason
+from probewire.stream.records import CompleteReason, ReducedStep
 from probewire.stream.reduce import reduce_step
 from probewire.stream.series import StepMetrics as SM
-from probewire.stream.stage2 import RunPipeline, Stage2Config
+from probewire.stream.split import wire_parts
+from probewire.stream.stage2 import RunPipeline, Stage2Config, Stage2Output, detail_output
 
 CFG = TinyConfig(seq_len=8, d_model=16, n_layer=2, n_head=2)
 STEPS = 3
@@ -71,6 +72,22 @@ def rows(out):
     return out.rows.get("step_metrics", [])
 
 
+def send_scan(run: RunPipeline, scan: ReducedStep, now: float) -> tuple[Stage2Output, bool]:
+    """The scan step as stage 1 publishes it (``wire_parts``) and the worker takes it: its
+    reduced values through stage 2 (returned), its detail parts as ``on_detail_step`` stores
+    them (their look-back rows made; whether they are promoted once written, returned)."""
+    out, kept = Stage2Output(), []
+    for detail, data in wire_parts(scan, 1_000_000):
+        item = ReducedStep.from_bytes(data)
+        if detail:
+            assert detail_output(item).rows["tensor_stats_recent"]
+            kept.append(run.detail_kept(item))
+        else:
+            out.extend(run.accept(item, now))
+    assert kept and len(set(kept)) == 1
+    return out, kept[0]
+
+
 def same(a: dict, b: dict) -> bool:
     def eq(x, y):
         return (
@@ -95,15 +112,15 @@ def test_the_joined_row_is_the_single_message_row_in_either_order(messages, scan
         own, scan, whole = reduced(messages, step)
         (expected,) = rows(whole_run.accept(whole, float(step)))
         if scan_first:
-            assert rows(split_run.accept(scan, float(step))) == []  # held for its step
+            out, kept = send_scan(split_run, scan, float(step))
+            assert rows(out) == [] and not kept  # held for its step, not yet decided
             (row,) = rows(split_run.accept(own, float(step)))
         else:
             (first,) = rows(split_run.accept(own, float(step)))
             assert first[SM.update_ratio] is None  # stored and scored without the detail
-            out = split_run.accept(scan, float(step))
+            out, kept = send_scan(split_run, scan, float(step))
             (row,) = rows(out)
-            assert (step in out.promote) == (step % 2 == 0)  # kept: promoted after it
-            assert out.rows["tensor_stats_recent"]
+            assert kept == (step % 2 == 0)  # its step was kept: its detail promoted after it
         assert row[SM.update_ratio] is not None and row[SM.update_ratio] > 0
         assert same(row, expected)
 
@@ -115,9 +132,9 @@ def test_a_scan_step_long_after_its_step_is_stored_as_detail_not_joined(messages
     own1, _, _ = reduced(messages, 1)
     run.accept(own0, 0.0)
     run.accept(own1, 1.0)  # step 0's row is no longer kept
-    out = run.accept(scan0, 2.0)
-    assert rows(out) == [] and out.rows["tensor_stats_recent"]
-    assert 0 in out.promote  # step 0 was kept (0 % k == 0): its late detail is promoted
+    out, kept = send_scan(run, scan0, 2.0)
+    assert rows(out) == []
+    assert kept  # step 0 was kept (0 % k == 0): its late detail is promoted
 
 
 def test_the_scan_tier_rules_score_a_late_scan_step_as_they_score_a_single_message(messages):
@@ -136,7 +153,7 @@ def test_the_scan_tier_rules_score_a_late_scan_step_as_they_score_a_single_messa
         own, scan, whole = reduced(messages, step)
         expected = pages(whole_run.accept(whole, float(step)))
         first = split_run.accept(own, float(step))
-        late = split_run.accept(scan, float(step))
+        late, _ = send_scan(split_run, scan, float(step))
         assert ("residual_scale" in {s for _, s, _ in expected}) == (step == 0)  # paged once
         assert pages(first) + pages(late) == expected
         if expected:

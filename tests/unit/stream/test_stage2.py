@@ -12,7 +12,9 @@ from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.reduce import reduce_step
 from probewire.stream.retention import retained_steps
 from probewire.stream.signals import DetectorConfig
-from probewire.stream.stage2 import RunPipeline, Stage2Config, p0_view
+from probewire.stream.records import ReducedStep
+from probewire.stream.split import wire_parts
+from probewire.stream.stage2 import RunPipeline, Stage2Config, detail_output, p0_view
 
 
 def with_experts(item, counts: dict[tuple[str, int], float]):
@@ -319,7 +321,7 @@ def test_a_step_whose_components_break_the_rules_is_refused_before_any_state_mov
     assert [r["step"] for r in out.rows["step_metrics"]] == [2] and run.last_step == 2
 
 
-def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
+def test_a_replay_stores_the_detail_of_a_past_step_apart_and_promotes_it():
     run = RunPipeline("run", small_config())
     outs = [run.accept(records(s, [(2.0, 1.0), (2.0, 1.0)]), now=float(s)) for s in range(6)]
     stored = [r for o in outs for r in o.rows["step_metrics"]]
@@ -346,8 +348,11 @@ def test_a_replay_stores_the_detail_of_a_past_step_and_promotes_it():
         )
         for r in range(2)
     ]
-    out = run.accept(reduce_step("run", 4, 2, replay, "replay"), now=7.0)
-    assert out.promote == [4] and not out.rows["step_metrics"] and not out.rows["anomalies"]
+    item = reduce_step("run", 4, 2, replay, "replay")
+    ((detail, data),) = wire_parts(item, 1_000_000)  # the detail topic, never stage 2's path
+    assert detail and run.detail_kept(item)  # promoted once written
+    out = detail_output(ReducedStep.from_bytes(data))
+    assert not out.rows["step_metrics"] and not out.rows["anomalies"]
     (row,) = out.rows["tensor_stats_recent"]
     assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
     assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
