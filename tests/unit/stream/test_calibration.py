@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from numpy.lib.stride_tricks import sliding_window_view
 
 from probewire.stream.calibration import (
