@@ -12,9 +12,9 @@ H_norm drop: a move over the signal's own baseline) get the margin times a high 
 of the move the stable run held, and the grad-norm audit the margin times a high quantile
 of the loop's norm's relative mismatch to G2. The residual branches' bounds come from
 ``residual_stats`` (``residual_bounds``), the held-out BPB rise from the reference stream's
-``bpb`` evaluations (``heldout_rises``). A series the run does not have (no experts, fewer
-than three ranks, no residual rows or evaluations, a loop that clips through the monitor)
-gives no threshold; a level of 0 or below (a constant clip rate, a BPB that only fell)
+``bpb`` evaluations (``heldout_rises``). A series the run does not have (no experts, no
+step with three ranks for the held and recent straggler tiers, no residual rows or
+evaluations, a loop that clips through the monitor) gives no threshold; a level of 0 or below (a constant clip rate, a BPB that only fell)
 gives none either (the default stays). The CUSUMs' h are not calibrated.
 """
 
