@@ -548,18 +548,31 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from probewire.stream.calibration import COLUMNS, DETECTOR_FIELDS, calibrate_run
+    from probewire.stream.heldout import BPB_METRIC
 
     settings = _settings(args)
-    columns = ", ".join(COLUMNS)
+    db, run = settings.clickhouse.database, {"run": args.run}
     names, rows = _query(
         settings,
-        f"SELECT {columns} FROM {settings.clickhouse.database}"
+        f"SELECT {', '.join(COLUMNS)} FROM {db}"
         ".step_metrics FINAL WHERE run_id = {run:String} ORDER BY step",
-        {"run": args.run},
+        run,
     )
     if not rows:
         raise UserError(f"run {args.run!r} has no steps in the store")
     series = {name: [row[i] for row in rows] for i, name in enumerate(names)}
+    _, residual = _query(
+        settings,
+        f"SELECT step, ratio FROM {db}.residual_stats FINAL "
+        "WHERE run_id = {run:String} ORDER BY step",
+        run,
+    )
+    _, evaluations = _query(
+        settings,
+        f"SELECT suite, step, value FROM {db}.evaluations FINAL WHERE run_id = {{run:String}} "
+        "AND metric = {metric:String} AND reference = 1 ORDER BY suite, step",
+        {**run, "metric": BPB_METRIC},
+    )
     detectors = settings.stream.stage2.detectors
     window = args.window or detectors.window
     try:
@@ -568,18 +581,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             window,
             args.quantile,
             args.margin,
-            held_steps={
-                "maxvio_steps": detectors.maxvio_steps,
-                "straggler_steps": detectors.straggler_steps,
-            },
+            detectors,
+            residual=[(int(step), ratio) for step, ratio in residual],
+            evaluations=[(str(suite), int(step), value) for suite, step, value in evaluations],
         )
     except ValueError as exc:
         raise UserError(f"cannot calibrate on run {args.run!r}: {exc}") from None
     _print_table(
         f"thresholds from run {args.run} (window {window}, {args.margin} x "
-        f"quantile {args.quantile} of its robust z, of the level held for "
-        "maxvio_steps / straggler_steps steps, of the move held over its own baseline, or "
-        "of the loop's gradient norm's mismatch to G2)",
+        f"quantile {args.quantile} of its robust z, of the level its rule held for k steps, "
+        "of the move held over its own baseline, of the loop's gradient norm's mismatch to "
+        "G2, of the residual branches' per-step extremes (the smallest: its 1 - quantile, "
+        "over the margin), or of the held-out BPB's rise over its recent evaluations)",
         ["setting", "series", "threshold", "steps"],
         [(c.setting, c.column, c.threshold, c.n_steps) for c in results],
     )

@@ -684,7 +684,9 @@ def test_an_unreachable_store_whose_url_holds_a_password_is_retried_and_never_lo
 
 
 def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir):
-    """The run id is a bound parameter: ``x' OR 1=1 --`` finds no run (not every run)."""
+    """The run id is a bound parameter: ``x' OR 1=1 --`` finds no run (not every run). The
+    run's ``residual_stats`` and reference ``bpb`` evaluations calibrate the residual
+    bounds and the held-out rise (another run's rows, far off, change nothing)."""
     store, cli = scratch_dir / "store", [sys.executable, "-m", "probewire.deploy.cli"]
 
     def probewire(*args: str) -> subprocess.CompletedProcess:
@@ -696,6 +698,25 @@ def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir
         f"('stable', {s}, {2 + 0.01 * x:.6f}, {1 + 0.01 * y:.6f}, {0.1 + 0.001 * z:.6f})"
         for s, (x, y, z) in enumerate(rng.normal(size=(80, 3)))
     )
+    ratios = np.round(np.exp(rng.normal(-1.0, 0.3, size=(20, 4))), 6)  # 20 scan steps
+    residual = ", ".join(
+        f"('{run}', {4 * t}, '{b // 2}', '{('attn', 'mlp')[b % 2]}', 8, {r * scale}, 1, {r})"
+        for run, scale in (("stable", 1), ("other", 1000))
+        for t in range(20)
+        for b, r in enumerate(ratios[t])
+    )
+    bpb = np.round(1.2 * np.exp(rng.normal(0, 0.01, 12)), 6)  # flat, noisy: rises and falls
+    evaluations = ", ".join(
+        f"('{run}', {10 * t}, 'heldout', '{metric}', {v * scale}, '{stream}', {int(stream == 'raw')})"
+        for run, metric, stream, scale in (
+            ("stable", "bpb", "raw", 1),
+            ("stable", "bpb", "ema", 3),  # not the reference weights stream
+            ("stable", "nll", "raw", 3),
+            ("other", "bpb", "raw", 3),
+        )
+        for t, v in enumerate(bpb)
+        if run == "stable" or t % 2  # the other run jumps up and down
+    )
     # the rows go in through the writer, in a process of its own (``sql`` never writes)
     inserted = subprocess.run(
         [
@@ -704,21 +725,36 @@ def test_calibrate_reads_only_the_run_it_names_even_a_hostile_run_id(scratch_dir
             "import sys, clickhouse_connect; "
             "c = clickhouse_connect.get_client(dsn='chdb://' + sys.argv[1]); "
             "c.command('INSERT INTO probewire.step_metrics "
-            "(run_id, step, loss, grad_norm, step_time_s) VALUES ' + sys.argv[2])",
+            "(run_id, step, loss, grad_norm, step_time_s) VALUES ' + sys.argv[2]); "
+            "c.command('INSERT INTO probewire.residual_stats (run_id, step, layer, branch, "
+            "tokens, ratio, stream_norm, branch_norm) VALUES ' + sys.argv[3]); "
+            "c.command('INSERT INTO probewire.evaluations "
+            "(run_id, step, suite, metric, value, weights_stream, reference) VALUES ' "
+            "+ sys.argv[4])",
             str(store),
             values,
+            residual,
+            evaluations,
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert inserted.returncode == 0, inserted.stderr
-    assert (
-        probewire(
-            "calibrate", "--store", str(store), "--run", "stable", "--window", "20"
-        ).returncode
-        == 0
+    stable = probewire("calibrate", "--store", str(store), "--run", "stable", "--window", "20")
+    assert stable.returncode == 0, stable.stderr
+    block = dict(
+        line.strip().split(": ") for line in stable.stdout.split("detectors:\n", 1)[1].splitlines()
     )
+    rises = [bpb[i] / np.median(bpb[max(0, i - 5) : i]) - 1 for i in range(3, len(bpb))]
+    expected = {
+        "residual_ratio_max": 1.5 * np.quantile(ratios.max(axis=1), 0.999),
+        "residual_ratio_min": np.quantile(ratios.min(axis=1), 0.001) / 1.5,
+        "heldout_bpb_rise": 1.5 * np.quantile(rises, 0.999),
+    }
+    assert {k: float(block[k]) for k in expected} == {
+        k: round(float(v), 3) for k, v in expected.items()
+    }
     hostile = probewire(
         "calibrate", "--store", str(store), "--run", "x' OR 1=1 --", "--window", "20"
     )
