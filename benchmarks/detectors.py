@@ -44,6 +44,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,8 +241,16 @@ def evaluate(faulty: list[Series], scenarios: list[Series], healthy: list[Series
             for d in DETECTORS
         ]
     )
+    early_pages = Counter(
+        (st, sig) for s in faulty for st, sig in set(s.alerts) if st < (s.fault_step or 0)
+    )
+    where = ", ".join(f"{sig} at step {st} x{n}" for (st, sig), n in sorted(early_pages.items()))
     rows.append(
-        ["**false alarms before the fault** (fault runs)"] + [str(alarms[d]) for d in DETECTORS]
+        ["**firings before the fault** (fault runs)"]
+        + [
+            str(alarms[d]) + (f" ({where})" if DETECTORS[d] is probewire_stream and where else "")
+            for d in DETECTORS
+        ]
     )
     early = {
         name: sum(f < 100 for s in healthy for f in det(s, window))

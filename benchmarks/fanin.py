@@ -18,7 +18,11 @@ stored and ``--gap-s`` has passed (the worker idle when each starts):
   early history (P0 steps up to step 12, outside the medians): its row's latency and its
   page's, from ``probewire.alerts`` (``--no-cospike``: none, nor the history).
 - ``--scan-pairs`` pairs: a scan-tier step of 544 points a rank (60 tensors' scan fields),
-  then, as soon as its last message is delivered, a P0 step: that P0 step's latency.
+  then, as soon as its last message is delivered, a P0 step: that P0 step's latency. The
+  P0 step is encoded before the scan step is sent (ranks encode on their own hosts; here
+  the encoder would take a core from the workers while they reduce the scan step). Each
+  pair is followed by the same pair with a P0 step first (``after_p0_s``): a step sent
+  right after another waits for it, detail or not; the difference is the detail's.
 
 Latency = (the step's row stored) - (the broker's delivery report of the step's last rank
 message, timestamped in the producer's delivery callback). "Stored" is the worker's own
@@ -299,10 +303,21 @@ class Bench:
             }
         )
 
-    def send(self, ranks: Ranks, step: int, measured: bool = True) -> None:
-        """Encode, then produce one step (every rank) and wait for its delivery reports."""
+    def encode(self, ranks: Ranks, step: int) -> tuple[Routed, int]:
+        """One step's messages (every rank), and its points."""
         points = rank_points(ranks, step)
         routed = route(ranks.run.run_id, step, points, self.args.block_ranks)
+        return routed, sum(len(p) for _, _, p in points)
+
+    def send(
+        self,
+        ranks: Ranks,
+        step: int,
+        measured: bool = True,
+        encoded: tuple[Routed, int] | None = None,
+    ) -> None:
+        """Produce one step (``encoded``, or encoded now) and wait for its delivery reports."""
+        routed, points = encoded or self.encode(ranks, step)
         callback = functools.partial(self.watch.on_delivery, step)
         for topic, key, value in routed:
             while True:
@@ -314,7 +329,7 @@ class Bench:
         self.producer.flush(120)
         self.produced += 1
         if measured:
-            self.points += sum(len(p) for _, _, p in points)
+            self.points += points
 
     def latency(self, step: int) -> float | None:
         """Seconds from the step's last delivery to the store write that counted it."""
@@ -354,12 +369,13 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
     """The sequence of the module docstring from ``step`` on; every latency sample by kind.
     Every step sent here counts in the CPU per point (the early-history ones too)."""
     args = bench.args
-    out: dict[str, list[float]] = {k: [] for k in ("p0", "after_scan", "cospike_row")}
+    kinds = ("p0", "after_scan", "after_p0", "cospike_row")
+    out: dict[str, list[float]] = {k: [] for k in kinds}
     out["page"], out["page_seen"] = [], []
 
-    def one(kind: str | None) -> None:
+    def one(kind: str | None, encoded: tuple[Routed, int] | None = None) -> None:
         nonlocal step
-        bench.send(bench.p0, step)
+        bench.send(bench.p0, step, encoded=encoded)
         if (lat := bench.latency(step)) is not None and kind is not None:
             out[kind].append(lat)
             bench.sampled.setdefault(kind, []).append(step)
@@ -381,9 +397,11 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
         if time.monotonic() - began > args.budget_s:
             say("  (budget spent: fewer scan pairs)")
             break
-        bench.send(bench.scan, step)  # the worker starts on it while the P0 step is encoded
-        step += 1
-        one("after_scan")
+        for first, kind in ((bench.scan, "after_scan"), (bench.p0, "after_p0")):
+            after = bench.encode(bench.p0, step + 1)  # first: ranks encode on their hosts
+            bench.send(first, step)
+            step += 1
+            one(kind, after)
     return out
 
 
@@ -432,10 +450,11 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
     say(
         f"fanin ranks {n} p0_s {median(lat['p0']):.3f} after_scan_s "
         f"{median(lat['after_scan']):.3f} cpu_us_per_point {net / bench.points * 1e6:.2f} "
-        f"rss_mb {bench.watch.rss_peak / 2**20:.0f}"
+        f"rss_mb {bench.watch.rss_peak / 2**20:.0f} after_p0_s {median(lat['after_p0']):.3f}"
     )
     say(
-        f"  samples p0_s {fmt(lat['p0'])} after_scan_s {fmt(lat['after_scan'])} cospike row_s "
+        f"  samples p0_s {fmt(lat['p0'])} after_scan_s {fmt(lat['after_scan'])} after_p0_s "
+        f"{fmt(lat['after_p0'])} cospike row_s "
         f"{fmt(lat['cospike_row'])} page_s {fmt(lat['page'])} (seen here "
         f"{fmt(lat['page_seen'])})"
     )

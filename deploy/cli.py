@@ -326,6 +326,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         args.config, overrides={"stream": {"role": args.role}} if args.role else None
     )
     heartbeat = Path(os.environ.get("PROBEWIRE_HEARTBEAT_FILE") or default_heartbeat_path("worker"))
+    if settings.stream.role == "detail":  # the detail never takes CPU from a page
+        os.nice(settings.stream.detail_nice)
     owns_store = settings.stream.role == "all"
     _preflight(settings, heartbeat, owns_store)  # a free store, a broker, the topics first
     topics = settings.topics

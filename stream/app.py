@@ -5,6 +5,8 @@
          │                               │                                Alertmanager webhook)
     otlp_detail ──assemble_detail────────┤ (scan-tier points and ring dumps, gathered apart:
          │                               │  ``CompleteReason.SCAN`` / ``REPLAY`` steps)
+         │  per-rank detail, tensor statistics, ring dumps (``split.wire_parts``):
+         │     probewire.detail_steps (key run:step) ──store_detail──► ClickHouse look-back
     a step of more ranks than block_ranks: otlp_metrics (key run:step:block) ──assemble──►
          probewire.partials (key run:step) ──merge_blocks──┘ (``fanin``: blocks merged)
          └──► probewire.deadletter ──dead_letters──► ClickHouse

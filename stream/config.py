@@ -32,6 +32,12 @@ class StreamConfig:
     role: str = "all"  # one of ROLES; see docs/deployment.md
     # role ``all`` reduces the detail topic too; off when ``detail``/``stage1`` workers do
     detail_inline: bool = True
+    # the store owner writes detail (``probewire.detail_steps``) while the step tier has no
+    # work in hand, waiting at most this long a message before it writes anyway
+    detail_yield_s: float = 2.0
+    # a worker of role ``detail`` lowers its CPU priority by this much (``os.nice``): on a
+    # host it shares with workers that page, it takes the CPU they leave (0: unchanged)
+    detail_nice: int = 10
     deadline_s: float = 30.0  # stage 1 reduces what arrived after this long
     # a step of more ranks is reduced by rank block (``fanin``); the ranks' ProbeConfig
     # .block_ranks must be the same (their messages' keys name the block)
@@ -50,6 +56,8 @@ class StreamConfig:
         check(bool(self.app_id.strip()), "app_id", "must not be empty")
         check(self.role in ROLES, "role", f"must be one of {list(ROLES)}, got {self.role!r}")
         check(self.deadline_s > 0, "deadline_s", "must be > 0")
+        check(0 <= self.detail_yield_s <= 60, "detail_yield_s", "must lie in [0, 60]")
+        check(0 <= self.detail_nice <= 19, "detail_nice", "must lie in [0, 19]")
         check(self.block_ranks >= 1, "block_ranks", "must be >= 1")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must lie in [0, 65535]")
         check(1 <= self.fetch_max_wait_ms <= 5000, "fetch_max_wait_ms", "must lie in [1, 5000]")

@@ -500,17 +500,26 @@ class Worker:
         await self.send_alerts(reduced.run_id, out)
         await self.flush_if_due()
 
+    def _paging_busy(self) -> bool:
+        """The step tier has work in hand: a step gathering or merging, a reduced step not
+        yet confirmed by the broker, or rows waiting for the store."""
+        return bool(
+            self.assembler.pending or self.merger.pending or self._unconfirmed or self.batch.waiting
+        )
+
     async def on_detail_step(self, event: Any) -> None:
         """Detail from the detail topic (``split.wire_parts``), stored apart from the ordered
-        per-run path so that no page waits for it: decoded, made into look-back rows and
-        written in the detail writer thread (the event loop goes on reducing and paging
-        meanwhile), then promoted if its step was kept before the rows were durable
+        per-run path so that no page waits for it: taken while the step tier has no work
+        in hand (``_paging_busy``; after ``detail_yield_s`` anyway, so detail never starves),
+        decoded, made into look-back rows and written in the detail writer thread (the event
+        loop goes on reducing and paging meanwhile), then promoted if its step was kept before the rows were durable
         (``RunPipeline.detail_kept``; a step kept after that promotes them itself), then
         acknowledged. A store that is down is retried, the message unacknowledged."""
         self._read(event)
         await self.publishing.wait()
-        while self.sink is None:
-            await asyncio.sleep(0.05)
+        held = time.monotonic() + self.config.detail_yield_s
+        while self.sink is None or (self._paging_busy() and time.monotonic() < held):
+            await asyncio.sleep(0.01)
         loop = asyncio.get_running_loop()
         try:
             item, out = await loop.run_in_executor(self._detail_writer, _detail, event.value)
