@@ -1,0 +1,208 @@
+"""The gross straggler tier (own-time ratio >= ``straggler_ratio`` x its baseline on
+``straggler_steps`` steps) pages only when the job's step time is also at least
+``straggler_job_slowdown`` x its own baseline on each of them (issue 38: a healthy 2-rank
+run on a loaded host paged)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.reduce import reduce_step
+from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
+from probewire.stream.stage2 import RunPipeline, Stage2Config
+
+# the stored step_metrics of the healthy 2-rank moe demo around its false page: (step,
+# step_time_s, straggler_rank, straggler_own_ratio); the old rule paged at 833 ("18.73
+# against baseline 1.103; carried by rank 1")
+MOE_2RANK = [
+    (826, 0.174, 1, 16.71),
+    (827, 0.122, 1, 1.31),
+    (828, 0.111, 1, 1.66),
+    (829, 0.143, 0, 1.56),
+    (830, 0.082, 0, 1.08),
+    (831, 0.209, 1, 19.84),
+    (832, 0.121, 1, 20.78),
+    (833, 0.179, 1, 18.73),
+    (834, 0.138, 1, 2.34),
+    (835, 0.240, 1, 4.77),
+    (836, 0.197, 0, 4.72),
+    (837, 0.165, 0, 1.63),
+    (838, 0.172, 0, 1.83),
+]
+
+
+def view(step_time: float | None) -> dict:
+    return {
+        "loss": None,
+        "grad_norm": None,
+        "ranks_missing": [],
+        "loss_worst_rank": None,
+        "step_time_s": step_time,
+    }
+
+
+def straggler_pages(
+    det: SignalDetectors, steps: list[tuple[int, float | None, dict[int, float]]]
+) -> list[tuple[int, str]]:
+    """(step, culprit) of every paging straggler finding over (step, step time, ratios)."""
+    out = []
+    for step, tau, ratios in steps:
+        _, found = det.observe(step, view(tau), {}, RankSeries(own_ratio=ratios))
+        out += [(step, f.culprit) for f in found if f.kind == "straggler" and f.page]
+    return out
+
+
+def healthy_two_ranks(first: int, n: int, seed: int = 38):
+    """A healthy 2-rank history before the table: rank 1's own-time ratio around the 1.10
+    the page reported as its baseline (rank 0's is its inverse: each rank is the other's
+    whole reference), step times log-normal with the table's own median and spread."""
+    rng = np.random.default_rng(seed)
+    logs = np.log([t for _, t, _, _ in MOE_2RANK])
+    med, spread = np.median(logs), 1.4826 * np.median(np.abs(logs - np.median(logs)))
+    out = []
+    for step in range(first, first + n):
+        rho = float(np.exp(rng.normal(math.log(1.1), 0.2)))
+        out.append((step, float(np.exp(rng.normal(med, spread))), {0: 1 / rho, 1: rho}))
+    return out
+
+
+def table_steps():
+    return [(step, tau, {rank: rho, 1 - rank: 1 / rho}) for step, tau, rank, rho in MOE_2RANK]
+
+
+def test_a_healthy_two_rank_run_whose_own_ratio_explodes_pages_nothing():
+    """The stored steps of the false page: rank 1's own-time ratio ~20x its baseline on
+    831-833 (the other rank waited, its own time at the floor) while the job's step time
+    was 1.27x, 0.73x and 1.08x its baseline: no page; without the guard it pages at 833
+    naming rank 1, as the old rule did."""
+    series = healthy_two_ranks(600, 226) + table_steps()
+    assert straggler_pages(SignalDetectors(DetectorConfig()), series) == []
+    unguarded = DetectorConfig(straggler_job_slowdown=0.0)
+    assert straggler_pages(SignalDetectors(unguarded), series) == [(833, "rank 1")]
+
+
+def test_the_guard_reads_the_step_time_over_the_median_of_its_window():
+    """The ratio the guard holds is tau_t / exp(median of the previous ``window`` log step
+    times), checked against NumPy on the last steps."""
+    series = healthy_two_ranks(600, 226) + table_steps()
+    det = SignalDetectors(DetectorConfig())
+    straggler_pages(det, series)
+    u = np.log(np.array([t for _, t, _ in series]) + det.spikes["step_time"].eps)
+    last = range(len(series) - det.config.straggler_steps, len(series))
+    want = [(series[i][0], float(np.exp(u[i] - np.median(u[i - 100 : i])))) for i in last]
+    got = list(det.stragglers.job)
+    assert [s for s, _ in got] == [s for s, _ in want] == [836, 837, 838]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "job, paged",
+    [
+        ((1.5, 1.5, 1.5), [22]),  # the job slowed on each gross step: the third pages
+        ((1.5, 1.0, 1.5), []),  # one step at its usual pace: host noise, not a straggler
+        ((1.5, 1.5, 1.1), []),
+        ((None, None, None), [22]),  # no step time measured: the own-time rule alone
+    ],
+)
+def test_the_gross_tier_needs_the_job_slowed_on_each_of_its_steps(job, paged):
+    rng = np.random.default_rng(1)
+    cfg = DetectorConfig(
+        window=10,
+        straggler_cusum_h=1e9,
+        straggler_ratio=3.0,
+        straggler_held_ratio=1e9,
+        straggler_recent_ratio=1e9,
+        straggler_held_steps=8,
+        straggler_recent_steps=8,
+        rearm_steps=0,
+    )
+    warm = [
+        (
+            s,
+            float(np.exp(rng.normal(0, 0.05))),
+            {r: float(np.exp(rng.normal(0, 0.05))) for r in range(3)},
+        )
+        for s in range(20)
+    ]
+    slow = [(20 + i, None if j is None else j, {0: 1.0, 1: 4.0, 2: 1.0}) for i, j in enumerate(job)]
+    got = straggler_pages(SignalDetectors(cfg), warm + slow)
+    assert got == [(s, "rank 1") for s in paged]
+
+
+def test_a_state_saved_before_the_guard_still_loads_and_pages():
+    """A state without the guard's key (saved by the previous version) loads; its missing
+    steps count as unmeasured, the guard holds from the next steps on."""
+    cfg = DetectorConfig(straggler_job_slowdown=1.2)
+    series = healthy_two_ranks(600, 226) + table_steps()
+    first = SignalDetectors(cfg)
+    straggler_pages(first, series[:-8])  # up to step 830
+    state = json.loads(json.dumps(first.to_state()))
+    assert len(state.pop("straggler_job")) == cfg.straggler_steps
+    second = SignalDetectors.from_state(cfg, state)
+    assert list(second.stragglers.job) == []
+    assert straggler_pages(second, series[-8:]) == []  # 832 measured the job at 0.73x
+    round_trip = SignalDetectors.from_state(cfg, json.loads(json.dumps(first.to_state())))
+    assert list(round_trip.stragglers.job) == list(first.stragglers.job)
+
+
+# -- the demo's straggler fault through stage 2 --------------------------------------------------
+def item(step: int, taus: list[float], waits: list[float]):
+    out = [
+        RankStep(
+            run_id="run",
+            step=step,
+            rank=r,
+            world_size=len(taus),
+            host="h",
+            coords={"dp": r},
+            values={
+                series_key("loss.sum"): 10.0,
+                series_key("loss.tokens"): 5.0,
+                series_key("grad.norm_sq"): 1.0,
+                series_key("step.duration"): tau,
+                series_key("comm.wait", {"op": "ddp_allreduce"}): wait,
+            },
+        )
+        for r, (tau, wait) in enumerate(zip(taus, waits))
+    ]
+    return reduce_step("run", step, len(taus), out, "all_ranks")
+
+
+@pytest.mark.parametrize("delay_s", [3.0, 1.0])  # the fault's default; the gallery's
+def test_the_demo_straggler_fault_pages_the_gross_tier_on_its_third_step(delay_s):
+    """``deploy.demo.faults.Straggler``: rank 1 of 2 sleeps ``delay_s`` a step for 10 steps
+    from step 120 on the demo's ~40 ms steps (window 50); the other rank waits in the
+    all-reduce. The gross tier (the only straggler rule with two ranks) pages at 122
+    naming rank 1: the job's step time is ~25-75x its baseline."""
+    rng = np.random.default_rng(120)
+    config = Stage2Config(
+        detectors=DetectorConfig(window=50),
+        retention_every_k=10,
+        retention_halo=5,
+        warmup_steps=3,
+        final_steps=4,
+        max_wait_s=5,
+        run_idle_s=30,
+    )
+    run, alerts, anomalies = RunPipeline("run", config), [], []
+    for step in range(140):
+        compute = 0.035 * np.exp(rng.normal(0, 0.1, 2))
+        if 120 <= step < 130:
+            compute[1] += delay_s
+        end, comm = float(compute.max()), 0.005
+        taus = [end + comm + 0.001 * float(rng.random()) for _ in range(2)]
+        out = run.accept(item(step, taus, [end - float(c) + comm for c in compute]), now=step)
+        alerts += out.rows["alerts"]
+        anomalies += out.rows["anomalies"]
+    gross = [a["step"] for a in anomalies if a["kind"] == "straggler"]
+    assert gross and gross[0] == 122 and all(120 <= s < 130 for s in gross)
+    assert (alerts[0]["step"], alerts[0]["signal"], alerts[0]["culprit"]) == (
+        122,
+        "step_time",
+        "rank 1",
+    )
