@@ -87,9 +87,10 @@ class StragglerRules:
         steps of 3 gloo ranks, with and without a CPU burner, the held level (q 0.1 of 40
         steps) peaked at 0.96, while the median over 40 steps reached 2.0 and the lower
         quartile 1.3; a rank slowed by half its step held 1.13-1.41 (2 ranks: 1.25 on a
-        healthy 5,000-step run, hence the 3-rank condition). ``job`` is the step's step time over
-        its own baseline (the median of its history, ``signals``), None when either is
-        unknown."""
+        healthy 5,000-step run, hence the 3-rank condition).
+
+        ``job`` is the step's step time over its own baseline (the median of its history,
+        ``signals``), None when either is unknown."""
         self.levels.update(step, ratios)
         if job is not None and math.isfinite(job):
             self.job.append((step, job))
