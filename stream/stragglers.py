@@ -69,13 +69,16 @@ class StragglerRules:
         * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps, the job's
           step time being at least ``straggler_job_slowdown`` x its baseline on each of them
           where measured: a gross straggler, seen in a few steps. A real one costs the job
-          time (its own time is part of the step: a rank 5x its own pace whose own time is a
-          quarter of the step slows the step >= 1.25x; the demo's 1-3 s sleep on ~40 ms
+          time: under synchronous DDP its extra own time lands on the critical path (the
+          others do their usual work, then wait), and its own time is at least
+          ``derive.OWN_FLOOR`` (5 %) of the step, so a rank at 5x its usual ratio adds at
+          least (5 - 1) x 5 % of the step: 1.2x, the default (the demo's 1-3 s sleep on ~40 ms
           steps, 25-75x). With two ranks each is the other's whole reference, and the ratio
           also explodes when the other's own time shrinks: on a loaded host the fast rank
           waits out the scheduler's delays of the slow one, its own time collapses to the
-          5 % floor and rho reached 17-21 on three steps in a row while the step time stayed
-          0.7-1.3x its baseline (a healthy 2-rank moe run paged; ``test_gross_straggler``);
+          5 % floor and rho held 18.7-20.8 on three steps in a row while the step time stayed
+          0.12-0.21 s around its 0.165 s median (a healthy 2-rank moe run paged;
+          ``tests/unit/stream/test_gross_straggler.py``);
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
           ``straggler_held_steps`` steps by ``straggler_held_ratio``: the rank was slower
           than the others on nine steps in ten of 40 (a sign test more than a size test).

@@ -173,15 +173,13 @@ def item(step: int, taus: list[float], waits: list[float]):
     return reduce_step("run", step, len(taus), out, "all_ranks")
 
 
-@pytest.mark.parametrize("delay_s", [3.0, 1.0])  # the fault's default; the gallery's
-def test_the_demo_straggler_fault_pages_the_gross_tier_on_its_third_step(delay_s):
-    """``deploy.demo.faults.Straggler``: rank 1 of 2 sleeps ``delay_s`` a step for 10 steps
-    from step 120 on the demo's ~40 ms steps (window 50); the other rank waits in the
-    all-reduce. The gross tier (the only straggler rule with two ranks) pages at 122
-    naming rank 1: the job's step time is ~25-75x its baseline."""
+def two_rank_job(compute_s: float, comm_s: float, extra_s: float, slowdown: float = 1.2):
+    """Stage 2 on a synchronous 2-rank DDP job (window 50): rank 1's compute takes
+    ``extra_s`` more on steps 120-129; the other rank waits for it in the all-reduce.
+    Returns (the steps of the straggler findings, the first alert)."""
     rng = np.random.default_rng(120)
     config = Stage2Config(
-        detectors=DetectorConfig(window=50),
+        detectors=DetectorConfig(window=50, straggler_job_slowdown=slowdown),
         retention_every_k=10,
         retention_halo=5,
         warmup_steps=3,
@@ -191,18 +189,32 @@ def test_the_demo_straggler_fault_pages_the_gross_tier_on_its_third_step(delay_s
     )
     run, alerts, anomalies = RunPipeline("run", config), [], []
     for step in range(140):
-        compute = 0.035 * np.exp(rng.normal(0, 0.1, 2))
+        compute = compute_s * np.exp(rng.normal(0, 0.1, 2))
         if 120 <= step < 130:
-            compute[1] += delay_s
-        end, comm = float(compute.max()), 0.005
-        taus = [end + comm + 0.001 * float(rng.random()) for _ in range(2)]
-        out = run.accept(item(step, taus, [end - float(c) + comm for c in compute]), now=step)
+            compute[1] += extra_s
+        end = float(compute.max())
+        taus = [end + comm_s + 0.001 * compute_s * float(rng.random()) for _ in range(2)]
+        out = run.accept(item(step, taus, [end - float(c) + comm_s for c in compute]), now=step)
         alerts += out.rows["alerts"]
         anomalies += out.rows["anomalies"]
-    gross = [a["step"] for a in anomalies if a["kind"] == "straggler"]
+    return [a["step"] for a in anomalies if a["kind"] == "straggler"], (alerts or [None])[0]
+
+
+@pytest.mark.parametrize("delay_s", [3.0, 1.0])  # the fault's default; the gallery's
+def test_the_demo_straggler_fault_pages_the_gross_tier_on_its_third_step(delay_s):
+    """``deploy.demo.faults.Straggler``: rank 1 of 2 sleeps ``delay_s`` a step for 10 steps
+    from step 120 on the demo's ~40 ms steps; the gross tier (the only straggler rule with
+    two ranks) pages at 122 naming rank 1: the job's step time is ~25-75x its baseline."""
+    gross, alert = two_rank_job(0.035, 0.005, delay_s)
     assert gross and gross[0] == 122 and all(120 <= s < 130 for s in gross)
-    assert (alerts[0]["step"], alerts[0]["signal"], alerts[0]["culprit"]) == (
-        122,
-        "step_time",
-        "rank 1",
-    )
+    assert (alert["step"], alert["signal"], alert["culprit"]) == (122, "step_time", "rank 1")
+
+
+def test_a_gross_straggler_whose_own_time_is_a_tenth_of_the_step_still_pages():
+    """Communication-bound steps: own time 4 ms of 40 ms; rank 1's compute grows 5.5x, the
+    step only ~1.45x (the guard's bound: 1 + (5 - 1) x its 10 % share): still paged at 122."""
+    gross, alert = two_rank_job(0.004, 0.036, 4.5 * 0.004)
+    assert gross and gross[0] == 122 and all(120 <= s < 130 for s in gross)
+    assert (alert["step"], alert["culprit"]) == (122, "rank 1")
+    # the guard is what it passed: asked for 1.5x, the same job's gross tier is silent
+    assert two_rank_job(0.004, 0.036, 4.5 * 0.004, slowdown=1.5)[0] == []
