@@ -3,14 +3,14 @@ what stage 1 sends to the detail topic and what to stage 2's ordered path."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from probewire.instrument.catalog import Label, Loss, System, Tensor
 from probewire.instrument.wire import RankStep, series_key
 from probewire.stream.records import CompleteReason, ReducedStep
 from probewire.stream.reduce import reduce_step
-import dataclasses
-
 from probewire.stream.split import OversizeStep, split_step, wire_parts
 from probewire.stream.stage2 import RunPipeline, Stage2Config, column_rows, detail_output
 from probewire.stream.view import p0_view

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from probewire.instrument.wire import RankStep, series_key
+from probewire.stream.records import ReducedStep
 from probewire.stream.reduce import reduce_step
 from probewire.stream.retention import retained_steps
 from probewire.stream.signals import DetectorConfig
-from probewire.stream.records import ReducedStep
 from probewire.stream.split import wire_parts
 from probewire.stream.stage2 import RunPipeline, Stage2Config, detail_output, p0_view
 
