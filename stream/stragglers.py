@@ -76,9 +76,9 @@ class StragglerRules:
           steps, 25-75x). With two ranks each is the other's whole reference, and the ratio
           also explodes when the other's own time shrinks: on a loaded host the fast rank
           waits out the scheduler's delays of the slow one, its own time collapses to the
-          5 % floor and rho held 18.7-20.8 on three steps in a row while the step time stayed
-          0.12-0.21 s around its 0.165 s median (a healthy 2-rank moe run paged;
-          ``tests/unit/stream/test_gross_straggler.py``);
+          5 % floor and rho held 18.7-20.8 on three steps in a row while the step time was
+          1.72x, 0.98x and 1.45x its median (a healthy 2-rank moe run paged; recorded in
+          ``tests/unit/stream/data/gloo_2rank_steps.json``);
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
           ``straggler_held_steps`` steps by ``straggler_held_ratio``: the rank was slower
           than the others on nine steps in ten of 40 (a sign test more than a size test).

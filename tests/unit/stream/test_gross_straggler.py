@@ -6,7 +6,7 @@ run on a loaded host paged)."""
 from __future__ import annotations
 
 import json
-import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,24 +16,20 @@ from probewire.stream.reduce import reduce_step
 from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 
-# the stored step_metrics of the healthy 2-rank moe demo around its false page: (step,
-# step_time_s, straggler_rank, straggler_own_ratio); the old rule paged at 833 ("18.73
-# against baseline 1.103; carried by rank 1")
-MOE_2RANK = [
-    (826, 0.174, 1, 16.71),
-    (827, 0.122, 1, 1.31),
-    (828, 0.111, 1, 1.66),
-    (829, 0.143, 0, 1.56),
-    (830, 0.082, 0, 1.08),
-    (831, 0.209, 1, 19.84),
-    (832, 0.121, 1, 20.78),
-    (833, 0.179, 1, 18.73),
-    (834, 0.138, 1, 2.34),
-    (835, 0.240, 1, 4.77),
-    (836, 0.197, 0, 4.72),
-    (837, 0.165, 0, 1.63),
-    (838, 0.172, 0, 1.83),
+RECORDED = json.loads((Path(__file__).parent / "data" / "gloo_2rank_steps.json").read_text())[
+    "runs"
 ]
+WINDOW = 50  # the detector window of the recording (benchmarks/detectors.py)
+
+
+def recorded(run: str, until: int | None = None) -> list[tuple[int, float, dict[int, float]]]:
+    """(step, step time, own-time ratios) of a recorded 2-rank run: the stored straggler
+    rank's ratio, the other rank's its inverse (each is the other's whole reference)."""
+    return [
+        (step, tau, {rank: rho, 1 - rank: 1 / rho})
+        for step, tau, rank, rho in RECORDED[run]
+        if until is None or step <= until
+    ]
 
 
 def view(step_time: float | None) -> dict:
@@ -57,47 +53,43 @@ def straggler_pages(
     return out
 
 
-def healthy_two_ranks(first: int, n: int, seed: int = 38):
-    """A healthy 2-rank history before the table: rank 1's own-time ratio around the 1.10
-    the page reported as its baseline (rank 0's is its inverse: each rank is the other's
-    whole reference), step times log-normal with the table's own median and spread."""
-    rng = np.random.default_rng(seed)
-    logs = np.log([t for _, t, _, _ in MOE_2RANK])
-    med, spread = np.median(logs), 1.4826 * np.median(np.abs(logs - np.median(logs)))
-    out = []
-    for step in range(first, first + n):
-        rho = float(np.exp(rng.normal(math.log(1.1), 0.2)))
-        out.append((step, float(np.exp(rng.normal(med, spread))), {0: 1 / rho, 1: rho}))
-    return out
-
-
-def table_steps():
-    return [(step, tau, {rank: rho, 1 - rank: 1 / rho}) for step, tau, rank, rho in MOE_2RANK]
-
-
 def test_a_healthy_two_rank_run_whose_own_ratio_explodes_pages_nothing():
-    """The stored steps of the false page: rank 1's own-time ratio ~20x its baseline on
-    831-833 (the other rank waited, its own time at the floor) while the job's step time
-    was 1.27x, 0.73x and 1.08x its baseline: no page; without the guard it pages at 833
-    naming rank 1, as the old rule did."""
-    series = healthy_two_ranks(600, 226) + table_steps()
-    assert straggler_pages(SignalDetectors(DetectorConfig()), series) == []
-    unguarded = DetectorConfig(straggler_job_slowdown=0.0)
+    """The recorded healthy 2-rank moe run: rank 1's own-time ratio held 18.7-20.8 on
+    831-833 (the other rank's own time at the 5 % floor) while the job's step time was
+    1.72x, 0.98x and 1.45x its median: no page; without the guard (the old rule) it pages
+    at 833 naming rank 1, the page the healthy run sent."""
+    series = recorded("healthy-moe")
+    assert [s for s, _, r in series[831:834] if r[1] >= 18.7] == [831, 832, 833]
+    assert straggler_pages(SignalDetectors(DetectorConfig(window=WINDOW)), series) == []
+    unguarded = DetectorConfig(window=WINDOW, straggler_job_slowdown=0.0)
     assert straggler_pages(SignalDetectors(unguarded), series) == [(833, "rank 1")]
 
 
 def test_the_guard_reads_the_step_time_over_the_median_of_its_window():
     """The ratio the guard holds is tau_t / exp(median of the previous ``window`` log step
-    times), checked against NumPy on the last steps."""
-    series = healthy_two_ranks(600, 226) + table_steps()
-    det = SignalDetectors(DetectorConfig())
+    times), checked against NumPy at the false page's steps: under 1 at 832."""
+    series = recorded("healthy-moe", until=833)
+    det = SignalDetectors(DetectorConfig(window=WINDOW))
     straggler_pages(det, series)
     u = np.log(np.array([t for _, t, _ in series]) + det.spikes["step_time"].eps)
-    last = range(len(series) - det.config.straggler_steps, len(series))
-    want = [(series[i][0], float(np.exp(u[i] - np.median(u[i - 100 : i])))) for i in last]
+    want = [
+        (series[i][0], float(np.exp(u[i] - np.median(u[i - WINDOW : i])))) for i in (831, 832, 833)
+    ]
     got = list(det.stragglers.job)
-    assert [s for s, _ in got] == [s for s, _ in want] == [836, 837, 838]
+    assert [s for s, _ in got] == [s for s, _ in want] == [831, 832, 833]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-12)
+    assert [round(v, 2) for _, v in got] == [1.72, 0.98, 1.45]
+
+
+def test_the_recorded_demo_straggler_pages_at_the_same_step_as_before():
+    """The recorded 2-rank demo straggler (rank 1 sleeps 3 s a step from step 200 on ~50 ms
+    steps; the job's step time 50-58x its median): paged at 202 naming rank 1, with and
+    without the guard, and nothing before."""
+    series = recorded("straggler")
+    for slowdown in (DetectorConfig().straggler_job_slowdown, 0.0):
+        cfg = DetectorConfig(window=WINDOW, straggler_job_slowdown=slowdown)
+        got = straggler_pages(SignalDetectors(cfg), series)
+        assert got and got[0] == (202, "rank 1") and all(200 <= s < 210 for s, _ in got)
 
 
 @pytest.mark.parametrize(
@@ -137,15 +129,15 @@ def test_the_gross_tier_needs_the_job_slowed_on_each_of_its_steps(job, paged):
 def test_a_state_saved_before_the_guard_still_loads_and_pages():
     """A state without the guard's key (saved by the previous version) loads; its missing
     steps count as unmeasured, the guard holds from the next steps on."""
-    cfg = DetectorConfig(straggler_job_slowdown=1.2)
-    series = healthy_two_ranks(600, 226) + table_steps()
+    cfg = DetectorConfig(window=WINDOW)
+    series = recorded("healthy-moe")
     first = SignalDetectors(cfg)
-    straggler_pages(first, series[:-8])  # up to step 830
+    straggler_pages(first, series[:831])  # up to step 830
     state = json.loads(json.dumps(first.to_state()))
     assert len(state.pop("straggler_job")) == cfg.straggler_steps
     second = SignalDetectors.from_state(cfg, state)
     assert list(second.stragglers.job) == []
-    assert straggler_pages(second, series[-8:]) == []  # 832 measured the job at 0.73x
+    assert straggler_pages(second, series[831:]) == []  # 832 measured the job at 0.98x
     round_trip = SignalDetectors.from_state(cfg, json.loads(json.dumps(first.to_state())))
     assert list(round_trip.stragglers.job) == list(first.stragglers.job)
 
