@@ -74,9 +74,9 @@ class StragglerRules:
           ``derive.OWN_FLOOR`` (5 %) of the step, so a rank at 5x its usual ratio adds at
           least (5 - 1) x 5 % of the step: 1.2x, the default (the demo's 1-3 s sleep on ~40 ms
           steps, 25-75x). With two ranks each is the other's whole reference, and the ratio
-          also explodes when the other's own time shrinks: on a loaded host the fast rank
-          waits out the scheduler's delays of the slow one, its own time collapses to the
-          5 % floor and rho held 18.7-20.8 on three steps in a row while the step time was
+          also explodes when the other's own time collapses: on the loaded host the other
+          rank's exposed wait covered nearly its whole step (its own time at the 5 % floor)
+          and rho held 18.7-20.8 on three steps in a row while the step time was
           1.72x, 0.98x and 1.45x its median (a healthy 2-rank moe run paged; recorded in
           ``tests/unit/stream/data/gloo_2rank_steps.json``);
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
