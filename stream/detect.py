@@ -229,6 +229,13 @@ class RobustSpikeDetector:
             nonfinite=False,
         )
 
+    def median(self) -> float | None:
+        """q_t of the next ``update``: the window's median u once it holds ``min_history``
+        values (the full-window regime), else None."""
+        if len(self._sorted) < (self.min_history or self.window):
+            return None
+        return sorted_median(self._sorted)
+
     def peek(self, x: float) -> SpikeResult:
         """Score ``x`` against the window as ``update`` would, without adding it."""
         saved = self._history.copy(), self._sorted.copy()

@@ -70,6 +70,11 @@ class DetectorConfig:
     min_spread: float = MIN_SPREAD  # floor under every robust score's spread (log units)
     straggler_ratio: float = 5.0  # one rank's own-time ratio over its own baseline...
     straggler_steps: int = 3  # ...on every one of this many consecutive steps: a page
+    # when the job's step time is at least this x its baseline on each of them: a gross
+    # straggler costs the job time, here 1 + (straggler_ratio - 1) x derive.OWN_FLOOR (its
+    # own time, at least 5 % of the step, grown 5x on the critical path); two ranks'
+    # own-time ratio also explodes when the other rank's own time merely shrinks
+    straggler_job_slowdown: float = 1.2
     straggler_held_ratio: float = 1.05  # or (3+ ranks): above this on nine steps in ten...
     straggler_held_steps: int = 40  # ...of this many consecutive steps
     straggler_held_quantile: float = 0.1

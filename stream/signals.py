@@ -137,7 +137,7 @@ class SignalDetectors:
             if any(f is not None and f.page for f in worst)
             else None,
         )
-        found += self.stragglers.observe(step, ranks.own_ratio)
+        found += self.stragglers.observe(step, ranks.own_ratio, self._step_time_ratio(view))
         found += self._single_signals(view)
         found += self._memory(step, view)
         found += self._experts(view, warm=not derived[SM.warmup])
@@ -385,6 +385,17 @@ class SignalDetectors:
                 finding.kind, finding.page = "via_rank", False
             found.append(finding)
         return found
+
+    def _step_time_ratio(self, view: dict[str, Any]) -> float | None:
+        """The step time over its baseline, exp(u_t - q_t) of the step-time spike detector
+        (q_t: the median of the window the step is about to be scored against); None while
+        that window fills or without a finite, positive step time."""
+        x = view.get(SM.step_time_s)
+        detector = self.spikes["step_time"]
+        q = detector.median()
+        if x is None or q is None or not (math.isfinite(x) and x > 0.0):
+            return None
+        return math.exp(math.log(x + detector.eps) - q)
 
     def _single_signals(self, view: dict[str, Any]) -> list[Finding]:
         """Step time against its own history: a spike is an anomaly, and pages when it holds

@@ -115,6 +115,7 @@ class Stage2Config:
             "media_scale_max",
             "vanish_ratio",
             "headroom_min",
+            "straggler_job_slowdown",
             "straggler_cusum_k",
             "straggler_cusum_h",
             "straggler_cusum_scale",

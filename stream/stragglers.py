@@ -5,6 +5,7 @@ history; the rank a whole-job step-time rise is carried by. Pure and serialisabl
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,8 @@ baseline over the spike's steps (one rank 1.2x the others' pace); else the whole
 
 
 class StragglerRules:
-    """The per-rank levels and CUSUMs of one run."""
+    """The per-rank levels and CUSUMs of one run, and the job's step time over its baseline
+    on the last ``straggler_steps`` steps (the gross tier's guard)."""
 
     def __init__(self, config: DetectorConfig, state: Mapping[str, Any] | None = None) -> None:
         self.config = config
@@ -38,13 +40,18 @@ class StragglerRules:
             min_scale=cfg.straggler_cusum_scale,
             floor=1.0,
         )
+        self.job: deque[tuple[int, float]] = deque(maxlen=cfg.straggler_steps)
         state = state or {}
+        # absent in states saved before the guard: its steps count as unmeasured
+        self.job.extend((int(s), float(v)) for s, v in state.get("straggler_job", ()))
         if "levels" in state:
             self.levels = RankLevels.from_state(state["levels"])
         if "slow" in state:  # absent in states saved before the CUSUMs
             self.slow = PeerShift.from_state(state["slow"])
 
-    def observe(self, step: int, ratios: Mapping[int, float]) -> list[Finding]:
+    def observe(
+        self, step: int, ratios: Mapping[int, float], job: float | None = None
+    ) -> list[Finding]:
         """`step_time` pages when one rank's own-time ratio rho_r (its own time, step time
         minus its exposed collective wait, over the other ranks' median: load the whole
         host shares cancels) stands above that rank's own baseline (its history, at least
@@ -59,8 +66,19 @@ class StragglerRules:
           an e2e run, where k 0.75 / h 8 paged a healthy rank); bursts the ranks share
           widen the scale s (the peers' joint spread of the last steps);
 
-        * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps: a gross
-          straggler, seen in a few steps;
+        * by ``straggler_ratio`` on each of ``straggler_steps`` consecutive steps, the job's
+          step time being at least ``straggler_job_slowdown`` x its baseline on each of them
+          where measured: a gross straggler, seen in a few steps. A real one costs the job
+          time: under synchronous DDP its extra own time lands on the critical path (the
+          others do their usual work, then wait), and its own time is at least
+          ``derive.OWN_FLOOR`` (5 %) of the step, so a rank at 5x its usual ratio adds at
+          least (5 - 1) x 5 % of the step: 1.2x, the default (the demo's 1-3 s sleep on ~40 ms
+          steps, 25-75x). With two ranks each is the other's whole reference, and the ratio
+          also explodes when the other's own time collapses: on the loaded host the other
+          rank's exposed wait covered nearly its whole step (its own time at the 5 % floor)
+          and rho held 18.7-20.8 on three steps in a row while the step time was
+          1.72x, 0.98x and 1.45x its median (a healthy 2-rank moe run paged; recorded in
+          ``tests/unit/stream/data/gloo_2rank_steps.json``);
         * with 3 or more ranks, at its ``straggler_held_quantile`` over the last
           ``straggler_held_steps`` steps by ``straggler_held_ratio``: the rank was slower
           than the others on nine steps in ten of 40 (a sign test more than a size test).
@@ -72,8 +90,13 @@ class StragglerRules:
         steps of 3 gloo ranks, with and without a CPU burner, the held level (q 0.1 of 40
         steps) peaked at 0.96, while the median over 40 steps reached 2.0 and the lower
         quartile 1.3; a rank slowed by half its step held 1.13-1.41 (2 ranks: 1.25 on a
-        healthy 5,000-step run, hence the 3-rank condition)."""
+        healthy 5,000-step run, hence the 3-rank condition).
+
+        ``job`` is the step's step time over its own baseline (the median of its history,
+        ``signals``), None when either is unknown."""
         self.levels.update(step, ratios)
+        if job is not None and math.isfinite(job):
+            self.job.append((step, job))
         slow = [r for r in self.slow.update(ratios) if r.shift]
         if slow:  # the CUSUM: the rank that moved furthest above its baseline
             res = max(slow, key=lambda r: (r.ratio / r.baseline, -r.key))
@@ -90,12 +113,22 @@ class StragglerRules:
                     ranks=[res.key],
                 )
             ]
-        return self._held(ratios)
+        return self._held(step, ratios)
 
-    def _held(self, ratios: Mapping[int, float]) -> list[Finding]:
+    def _job_slowed(self, step: int) -> bool:
+        """The job's step time was at least ``straggler_job_slowdown`` x its baseline on each
+        of the last ``straggler_steps`` steps that measured it (an unmeasured step, such as
+        the window's warm-up, does not count against)."""
+        cfg = self.config
+        first = step - cfg.straggler_steps + 1
+        return all(v >= cfg.straggler_job_slowdown for s, v in self.job if first <= s <= step)
+
+    def _held(self, step: int, ratios: Mapping[int, float]) -> list[Finding]:
         """The held rules of ``_straggler``: the rank furthest over its threshold, if any."""
         cfg = self.config
-        tiers = [(cfg.straggler_steps, 0.0, cfg.straggler_ratio)]
+        tiers: list[tuple[int, float, float]] = []
+        if self._job_slowed(step):
+            tiers.append((cfg.straggler_steps, 0.0, cfg.straggler_ratio))
         if len(ratios) >= 3:
             tiers += [
                 (cfg.straggler_held_steps, cfg.straggler_held_quantile, cfg.straggler_held_ratio),
@@ -151,4 +184,8 @@ class StragglerRules:
         return best[1] if best is not None and best[0] >= PACE_RATIO else None
 
     def to_state(self) -> dict[str, Any]:
-        return {"levels": self.levels.to_state(), "slow": self.slow.to_state()}
+        return {
+            "levels": self.levels.to_state(),
+            "slow": self.slow.to_state(),
+            "straggler_job": [[s, v] for s, v in self.job],
+        }

@@ -164,8 +164,9 @@ def test_fault_pages_its_signal_at_its_step(name: str, gallery):
 def test_straggler_pages_step_time(gallery):
     """`step_time` pages within the fault's ``within`` steps naming the slow rank, on any
     host: the straggler rule (the rank's own-time ratio at least ``straggler_ratio`` x its
-    own baseline on ``straggler_steps`` consecutive steps) does not depend on the step
-    time's own noise."""
+    own baseline on ``straggler_steps`` consecutive steps, the job's step time at least
+    ``straggler_job_slowdown`` x its median on each: a 1 s sleep on ~40 ms steps is ~25x)
+    does not depend on the step time's own noise."""
     fault, alerts, _, _, _ = gallery[Straggler.name]
     _check_pages(fault.name, fault, alerts)
 

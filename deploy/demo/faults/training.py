@@ -259,7 +259,8 @@ class Straggler(Fault):
     its own time / the other ranks' median (the seeds' S = τ / median τ_r stays ~1 here).
     A sleep of 1 s or more makes the rank's own-time ratio ~20 on the demo's ~40 ms steps
     (the waiting rank's own time is floored at 5 % of tau) against a baseline of ~1: the
-    brief rule (x ``straggler_ratio`` 5 on 3 consecutive steps) pages at ``step`` + 2, and
+    brief rule (x ``straggler_ratio`` 5 on 3 consecutive steps, the job's step time then
+    25-75x its median, over ``straggler_job_slowdown`` 1.2) pages at ``step`` + 2, and
     so does the whole job's step time, a spike on 3 steps in a row, naming the rank whose
     own time carries it. A rank slowed by half its step (``factor=1.5``; 3 ranks, heavier
     steps, ``tests/e2e/test_demo_pages.py``) holds its ratio on every slow step and the held rule
