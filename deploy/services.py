@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from probewire.deploy.settings import Settings, split_credentials
-from probewire.deploy.stack import StackError, create_topics
+from probewire.deploy.stack import StackError, create_topics, topic_message_bytes
 
 __all__ = ["PreflightError", "open_store", "preflight"]
 
@@ -116,6 +116,11 @@ def preflight(settings: Settings, heartbeat: Path, *, owns_store: bool = False) 
         raise PreflightError(held)
     heartbeat.parent.mkdir(parents=True, exist_ok=True)
     try:
-        create_topics(settings.kafka.client_config(), settings.topics.all(), timeout_s=8.0)
+        create_topics(
+            settings.kafka.client_config(),
+            settings.topics.all(),
+            timeout_s=8.0,
+            message_bytes=topic_message_bytes(settings),
+        )
     except StackError as exc:
         raise PreflightError(str(exc)) from None

@@ -23,6 +23,7 @@ from typing import IO
 from probewire.deploy.health import read_heartbeat
 from probewire.deploy.settings import Settings, split_credentials
 from probewire.sinks.readserver import READER_TOKEN_ENV
+from probewire.stream.publish import RECORD_OVERHEAD_BYTES
 
 __all__ = [
     "LocalStack",
@@ -126,13 +127,22 @@ KAFKA_MESSAGE_BYTES = 1_048_588
 """Kafka's default max.message.bytes (1 MiB plus the record batch header)."""
 
 
+def topic_message_bytes(settings: Settings) -> int:
+    """The ``max.message.bytes`` of the topics probewire creates: Kafka's default, or what
+    ``stream.max_message_bytes`` needs (a 16,384-rank step's main part is ~1.7 MB)."""
+    return max(KAFKA_MESSAGE_BYTES, settings.stream.max_message_bytes + RECORD_OVERHEAD_BYTES)
+
+
 def create_topics(
-    bootstrap: str | dict[str, str], partitions: dict[str, int], timeout_s: float = 30.0
+    bootstrap: str | dict[str, str],
+    partitions: dict[str, int],
+    timeout_s: float = 30.0,
+    message_bytes: int = KAFKA_MESSAGE_BYTES,
 ) -> None:
     """Create topics with explicit partition counts; existing topics are left alone.
-    ``bootstrap`` is an address or a whole client config (SASL/TLS). Each states Kafka's
-    default ``max.message.bytes``, so the worker's start-up check can read it (Tansu states
-    only what a topic was created with)."""
+    ``bootstrap`` is an address or a whole client config (SASL/TLS). Each states its
+    ``max.message.bytes`` (Kafka's default unless ``message_bytes`` says more), so the
+    worker's start-up check can read it (Tansu states only what a topic was created with)."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -140,7 +150,7 @@ def create_topics(
     existing = check_broker(config, timeout_s)
     admin = AdminClient({**config, "log_level": 0})
     wanted = [
-        NewTopic(n, p, 1, config={"max.message.bytes": str(KAFKA_MESSAGE_BYTES)})
+        NewTopic(n, p, 1, config={"max.message.bytes": str(message_bytes)})
         for n, p in partitions.items()
         if n not in existing
     ]
@@ -224,7 +234,11 @@ class LocalStack:
         self.record("broker", self.broker, port)
         _wait_port(port, self.broker, 20.0)
         self.bootstrap = f"127.0.0.1:{port}"
-        create_topics(self.bootstrap, self.settings.topics.all())
+        create_topics(
+            self.bootstrap,
+            self.settings.topics.all(),
+            message_bytes=topic_message_bytes(self.settings),
+        )
         return self.bootstrap
 
     def restart_broker(self) -> str:
@@ -238,7 +252,9 @@ class LocalStack:
         """Use an existing Kafka cluster instead of starting Tansu (topics still created)."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap = bootstrap
-        create_topics(bootstrap, self.settings.topics.all())
+        create_topics(
+            bootstrap, self.settings.topics.all(), message_bytes=topic_message_bytes(self.settings)
+        )
         return bootstrap
 
     def _child_env(self, heartbeat: Path) -> dict[str, str]:
