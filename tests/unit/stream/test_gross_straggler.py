@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_straggler import item
 
-from probewire.instrument.wire import RankStep, series_key
-from probewire.stream.reduce import reduce_step
 from probewire.stream.signals import DetectorConfig, RankSeries, SignalDetectors
 from probewire.stream.stage2 import RunPipeline, Stage2Config
 
@@ -143,28 +142,6 @@ def test_a_state_saved_before_the_guard_still_loads_and_pages():
 
 
 # -- the demo's straggler fault through stage 2 --------------------------------------------------
-def item(step: int, taus: list[float], waits: list[float]):
-    out = [
-        RankStep(
-            run_id="run",
-            step=step,
-            rank=r,
-            world_size=len(taus),
-            host="h",
-            coords={"dp": r},
-            values={
-                series_key("loss.sum"): 10.0,
-                series_key("loss.tokens"): 5.0,
-                series_key("grad.norm_sq"): 1.0,
-                series_key("step.duration"): tau,
-                series_key("comm.wait", {"op": "ddp_allreduce"}): wait,
-            },
-        )
-        for r, (tau, wait) in enumerate(zip(taus, waits))
-    ]
-    return reduce_step("run", step, len(taus), out, "all_ranks")
-
-
 def two_rank_job(compute_s: float, comm_s: float, extra_s: float, slowdown: float = 1.2):
     """Stage 2 on a synchronous 2-rank DDP job (window 50): rank 1's compute takes
     ``extra_s`` more on steps 120-129; the other rank waits for it in the all-reduce.
@@ -186,7 +163,10 @@ def two_rank_job(compute_s: float, comm_s: float, extra_s: float, slowdown: floa
             compute[1] += extra_s
         end = float(compute.max())
         taus = [end + comm_s + 0.001 * compute_s * float(rng.random()) for _ in range(2)]
-        out = run.accept(item(step, taus, [end - float(c) + comm_s for c in compute]), now=step)
+        out = run.accept(
+            item(step, taus, [{"ddp_allreduce": end - float(c) + comm_s} for c in compute]),
+            now=step,
+        )
         alerts += out.rows["alerts"]
         anomalies += out.rows["anomalies"]
     return [a["step"] for a in anomalies if a["kind"] == "straggler"], (alerts or [None])[0]
