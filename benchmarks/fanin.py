@@ -17,12 +17,24 @@ stored and ``--gap-s`` has passed (the worker idle when each starts):
 - one co-spike step (``SimRun.cospike_step``: loss x3, gradient x20), after the detectors'
   early history (P0 steps up to step 12, outside the medians): its row's latency and its
   page's, from ``probewire.alerts`` (``--no-cospike``: none, nor the history).
-- ``--scan-pairs`` pairs: a scan-tier step of 544 points a rank (60 tensors' scan fields),
-  then, as soon as its last message is delivered, a P0 step: that P0 step's latency. The
-  P0 step is encoded before the scan step is sent (ranks encode on their own hosts; here
-  the encoder would take a core from the workers while they reduce the scan step). Each
-  pair is followed by the same pair with a P0 step first (``after_p0_s``): a step sent
-  right after another waits for it, detail or not; the difference is the detail's.
+- ``--scan-pairs`` times, four pairs of steps, the second of each a P0 step whose latency
+  is measured; the first:
+  - ``after_scan_s``: a scan-tier step of 544 points a rank (60 tensors' scan fields); the
+    P0 step is sent ``--gap-s`` after the scan step's row is stored, its detail still in
+    flight (reduced by the detail worker and written by the owner meanwhile: seconds at
+    2,048 ranks). The condition of ``p0_s`` (the step tier idle when the step comes) with
+    the detail added: the difference is what the detail costs a page.
+  - ``after_p0_s``: a P0 step, the same way (``p0_s`` again, interleaved with the scan
+    pairs: the control at the same time and load).
+  - ``behind_scan_s``: the scan-tier step; the P0 step sent as soon as the scan step's last
+    message is delivered, so it also waits for the scan step's own step tier (49 points a
+    rank) to be reduced.
+  - ``behind_p0_s``: a P0 step, the same way: a step sent right behind another waits for
+    it, detail or not; ``behind_scan_s`` less this is the detail's share.
+  The P0 step is encoded before the first step is sent (ranks encode on their own hosts;
+  here the encoder would take a core from the workers while they reduce). After each
+  scan-tier step, its detail is waited for (the owner's detail writes, from its heartbeat:
+  stored_s, within 0.1 s) so that no pair runs beside another pair's detail.
 
 Latency = (the step's row stored) - (the broker's delivery report of the step's last rank
 message, timestamped in the producer's delivery callback). "Stored" is the worker's own
@@ -84,6 +96,7 @@ WARM_STEPS = 2
 EARLY_HISTORY = 12  # steps before the co-spike (DetectorConfig.early_history is 10)
 METRICS_TOPIC, DETAIL_TOPIC = TopicConfig().metrics, TopicConfig().detail
 
+PROCESSES = ("owner", "broker", "other workers")  # Bench.cpu_by_process
 RankPoints = tuple[int, WireEncoder, list[Point]]  # (rank, its encoder, its points)
 Routed = list[tuple[str, bytes, bytes]]  # (topic, key, value)
 
@@ -140,6 +153,7 @@ class Watch:
     stored: list[tuple[int, float]] = field(default_factory=list)  # (steps_written, ts)
     pages: dict[int, tuple[float, float]] = field(default_factory=dict)  # step: (sent, got)
     delivered: dict[int, float] = field(default_factory=dict)  # step: last delivery
+    details: list[tuple[int, float]] = field(default_factory=list)  # (detail parts stored, ts)
     seen: list[tuple[int, float, float]] = field(default_factory=list)  # ``read_loop``
     failed: int = 0
     rss_peak: int = 0
@@ -191,9 +205,34 @@ class Watch:
 
     def _beat(self, beat: dict) -> None:
         written = int(beat.get("runs", {}).get(self.run_id, {}).get("steps_written", 0))
+        detail = beat.get("stages", {}).get("detail", {})
         with self.lock:
             if not self.stored or written > self.stored[-1][0]:
                 self.stored.append((written, float(beat["ts"])))
+            if detail.get("output_age_s") is not None and int(detail["outputs"]) > (
+                self.details[-1][0] if self.details else 0
+            ):  # the owner's last detail write: the beat's time less its age (0.1 s)
+                self.details.append(
+                    (int(detail["outputs"]), float(beat["ts"]) - float(detail["output_age_s"]))
+                )
+
+    def detail_outputs(self) -> int:
+        """Detail parts the owner has stored so far (``Worker.on_detail_step``)."""
+        with self.lock:
+            return self.details[-1][0] if self.details else 0
+
+    def detail_settled(self, before: int, timeout_s: float, quiet_s: float = 2.5) -> float | None:
+        """When the owner stored its last detail part, once more than ``before`` are stored
+        and no other came for ``quiet_s`` (heartbeats come at least once a second); None
+        after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                last = self.details[-1] if self.details else (0, 0.0)
+            if last[0] > before and time.time() - last[1] >= quiet_s:
+                return last[1]
+            time.sleep(0.05)
+        return None
 
     def read_loop(self, interval_s: float = 0.05) -> None:
         """``--verify-read``: the run's step_metrics rows counted through the worker's live
@@ -291,6 +330,15 @@ class Bench:
     reducers: list[dict[str, int]] = field(default_factory=list)  # per measured step
     counts: dict[int, int] = field(default_factory=dict)  # step: rows stored with it
     sampled: dict[str, list[int]] = field(default_factory=dict)  # kind: steps measured
+    step_cpu: dict[str, list[list[float]]] = field(default_factory=dict)  # kind: [PROCESSES]
+
+    def cpu_by_process(self) -> list[float]:
+        """CPU seconds so far of the owner, the broker, the other workers (``PROCESSES``)."""
+        others = [psutil.Process(p.pid) for p in self.stack.stage1_workers]
+        return [
+            cpu_s([psutil.Process(p.pid)]) if p else 0.0
+            for p in (self.stack.worker, self.stack.broker)
+        ] + [cpu_s(others)]
 
     def __post_init__(self) -> None:
         self.producer = Producer(
@@ -369,16 +417,19 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
     """The sequence of the module docstring from ``step`` on; every latency sample by kind.
     Every step sent here counts in the CPU per point (the early-history ones too)."""
     args = bench.args
-    kinds = ("p0", "after_scan", "after_p0", "cospike_row")
+    kinds = ("p0", "after_scan", "after_p0", "behind_scan", "behind_p0", "cospike_row", "detail")
     out: dict[str, list[float]] = {k: [] for k in kinds}
     out["page"], out["page_seen"] = [], []
 
     def one(kind: str | None, encoded: tuple[Routed, int] | None = None) -> None:
         nonlocal step
+        before = bench.cpu_by_process()
         bench.send(bench.p0, step, encoded=encoded)
         if (lat := bench.latency(step)) is not None and kind is not None:
             out[kind].append(lat)
             bench.sampled.setdefault(kind, []).append(step)
+            after = bench.cpu_by_process()
+            bench.step_cpu.setdefault(kind, []).append([a - b for a, b in zip(after, before)])
         bench.settle()
         step += 1
 
@@ -397,11 +448,25 @@ def measure(bench: Bench, began: float, step: int) -> dict[str, list[float]]:
         if time.monotonic() - began > args.budget_s:
             say("  (budget spent: fewer scan pairs)")
             break
-        for first, kind in ((bench.scan, "after_scan"), (bench.p0, "after_p0")):
+        for first, kind, stored in (
+            (bench.scan, "after_scan", True),
+            (bench.p0, "after_p0", True),
+            (bench.scan, "behind_scan", False),
+            (bench.p0, "behind_p0", False),
+        ):
             after = bench.encode(bench.p0, step + 1)  # first: ranks encode on their hosts
+            detail = bench.watch.detail_outputs()
             bench.send(first, step)
+            if stored:  # its row stored and the gap: the step tier idle, its detail not
+                bench.latency(step)
+                bench.settle(measured=False)
             step += 1
             one(kind, after)
+            if first is bench.scan:  # its detail stored before the next pair begins
+                if (done := bench.watch.detail_settled(detail, args.step_timeout_s)) is None:
+                    say(f"  the detail of step {step - 2} not stored in {args.step_timeout_s}s")
+                else:
+                    out["detail"].append(done - bench.watch.delivered[step - 2])
     return out
 
 
@@ -450,11 +515,14 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
     say(
         f"fanin ranks {n} p0_s {median(lat['p0']):.3f} after_scan_s "
         f"{median(lat['after_scan']):.3f} cpu_us_per_point {net / bench.points * 1e6:.2f} "
-        f"rss_mb {bench.watch.rss_peak / 2**20:.0f} after_p0_s {median(lat['after_p0']):.3f}"
+        f"rss_mb {bench.watch.rss_peak / 2**20:.0f} after_p0_s {median(lat['after_p0']):.3f} "
+        f"behind_scan_s {median(lat['behind_scan']):.3f} behind_p0_s "
+        f"{median(lat['behind_p0']):.3f}"
     )
     say(
         f"  samples p0_s {fmt(lat['p0'])} after_scan_s {fmt(lat['after_scan'])} after_p0_s "
-        f"{fmt(lat['after_p0'])} cospike row_s "
+        f"{fmt(lat['after_p0'])} behind_scan_s {fmt(lat['behind_scan'])} behind_p0_s "
+        f"{fmt(lat['behind_p0'])} scan detail stored_s {fmt(lat['detail'])} cospike row_s "
         f"{fmt(lat['cospike_row'])} page_s {fmt(lat['page'])} (seen here "
         f"{fmt(lat['page_seen'])})"
     )
@@ -462,6 +530,15 @@ def report(n: int, bench: Bench, lat: dict[str, list[float]], cpu: tuple[float, 
         f"  cpu: worker(s) {worker_cpu:.2f}s over the measured steps, idle share {idle:.2f}s, "
         f"{bench.points:,} points; raw {worker_cpu / bench.points * 1e6:.2f} us/point; "
         f"delivery errors {bench.watch.failed}"
+    )
+    say(
+        "  cpu s from a measured step's send to its row (median; "
+        + "/".join(PROCESSES)
+        + "): "
+        + " ".join(
+            f"{kind} " + "/".join(f"{median(list(col)):.2f}" for col in zip(*rows))
+            for kind, rows in bench.step_cpu.items()
+        )
     )
     if bench.stack.stage1_workers:
         marks = bench.reducers

@@ -193,6 +193,15 @@ class Stage2Output:
         for name, values in columns.items():
             held[name] += values
 
+    def retain_detail(self) -> None:
+        """The look-back rows also into their detail tables (detail of a step already kept):
+        one insert each, where ``promote`` would copy the step's whole look-back again for
+        every detail part of it (a 2,048-rank scan step comes in dozens of parts)."""
+        for table in [t for t in self.rows if t.endswith("_recent")]:
+            self.rows[table.removesuffix("_recent")] += self.rows[table]
+        for table in [t for t in self.columns if t.endswith("_recent")]:
+            self.add_columns(table.removesuffix("_recent"), self.columns[table])
+
     def extend(self, other: Stage2Output) -> None:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 256
 """Reduced steps stage 1 has handed to the broker and not yet seen confirmed; at this many
 the agent waits (memory stays bounded while the broker is slow)."""
+
+TIER_QUIET_S = 0.25
+"""The step tier counts as busy this long after its last input or store write: a reduced
+step confirmed by the broker but not yet fetched back by stage 2 is in no queue here."""
 
 
 class Worker:
@@ -107,6 +112,7 @@ class Worker:
         self._flushing: asyncio.Task | None = None  # the background write flush_soon started
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)  # reduced steps being confirmed
         self._unconfirmed: dict[asyncio.Task, tuple[int, float]] = {}  # (messages, since)
+        self._tier_seen = 0.0  # monotonic: the step tier's last input or store write
         self._live: list[asyncio.Task] = []  # the heartbeat and the broker watch
         self.read_offsets: dict[tuple[str, int], int] = {}  # next offset to read, for lag
         self.highwater: Callable[[str, int], int | None] = lambda topic, partition: None
@@ -298,6 +304,8 @@ class Worker:
         await self._gather(event, detail)
 
     async def _gather(self, event: Any, detail: bool = False) -> None:
+        if not detail:
+            self._tier_seen = time.monotonic()
         try:
             record = decode_rank_step(event.key, event.value)
         except DecodeError as exc:
@@ -463,6 +471,7 @@ class Worker:
             missed = await asyncio.get_running_loop().run_in_executor(
                 None, self.gaps.read, message.topic, message.partition, *skipped
             )
+        self._tier_seen = time.monotonic()
         for item in [*missed, event]:
             try:
                 partial, complete = decode_block(item.value)
@@ -484,6 +493,7 @@ class Worker:
         """Process a reduced step for its run; its message is acknowledged once stored."""
         self.before_event("per_run")
         self._read(event)
+        self._tier_seen = time.monotonic()
         await self.publishing.wait()
         while self.sink is None or self.batch.full:
             await asyncio.sleep(0.05)
@@ -502,24 +512,49 @@ class Worker:
 
     def _paging_busy(self) -> bool:
         """The step tier has work in hand: a step gathering or merging, a reduced step not
-        yet confirmed by the broker, or rows waiting for the store."""
+        yet confirmed by the broker, rows waiting for the store, or any of it less than
+        ``TIER_QUIET_S`` ago."""
         return bool(
-            self.assembler.pending or self.merger.pending or self._unconfirmed or self.batch.waiting
+            self.assembler.pending
+            or self.merger.pending
+            or self._unconfirmed
+            or self.batch.waiting
+            or time.monotonic() - self._tier_seen < TIER_QUIET_S
         )
 
-    async def on_detail_step(self, event: Any) -> None:
-        """Detail from the detail topic (``split.wire_parts``), stored apart from the ordered
-        per-run path so that no page waits for it: taken while the step tier has no work
-        in hand (``_paging_busy``; after ``detail_yield_s`` anyway, so detail never starves),
-        decoded, made into look-back rows and written in the detail writer thread (the event
-        loop goes on reducing and paging meanwhile), then promoted if its step was kept before the rows were durable
-        (``RunPipeline.detail_kept``; a step kept after that promotes them itself), then
-        acknowledged. A store that is down is retried, the message unacknowledged."""
-        self._read(event)
-        await self.publishing.wait()
+    async def _detail_turn(self) -> None:
+        """Wait while the step tier has work in hand, at most ``detail_yield_s``."""
         held = time.monotonic() + self.config.detail_yield_s
         while self.sink is None or (self._paging_busy() and time.monotonic() < held):
             await asyncio.sleep(0.01)
+
+    async def _store_detail(self, step: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the detail writer thread, on the step tier's turn; retried every
+        second while the store is down."""
+        while True:
+            await self._detail_turn()
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._detail_writer, fn, *args
+                )
+            except (StoreUnavailable, RejectedRows) as exc:
+                self.progress.failed("detail", str(exc))
+                log.error("probewire: detail of step %d not stored (%s); retrying", step, exc)
+                await asyncio.sleep(1.0)
+
+    async def on_detail_step(self, event: Any) -> None:
+        """Detail from the detail topic (``split.wire_parts``), stored apart from the ordered
+        per-run path so that no page waits for it: decoded into look-back rows, then written
+        one table at a time, each of these on the step tier's turn (``_detail_turn``: while
+        it has no work in hand, or after ``detail_yield_s`` anyway, so detail never starves)
+        in the detail writer thread (the event loop goes on reducing and paging meanwhile);
+        into the detail tables too if its step was kept already (``RunPipeline.detail_kept``),
+        promoted if it was kept while they were written (a step kept after that promotes
+        them itself); then acknowledged. A store that is down is retried, the message
+        unacknowledged."""
+        self._read(event)
+        await self.publishing.wait()
+        await self._detail_turn()
         loop = asyncio.get_running_loop()
         try:
             item, out = await loop.run_in_executor(self._detail_writer, _detail, event.value)
@@ -530,21 +565,15 @@ class Worker:
         run = await self.run_for(item.run_id)
         named = run.tensor_names(out)
         out.rows["tensor_names"] += named
-        batch = Batch(outputs={item.run_id: out})
-        while True:
-            try:
-                rejected = await loop.run_in_executor(
-                    self._detail_writer, write_batch, self.sink, batch
-                )
-                if run.detail_kept(item):
-                    await loop.run_in_executor(
-                        self._detail_writer, promote, self.sink, item.run_id, [item.step]
-                    )
-                break
-            except (StoreUnavailable, RejectedRows) as exc:
-                self.progress.failed("detail", str(exc))
-                log.error("probewire: detail of step %d not stored (%s); retrying", item.step, exc)
-                await asyncio.sleep(1.0)
+        kept = run.detail_kept(item)
+        if kept:  # its step was kept before: its rows go to the detail tables too, at once
+            out.retain_detail()
+        rejected = []
+        for part in _by_table(out):  # a turn each: a step arriving meanwhile goes first
+            batch = Batch(outputs={item.run_id: part})
+            rejected += await self._store_detail(item.step, write_batch, self.sink, batch)
+        if not kept and run.detail_kept(item):  # kept while the rows were written
+            await self._store_detail(item.step, promote, self.sink, item.run_id, [item.step])
         run.tensors.update(row["tensor"] for row in named)  # their rows are stored now
         for run_id, row, reason in rejected:
             await self.dead_letter_row(run_id, row, reason)
@@ -645,6 +674,7 @@ class Worker:
                     delay,
                 )
                 return
+            self._tier_seen = time.monotonic()
             refused = {id(row) for _, row, _ in rejected}
             for run_id, row, reason in rejected:
                 await self.dead_letter_row(run_id, row, reason)
@@ -738,6 +768,12 @@ class Worker:
             self.gaps.close()
         self._writer.shutdown(wait=True)
         self._detail_writer.shutdown(wait=True)
+
+
+def _by_table(out: Stage2Output) -> list[Stage2Output]:
+    """``out``'s column batches and rows, one table each (promotions are not carried)."""
+    tables = [Stage2Output(columns={t: c}) for t, c in out.columns.items()]
+    return tables + [Stage2Output(rows=defaultdict(list, {t: r})) for t, r in out.rows.items() if r]
 
 
 def _detail(payload: bytes) -> tuple[ReducedStep, Stage2Output]:

@@ -357,6 +357,11 @@ def test_a_replay_stores_the_detail_of_a_past_step_apart_and_promotes_it():
     assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
     assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
     assert set(out.columns["rank_metrics_recent"]["late"]) == {1}
+    recent = (list(out.rows["tensor_stats_recent"]), out.columns["rank_metrics_recent"])
+    out.retain_detail()  # kept already: the same rows into the detail tables, in one write
+    assert out.rows["tensor_stats"] == out.rows["tensor_stats_recent"] == recent[0]
+    assert out.columns["rank_metrics"] == out.columns["rank_metrics_recent"] == recent[1]
+    assert "step_metrics" not in out.columns and not out.rows["step_metrics"]
     # the run's own rows did not move: a later step continues the counters
     nxt = run.accept(records(6, [(2.0, 1.0), (2.0, 1.0)]), now=8.0).rows["step_metrics"]
     assert nxt[0]["tokens"] == stored[-1]["tokens"] + 2
