@@ -32,8 +32,8 @@ class StreamConfig:
     role: str = "all"  # one of ROLES; see docs/deployment.md
     # role ``all`` reduces the detail topic too; off when ``detail``/``stage1`` workers do
     detail_inline: bool = True
-    # the store owner writes detail (``probewire.detail_steps``) while the step tier has no
-    # work in hand, waiting at most this long a message before it writes anyway
+    # the store owner decodes and writes detail (``probewire.detail_steps``) a table at a
+    # time while the step tier has no work in hand, waiting at most this long at each turn
     detail_yield_s: float = 2.0
     # a worker of role ``detail`` lowers its CPU priority by this much (``os.nice``): on a
     # host it shares with workers that page, it takes the CPU they leave (0: unchanged)

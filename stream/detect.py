@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .packed import pack, pairs, unpack, unpairs
 from .rolling import sorted_median, sorted_median_mad, sorted_quantile
 
 _VALUE = itemgetter(1)  # u of a (step, u) pair
@@ -540,12 +541,10 @@ class RankLevels:
             "min_history": self.min_history,
             "floor": self.floor,
             "step": self._step,
-            "ranks": {
-                str(r): {
-                    "recent": [list(p) for p in self._recent[r]],
-                    "history": list(self._history.get(r, ())),
-                }
-                for r in self._recent
+            "packed": {  # ``packed``: JSON lists of every rank's floats cost 0.2 s a step
+                "ranks": list(self._recent),
+                "recent": pairs(self._recent.values()),
+                "history": pack([self._history.get(r, ()) for r in self._recent]),
             },
         }
 
@@ -558,13 +557,21 @@ class RankLevels:
             floor=float(state.get("floor", 1.0)),
         )
         levels._step = None if state["step"] is None else int(state["step"])
-        for rank, saved in state["ranks"].items():
-            recent = [(int(s), float(u)) for s, u in saved["recent"]]
-            if len(recent) > levels.recent or len(saved["history"]) > levels.window:
+        if "packed" in state:
+            saved = state["packed"]
+            ranks = [int(r) for r in saved["ranks"]]
+            kept = zip(ranks, unpairs(saved["recent"]), unpack(saved["history"]), strict=True)
+        else:  # saved as JSON lists, before ``packed``
+            kept = (
+                (int(r), [(int(s), float(u)) for s, u in v["recent"]], v["history"])
+                for r, v in state["ranks"].items()
+            )
+        for rank, recent, history in kept:
+            if len(recent) > levels.recent or len(history) > levels.window:
                 raise ValueError(f"rank {rank}: more values than recent/window hold")
-            levels._recent[int(rank)] = deque(recent)
-            for u in saved["history"]:
-                levels._retire(int(rank), float(u))
+            levels._recent[rank] = deque(recent)
+            for u in history:
+                levels._retire(rank, float(u))
         return levels
 
 

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .packed import pack, unpack
 from .rolling import sorted_median, sorted_median_mad
 
 __all__ = ["MAD_SIGMA", "PeerShift", "ShiftResult"]
@@ -181,6 +182,7 @@ class PeerShift:
         insort(ordered, u)
 
     def to_state(self) -> dict[str, Any]:
+        keys = sorted(self._history.keys() | self._pending.keys())
         return {
             "config": {
                 "window": self.window,
@@ -193,30 +195,40 @@ class PeerShift:
                 "joint_steps": self.joint_steps,
                 "delay": self.delay,
             },
-            "keys": {
-                str(key): {
-                    "history": list(self._history.get(key, ())),
-                    "recent": list(self._recent.get(key, ())),
-                    "score": self._score.get(key, 0.0),
-                    "latest": self._latest.get(key, False),
-                    "pending": list(self._pending.get(key, ())),
-                }
-                for key in sorted(self._history.keys() | self._pending.keys())
+            "packed": {  # ``packed``: JSON lists of every key's floats cost 0.1 s a step
+                "keys": keys,
+                "score": [self._score.get(key, 0.0) for key in keys],
+                "latest": [self._latest.get(key, False) for key in keys],
+                "history": pack([self._history.get(key, ()) for key in keys]),
+                "recent": pack([self._recent.get(key, ()) for key in keys]),
+                "pending": pack([self._pending.get(key, ()) for key in keys]),
             },
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PeerShift:
         shift = cls(**state["config"])
-        for key, saved in state["keys"].items():
+        if "packed" in state:
+            p = state["packed"]
+            names = ("history", "recent", "pending")
+            keys = [
+                dict(zip(names, values), key=key, score=score, latest=latest)
+                for key, score, latest, *values in zip(
+                    p["keys"], p["score"], p["latest"], *(unpack(p[n]) for n in names), strict=True
+                )
+            ]
+        else:  # saved as JSON lists, before ``packed``
+            keys = [dict(saved, key=key) for key, saved in state["keys"].items()]
+        for saved in keys:
+            key = int(saved["key"])
             for u in saved["history"]:
-                shift._add(int(key), float(u))
+                shift._add(key, float(u))
             if saved.get("pending"):  # absent: saved before the delay
-                shift._pending[int(key)] = deque(float(u) for u in saved["pending"])
+                shift._pending[key] = deque(float(u) for u in saved["pending"])
             if saved["recent"]:
-                shift._recent[int(key)] = deque(
+                shift._recent[key] = deque(
                     (float(x) for x in saved["recent"]), maxlen=shift.joint_steps
                 )
-            shift._score[int(key)] = float(saved["score"])
-            shift._latest[int(key)] = bool(saved.get("latest", False))
+            shift._score[key] = float(saved["score"])
+            shift._latest[key] = bool(saved.get("latest", False))
         return shift
