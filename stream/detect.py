@@ -543,7 +543,7 @@ class RankLevels:
             "step": self._step,
             "packed": {  # ``packed``: JSON lists of every rank's floats cost 0.2 s a step
                 "ranks": list(self._recent),
-                "recent": pairs(self._recent.values()),
+                "recent": pairs(list(self._recent.values())),
                 "history": pack([self._history.get(r, ()) for r in self._recent]),
             },
         }

@@ -9,7 +9,7 @@ array in base64 with their lengths: exact (NaN and infinities included) and a fe
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -34,17 +34,16 @@ def unpack(packed: Mapping[str, Any]) -> list[list[float]]:
     return [part.tolist() for part in np.split(values, np.cumsum(lengths)[:-1])] if lengths else []
 
 
-def pairs(seqs: Iterable[Iterable[tuple[int, float]]]) -> dict[str, Any]:
-    """(step, value) sequences: the steps and the values packed apart (steps < 2**53)."""
-    seqs = [list(s) for s in seqs]
-    return {
-        "steps": pack([[float(p[0]) for p in s] for s in seqs]),
-        "values": pack([[p[1] for p in s] for s in seqs]),
-    }
+def pairs(seqs: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """(step, value) sequences packed as ``pack`` does, each pair two float64 (steps exact
+    below 2**53)."""
+    lengths = [len(s) for s in seqs]
+    flat = chain.from_iterable(chain.from_iterable(seqs))
+    values = np.fromiter(flat, "<f8", 2 * sum(lengths))
+    return {"lengths": lengths, "f64": base64.b64encode(values.tobytes()).decode()}
 
 
 def unpairs(packed: Mapping[str, Any]) -> list[list[tuple[int, float]]]:
-    steps, values = unpack(packed["steps"]), unpack(packed["values"])
-    if [len(s) for s in steps] != [len(v) for v in values]:
-        raise ValueError("packed steps and values differ in length")
-    return [[(int(s), v) for s, v in zip(ss, vs)] for ss, vs in zip(steps, values)]
+    """The sequences ``pairs`` wrote."""
+    flat = unpack({"lengths": [2 * int(n) for n in packed["lengths"]], "f64": packed["f64"]})
+    return [[(int(s), v) for s, v in zip(seq[::2], seq[1::2])] for seq in flat]
