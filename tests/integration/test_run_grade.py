@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 from confluent_kafka import Producer
 
+from probewire.deploy.reading import open_client
 from probewire.deploy.settings import ClickHouseSettings, Settings, StreamSettings
 from probewire.deploy.stack import LocalStack, StackError, free_port, spawn, stop_process
 from probewire.instrument.catalog import Grad, Label, Loss, Moe, System, Tensor
@@ -542,6 +543,17 @@ def test_a_step_over_the_message_limit_is_split_and_stored_whole(
     messages = [m for step in range(6) for m in encode(run, step, tensors)]
     produce(kafka_bootstrap, messages)
     wait_for(s, run.run_id, 6)
+    # the detail parts travel apart (probewire.detail_steps) and are written after the
+    # steps' rows, on the step tier's turn: read live until the retained ones are in
+    per_rank = len(run.components(0, 0)) + len(tensors)
+    retained = (
+        "SELECT step, count() AS n FROM probewire.rank_metrics FINAL "
+        f"WHERE run_id = '{run.run_id}' AND step < 2 GROUP BY step ORDER BY step"
+    )
+    live, deadline, counts = open_client(s.settings.clickhouse.url), time.monotonic() + 60, []
+    while counts != [(0, RANKS * per_rank), (1, RANKS * per_rank)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        counts = [tuple(r) for r in live.query(retained).result_rows]
     s.stop()
     store = scratch_dir / "store"
     assert_exact(read_store, store, run, list(range(6)))
@@ -551,7 +563,6 @@ def test_a_step_over_the_message_limit_is_split_and_stored_whole(
         "SELECT step, count() AS n FROM probewire.rank_metrics FINAL "
         f"WHERE run_id = '{run.run_id}' GROUP BY step ORDER BY step",
     )
-    per_rank = len(run.components(0, 0)) + len(tensors)
     assert [(r["step"], r["n"]) for r in ranks][:2] == [
         (0, RANKS * per_rank),
         (1, RANKS * per_rank),
