@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import clickhouse_connect
+import pyarrow as pa
 from clickhouse_connect.driver.exceptions import ClickHouseError, DataError, Error, ProgrammingError
 
 from .schema import MIGRATIONS, RECENT_TABLES, SENSITIVE_ARTIFACTS, TABLE_COLUMNS, VIEWS
@@ -222,8 +223,12 @@ class ClickHouseSink:
         half = len(rows) // 2
         return self.write_or_reject(table, rows[:half]) + self.write_or_reject(table, rows[half:])
 
-    def write_columns(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
-        """Store rows given column-wise (``{column: values}``, equal lengths); returns how many."""
+    def write_columns(self, table: str, columns: pa.Table | Mapping[str, Sequence[Any]]) -> int:
+        """Store rows given column-wise (``{column: values}``, equal lengths, or an Arrow
+        table typed as the store's columns: written as Arrow, no Python object per value);
+        returns how many."""
+        if isinstance(columns, pa.Table):
+            return self._write_arrow(table, columns)
         known = _known_columns(table)
         unknown = set(columns) - set(known)
         if unknown:
@@ -237,6 +242,18 @@ class ClickHouseSink:
             data = [columns[c][start : start + self.batch_rows] for c in names]
             self._insert(table, names, data)
         return n
+
+    def _write_arrow(self, table: str, frame: pa.Table) -> int:
+        unknown = set(frame.column_names) - set(_known_columns(table))
+        if unknown:
+            raise RejectedRows(f"{table}: unknown column(s) {sorted(unknown)}")
+        name = f"{self.database}.{table}"
+        settings = _NO_INSERT_MERGE if table in _RECENT else None
+        frame = frame.unify_dictionaries()  # batches appended (one dictionary per field)
+        for start in range(0, frame.num_rows, self.batch_rows):
+            part = frame.slice(start, self.batch_rows)
+            self._retry(functools.partial(self.client.insert_arrow, name, part, settings=settings))
+        return frame.num_rows
 
     def _write_group(
         self,

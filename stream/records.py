@@ -13,7 +13,7 @@ import numpy as np
 
 from probewire.instrument.wire import SeriesKey
 
-__all__ = ["CompleteReason", "RecordError", "ReducedStep"]
+__all__ = ["CompleteReason", "RankMatrix", "RecordError", "ReducedStep"]
 
 
 class RecordError(ValueError):
@@ -196,16 +196,25 @@ class ReducedStep:
     @classmethod
     def from_bytes(cls, payload: bytes | None) -> ReducedStep:
         """The step ``to_bytes`` wrote; a RecordError for anything else."""
+        step, matrix = cls.detail_from_bytes(payload)
+        step.per_rank = matrix.per_rank()
+        return step
+
+    @classmethod
+    def detail_from_bytes(cls, payload: bytes | None) -> tuple[ReducedStep, RankMatrix]:
+        """The step ``to_bytes`` wrote, its per-rank values left as the wire's arrays
+        (``per_rank`` empty): the detail path stores them column-wise, with no Python
+        object per value. A RecordError for anything else."""
         try:
-            step = cls._from_bytes(payload or b"")
+            step, matrix = cls._from_bytes(payload or b"")
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RecordError(f"not a reduced step: {type(exc).__name__}: {exc}") from None
         if not isinstance(step.run_id, str) or not isinstance(step.step, int):
             raise RecordError("not a reduced step: bad run id or step")
-        return step
+        return step, matrix
 
     @classmethod
-    def _from_bytes(cls, payload: bytes) -> ReducedStep:
+    def _from_bytes(cls, payload: bytes) -> tuple[ReducedStep, RankMatrix]:
         (size,) = struct.unpack_from("<I", payload)
         header = payload[4 : 4 + size]
         cut = header.rfind(b',"keys":')  # the last field; no string holds an unescaped '"'
@@ -220,7 +229,7 @@ class ReducedStep:
         offset += 9 * k
         values = np.frombuffer(payload, np.float64, r * k, offset).reshape(r, k)
         mask = np.frombuffer(payload, np.uint8, r * k, offset + 8 * r * k).reshape(r, k)
-        if reduced_mask.all():  # the usual step: every series reduced, every rank all
+        if reduced_mask.all():  # the usual step: every series reduced
             head["reduced"] = dict(zip(keys, reduced.tolist()))
         else:
             head["reduced"] = {
@@ -229,27 +238,62 @@ class ReducedStep:
                     np.flatnonzero(reduced_mask).tolist(), reduced[reduced_mask == 1].tolist()
                 )
             }
-        if mask.all():
-            head["per_rank"] = {
-                rank: dict(zip(keys, row)) for rank, row in zip(ranks, values.tolist())
-            }
-        elif r and (mask == mask[0]).all():  # every rank the same series, fewer than reduced
-            cols = np.flatnonzero(mask[0])
-            sent = [keys[j] for j in cols.tolist()]
-            head["per_rank"] = {
-                rank: dict(zip(sent, row)) for rank, row in zip(ranks, values[:, cols].tolist())
-            }
-        else:
-            head["per_rank"] = {
-                rank: {
-                    keys[j]: v
-                    for j, v in zip(
-                        np.flatnonzero(mask[i]).tolist(), values[i, mask[i] == 1].tolist()
-                    )
-                }
-                for i, rank in enumerate(ranks)
-            }
+        head["per_rank"] = {}
         head["hosts"] = {int(x): h for x, h in head["hosts"].items()}
         head["coords"] = {int(x): c for x, c in head["coords"].items()}
         head["complete_reason"] = CompleteReason(head["complete_reason"])  # else a ValueError
-        return cls(**head)
+        return cls(**head), RankMatrix(keys, ranks, values, mask)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMatrix:
+    """A reduced step's per-rank values as they travel: ``values[i, j]`` is rank
+    ``ranks[i]``'s value of series ``keys[j]`` where ``mask[i, j]`` is 1 (NaN and ±Inf
+    are values; a 0 in the mask is a series the rank did not send)."""
+
+    keys: list[SeriesKey]
+    ranks: list[int]
+    values: np.ndarray  # float64 [R, K]
+    mask: np.ndarray  # uint8 [R, K]
+
+    @classmethod
+    def of(cls, per_rank: dict[int, dict[SeriesKey, float]]) -> RankMatrix:
+        """``ReducedStep.per_rank`` as a matrix (ranks in its order; the series in the ranks'
+        order where all sent the same ones, else sorted)."""
+        ranks = list(per_rank)
+        series = tuple(per_rank[ranks[0]]) if ranks else ()
+        if all(tuple(v) == series for v in per_rank.values()):  # the usual step
+            values = np.fromiter(
+                chain.from_iterable(v.values() for v in per_rank.values()),
+                np.float64,
+                len(ranks) * len(series),
+            ).reshape(len(ranks), len(series))
+            return cls(list(series), ranks, values, np.ones(values.shape, np.uint8))
+        keys = sorted(set().union(*per_rank.values()))
+        index = {k: j for j, k in enumerate(keys)}
+        values = np.full((len(ranks), len(keys)), np.nan)
+        mask = np.zeros((len(ranks), len(keys)), np.uint8)
+        for i, sent in enumerate(per_rank.values()):
+            cols = [index[k] for k in sent]
+            values[i, cols] = list(sent.values())
+            mask[i, cols] = 1
+        return cls(keys, ranks, values, mask)
+
+    def per_rank(self) -> dict[int, dict[SeriesKey, float]]:
+        """``ReducedStep.per_rank``: a dict of the series each rank sent, in key order."""
+        keys, ranks, values, mask = self.keys, self.ranks, self.values, self.mask
+        if mask.all():  # the usual step: every rank sent every series
+            return {rank: dict(zip(keys, row)) for rank, row in zip(ranks, values.tolist())}
+        if ranks and (mask == mask[0]).all():  # every rank the same series, fewer than reduced
+            cols = np.flatnonzero(mask[0])
+            sent = [keys[j] for j in cols.tolist()]
+            return {
+                rank: dict(zip(sent, row)) for rank, row in zip(ranks, values[:, cols].tolist())
+            }
+        return {
+            rank: {
+                keys[j]: v
+                for j, v in zip(np.flatnonzero(mask[i]).tolist(), values[i, mask[i] == 1].tolist())
+            }
+            for i, rank in enumerate(ranks)
+        }

@@ -52,6 +52,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+
 from probewire.instrument.catalog import Grad
 from probewire.instrument.plumbing import check
 
@@ -63,13 +65,13 @@ from .lifecycle import RunEvent, RunLifecycle
 from .messages import alert_message, describe_value
 from .order import SkippedSteps, StepOrderer
 from .pages import Episode
-from .records import CompleteReason, ReducedStep
+from .records import CompleteReason, RankMatrix, ReducedStep
 from .retention import RetentionPolicy
 from .scanjoin import ScanJoin
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .usermetrics import user_rows
-from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_columns
+from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_table
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "detail_output", "p0_view"]
 
@@ -170,28 +172,29 @@ class Stage2Config:
 @dataclass(slots=True)
 class Stage2Output:
     """Rows by table (detail goes to the ``*_recent`` tables), column batches by table (the
-    per-rank detail, hundreds of values a step: built and stored column-wise, no dict per
-    value), steps to promote, controls, the steps refused with their reason, and the
+    per-rank detail, up to millions of values a step: Arrow tables built from the wire's
+    arrays and stored as they are, no Python object per value), steps to promote, controls, the steps refused with their reason, and the
     stored steps with something the ranks disagree on (both dead-lettered with the reason)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
-    columns: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    columns: dict[str, pa.Table] = field(default_factory=dict)
     promote: list[int] = field(default_factory=list)
     controls: list[dict[str, Any]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     dead_letters: list[tuple[int, str]] = field(default_factory=list)
     rewrites: int = 0  # step_metrics rows that are a newer version of a stored step's row
 
-    def add_columns(self, table: str, columns: dict[str, list[Any]]) -> None:
+    def add_columns(self, table: str, columns: pa.Table) -> None:
         """Append a column batch (the same columns as the table's earlier ones)."""
         held = self.columns.get(table)
         if held is None:
-            self.columns[table] = {name: list(values) for name, values in columns.items()}
+            self.columns[table] = columns
             return
-        if held.keys() != columns.keys():
-            raise ValueError(f"{table}: column batch {sorted(columns)} after {sorted(held)}")
-        for name, values in columns.items():
-            held[name] += values
+        if held.schema != columns.schema:
+            raise ValueError(
+                f"{table}: column batch {columns.schema.names} after {held.schema.names}"
+            )
+        self.columns[table] = pa.concat_tables([held, columns])
 
     def retain_detail(self) -> None:
         """The look-back rows also into their detail tables (detail of a step already kept):
@@ -214,27 +217,29 @@ class Stage2Output:
         self.rewrites += other.rewrites
 
 
-def column_rows(columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
+def column_rows(columns: pa.Table) -> list[dict[str, Any]]:
     """A column batch as row dicts (to find, row by row, what the store refuses)."""
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return columns.to_pylist()
 
 
 _DETAIL_ONLY = frozenset({CompleteReason.DETAIL, CompleteReason.REPLAY})
 """What only the detail topic carries: a stage 1 that sent it on the steps topic is refused."""
 
 
-def detail_output(item: ReducedStep) -> Stage2Output:
-    """The look-back rows of detail from the detail topic (no run state: the worker names
-    the tensors with ``RunPipeline.name_tensors`` and decides promotion after the write)."""
+def detail_output(item: ReducedStep, matrix: RankMatrix) -> Stage2Output:
+    """The look-back rows of detail from the detail topic (``ReducedStep.detail_from_bytes``):
+    per-rank values as a column batch, the tensor and expert statistics as rows. No run
+    state: the worker names the tensors with ``RunPipeline.name_tensors`` and decides
+    promotion after the write."""
     out = Stage2Output()
-    _add_detail(out, item)
+    _add_detail(out, item, matrix)
     return out
 
 
-def _add_detail(out: Stage2Output, item: ReducedStep) -> None:
+def _add_detail(out: Stage2Output, item: ReducedStep, matrix: RankMatrix) -> None:
     """A step's detail into the look-back tables: per-rank values as a column batch, the
     tensor and expert statistics as rows."""
-    out.add_columns("rank_metrics_recent", rank_columns(item))
+    out.add_columns("rank_metrics_recent", rank_table(item, matrix))
     for table, rows in detail_rows(item).items():
         out.rows[f"{table}_recent"] += rows
 
@@ -342,7 +347,7 @@ class RunPipeline:
             item.complete_reason == CompleteReason.LATE
         ):  # data after its step's deadline: kept as detail
             out = Stage2Output()
-            out.add_columns("rank_metrics_recent", rank_columns(item))
+            out.add_columns("rank_metrics_recent", rank_table(item, RankMatrix.of(item.per_rank)))
             out.promote.append(item.step)
             return out
         if item.complete_reason in _DETAIL_ONLY:
@@ -561,7 +566,7 @@ class RunPipeline:
             }
             for s, (loss, share, n) in sources.items()
         ]
-        _add_detail(out, item)
+        _add_detail(out, item, RankMatrix.of(item.per_rank))
         for finding in findings:  # every finding is recorded; the gate only dedups pages
             out.rows["anomalies"].append(self._anomaly_row(item.step, finding))
             alert = self._page(item.step, finding, after_gap) if finding.page else None

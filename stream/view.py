@@ -12,6 +12,9 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
+import pyarrow as pa
+
 from probewire.instrument.catalog import (
     GRAD_GROUPS,
     TENSOR_FIELDS,
@@ -26,11 +29,11 @@ from probewire.instrument.wire import SeriesKey
 
 from .derive import loss_by_group, rank_means
 from .inputs import StepInputs, series_reads
-from .records import CompleteReason, ReducedStep
+from .records import CompleteReason, RankMatrix, ReducedStep
 from .series import VIEW
 from .signals import RankSeries
 
-__all__ = ["P0View", "clip_disagreement", "detail_rows", "p0_view", "rank_columns"]
+__all__ = ["RANK_SCHEMA", "P0View", "clip_disagreement", "detail_rows", "p0_view", "rank_table"]
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
 
@@ -125,37 +128,51 @@ def clip_disagreement(item: ReducedStep) -> dict[float, list[int]] | None:
     return ranks if len(ranks) > 1 else None
 
 
-def rank_columns(item: ReducedStep) -> dict[str, list[Any]]:
-    """The step's per-rank values as ``rank_metrics`` columns (one entry per rank, metric
-    and label set), built with list extends: hundreds of values a step, no dict per value.
-    Ranks usually send the same series in the same order: their names and label texts are
-    made once and extended rank after rank."""
+RANK_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.dictionary(pa.int32(), pa.string())),
+        ("step", pa.uint64()),
+        ("rank", pa.uint32()),
+        ("metric", pa.dictionary(pa.int32(), pa.string())),
+        ("labels", pa.dictionary(pa.int32(), pa.string())),
+        ("value", pa.float64()),
+        ("late", pa.uint8()),
+    ]
+)
+"""``rank_metrics`` as a column batch: each column typed as the store's (strings as
+dictionaries, each text once), so the store converts nothing and no value is inferred."""
+
+
+def rank_table(item: ReducedStep, matrix: RankMatrix) -> pa.Table:
+    """The step's per-rank values (``matrix``, as the wire carries them) as ``rank_metrics``
+    rows: one per rank, metric and label set a rank sent, built from the wire's arrays
+    (thousands of values a rank on a scan step; no Python object per value)."""
     # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
     late = int(item.complete_reason in (CompleteReason.LATE, CompleteReason.REPLAY))
-    metrics: list[str] = []
-    labels: list[str] = []
-    ranks: list[int] = []
-    values: list[float] = []
-    series: tuple[SeriesKey, ...] = ()
-    read = series_reads(series)
-    for rank, vals in item.per_rank.items():
-        if tuple(vals) != series:  # the previous rank's: its read (no hashing of the keys)
-            series = tuple(vals)
-            read = series_reads(series)
-        metrics += read.names
-        labels += read.texts
-        values += vals.values()
-        ranks += [rank] * len(vals)
-    n = len(values)
-    return {
-        "run_id": [item.run_id] * n,
-        "step": [item.step] * n,
-        "rank": ranks,
-        "metric": metrics,
-        "labels": labels,
-        "value": values,
-        "late": [late] * n,
-    }
+    read = series_reads(tuple(matrix.keys))
+    metric, metrics = _dictionary(read.names)
+    label, labels = _dictionary(read.texts)
+    at, col = np.nonzero(matrix.mask)  # row-major: rank after rank, each in key order
+    n = at.size
+    return pa.Table.from_arrays(
+        [
+            pa.DictionaryArray.from_arrays(np.zeros(n, np.int32), [item.run_id]),
+            pa.array(np.full(n, item.step, np.uint64)),
+            pa.array(np.asarray(matrix.ranks, np.uint32)[at]),
+            pa.DictionaryArray.from_arrays(metric[col], metrics),
+            pa.DictionaryArray.from_arrays(label[col], labels),
+            pa.array(matrix.values[at, col]),
+            pa.array(np.full(n, late, np.uint8)),
+        ],
+        schema=RANK_SCHEMA,
+    )
+
+
+def _dictionary(texts: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Each text's index into the distinct texts, and those (in first-seen order)."""
+    index: dict[str, int] = {}
+    at = np.fromiter((index.setdefault(t, len(index)) for t in texts), np.int32, len(texts))
+    return at, list(index)
 
 
 def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:

@@ -778,8 +778,8 @@ def _by_table(out: Stage2Output) -> list[Stage2Output]:
 
 def _detail(payload: bytes) -> tuple[ReducedStep, Stage2Output]:
     """A detail message and its look-back rows (in the detail writer thread)."""
-    item = ReducedStep.from_bytes(payload)
-    return item, detail_output(item)
+    item, matrix = ReducedStep.detail_from_bytes(payload)
+    return item, detail_output(item, matrix)
 
 
 def _reason(replay: bool, detail: bool) -> CompleteReason | None:

@@ -21,7 +21,10 @@ from probewire.sinks.schema import (
     USER_METRICS,
 )
 from probewire.stream import derive
+from probewire.stream.records import RankMatrix, ReducedStep
 from probewire.stream.series import STEP_SERIES
+from probewire.stream.stage2 import Stage2Output
+from probewire.stream.view import rank_table
 
 
 @pytest.fixture()
@@ -90,6 +93,52 @@ def test_look_back_inserts_skip_the_block_merge_and_read_back_the_same(ch_client
     assert _rows(ch_client, read.format(db=db, table="rank_metrics_recent")) == last
     promote(sink, "r", [1, 2])
     assert _rows(ch_client, read.format(db=db, table="rank_metrics")) == last
+
+
+def test_an_arrow_column_batch_reads_back_bit_for_bit(ch_client, sink) -> None:
+    """The detail path's column batch (``view.rank_table``: Arrow, strings as dictionaries,
+    appended from several steps so each field has several dictionaries) is stored in slices
+    of ``batch_rows`` and reads back bit for bit, NaN and infinities included, the label
+    dictionaries stored as plain strings."""
+    rng = np.random.default_rng(3)
+    r, k = 37, 11
+    keys = [(f"m{j % 4}", (("tensor", f"t{j}"),)) for j in range(k)]
+    tables, expected = [], []
+    for step in (5, 6):
+        values = rng.standard_normal((r, k))
+        values[0, :3] = [np.nan, np.inf, -np.inf]
+        mask = (rng.random((r, k)) < 0.8).astype(np.uint8)
+        item = ReducedStep(
+            run_id="arrow",
+            step=step,
+            world_size=r,
+            ranks_reporting=list(range(r)),
+            ranks_missing=[],
+            reduced={},
+            per_rank={},
+        )
+        tables.append(rank_table(item, RankMatrix(keys, list(range(r)), values, mask)))
+        expected += [
+            (step, i, keys[j][0], f"tensor=t{j}", values[i, j].tobytes())
+            for i in range(r)
+            for j in range(k)
+            if mask[i, j]
+        ]
+    out = Stage2Output()
+    for table in tables:
+        out.add_columns("rank_metrics_recent", table)
+    small = dataclasses.replace(sink, batch_rows=100)
+    assert small.write_columns("rank_metrics_recent", out.columns["rank_metrics_recent"]) == len(
+        expected
+    )
+    got = _rows(
+        ch_client,
+        f"SELECT step, rank, metric, labels, value FROM {sink.database}.rank_metrics_recent "
+        "WHERE run_id = 'arrow'",
+    )
+    assert sorted((s, i, m, lab, np.float64(v).tobytes()) for s, i, m, lab, v in got) == sorted(
+        expected
+    )
 
 
 def test_a_large_step_metrics_insert_writes_one_compact_part(ch_client, sink) -> None:

@@ -78,12 +78,12 @@ def send_scan(run: RunPipeline, scan: ReducedStep, now: float) -> tuple[Stage2Ou
     them (their look-back rows made; whether they are promoted once written, returned)."""
     out, kept = Stage2Output(), []
     for detail, data in wire_parts(scan, 1_000_000):
-        item = ReducedStep.from_bytes(data)
         if detail:
-            assert detail_output(item).rows["tensor_stats_recent"]
+            item, matrix = ReducedStep.detail_from_bytes(data)
+            assert detail_output(item, matrix).rows["tensor_stats_recent"]
             kept.append(run.detail_kept(item))
         else:
-            out.extend(run.accept(item, now))
+            out.extend(run.accept(ReducedStep.from_bytes(data), now))
     assert kept and len(set(kept)) == 1
     return out, kept[0]
 

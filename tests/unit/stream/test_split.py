@@ -47,8 +47,10 @@ def rows(parts, run: RunPipeline | None = None) -> dict[str, list]:
     run = run or RunPipeline("r", Stage2Config())
     out: dict[str, list] = {}
     for detail, data in parts:
-        item = ReducedStep.from_bytes(data)
-        got = run.name_tensors(detail_output(item)) if detail else run.accept(item, now=0.0)
+        if detail:
+            got = run.name_tensors(detail_output(*ReducedStep.detail_from_bytes(data)))
+        else:
+            got = run.accept(ReducedStep.from_bytes(data), now=0.0)
         for table, table_rows in got.rows.items():
             out.setdefault(table, []).extend(table_rows)
         for table, columns in got.columns.items():

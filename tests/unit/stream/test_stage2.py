@@ -351,12 +351,12 @@ def test_a_replay_stores_the_detail_of_a_past_step_apart_and_promotes_it():
     item = reduce_step("run", 4, 2, replay, "replay")
     ((detail, data),) = wire_parts(item, 1_000_000)  # the detail topic, never stage 2's path
     assert detail and run.detail_kept(item)  # promoted once written
-    out = detail_output(ReducedStep.from_bytes(data))
+    out = detail_output(*ReducedStep.detail_from_bytes(data))
     assert not out.rows["step_metrics"] and not out.rows["anomalies"]
     (row,) = out.rows["tensor_stats_recent"]
     assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
     assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
-    assert set(out.columns["rank_metrics_recent"]["late"]) == {1}
+    assert set(out.columns["rank_metrics_recent"]["late"].to_pylist()) == {1}
     recent = (list(out.rows["tensor_stats_recent"]), out.columns["rank_metrics_recent"])
     out.retain_detail()  # kept already: the same rows into the detail tables, in one write
     assert out.rows["tensor_stats"] == out.rows["tensor_stats_recent"] == recent[0]

@@ -10,9 +10,9 @@ import pytest
 
 from probewire.instrument.catalog import Comm, Grad, Label, Loss, Modality, Residual, System
 from probewire.instrument.wire import RankStep
-from probewire.stream import view as view_module
+from probewire.stream.records import RankMatrix, ReducedStep
 from probewire.stream.reduce import reduce_step
-from probewire.stream.view import p0_view
+from probewire.stream.view import RANK_SCHEMA, p0_view, rank_table
 
 RANKS = 6
 SOURCES = ("web", "code")
@@ -205,10 +205,12 @@ def test_a_non_finite_gradient_stays_visible():
     assert math.isnan(p0_view(step)[0]["grad_norm"])
 
 
-def test_rank_columns_hold_every_rank_value_with_its_metric_and_labels():
+def test_rank_table_holds_every_rank_value_with_its_metric_and_labels():
     """One rank_metrics entry per rank, metric and label set, whatever series each rank
     sent (ranks usually send the same ones; here one sends others, in another order, and
-    one sends nothing), and the late flag of a step completed late."""
+    one sends nothing), non-finite values as they are, and the late flag of a step
+    completed late: the same from the stage-2 dict (``RankMatrix.of``) and from the wire's
+    arrays (``detail_from_bytes``), typed as the store's columns."""
     same = {
         (Loss.SUM, ()): 1.5,
         (Loss.TOKENS, ((Label.SOURCE, "web"),)): 3.0,
@@ -217,9 +219,9 @@ def test_rank_columns_hold_every_rank_value_with_its_metric_and_labels():
     per_rank = {
         0: {},
         1: {k: v * 2 for k, v in same.items()},
-        2: {(Comm.WAIT, ((Label.OP, "ddp_allreduce"),)): 0.5, (Loss.SUM, ()): 7.0},
+        2: {(Comm.WAIT, ((Label.OP, "ddp_allreduce"),)): 0.5, (Loss.SUM, ()): math.nan},
         3: dict(same),
-        4: dict(same),
+        4: {**same, (Loss.SUM, ()): -math.inf},
     }
     records = [
         RankStep(
@@ -229,14 +231,24 @@ def test_rank_columns_hold_every_rank_value_with_its_metric_and_labels():
     ]
     for reason, late in (("all_ranks", 0), ("late", 1)):
         step = reduce_step("c", 9, 5, records, reason)
-        columns = view_module.rank_columns(step)
-        rows = sorted(zip(*(columns[c] for c in ("rank", "metric", "labels", "value"))))
+        wire_step, wire = ReducedStep.detail_from_bytes(step.to_bytes())
+        assert wire_step.per_rank == {}
         expected = sorted(
-            (r, name, "|".join(f"{k}={v}" for k, v in labels), value)
+            (r, name, "|".join(f"{k}={v}" for k, v in labels), repr(value))
             for r, values in step.per_rank.items()
             for (name, labels), value in values.items()
         )
-        assert rows == expected and len(rows) == 3 + 3 + 2 + 3
-        assert set(columns["run_id"]) == {"c"} and set(columns["step"]) == {9}
-        assert columns["late"] == [late] * len(rows)
-        assert ("|".join(["op=ddp_allreduce"]), 0.5) in zip(columns["labels"], columns["value"])
+        assert len(expected) == 3 + 3 + 2 + 3
+        for table in (rank_table(step, RankMatrix.of(step.per_rank)), rank_table(step, wire)):
+            assert table.schema == RANK_SCHEMA
+            columns = table.to_pydict()
+            rows = sorted(
+                (r, m, lab, repr(v))
+                for r, m, lab, v in zip(
+                    *(columns[c] for c in ("rank", "metric", "labels", "value"))
+                )
+            )
+            assert rows == expected
+            assert set(columns["run_id"]) == {"c"} and set(columns["step"]) == {9}
+            assert columns["late"] == [late] * len(rows)
+            assert ("op=ddp_allreduce", 0.5) in zip(columns["labels"], columns["value"])
