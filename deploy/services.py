@@ -31,7 +31,12 @@ def open_store(settings: Settings, read_port: int = 0):
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
     from probewire.deploy.fault_injection import with_outage
-    from probewire.sinks.clickhouse import ClickHouseSink, StoreUnavailable, connect
+    from probewire.sinks.clickhouse import (
+        ClickHouseSink,
+        StoreUnavailable,
+        connect,
+        lower_merge_priority,
+    )
 
     ch = settings.clickhouse
     try:
@@ -44,6 +49,8 @@ def open_store(settings: Settings, read_port: int = 0):
     sink.migrate(
         sensitive_artifacts=ch.sensitive_artifacts, sensitive_ttl_days=ch.sensitive_ttl_days
     )
+    if ch.url.startswith("chdb:///"):  # its merges take the CPU the page path leaves
+        lower_merge_priority(settings.stream.detail_nice)
     if ch.url.startswith("chdb:///") and read_port >= 0 and not _READERS:
         from probewire.sinks.readserver import READER_TOKEN_ENV, ReadServer
 

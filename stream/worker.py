@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -103,6 +104,7 @@ class Worker:
         self.heartbeat = Heartbeat(heartbeat_path, "worker")
         self.webhook = AlertmanagerWebhook(config.alert_webhook_url)
         self.sink: ClickHouseSink | None = None
+        self.detail_sink: ClickHouseSink | None = None  # the sink, its inserts at detail_nice
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probewire-sink")
         # detail (``on_detail_step``) is decoded and written in a thread of its own: a P0
         # batch never queues behind it (the store serialises the inserts themselves, in
@@ -140,7 +142,9 @@ class Worker:
         self.progress.waiting("store", 1, time.monotonic())  # unhealthy after stall_s
         while self.sink is None:
             try:
-                self.sink = await self._in_writer(self.open_store)
+                sink = await self._in_writer(self.open_store)
+                self.detail_sink = dataclasses.replace(sink, nice=self.config.detail_nice)
+                self.sink = sink
             except (StoreUnavailable, RejectedRows) as exc:
                 self.progress.failed("store", str(exc))
                 log.error("probewire: cannot open the store: %s; retrying", exc)
@@ -571,9 +575,9 @@ class Worker:
         rejected = []
         for part in _by_table(out):  # a turn each: a step arriving meanwhile goes first
             batch = Batch(outputs={item.run_id: part})
-            rejected += await self._store_detail(item.step, write_batch, self.sink, batch)
+            rejected += await self._store_detail(item.step, write_batch, self.detail_sink, batch)
         if not kept and run.detail_kept(item):  # kept while the rows were written
-            await self._store_detail(item.step, promote, self.sink, item.run_id, [item.step])
+            await self._store_detail(item.step, promote, self.detail_sink, item.run_id, [item.step])
         run.tensors.update(row["tensor"] for row in named)  # their rows are stored now
         for run_id, row, reason in rejected:
             await self.dead_letter_row(run_id, row, reason)
