@@ -281,6 +281,7 @@ class ClickHouseSink:
     def _insert(self, table: str, columns: list[str], data: list[Sequence[Any]]) -> None:
         name, key = f"{self.database}.{table}", (table, tuple(columns))
         settings = self._insert_settings(table)
+        extra = {"settings": settings} if settings else {}
 
         def insert() -> None:
             types = self._types.get(key)
@@ -294,7 +295,7 @@ class ClickHouseSink:
                     column_names=columns,
                     column_types=types,
                     column_oriented=True,
-                    settings=settings,
+                    **extra,
                 )
             except Exception:
                 self._types.pop(key, None)  # a failed insert describes the table again
