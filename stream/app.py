@@ -118,6 +118,11 @@ def _new_app(
         # step that never completes held the worker until it was killed
         stream_wait_empty=False,
         consumer_max_fetch_size=config.max_message_bytes + 65_536,
+        # no CRC32C of every fetched batch on this side (librdkafka's default too: the broker
+        # checks what it is sent, TCP what it carries): aiokafka computes it in the consumer
+        # thread holding the GIL, ~0.2 s for a 2,048-rank scan step's detail messages,
+        # during which the page path's own thread waited (measured, docs/performance.md)
+        broker_check_crcs=False,
         topic_partitions=topics.partitions,
         topic_allow_declare=False,
         # the worker keeps no Faust tables (state lives in ClickHouse), but Faust creates its

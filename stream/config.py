@@ -35,8 +35,10 @@ class StreamConfig:
     # the store owner decodes and writes detail (``probewire.detail_steps``) a table at a
     # time while the step tier has no work in hand, waiting at most this long at each turn
     detail_yield_s: float = 2.0
-    # a worker of role ``detail`` lowers its CPU priority by this much (``os.nice``): on a
-    # host it shares with workers that page, it takes the CPU they leave (0: unchanged)
+    # the CPU priority (nice) of detail work, so that it takes the CPU the page path leaves
+    # (0: unchanged): a worker of role ``detail`` lowers its own by this much (``os.nice``),
+    # the owner's detail inserts run at it in the store (``ClickHouseSink.nice``), and so
+    # do the embedded store's merge threads (``lower_merge_priority``)
     detail_nice: int = 10
     deadline_s: float = 30.0  # stage 1 reduces what arrived after this long
     # a step of more ranks is reduced by rank block (``fanin``); the ranks' ProbeConfig
