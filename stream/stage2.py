@@ -173,8 +173,9 @@ class Stage2Config:
 class Stage2Output:
     """Rows by table (detail goes to the ``*_recent`` tables), column batches by table (the
     per-rank detail, up to millions of values a step: Arrow tables built from the wire's
-    arrays and stored as they are, no Python object per value), steps to promote, controls, the steps refused with their reason, and the
-    stored steps with something the ranks disagree on (both dead-lettered with the reason)."""
+    arrays and stored as they are, no Python object per value), steps to promote,
+    controls, the steps refused with their reason, and the stored steps with something the
+    ranks disagree on (both dead-lettered with the reason)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     columns: dict[str, pa.Table] = field(default_factory=dict)
