@@ -8,7 +8,9 @@ on the paging path. The per-rank detectors hold a window of floats for every ran
 ``RankLevels`` (window 100, recent 40: the straggler and loss levels) and a ``PeerShift``
 (window 100, 10 recent: a rank's loss shift), here with full windows of seeded random
 values, built from a state in the JSON-list form earlier workers saved (so this also reads
-it). Printed per N and detector, median of ``--repeat``: to_state ms, dumps ms, loads +
+it), and a ``RobustSpikeDetector`` per rank (``SignalDetectors.rank_loss``: the loss spike
+rule's window of 100 log-values), from the dict-per-rank state saved before
+``pack_detectors``. Printed per N and detector, median of ``--repeat``: to_state ms, dumps ms, loads +
 from_state ms (a restart), the JSON's MB; each state is checked to round-trip exactly.
 """
 
@@ -23,8 +25,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from probewire.stream.detect import RankLevels
+from probewire.stream.detect import (
+    RankLevels,
+    RobustSpikeDetector,
+    pack_detectors,
+    unpack_detectors,
+)
 from probewire.stream.shifts import PeerShift
+
+
+class RankLoss:
+    """``SignalDetectors.rank_loss`` alone: its state as the run's state saves it."""
+
+    def __init__(self, detectors: dict[int, RobustSpikeDetector]) -> None:
+        self.detectors = detectors
+
+    def to_state(self) -> dict[str, Any]:
+        return pack_detectors(self.detectors)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RankLoss:
+        return cls(unpack_detectors(state))
 
 
 def levels(n: int, rnd: random.Random) -> RankLevels:
@@ -60,7 +81,17 @@ def shift(n: int, rnd: random.Random) -> PeerShift:
     return PeerShift.from_state({"config": config, "keys": keys})
 
 
-def restore(kind: type[RankLevels] | type[PeerShift], text: str) -> RankLevels | PeerShift:
+def rank_loss(n: int, rnd: random.Random) -> RankLoss:
+    config = {"window": 100, "min_history": 20, "threshold": 6.0, "eps": 1e-8}
+    config |= {"min_spread": 1e-3, "early_history": None, "early_threshold": None}
+    ranks = {str(r): config | {"history": [rnd.random() for _ in range(100)]} for r in range(n)}
+    return RankLoss.from_state(ranks)
+
+
+Detectors = RankLevels | PeerShift | RankLoss
+
+
+def restore(kind: type[Detectors], text: str) -> Detectors:
     return kind.from_state(json.loads(text))
 
 
@@ -80,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     for n in (int(x) for x in args.ranks.split(",")):
         rnd = random.Random(0)
-        for detector in (levels(n, rnd), shift(n, rnd)):
+        for detector in (levels(n, rnd), shift(n, rnd), rank_loss(n, rnd)):
             to_state, state = ms(detector.to_state, args.repeat)
             dumps, text = ms(functools.partial(json.dumps, state), args.repeat)
             kind = type(detector)

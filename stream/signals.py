@@ -27,6 +27,8 @@ from .detect import (
     CoSpikeTracker,
     RobustSpikeDetector,
     SpikeResult,
+    pack_detectors,
+    unpack_detectors,
 )
 from .directions import DirectionalRules
 from .findings import Category, DetectorConfig, Finding, RankSeries, next_steps
@@ -523,7 +525,7 @@ class SignalDetectors:
             "spikes": {k: d.to_state() for k, d in self.spikes.items()},
             "sources": {k: d.to_state() for k, d in self.sources.items()},
             "source_loss": {k: d.to_state() for k, d in self.source_loss.items()},
-            "rank_loss": {str(k): d.to_state() for k, d in self.rank_loss.items()},
+            "rank_loss": pack_detectors(self.rank_loss),
             **self.stragglers.to_state(),
             "heldout": self.heldout.to_state(),
             "directions": self.directions.to_state(),
@@ -549,9 +551,7 @@ class SignalDetectors:
         }
         for source in det.sources.keys() - det.source_loss.keys():
             det.source_loss[source] = det._detector(config.signal_z)
-        det.rank_loss = {
-            int(k): RobustSpikeDetector.from_state(v) for k, v in state.get("rank_loss", {}).items()
-        }
+        det.rank_loss = unpack_detectors(state.get("rank_loss", {}))
         det.stragglers = StragglerRules(config, state)
         det.heldout = HeldoutRise(config, state.get("heldout"))  # absent: saved before it
         det.directions = DirectionalRules.from_state(config, state.get("directions"))

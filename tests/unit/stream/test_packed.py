@@ -6,7 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from probewire.stream.detect import RankLevels
+from probewire.stream.detect import (
+    RankLevels,
+    RobustSpikeDetector,
+    pack_detectors,
+    unpack_detectors,
+)
 from probewire.stream.packed import pack, pairs, unpack, unpairs
 from probewire.stream.shifts import PeerShift
 
@@ -84,3 +89,43 @@ def test_peer_shift_reads_the_json_list_state_and_saves_it_packed_with_the_same_
     new = PeerShift.from_state(saved)
     assert new.to_state() == old.to_state()
     assert unpack(saved["packed"]["pending"]) == [[0.7], []]
+
+
+def rank_detectors(seed: int, ranks: int = 5) -> dict[int, RobustSpikeDetector]:
+    """Per-rank spike detectors as ``SignalDetectors.rank_loss`` holds them, fed uneven
+    numbers of steps (one rank none, one past its window)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for r in range(ranks):
+        det = RobustSpikeDetector(window=8, min_history=4, threshold=6.0)
+        for x in rng.lognormal(0.0, 0.3, size=[0, 3, 8, 12, 5][r % 5]):
+            det.update(float(x))
+        out[r * 7] = det
+    return out
+
+
+def test_per_rank_spike_detectors_save_packed_and_score_the_next_step_the_same():
+    """One configuration and one packed array for every rank's window (JSON through and
+    back, as the store keeps it): the same windows bit for bit, and each detector scores the
+    next value as the original does; the dict-per-rank state saved before is still read."""
+    live = rank_detectors(1)
+    saved = json.loads(json.dumps(pack_detectors(live)))
+    assert set(saved) == {"packed"} and saved["packed"]["ranks"] == list(live)
+    old = json.loads(json.dumps({str(r): d.to_state() for r, d in live.items()}))
+    for state in (saved, old):
+        back = unpack_detectors(state)
+        assert list(back) == list(live)
+        for rank, det in live.items():
+            assert back[rank].to_state() == det.to_state()
+            assert back[rank].update(1.7) == rank_detectors(1)[rank].update(1.7)
+    assert unpack_detectors(json.loads(json.dumps(pack_detectors({})))) == {}
+
+
+def test_spike_detectors_of_different_configurations_keep_a_state_each():
+    live = rank_detectors(2)
+    live[99] = RobustSpikeDetector(window=20, min_history=4, threshold=5.0)
+    saved = pack_detectors(live)
+    assert "packed" not in saved and saved["99"]["window"] == 20
+    assert {r: d.to_state() for r, d in unpack_detectors(saved).items()} == {
+        r: d.to_state() for r, d in live.items()
+    }
