@@ -52,8 +52,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
-
 from probewire.instrument.catalog import Grad
 from probewire.instrument.plumbing import check
 
@@ -71,7 +69,15 @@ from .scanjoin import ScanJoin
 from .series import GUARD_TOTAL, StepMetrics
 from .signals import DetectorConfig, Finding, SignalDetectors, next_steps
 from .usermetrics import user_rows
-from .view import P0View, clip_disagreement, detail_rows, p0_view, rank_table
+from .view import (
+    P0View,
+    RankRows,
+    clip_disagreement,
+    detail_rows,
+    p0_view,
+    rank_rows,
+    rank_table,
+)
 
 __all__ = ["RunPipeline", "Stage2Config", "Stage2Output", "detail_output", "p0_view"]
 
@@ -172,30 +178,22 @@ class Stage2Config:
 @dataclass(slots=True)
 class Stage2Output:
     """Rows by table (detail goes to the ``*_recent`` tables), column batches by table (the
-    per-rank detail, up to millions of values a step: Arrow tables built from the wire's
-    arrays and stored as they are, no Python object per value), steps to promote,
+    per-rank detail, up to millions of values a step: the wire's arrays, made into one Arrow
+    table a table at the write, no Python object per value), steps to promote,
     controls, the steps refused with their reason, and the stored steps with something the
     ranks disagree on (both dead-lettered with the reason)."""
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
-    columns: dict[str, pa.Table] = field(default_factory=dict)
+    columns: dict[str, list[RankRows]] = field(default_factory=dict)
     promote: list[int] = field(default_factory=list)
     controls: list[dict[str, Any]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     dead_letters: list[tuple[int, str]] = field(default_factory=list)
     rewrites: int = 0  # step_metrics rows that are a newer version of a stored step's row
 
-    def add_columns(self, table: str, columns: pa.Table) -> None:
-        """Append a column batch (the same columns as the table's earlier ones)."""
-        held = self.columns.get(table)
-        if held is None:
-            self.columns[table] = columns
-            return
-        if held.schema != columns.schema:
-            raise ValueError(
-                f"{table}: column batch {columns.schema.names} after {held.schema.names}"
-            )
-        self.columns[table] = pa.concat_tables([held, columns])
+    def add_columns(self, table: str, parts: list[RankRows]) -> None:
+        """Append per-rank values bound for ``table``."""
+        self.columns.setdefault(table, []).extend(parts)
 
     def retain_detail(self) -> None:
         """The look-back rows also into their detail tables (detail of a step already kept):
@@ -218,9 +216,9 @@ class Stage2Output:
         self.rewrites += other.rewrites
 
 
-def column_rows(columns: pa.Table) -> list[dict[str, Any]]:
+def column_rows(parts: list[RankRows]) -> list[dict[str, Any]]:
     """A column batch as row dicts (to find, row by row, what the store refuses)."""
-    return columns.to_pylist()
+    return rank_table(parts).to_pylist()
 
 
 _DETAIL_ONLY = frozenset({CompleteReason.DETAIL, CompleteReason.REPLAY})
@@ -240,7 +238,7 @@ def detail_output(item: ReducedStep, matrix: RankMatrix) -> Stage2Output:
 def _add_detail(out: Stage2Output, item: ReducedStep, matrix: RankMatrix) -> None:
     """A step's detail into the look-back tables: per-rank values as a column batch, the
     tensor and expert statistics as rows."""
-    out.add_columns("rank_metrics_recent", rank_table(item, matrix))
+    out.add_columns("rank_metrics_recent", [rank_rows(item, matrix)])
     for table, rows in detail_rows(item).items():
         out.rows[f"{table}_recent"] += rows
 
@@ -348,7 +346,7 @@ class RunPipeline:
             item.complete_reason == CompleteReason.LATE
         ):  # data after its step's deadline: kept as detail
             out = Stage2Output()
-            out.add_columns("rank_metrics_recent", rank_table(item, RankMatrix.of(item.per_rank)))
+            out.add_columns("rank_metrics_recent", [rank_rows(item, RankMatrix.of(item.per_rank))])
             out.promote.append(item.step)
             return out
         if item.complete_reason in _DETAIL_ONLY:

@@ -15,6 +15,7 @@ from probewire.sinks.retained import promote, save_state
 
 from .batching import Batch
 from .stage2 import Stage2Output, column_rows
+from .view import rank_table
 
 __all__ = ["STATE_KEY", "write_batch"]
 
@@ -31,14 +32,14 @@ def write_batch(sink: ClickHouseSink, batch: Batch) -> list[tuple[str, Mapping[s
         for table, table_rows in out.rows.items():
             rows[table] += table_rows
             owner.update((id(row), run_id) for row in table_rows)
-        for table, columns in out.columns.items():
-            together.add_columns(table, columns)
+        for table, parts in out.columns.items():
+            together.add_columns(table, parts)
     rejected = []
-    for table, columns in together.columns.items():
+    for table, parts in together.columns.items():
         try:
-            sink.write_columns(table, columns)
+            sink.write_columns(table, rank_table(parts))
         except RejectedRows:  # find the rows it cannot take, one by one if need be
-            as_rows = column_rows(columns)
+            as_rows = column_rows(parts)
             rows[table] += as_rows
             owner.update((id(row), row["run_id"]) for row in as_rows)
     for table, table_rows in rows.items():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,7 +35,16 @@ from .records import CompleteReason, RankMatrix, ReducedStep
 from .series import VIEW
 from .signals import RankSeries
 
-__all__ = ["RANK_SCHEMA", "P0View", "clip_disagreement", "detail_rows", "p0_view", "rank_table"]
+__all__ = [
+    "RANK_SCHEMA",
+    "P0View",
+    "RankRows",
+    "clip_disagreement",
+    "detail_rows",
+    "p0_view",
+    "rank_rows",
+    "rank_table",
+]
 
 _TENSOR_FIELD = dict(zip(Tensor.ALL, TENSOR_FIELDS))  # tensor.sum_sq -> sum_sq
 
@@ -143,36 +154,64 @@ RANK_SCHEMA = pa.schema(
 dictionaries, each text once), so the store converts nothing and no value is inferred."""
 
 
-def rank_table(item: ReducedStep, matrix: RankMatrix) -> pa.Table:
-    """The step's per-rank values (``matrix``, as the wire carries them) as ``rank_metrics``
-    rows: one per rank, metric and label set a rank sent, built from the wire's arrays
-    (thousands of values a rank on a scan step; no Python object per value)."""
-    # late: not part of the step's reduction (after its deadline, or a ring-buffer replay)
+@dataclass(frozen=True, slots=True, eq=False)
+class RankRows:
+    """One step's per-rank values bound for ``rank_metrics`` as the wire carried them (a
+    ``RankMatrix``): a store write makes the rows of all it holds into one Arrow table
+    (``rank_table``), so a batch of many small steps pays Arrow's fixed costs once."""
+
+    run_id: str
+    step: int
+    late: int  # 1: not part of the step's reduction (after its deadline, or a replay)
+    matrix: RankMatrix
+
+
+def rank_rows(item: ReducedStep, matrix: RankMatrix) -> RankRows:
+    """``item``'s per-rank values (``matrix``) with what their rows carry besides."""
     late = int(item.complete_reason in (CompleteReason.LATE, CompleteReason.REPLAY))
-    read = series_reads(tuple(matrix.keys))
-    metric, metrics = _dictionary(read.names)
-    label, labels = _dictionary(read.texts)
-    at, col = np.nonzero(matrix.mask)  # row-major: rank after rank, each in key order
-    n = at.size
-    return pa.Table.from_arrays(
-        [
-            pa.DictionaryArray.from_arrays(np.zeros(n, np.int32), [item.run_id]),
-            pa.array(np.full(n, item.step, np.uint64)),
-            pa.array(np.asarray(matrix.ranks, np.uint32)[at]),
-            pa.DictionaryArray.from_arrays(metric[col], metrics),
-            pa.DictionaryArray.from_arrays(label[col], labels),
-            pa.array(matrix.values[at, col]),
-            pa.array(np.full(n, late, np.uint8)),
-        ],
-        schema=RANK_SCHEMA,
-    )
+    return RankRows(item.run_id, item.step, late, matrix)
 
 
-def _dictionary(texts: list[str]) -> tuple[np.ndarray, list[str]]:
-    """Each text's index into the distinct texts, and those (in first-seen order)."""
-    index: dict[str, int] = {}
-    at = np.fromiter((index.setdefault(t, len(index)) for t in texts), np.int32, len(texts))
-    return at, list(index)
+def rank_table(parts: Sequence[RankRows]) -> pa.Table:
+    """The ``rank_metrics`` rows of ``parts``: one per rank, metric and label set a rank
+    sent, built from the wire's arrays (thousands of values a rank on a scan step; no Python
+    object per value), each text once in its column's dictionary."""
+    runs: dict[str, int] = {}
+    metrics: dict[str, int] = {}
+    labels: dict[str, int] = {}
+    cols: dict[str, list[np.ndarray]] = {c: [] for c in RANK_SCHEMA.names}
+    for part in parts:
+        m = part.matrix
+        read = series_reads(tuple(m.keys))
+        metric = _indices(read.names, metrics)
+        label = _indices(read.texts, labels)
+        at, col = np.nonzero(m.mask)  # row-major: rank after rank, each in key order
+        n = at.size
+        cols["run_id"].append(np.full(n, runs.setdefault(part.run_id, len(runs)), np.int32))
+        cols["step"].append(np.full(n, part.step, np.uint64))
+        cols["rank"].append(np.asarray(m.ranks, np.uint32)[at])
+        cols["metric"].append(metric[col])
+        cols["labels"].append(label[col])
+        cols["value"].append(m.values[at, col])
+        cols["late"].append(np.full(n, part.late, np.uint8))
+    arrays = []
+    for field in RANK_SCHEMA:
+        values = np.concatenate(cols[field.name]) if parts else np.zeros(0, np.int32)
+        if pa.types.is_dictionary(field.type):
+            texts = {"run_id": runs, "metric": metrics, "labels": labels}[field.name]
+            arrays.append(
+                pa.DictionaryArray.from_arrays(
+                    values.astype(np.int32), pa.array(list(texts), pa.string())
+                )
+            )
+        else:
+            arrays.append(pa.array(values, field.type))
+    return pa.Table.from_arrays(arrays, schema=RANK_SCHEMA)
+
+
+def _indices(texts: list[str], index: dict[str, int]) -> np.ndarray:
+    """Each text's index in ``index`` (texts it lacks are added, in first-seen order)."""
+    return np.fromiter((index.setdefault(t, len(index)) for t in texts), np.int32, len(texts))
 
 
 def detail_rows(item: ReducedStep) -> dict[str, list[dict[str, Any]]]:

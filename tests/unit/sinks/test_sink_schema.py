@@ -23,8 +23,7 @@ from probewire.sinks.schema import (
 from probewire.stream import derive
 from probewire.stream.records import RankMatrix, ReducedStep
 from probewire.stream.series import STEP_SERIES
-from probewire.stream.stage2 import Stage2Output
-from probewire.stream.view import rank_table
+from probewire.stream.view import rank_rows, rank_table
 
 
 @pytest.fixture()
@@ -96,8 +95,8 @@ def test_look_back_inserts_skip_the_block_merge_and_read_back_the_same(ch_client
 
 
 def test_an_arrow_column_batch_reads_back_bit_for_bit(ch_client, sink) -> None:
-    """The detail path's column batch (``view.rank_table``: Arrow, strings as dictionaries,
-    appended from several steps so each field has several dictionaries) is stored in slices
+    """The detail path's column batch (``view.rank_table`` of two steps: Arrow, strings as
+    dictionaries) is stored in slices
     of ``batch_rows`` and reads back bit for bit, NaN and infinities included, the label
     dictionaries stored as plain strings."""
     rng = np.random.default_rng(3)
@@ -117,20 +116,15 @@ def test_an_arrow_column_batch_reads_back_bit_for_bit(ch_client, sink) -> None:
             reduced={},
             per_rank={},
         )
-        tables.append(rank_table(item, RankMatrix(keys, list(range(r)), values, mask)))
+        tables.append(rank_rows(item, RankMatrix(keys, list(range(r)), values, mask)))
         expected += [
             (step, i, keys[j][0], f"tensor=t{j}", values[i, j].tobytes())
             for i in range(r)
             for j in range(k)
             if mask[i, j]
         ]
-    out = Stage2Output()
-    for table in tables:
-        out.add_columns("rank_metrics_recent", table)
     small = dataclasses.replace(sink, batch_rows=100)
-    assert small.write_columns("rank_metrics_recent", out.columns["rank_metrics_recent"]) == len(
-        expected
-    )
+    assert small.write_columns("rank_metrics_recent", rank_table(tables)) == len(expected)
     got = _rows(
         ch_client,
         f"SELECT step, rank, metric, labels, value FROM {sink.database}.rank_metrics_recent "

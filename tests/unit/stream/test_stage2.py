@@ -15,6 +15,7 @@ from probewire.stream.retention import retained_steps
 from probewire.stream.signals import DetectorConfig
 from probewire.stream.split import wire_parts
 from probewire.stream.stage2 import RunPipeline, Stage2Config, detail_output, p0_view
+from probewire.stream.view import rank_table
 
 
 def with_experts(item, counts: dict[tuple[str, int], float]):
@@ -356,7 +357,7 @@ def test_a_replay_stores_the_detail_of_a_past_step_apart_and_promotes_it():
     (row,) = out.rows["tensor_stats_recent"]
     assert row["step"] == 4 and (row["tensor"], row["kind"]) == ("blocks.0", "fwd")
     assert row["abs_max"] == 2.5 and row["n"] == 16.0 and row["sum"] == 4.0
-    assert set(out.columns["rank_metrics_recent"]["late"].to_pylist()) == {1}
+    assert set(rank_table(out.columns["rank_metrics_recent"])["late"].to_pylist()) == {1}
     recent = (list(out.rows["tensor_stats_recent"]), out.columns["rank_metrics_recent"])
     out.retain_detail()  # kept already: the same rows into the detail tables, in one write
     assert out.rows["tensor_stats"] == out.rows["tensor_stats_recent"] == recent[0]

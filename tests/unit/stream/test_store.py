@@ -4,14 +4,15 @@ row by row, each row it cannot take dead-lettered with its run."""
 
 from __future__ import annotations
 
-import pyarrow as pa
+import numpy as np
 import pytest
 
 from probewire.sinks.clickhouse import ClickHouseSink
 from probewire.stream.batching import Batch
+from probewire.stream.records import RankMatrix
 from probewire.stream.stage2 import Stage2Output
 from probewire.stream.store import write_batch
-from probewire.stream.view import RANK_SCHEMA
+from probewire.stream.view import RankRows
 
 
 class CountingSink(ClickHouseSink):
@@ -40,20 +41,12 @@ def output(run_id: str, steps: range, rank: int = 0) -> Stage2Output:
     out = Stage2Output()
     for step in steps:
         out.rows["step_metrics"].append({"run_id": run_id, "step": step, "tokens": 10 * step})
+        keys = [("a", ()), ("b", (("k", "v"),))]
+        values = np.array([[step + 0.5, np.nan], [np.nan, -1.0]])
+        mask = np.array([[1, 0], [0, 1]], np.uint8)  # rank ``rank`` sent a, rank 1 sent b
         out.add_columns(
             "rank_metrics_recent",
-            pa.Table.from_pydict(
-                {
-                    "run_id": [run_id] * 2,
-                    "step": [step] * 2,
-                    "rank": [rank, 1],
-                    "metric": ["a", "b"],
-                    "labels": ["", "k=v"],
-                    "value": [step + 0.5, -1.0],
-                    "late": [0, 0],
-                },
-                schema=RANK_SCHEMA,
-            ),
+            [RankRows(run_id, step, 0, RankMatrix(keys, [rank, 1], values, mask))],
         )
     return out
 
@@ -98,9 +91,3 @@ def test_a_column_batch_the_store_refuses_is_dead_lettered_row_by_row_with_its_r
     assert ch_client.query(
         f"SELECT run_id, step FROM {sink.database}.step_metrics ORDER BY run_id, step"
     ).result_rows == [("a", 0), ("a", 1), ("b", 5)]
-
-
-def test_a_column_batch_must_keep_its_columns():
-    out = output("a", range(1))
-    with pytest.raises(ValueError, match="rank_metrics_recent: column batch"):
-        out.add_columns("rank_metrics_recent", pa.table({"run_id": ["a"], "step": [1]}))

@@ -12,7 +12,7 @@ from probewire.instrument.catalog import Comm, Grad, Label, Loss, Modality, Resi
 from probewire.instrument.wire import RankStep
 from probewire.stream.records import RankMatrix, ReducedStep
 from probewire.stream.reduce import reduce_step
-from probewire.stream.view import RANK_SCHEMA, p0_view, rank_table
+from probewire.stream.view import RANK_SCHEMA, p0_view, rank_rows, rank_table
 
 RANKS = 6
 SOURCES = ("web", "code")
@@ -239,7 +239,8 @@ def test_rank_table_holds_every_rank_value_with_its_metric_and_labels():
             for (name, labels), value in values.items()
         )
         assert len(expected) == 3 + 3 + 2 + 3
-        for table in (rank_table(step, RankMatrix.of(step.per_rank)), rank_table(step, wire)):
+        for matrix in (RankMatrix.of(step.per_rank), wire):
+            table = rank_table([rank_rows(step, matrix)])
             assert table.schema == RANK_SCHEMA
             columns = table.to_pydict()
             rows = sorted(
