@@ -12,10 +12,9 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 
 from probewire.instrument.catalog import (
     GRAD_GROUPS,
@@ -35,14 +34,17 @@ from .records import CompleteReason, RankMatrix, ReducedStep
 from .series import VIEW
 from .signals import RankSeries
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 __all__ = [
-    "RANK_SCHEMA",
     "P0View",
     "RankRows",
     "clip_disagreement",
     "detail_rows",
     "p0_view",
     "rank_rows",
+    "rank_schema",
     "rank_table",
 ]
 
@@ -139,19 +141,25 @@ def clip_disagreement(item: ReducedStep) -> dict[float, list[int]] | None:
     return ranks if len(ranks) > 1 else None
 
 
-RANK_SCHEMA = pa.schema(
-    [
-        ("run_id", pa.dictionary(pa.int32(), pa.string())),
-        ("step", pa.uint64()),
-        ("rank", pa.uint32()),
-        ("metric", pa.dictionary(pa.int32(), pa.string())),
-        ("labels", pa.dictionary(pa.int32(), pa.string())),
-        ("value", pa.float64()),
-        ("late", pa.uint8()),
-    ]
-)
-"""``rank_metrics`` as a column batch: each column typed as the store's (strings as
-dictionaries, each text once), so the store converts nothing and no value is inferred."""
+@functools.cache
+def rank_schema() -> pa.Schema:
+    """``rank_metrics`` as a column batch: each column typed as the store's (strings as
+    dictionaries, each text once), so the store converts nothing and no value is inferred.
+    (pyarrow is imported here, not with the module: the ranks import this package through
+    the settings and must not pay its import time and memory.)"""
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("run_id", pa.dictionary(pa.int32(), pa.string())),
+            ("step", pa.uint64()),
+            ("rank", pa.uint32()),
+            ("metric", pa.dictionary(pa.int32(), pa.string())),
+            ("labels", pa.dictionary(pa.int32(), pa.string())),
+            ("value", pa.float64()),
+            ("late", pa.uint8()),
+        ]
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -176,10 +184,13 @@ def rank_table(parts: Sequence[RankRows]) -> pa.Table:
     """The ``rank_metrics`` rows of ``parts``: one per rank, metric and label set a rank
     sent, built from the wire's arrays (thousands of values a rank on a scan step; no Python
     object per value), each text once in its column's dictionary."""
+    import pyarrow as pa
+
+    schema = rank_schema()
     runs: dict[str, int] = {}
     metrics: dict[str, int] = {}
     labels: dict[str, int] = {}
-    cols: dict[str, list[np.ndarray]] = {c: [] for c in RANK_SCHEMA.names}
+    cols: dict[str, list[np.ndarray]] = {c: [] for c in schema.names}
     for part in parts:
         m = part.matrix
         read = series_reads(tuple(m.keys))
@@ -195,7 +206,7 @@ def rank_table(parts: Sequence[RankRows]) -> pa.Table:
         cols["value"].append(m.values[at, col])
         cols["late"].append(np.full(n, part.late, np.uint8))
     arrays = []
-    for field in RANK_SCHEMA:
+    for field in schema:
         values = np.concatenate(cols[field.name]) if parts else np.zeros(0, np.int32)
         if pa.types.is_dictionary(field.type):
             texts = {"run_id": runs, "metric": metrics, "labels": labels}[field.name]
@@ -206,7 +217,7 @@ def rank_table(parts: Sequence[RankRows]) -> pa.Table:
             )
         else:
             arrays.append(pa.array(values, field.type))
-    return pa.Table.from_arrays(arrays, schema=RANK_SCHEMA)
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def _indices(texts: list[str], index: dict[str, int]) -> np.ndarray:

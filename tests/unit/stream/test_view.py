@@ -12,7 +12,7 @@ from probewire.instrument.catalog import Comm, Grad, Label, Loss, Modality, Resi
 from probewire.instrument.wire import RankStep
 from probewire.stream.records import RankMatrix, ReducedStep
 from probewire.stream.reduce import reduce_step
-from probewire.stream.view import RANK_SCHEMA, p0_view, rank_rows, rank_table
+from probewire.stream.view import p0_view, rank_rows, rank_schema, rank_table
 
 RANKS = 6
 SOURCES = ("web", "code")
@@ -241,7 +241,7 @@ def test_rank_table_holds_every_rank_value_with_its_metric_and_labels():
         assert len(expected) == 3 + 3 + 2 + 3
         for matrix in (RankMatrix.of(step.per_rank), wire):
             table = rank_table([rank_rows(step, matrix)])
-            assert table.schema == RANK_SCHEMA
+            assert table.schema == rank_schema()
             columns = table.to_pydict()
             rows = sorted(
                 (r, m, lab, repr(v))
