@@ -350,6 +350,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         redirect_stdouts=False,
         logging_config=logging_config(args.log_format, args.loglevel, "worker"),
     )
+    app.probewire_worker.collector.start()  # built: what exists now is frozen (collector)
     try:
         worker.execute_from_commandline()
     except SystemExit as exc:

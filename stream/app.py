@@ -69,7 +69,7 @@ def create_app(
     open_store: Callable[[], ClickHouseSink],
     heartbeat_path: Path,
     before_event: Callable[..., bool] = lambda agent, partition=None: False,
-) -> faust.App:
+) -> _App:
     """The worker's app, from built configs; ``open_store`` opens (and migrates) the store
     in the worker process; ``before_event`` is a fault-injection hook for tests."""
     use_fetch_wait(config.fetch_max_wait_ms)

@@ -9,11 +9,20 @@ from dataclasses import dataclass, field
 from probewire.instrument.plumbing import check, within
 
 from .batching import BatchConfig
+from .collector import CollectorConfig
 from .health import HealthConfig
 from .stage2 import Stage2Config
 from .validate import Bounds
 
-__all__ = ["BatchConfig", "Bounds", "HealthConfig", "ROLES", "Stage2Config", "StreamConfig"]
+__all__ = [
+    "BatchConfig",
+    "Bounds",
+    "CollectorConfig",
+    "HealthConfig",
+    "ROLES",
+    "Stage2Config",
+    "StreamConfig",
+]
 
 # What a worker process runs. ``all``: stage 1, stage 2, the store, dead letters and
 # evaluations (and the detail topic's stage 1 unless ``detail_inline`` is off). ``stage1``:
@@ -53,6 +62,7 @@ class StreamConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     bounds: Bounds = field(default_factory=Bounds)
     health: HealthConfig = field(default_factory=HealthConfig)
+    gc: CollectorConfig = field(default_factory=CollectorConfig)  # see ``collector``
 
     def __post_init__(self) -> None:
         check(bool(self.app_id.strip()), "app_id", "must not be empty")

@@ -32,6 +32,7 @@ from probewire.sinks.retained import load_state, promote
 from .alerting import AlertmanagerWebhook
 from .assemble import BlockDone, StepAssembler
 from .batching import Batch, StoreBatch
+from .collector import IdleCollector
 from .config import StreamConfig
 from .fanin import MergeAssembler, decode_block, encode_block
 from .gaps import GapReader, GapWatch
@@ -121,6 +122,7 @@ class Worker:
         self.healthy = True  # the last heartbeat's verdict
         self.lag: dict[tuple[str, int], int] = {}  # per partition, as of the last tick
         self.metrics = WorkerMetrics(self.metrics_snapshot)
+        self.collector = IdleCollector(config.gc)  # the process's full collections, once started
 
     async def _in_writer(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
@@ -232,9 +234,12 @@ class Worker:
         self.read_offsets[(message.topic, message.partition)] = message.offset + 1
 
     async def tick(self) -> None:
-        """Once a second: steps past their deadline, idle runs, gap skips, the heartbeat."""
+        """Once a second: a full garbage collection if due (``collector``: first, while the
+        step tier may still be idle), steps past their deadline, idle runs, gap skips, the
+        heartbeat."""
         if self.publisher is None:
             return
+        self.collector.run(busy=self._paging_busy())
         now = time.monotonic()
         for reduced in self.assembler.expire(now) + self.detail_assembler.expire(now):
             await self.publish_step(reduced)
