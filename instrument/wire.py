@@ -478,15 +478,14 @@ def decode_rank_step(key: bytes | None, payload: bytes | None) -> RankStep:
 
 def _decode(key: bytes | None, buf: bytes) -> RankStep:
     sender = _sender(buf)
-    seen = _SENDERS.heard(sender) if sender is not None else None
-    if isinstance(seen, _Layout):
-        record = seen.read(key, buf)
+    if sender is not None and (layout := _SENDERS.heard(sender, len(buf))) is not None:
+        record = layout.read(key, buf)
         if record is not None:
-            _SENDERS.used(sender)  # type: ignore[arg-type]
+            _SENDERS.used(sender, len(buf))
             return record
     record = _decode_fields(key, buf)
     if sender is not None:
-        _SENDERS.note(sender, seen, buf, record)
+        _SENDERS.note(sender, buf, record)
     return record
 
 
@@ -999,59 +998,81 @@ def _data_points(buf: bytes) -> Iterator[tuple[str, int, int]]:
 
 
 class _Senders:
-    """Per sender (``_sender``) the layout of its messages, or the length of its last
-    message while it has none.
+    """Per sender (``_sender``) the layouts of its messages, by length: a rank's step tier
+    is laid out one way at its P0 steps and another at its scan steps (their tensors'
+    moment sums ride along), and with one layout per sender every scan step let the P0
+    layout go, so the P0 step after it was read field by field, and the one after that
+    too (a layout is learned from a second message of one length): stage 1 took 3-3.5x
+    its decoding CPU for them in ``benchmarks/fanin.py``. At most ``per_sender`` lengths
+    each, the one heard least recently let go first; a length heard once has no layout
+    yet, the next message of that length teaches it.
 
-    Bounded: layouts of at most ``max_bytes`` message bytes (a layout holds ~4× its
+    Bounded: layouts of at most ``max_bytes`` message bytes (a layout holds ~4x its
     message). When a new one would not fit, the layouts not used since the last such sweep
     are let go, at most once per as many messages as there are senders (each live sender
-    was heard from in between); if it still does not fit, that sender's messages are read
-    field by field. More than ``max_senders`` senders: all are let go."""
+    was heard from in between); if it still does not fit, it is not learned and messages
+    of that length are read field by field. More than ``max_senders`` senders: all are
+    let go."""
 
-    def __init__(self, max_senders: int, max_bytes: int) -> None:
-        self.max_senders, self.max_bytes = max_senders, max_bytes
-        self._seen: dict[bytes, _Layout | int] = {}
+    def __init__(self, max_senders: int, max_bytes: int, per_sender: int = 4) -> None:
+        self.max_senders, self.max_bytes, self.per_sender = max_senders, max_bytes, per_sender
+        # sender -> message length -> its layout (None: heard once, or did not fit);
+        # the lengths in the order they were last heard
+        self._seen: dict[bytes, dict[int, _Layout | None]] = {}
         self._bytes = 0  # of the messages of the layouts held
         self._used: set[bytes] = set()  # senders whose layout read a message since the sweep
         self._messages = self._swept_at = 0
 
-    def heard(self, sender: bytes) -> _Layout | int | None:
-        """A message from ``sender``: its layout, or the length of its last message."""
+    def heard(self, sender: bytes, size: int) -> _Layout | None:
+        """A message of ``size`` bytes from ``sender``: the layout of that length, if any."""
         self._messages += 1
-        return self._seen.get(sender)
+        lengths = self._seen.get(sender)
+        return None if lengths is None else lengths.get(size)
 
-    def used(self, sender: bytes) -> None:
+    def used(self, sender: bytes, size: int) -> None:
+        """The layout of ``size`` read the sender's message: heard most recently now."""
         self._used.add(sender)
+        lengths = self._seen[sender]
+        lengths[size] = lengths.pop(size)
 
-    def note(self, sender: bytes, seen: _Layout | int | None, buf: bytes, record: RankStep) -> None:
-        """After ``buf`` was read field by field: the sender's layout is learned from its
-        second message in a row of one length, where it fits."""
-        if isinstance(seen, _Layout):
-            self._bytes -= seen.size
-            seen = self._seen[sender] = seen.size
-        elif seen is None and len(self._seen) >= self.max_senders:
-            self._seen.clear()
-            self._used.clear()
-            self._bytes = 0
-        layout = None
-        if seen == len(buf):
-            if self._bytes + len(buf) > self.max_bytes:
+    def note(self, sender: bytes, buf: bytes, record: RankStep) -> None:
+        """After ``buf`` was read field by field (no layout of its length read it): the
+        layout of its length is learned from it if that length was heard before (a layout
+        that failed is learned again), where it fits."""
+        lengths = self._seen.get(sender)
+        if lengths is None:
+            if len(self._seen) >= self.max_senders:
+                self._seen.clear()
+                self._used.clear()
+                self._bytes = 0
+            lengths = self._seen[sender] = {}
+        size, layout = len(buf), None
+        if size in lengths:
+            if (old := lengths.pop(size)) is not None:
+                self._bytes -= old.size
+            if self._bytes + size > self.max_bytes:
                 self._sweep()
-            if self._bytes + len(buf) <= self.max_bytes:
+            if self._bytes + size <= self.max_bytes:
                 layout = _Layout.learn(buf, record)
-        self._seen[sender] = layout or len(buf)
+        lengths[size] = layout
         if layout:
             self._bytes += layout.size
             self._used.add(sender)  # new: kept through the next sweep
+        while len(lengths) > self.per_sender:
+            if (dropped := lengths.pop(next(iter(lengths)))) is not None:
+                self._bytes -= dropped.size
 
     def _sweep(self) -> None:
         if self._messages - self._swept_at < len(self._seen):
             return
         self._swept_at = self._messages
-        for sender, entry in self._seen.items():
-            if isinstance(entry, _Layout) and sender not in self._used:
-                self._seen[sender] = entry.size
-                self._bytes -= entry.size
+        for sender, lengths in self._seen.items():
+            if sender in self._used:
+                continue
+            for size, layout in lengths.items():
+                if layout is not None:
+                    lengths[size] = None
+                    self._bytes -= layout.size
         self._used.clear()
 
 

@@ -431,10 +431,52 @@ def test_a_damaged_message_of_a_learned_layout_reads_as_field_by_field(seed):
 
 
 def _check_counts(senders) -> list:
-    layouts = [x for x in senders._seen.values() if isinstance(x, wire._Layout)]
+    layouts = [x for lengths in senders._seen.values() for x in lengths.values() if x]
     assert senders._bytes == sum(x.size for x in layouts) <= senders.max_bytes
     assert len(senders._seen) <= senders.max_senders
+    assert all(len(lengths) <= senders.per_sender for lengths in senders._seen.values())
+    assert all(
+        x.size == size for lengths in senders._seen.values() for size, x in lengths.items() if x
+    )
     return layouts
+
+
+def test_a_sender_s_p0_and_scan_step_layouts_are_both_kept(monkeypatch):
+    """A rank's step tier is laid out one way at P0 steps and another at scan steps (their
+    tensors' moment sums ride along): once each length was heard twice, every message of
+    either reads through its layout, however they alternate; a fifth length lets the
+    least recently heard go (``per_sender`` 4). Every message reads as field by field."""
+    senders = wire._Senders(max_senders=8, max_bytes=1 << 20)
+    monkeypatch.setattr(wire, "_SENDERS", senders)
+    fields, read_fields = [], wire._decode_fields
+    monkeypatch.setattr(wire, "_decode_fields", lambda *a: fields.append(a[1]) or read_fields(*a))
+    encoder = WireEncoder(
+        RankIdentity(
+            run_id="tiers", rank=3, world_size=8, host="h", coords={"dp": 3}
+        ).resource_attributes()
+    )
+    names = [n for n in sorted(CATALOG) if not CATALOG[n].labels]
+    tiers = {"p0": names[:6], "scan": names[:12]} | {f"other{k}": names[: 13 + k] for k in range(3)}
+
+    def hear(step: int, tier: str) -> bool:
+        """Whether the message was read field by field."""
+        payload = encoder.encode(
+            step, [Point(n, step * 0.5 + i) for i, n in enumerate(tiers[tier])]
+        )
+        before = len(fields)
+        assert same_outcome(*decode_both(message_key("tiers", step), payload))
+        _check_counts(senders)
+        return len(fields) > before + 1  # decode_both reads it field by field once itself
+
+    pattern = ["p0", "p0", "scan", "p0", "p0", "p0", "scan", "p0", "scan", "scan", "p0"]
+    whole = [hear(200 + i, tier) for i, tier in enumerate(pattern)]
+    # each length's first two messages teach its layout; after that, none is read whole
+    assert whole == [True, True, True, False, False, False, True, False, False, False, False]
+    for k in range(3):  # three more lengths: p0, heard least recently of the four, goes
+        hear(300 + k, f"other{k}")
+        hear(310 + k, f"other{k}")
+        hear(320, "scan")
+    assert hear(330, "p0") and not hear(331, "scan")
 
 
 def test_the_learned_layouts_stay_within_their_bounds(monkeypatch):
