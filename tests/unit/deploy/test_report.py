@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 
 import numpy as np
 import pytest
@@ -25,9 +26,8 @@ from probewire.sinks import ClickHouseSink
 RUN, OTHER = "report-run", "report-other"
 
 
-@pytest.fixture()
-def store(ch_client, ch_database):
-    sink = ClickHouseSink(ch_client, ch_database)
+def _write_runs(client, database: str) -> None:
+    sink = ClickHouseSink(client, database)
     sink.migrate()
     write_simulated_run(
         sink, simulated_run(RUN, steps=150, faults=(LayerExplosion(layer=2, step=130, scale=50.0),))
@@ -35,6 +35,21 @@ def store(ch_client, ch_database):
     write_simulated_run(
         sink, simulated_run(OTHER, steps=100, seed=1, sources=(("web", 0.5), ("code", 0.5)))
     )
+
+
+@pytest.fixture(scope="module")
+def store(ch_client):
+    """The two runs, written once for the tests that only read them (~2 s a store)."""
+    database = f"pw_test_{uuid.uuid4().hex[:10]}"
+    _write_runs(ch_client, database)
+    yield ch_client, database
+    ch_client.command(f"DROP DATABASE IF EXISTS {database}")
+
+
+@pytest.fixture()
+def own_store(ch_client, ch_database):
+    """The same in a database of the test's own, for a test that changes it."""
+    _write_runs(ch_client, ch_database)
     return ch_client, ch_database
 
 
@@ -179,8 +194,8 @@ def test_the_html_page_is_self_contained_and_overlays_both_runs(store, tmp_path)
     assert "nats/token</td>" in html  # anomaly values of losses carry their unit
 
 
-def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None:
-    client, db = store
+def test_learning_rate_and_config_panels_read_the_store(own_store, tmp_path) -> None:
+    client, db = own_store
     client.command(
         f"ALTER TABLE {db}.step_metrics UPDATE lr = 1e-3 * (1 + step) WHERE 1",
         settings={"mutations_sync": 2},
@@ -200,10 +215,10 @@ def test_learning_rate_and_config_panels_read_the_store(store, tmp_path) -> None
     assert "<td>seed</td><td></td><td>0</td><td>0</td>" in config
 
 
-def test_a_constant_learning_rate_reads_as_its_value_on_an_axis_from_0(store, tmp_path) -> None:
+def test_a_constant_learning_rate_reads_as_its_value_on_an_axis_from_0(own_store, tmp_path) -> None:
     """The demo's constant lr 0.003: an axis from 0 to above 0.003 (never -1..1 around a
     flat line, where it reads as 0), never smoothed, its unit the registry's."""
-    client, db = store
+    client, db = own_store
     client.command(
         f"ALTER TABLE {db}.step_metrics UPDATE lr = 0.003 WHERE 1", settings={"mutations_sync": 2}
     )
@@ -215,10 +230,10 @@ def test_a_constant_learning_rate_reads_as_its_value_on_an_axis_from_0(store, tm
     assert {t["meta"]["role"] for t in chart["data"]} == {"raw"}  # no smoothed twin
 
 
-def test_user_metrics_are_drawn_as_charts_with_their_stored_values(store, tmp_path) -> None:
+def test_user_metrics_are_drawn_as_charts_with_their_stored_values(own_store, tmp_path) -> None:
     """Each user metric is one chart (every run that logged it overlaid) whose y values are
     the stored ones at their steps, NaN a gap; the declared reduction is in its title."""
-    client, db = store
+    client, db = own_store
     steps = list(range(0, 150, 10))
     acc = [0.1 + 0.005 * s for s in steps]
     acc[3] = float("nan")
@@ -329,9 +344,9 @@ def test_explain_printed_into_a_pipe_keeps_every_cell_whole(
 
 
 def test_runs_lists_one_row_per_run_and_wide_rows_read_vertically(
-    store, store_url, monkeypatch, capsys
+    own_store, store_url, monkeypatch, capsys
 ) -> None:
-    client, database = store
+    client, database = own_store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
     sink = ClickHouseSink(client, database)
     for status in ("running", "finished"):  # two versions of one run's row, not merged yet
@@ -384,9 +399,9 @@ def test_dollar_signs_in_a_run_and_its_sources_are_text_not_markup(
     assert labels == {"a$b (50% of tokens)", "$\\frac{$ (50% of tokens)"}
 
 
-def test_runs_lists_each_runs_user_metrics(store, store_url, monkeypatch, capsys) -> None:
+def test_runs_lists_each_runs_user_metrics(own_store, store_url, monkeypatch, capsys) -> None:
     """``probewire runs`` names a run's user metrics: the first four, then how many more."""
-    client, database = store
+    client, database = own_store
     monkeypatch.setenv("PROBEWIRE_CLICKHOUSE__DATABASE", database)
     ClickHouseSink(client, database).write(
         "user_metrics",
