@@ -1,23 +1,18 @@
-"""The worker's full garbage collections (``stream.collector``): when they are due, what
-``start`` does to the process (in a subprocess: it changes the interpreter's collector),
-and a worker's tick collecting only while its step tier is idle."""
+"""The worker's full garbage collections (``stream.collector``): when they are due, and
+what ``start`` does to the process (in a subprocess: it changes the interpreter's
+collector). A worker's tick collecting only while its step tier is idle:
+``test_worker_acks``."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-from probewire.instrument.catalog import Loss
-from probewire.instrument.plumbing import ConfigError, TopicConfig
-from probewire.instrument.wire import Point, RankIdentity, WireEncoder, message_key
+from probewire.instrument.plumbing import ConfigError
 from probewire.stream.collector import CollectorConfig, IdleCollector
-from probewire.stream.config import StreamConfig
-from probewire.stream.worker import Worker
 
 
 class _Clock:
@@ -93,52 +88,3 @@ def test_start_freezes_the_process_and_leaves_its_cycles_to_the_collector() -> N
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.split() == ["True", "True", "0", "True", "1", "True"]
-
-
-class _Publisher:
-    async def send(self, topic: str, key: bytes, value: bytes) -> None:
-        pass
-
-
-def test_a_worker_collects_on_its_tick_only_while_no_step_is_in_hand(tmp_path: Path) -> None:
-    async def main() -> list[str]:
-        worker = Worker(
-            StreamConfig(),
-            TopicConfig(),
-            _Publisher,
-            lambda: None,  # type: ignore[arg-type, return-value]
-            tmp_path / "hb",
-        )
-        worker.publisher = _Publisher()  # type: ignore[assignment]
-        worker.publishing.set()
-        seen: list[str] = []
-        collector = worker.collector
-        collector.collect = lambda: seen.append("collected")
-        # started 30 s ago: due when idle (every_s 10), not yet forced (max_s 60)
-        collector.started, collector.last = True, collector.clock() - 30
-        who = RankIdentity(run_id="r", rank=0, world_size=2, host="h", coords={"dp": 0})
-        value = WireEncoder(who.resource_attributes()).encode(
-            0, [Point(Loss.SUM, 3.0), Point(Loss.TOKENS, 1.0)]
-        )
-        event = _Event(message_key("r", 0), value)
-        await worker._gather(event)  # rank 0 of 2: step 0 gathering
-        await worker.tick()
-        seen.append("tick while gathering")
-        worker.assembler.drop_pending()
-        worker._tier_seen = 0.0  # and its last input long ago
-        await worker.tick()
-        return seen
-
-    assert asyncio.run(main()) == ["tick while gathering", "collected"]
-
-
-class _Message:
-    topic, partition, offset = "otlp_metrics", 0, 1
-
-
-class _Event:
-    def __init__(self, key: bytes, value: bytes) -> None:
-        self.key, self.value, self.message = key, value, _Message()
-
-    def ack(self) -> None:
-        pass

@@ -1,8 +1,9 @@
 """When stage 1 acknowledges a rank message (``Worker._gather``): a re-read of a message
 whose step is still gathering (the same offset, delivered again after a rebalance seeks
 back to the committed offset) is acknowledged with that step, never before it, so no
-commit passes a rank message whose step is not yet published. Real decoding, validation
-and assembly; the broker is a recording stand-in (nothing connects)."""
+commit passes a rank message whose step is not yet published. And what a gathering step
+means to the worker's tick: no full garbage collection meanwhile (``collector``). Real
+decoding, validation and assembly; the broker is a recording stand-in (nothing connects)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ class _Publisher:
         self.sent.append(key)
 
 
+def _worker(tmp_path: Path) -> Worker:
+    """A worker whose publisher records what it is sent, ready to gather."""
+    worker = Worker(
+        StreamConfig(),
+        TopicConfig(),
+        _Publisher,
+        lambda: None,  # type: ignore[arg-type, return-value]
+        tmp_path / "hb",
+    )
+    worker.publisher = _Publisher()  # type: ignore[assignment]
+    worker.publishing.set()
+    return worker
+
+
 def _event(rank: int, offset: int, step: int = 0) -> _Event:
     who = RankIdentity(run_id="r", rank=rank, world_size=2, host="h", coords={"dp": rank})
     points = [Point(Loss.SUM, 3.0), Point(Loss.TOKENS, 1.0)]
@@ -54,15 +69,8 @@ def test_a_re_read_message_of_a_gathering_step_is_acknowledged_with_the_step(
     tmp_path: Path,
 ) -> None:
     async def main() -> tuple[_Event, _Event, _Event, _Publisher]:
-        worker = Worker(
-            StreamConfig(),
-            TopicConfig(),
-            _Publisher,
-            lambda: None,  # type: ignore[arg-type, return-value]
-            tmp_path / "hb",
-        )
-        publisher = worker.publisher = _Publisher()  # type: ignore[assignment]
-        worker.publishing.set()
+        worker = _worker(tmp_path)
+        publisher = worker.publisher
         first, again, other = _event(0, 5), _event(0, 5), _event(1, 6)
         await worker._gather(first)
         await worker._gather(again)  # rank 0's message read again: step 0 still gathers
@@ -78,15 +86,7 @@ def test_a_re_read_message_of_a_gathering_step_is_acknowledged_with_the_step(
 
 def test_a_re_read_message_of_a_published_step_is_acknowledged_at_once(tmp_path: Path) -> None:
     async def main() -> _Event:
-        worker = Worker(
-            StreamConfig(),
-            TopicConfig(),
-            _Publisher,
-            lambda: None,  # type: ignore[arg-type, return-value]
-            tmp_path / "hb",
-        )
-        worker.publisher = _Publisher()  # type: ignore[assignment]
-        worker.publishing.set()
+        worker = _worker(tmp_path)
         await worker._gather(_event(0, 5))
         await worker._gather(_event(1, 6))
         await asyncio.gather(*worker._unconfirmed)
@@ -95,3 +95,22 @@ def test_a_re_read_message_of_a_published_step_is_acknowledged_at_once(tmp_path:
         return late_copy
 
     assert asyncio.run(main()).acked == [6]
+
+
+def test_a_worker_collects_on_its_tick_only_while_no_step_is_in_hand(tmp_path: Path) -> None:
+    async def main() -> list[str]:
+        worker = _worker(tmp_path)
+        seen: list[str] = []
+        collector = worker.collector
+        collector.collect = lambda: seen.append("collected")
+        # started 30 s ago: due when idle (every_s 10), not yet forced (max_s 60)
+        collector.started, collector.last = True, collector.clock() - 30
+        await worker._gather(_event(0, 5))  # rank 0 of 2: step 0 gathering
+        await worker.tick()
+        seen.append("tick while gathering")
+        worker.assembler.drop_pending()
+        worker._tier_seen = 0.0  # and its last input long ago
+        await worker.tick()
+        return seen
+
+    assert asyncio.run(main()) == ["tick while gathering", "collected"]
