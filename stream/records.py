@@ -93,9 +93,8 @@ class _Layout:
     """Where a step's reduced series and its ranks' series go among its sorted keys."""
 
     size: int
-    index: dict[SeriesKey, int]
     reduced: np.ndarray  # column of each reduced series, in the step's order
-    series: np.ndarray  # column of each series of a rank, in the ranks' shared order
+    series: np.ndarray  # column of each series of the ranks (``RankMatrix.keys``), in order
     keys_json: bytes  # ',"keys":[...]}': the header's end
 
 
@@ -108,7 +107,6 @@ def _layout(reduced: tuple[SeriesKey, ...], series: tuple[SeriesKey, ...]) -> _L
     texts = json.dumps([_encode_key(k) for k in keys], separators=(",", ":"))
     return _Layout(
         len(keys),
-        index,
         np.array([index[k] for k in reduced], np.intp),
         np.array([index[k] for k in series], np.intp),
         f',"keys":{texts}}}'.encode(),
@@ -136,31 +134,13 @@ class ReducedStep:
         Layout: u32 header length, header JSON, reduced values [K], their presence [K]
         (uint8), per-rank values [R, K], their presence [R, K]. NaN and ±Inf survive as is.
         """
-        per_rank = self.per_rank
-        ranks = sorted(per_rank)
-        series = tuple(per_rank[ranks[0]]) if ranks else ()
-        if all(tuple(per_rank[r]) == series for r in ranks):  # the usual step
-            layout = _layout(tuple(self.reduced), series)
-            values = np.full((len(ranks), layout.size), np.nan)
-            mask = np.zeros((len(ranks), layout.size), np.uint8)
-            values[:, layout.series] = np.fromiter(
-                chain.from_iterable(per_rank[r].values() for r in ranks),
-                np.float64,
-                len(ranks) * len(series),
-            ).reshape(len(ranks), len(series))
-            mask[:, layout.series] = 1
-        else:
-            layout = _layout(
-                tuple(self.reduced),
-                tuple(sorted(set().union(*(v.keys() for v in per_rank.values())))),
-            )
-            index = layout.index
-            values = np.full((len(ranks), layout.size), np.nan)
-            mask = np.zeros((len(ranks), layout.size), np.uint8)
-            for i, rank in enumerate(ranks):
-                cols = [index[k] for k in per_rank[rank]]
-                values[i, cols] = list(per_rank[rank].values())
-                mask[i, cols] = 1
+        ranks = sorted(self.per_rank)
+        matrix = RankMatrix.of({r: self.per_rank[r] for r in ranks})
+        layout = _layout(tuple(self.reduced), tuple(matrix.keys))
+        values = np.full((len(ranks), layout.size), np.nan)
+        mask = np.zeros((len(ranks), layout.size), np.uint8)
+        values[:, layout.series] = matrix.values
+        mask[:, layout.series] = matrix.mask
         reduced = np.full(layout.size, np.nan)
         reduced_mask = np.zeros(layout.size, np.uint8)
         reduced[layout.reduced] = np.fromiter(self.reduced.values(), np.float64, len(self.reduced))
